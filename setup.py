@@ -1,0 +1,29 @@
+"""Install libai_lite.
+
+torch is pinned to the exact release the project is tested with; on these machines
+pip resolves it from a local CPU wheel, and pinning keeps any other dependency from
+pulling a different torch (or CUDA packages) in.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="libai_lite",
+    version="0.1.0",
+    description="LiBai-style lazy-config toolbox for GPT and T5 pretraining on torch.distributed",
+    python_requires=">=3.10",
+    packages=find_packages(include=["libai_lite", "libai_lite.*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "numpy>=1.24",
+        "omegaconf>=2.3,<2.4",
+        "hydra-core>=1.3,<1.4",
+        "sentencepiece>=0.2",
+        "tokenizers>=0.15",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.40"],
+    },
+)
