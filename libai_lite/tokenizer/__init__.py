@@ -1,0 +1,16 @@
+"""Tokenizers: GPT-2 byte-level BPE, BERT WordPiece, SentencePiece (Megatron and T5 conventions)."""
+from .base import BaseTokenizer, pad_vocab_size
+from .bert import BertTokenizer
+from .build import TOKENIZER_TYPES, build_tokenizer
+from .gpt2 import GPT2Tokenizer
+from .sentencepiece_tokenizer import SentencePieceTokenizer
+
+__all__ = [
+    "BaseTokenizer",
+    "BertTokenizer",
+    "GPT2Tokenizer",
+    "SentencePieceTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "pad_vocab_size",
+]

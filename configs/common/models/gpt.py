@@ -1,0 +1,22 @@
+"""GPT-2 model settings (117M by default); projects change `model.cfg` keys, never the code."""
+from libai_lite.config import LazyCall
+from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+cfg = dict(
+    hidden_layers=12,
+    # Replaced at startup by the tokenizer's size padded to make_vocab_size_divisible_by x tp.
+    vocab_size=50304,
+    hidden_size=768,
+    ffn_hidden_size=3072,
+    num_attention_heads=12,
+    max_seq_length=1024,
+    embedding_dropout_prob=0.1,
+    attention_dropout_prob=0.1,
+    output_dropout_prob=0.1,
+    layernorm_epsilon=1e-5,
+    initializer_range=0.02,
+    use_scaled_init_for_output_weights=True,
+    activation="gelu_tanh",
+)
+
+pretrain_model = LazyCall(GPTForPreTraining)(cfg=cfg)

@@ -1,0 +1,45 @@
+"""Training settings shared by every project (LiBai's key names)."""
+from libai_lite.config import LazyCall
+from libai_lite.evaluation import PPLEvaluator
+from libai_lite.scheduler import WarmupCosineLR
+
+train = dict(
+    output_dir="./output",
+    # Batch sizes: global = micro x data_parallel_size x num_accumulation_steps; any two
+    # determine the third (leave it null), inconsistent values are an error.
+    train_micro_batch_size=8,
+    global_batch_size=None,
+    num_accumulation_steps=None,
+    test_micro_batch_size=8,
+    # Length of training: train_iter iterations, or at least train_epoch epochs of the train split.
+    train_iter=10000,
+    train_epoch=0,
+    warmup_ratio=0.01,
+    log_period=20,
+    seed=1234,
+    # A checkpoint directory to load weights from (not optimizer or data position); "" for none.
+    load_weight="",
+    checkpointer=dict(period=1000, max_to_keep=3),
+    evaluation=dict(
+        enabled=True,
+        evaluator=LazyCall(PPLEvaluator)(),
+        eval_period=1000,
+        eval_iter=20,
+        eval_metric="PPL",
+        eval_mode="min",
+    ),
+    scheduler=LazyCall(WarmupCosineLR)(warmup_factor=0.001, alpha=0.1, warmup_method="linear"),
+    # Mixed precision: dtype "bf16", or "fp16" with dynamic loss scaling.
+    amp=dict(enabled=False, dtype="bf16", initial_scale=65536.0, growth_interval=1000),
+    activation_checkpoint=dict(enabled=False),
+    zero_optimization=dict(enabled=False, stage=1),
+    dist=dict(
+        data_parallel_size=None,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        pipeline_num_layers=None,
+        custom_pipeline_stage_id=None,
+        # Seconds a collective may wait before the run fails instead of hanging.
+        timeout=600,
+    ),
+)

@@ -1,0 +1,243 @@
+"""Checkpoints through `torch.distributed.checkpoint` that are either complete or absent.
+
+A checkpoint is a directory `model_XXXXXXX/` holding
+  - DCP files (`.metadata`, `*.distcp`) with the model and optimizer state keyed by parameter
+    name, so a later run can load them under another parallel layout;
+  - `trainer_state.json`: iteration, consumed samples, scheduler and loss-scaler state;
+  - `rng_state_{rank}.pt`: each rank's RNG states (tensors and ints only, loaded with weights_only).
+It is written under `model_XXXXXXX.tmp/` and renamed when every rank has finished; only then is
+`last_checkpoint` (a one-line text file) replaced. Nothing here unpickles arbitrary objects.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from ..utils.distributed import barrier, broadcast_object, get_rank
+from ..utils.errors import UsageError
+
+logger = logging.getLogger("libai_lite")
+
+LAST_CHECKPOINT = "last_checkpoint"
+TRAINER_STATE = "trainer_state.json"
+_PERIODIC = re.compile(r"^model_(\d{7})$")
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    """This rank's RNG states in a form `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory is usable when its DCP metadata and trainer state are both there."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, TRAINER_STATE))
+
+
+class Checkpointer:
+    """Saves and loads model, optimizer and trainer state under `save_dir`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, save_dir: str = "", max_to_keep: int | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.save_dir = save_dir
+        self.max_to_keep = max_to_keep
+
+    # ---------------------------------------------------------------- saving
+    def save(self, name: str, trainer_state: dict) -> str:
+        """Write checkpoint `name` with the given trainer state; returns its final path."""
+        final = os.path.join(self.save_dir, name)
+        tmp = final + ".tmp"
+        rank = get_rank()
+        if rank == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        barrier()
+        ok = True
+        error = ""
+        try:
+            model_sd, optim_sd = self._state_dicts()
+            state = {"model": model_sd}
+            if optim_sd is not None:
+                state["optim"] = optim_sd
+            dcp.save(state, checkpoint_id=tmp)
+            torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
+            if rank == 0:
+                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
+        except OSError as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+        oks = [ok]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            oks = [None] * dist.get_world_size()
+            dist.all_gather_object(oks, ok)
+        if not all(oks):
+            if rank == 0 and os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            previous = self.last_checkpoint()
+            raise UsageError(
+                f"saving checkpoint {final} failed ({error or 'on another rank'}); the partial files were removed "
+                f"and {('the previous checkpoint ' + previous + ' is kept') if previous else 'no earlier checkpoint exists'}"
+                f": free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
+            )
+        if rank == 0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_text_atomic(os.path.join(self.save_dir, LAST_CHECKPOINT), name)
+            self._prune(keep=name)
+        barrier()
+        return final
+
+    def _state_dicts(self):
+        if self.optimizer is None:
+            return get_model_state_dict(self.model), None
+        return get_state_dict(self.model, self.optimizer)
+
+    def _prune(self, keep: str) -> None:
+        if not self.max_to_keep or self.max_to_keep <= 0:
+            return
+        periodic = sorted(
+            d for d in os.listdir(self.save_dir)
+            if _PERIODIC.match(d) and is_complete(os.path.join(self.save_dir, d))
+        )
+        # The checkpoint just written is never deleted, whatever max_to_keep says.
+        doomed = [d for d in periodic[: max(len(periodic) - self.max_to_keep, 0)] if d != keep]
+        for d in doomed:
+            shutil.rmtree(os.path.join(self.save_dir, d), ignore_errors=True)
+            logger.info(f"Removed old checkpoint {d} (train.checkpointer.max_to_keep={self.max_to_keep})")
+
+    # --------------------------------------------------------------- loading
+    def last_checkpoint(self) -> str | None:
+        """Path of the checkpoint named in `last_checkpoint`, or None."""
+        marker = os.path.join(self.save_dir, LAST_CHECKPOINT)
+        if not os.path.isfile(marker):
+            return None
+        with open(marker) as f:
+            name = f.read().strip()
+        return os.path.join(self.save_dir, name) if name else None
+
+    def remove_partial(self) -> None:
+        """Delete `*.tmp` checkpoint directories left by a run killed while saving (rank 0 only)."""
+        if get_rank() != 0 or not os.path.isdir(self.save_dir):
+            return
+        for d in sorted(os.listdir(self.save_dir)):
+            path = os.path.join(self.save_dir, d)
+            if d.endswith(".tmp") and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+                logger.warning(f"Removed partial checkpoint {path} left by an interrupted save")
+
+    def check_shapes(self, path: str) -> None:
+        """Refuse a checkpoint whose parameter names or shapes differ from this model's."""
+        reader = dcp.FileSystemReader(path)
+        try:
+            meta = reader.read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
+            raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
+        ours = get_model_state_dict(self.model)
+        for key, tensor in ours.items():
+            stored = meta.get(f"model.{key}")
+            if stored is None:
+                raise UsageError(
+                    f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
+                    f"check train.load_weight and model.cfg"
+                )
+            shape = tuple(getattr(stored, "size", ()))
+            full = tuple(tensor.shape) if not hasattr(tensor, "full_tensor") else tuple(tensor.size())
+            if shape != full:
+                raise UsageError(
+                    f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
+                    f"the checkpoint is of another model shape; make model.cfg match it"
+                )
+
+    def load(self, path: str, weights_only: bool = False) -> dict:
+        """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
+            raise UsageError(
+                f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
+                f"model_XXXXXXX directory, or remove it to start fresh"
+            )
+        self.check_shapes(path)
+        opts = StateDictOptions(strict=True)
+        if weights_only or self.optimizer is None:
+            model_sd = get_model_state_dict(self.model)
+            state = {"model": model_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"], options=opts)
+            return {}
+        state_path = os.path.join(path, TRAINER_STATE)
+        if not os.path.isfile(state_path):
+            raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; remove it to resume from an earlier one")
+        with open(state_path) as f:
+            trainer_state = json.load(f)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+        rng_path = os.path.join(path, f"rng_state_{get_rank()}.pt")
+        if os.path.isfile(rng_path):
+            set_rng_state(torch.load(rng_path, weights_only=True))
+        else:
+            logger.warning(f"{rng_path} not found (the checkpoint was saved with fewer ranks): RNG streams start fresh")
+        return trainer_state
+
+
+def resolve_resume(save_dir: str) -> str | None:
+    """The checkpoint `--resume` should continue from, agreed by all ranks (None: start fresh)."""
+    path = None
+    if get_rank() == 0:
+        marker = os.path.join(save_dir, LAST_CHECKPOINT)
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                name = f.read().strip()
+            path = os.path.join(save_dir, name)
+            if not is_complete(path):
+                raise UsageError(
+                    f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; "
+                    f"point {LAST_CHECKPOINT} at an earlier model_XXXXXXX directory or start without --resume"
+                )
+    return broadcast_object(path)

@@ -1,0 +1,434 @@
+"""`default_setup` and `DefaultTrainer`: from a resolved config to a running training job."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf, open_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import Checkpointer, resolve_resume
+from ..config import LazyConfig, instantiate, try_get_key
+from ..evaluation import inference_on_dataset
+from ..tokenizer import pad_vocab_size
+from ..utils.distributed import get_dist, setup_dist
+from ..utils.errors import UsageError
+from ..utils.flops import device_peak_flops
+from ..utils.logger import attach_log_file, setup_logger
+from . import hooks
+from .trainer import EagerTrainer
+
+logger = logging.getLogger("libai_lite")
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def instantiate_with(node, **kwargs):
+    """Instantiate a LazyCall node with some arguments supplied at run time (objects a config can't hold).
+
+    The node stays attached to its config, so `${...}` interpolations still resolve.
+    """
+    # Run-time arguments may replace nested LazyCalls (optim.params), which must not be built
+    # here; they are taken out for the call and put back so the saved config is unchanged.
+    stashed = {k: node[k] for k in kwargs if k in node}
+    with open_dict(node):
+        for key in stashed:
+            del node[key]
+        node._partial_ = True
+    try:
+        fn = instantiate(node)
+    finally:
+        with open_dict(node):
+            del node["_partial_"]
+            for key, value in stashed.items():
+                node[key] = value
+    return fn(**kwargs)
+
+
+def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
+    """Make global = micro x dp x accumulation hold, filling in whichever one is left out."""
+    micro = train_cfg.get("train_micro_batch_size")
+    glob = train_cfg.get("global_batch_size")
+    acc = train_cfg.get("num_accumulation_steps")
+    if micro is None and glob is None:
+        raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
+    if micro is None:
+        acc = acc or 1
+        if glob % (dp_size * acc):
+            raise UsageError(
+                f"train.global_batch_size={glob} is not divisible by data_parallel_size({dp_size}) x "
+                f"num_accumulation_steps({acc}); pick sizes with global = micro x dp x accumulation"
+            )
+        micro = glob // (dp_size * acc)
+    elif glob is None:
+        acc = acc or 1
+        glob = micro * dp_size * acc
+    elif acc is None:
+        if glob % (micro * dp_size):
+            raise UsageError(
+                f"train.global_batch_size={glob} is not divisible by train_micro_batch_size({micro}) x "
+                f"data_parallel_size({dp_size}); pick sizes with global = micro x dp x accumulation"
+            )
+        acc = glob // (micro * dp_size)
+    if micro * dp_size * acc != glob:
+        raise UsageError(
+            f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
+            f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
+        )
+    if micro < 1 or acc < 1:
+        raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
+    train_cfg.train_micro_batch_size = int(micro)
+    train_cfg.global_batch_size = int(glob)
+    train_cfg.num_accumulation_steps = int(acc)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def default_setup(cfg, args) -> None:
+    """Mesh, seeds, logger and batch sizes for a run; nothing is written to disk yet.
+
+    `DefaultTrainer` creates the output directory (and writes `config.yaml`) only once every
+    input has been checked, so a run refused for bad input leaves no trace.
+    """
+    if getattr(args, "fast_dev_run", False):
+        cfg.train.train_epoch = 0
+        cfg.train.train_iter = 20
+        cfg.train.log_period = 1
+        cfg.train.evaluation.eval_period = 10
+        cfg.train.evaluation.eval_iter = 2
+        cfg.train.checkpointer.period = 10
+    num_layers = try_get_key(cfg, "model.cfg.hidden_layers", default=None)
+    with open_dict(cfg):
+        if cfg.train.dist.get("pipeline_num_layers") is None and num_layers is not None:
+            cfg.train.dist.pipeline_num_layers = int(num_layers)
+    ctx = setup_dist(cfg.train.dist, cfg.train.dist.get("pipeline_num_layers"))
+    with open_dict(cfg):
+        cfg.train.dist.data_parallel_size = ctx.data_parallel_size
+    setup_logger(ctx.rank)
+    resolve_batch_sizes(cfg.train, ctx.data_parallel_size)
+    # Every rank seeds alike so model init is identical; data order comes from the sampler.
+    _seed_all(int(cfg.train.seed))
+    logger.info(f"Rank {ctx.rank} of {ctx.world_size}; layout pp={ctx.pipeline_parallel_size} "
+                f"dp={ctx.data_parallel_size} tp={ctx.tensor_parallel_size} on {ctx.device}")
+    logger.info(f"Command line: {' '.join(sys.argv)}")
+    logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+class DefaultTrainer:
+    """Builds tokenizer, data, model, optimizer, scheduler and hooks from `cfg`, then trains.
+
+    Subclass and override a `build_*` method to change one piece, LiBai style.
+    """
+
+    def __init__(self, cfg, resume: bool = False):
+        self.cfg = cfg
+        ctx = get_dist()
+        self.ctx = ctx
+        self.output_dir = cfg.train.output_dir
+        self.tokenizer = self.build_tokenizer(cfg)
+        self.resume_path = resolve_resume(self.output_dir) if resume else None
+        if resume and self.resume_path is None:
+            logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
+        trainer_state = self._peek_trainer_state(self.resume_path)
+        self.consumed_samples = int(trainer_state.get("consumed_samples", 0))
+        start_iter = int(trainer_state.get("iteration", -1)) + 1
+        self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
+        self.model = self.build_model(cfg)
+        self.optimizer = self.build_optimizer(cfg, self.model)
+        self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
+        self.grad_scaler = self.build_grad_scaler(cfg)
+        self.checkpointer = Checkpointer(
+            self.model, self.optimizer, self.output_dir, max_to_keep=cfg.train.checkpointer.get("max_to_keep")
+        )
+        if self.resume_path is not None:
+            self.checkpointer.load(self.resume_path)
+            self._restore_trainer_state(trainer_state)
+            logger.info(f"Resumed from {self.resume_path} at iteration {start_iter}, "
+                        f"{self.consumed_samples} samples consumed")
+        elif cfg.train.get("load_weight"):
+            self.checkpointer.check_shapes(cfg.train.load_weight)
+            self.checkpointer.load(cfg.train.load_weight, weights_only=True)
+            logger.info(f"Loaded weights from {cfg.train.load_weight}")
+        self.start_iter = start_iter
+        self._setup_output()
+        self.trainer = self.build_trainer()
+        self.trainer.register_hooks(self.build_hooks())
+
+    # ------------------------------------------------------------ building
+    def build_tokenizer(self, cfg):
+        """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
+        tok_cfg = cfg.get("tokenization")
+        if tok_cfg is None or tok_cfg.get("tokenizer") is None:
+            return None
+        tokenizer = instantiate(tok_cfg.tokenizer)
+        padded = pad_vocab_size(
+            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.ctx.tensor_parallel_size
+        )
+        with open_dict(cfg):
+            cfg.model.cfg.vocab_size = padded
+        logger.info(f"Tokenizer with {tokenizer.vocab_size} ids; vocab padded to {padded}")
+        return tokenizer
+
+    def _eval_samples(self, cfg) -> int:
+        ev = cfg.train.evaluation
+        if not ev.get("enabled", False):
+            return 0
+        return int(ev.eval_iter) * int(cfg.train.test_micro_batch_size) * self.ctx.data_parallel_size
+
+    def build_loaders(self, cfg):
+        """Train/valid/test loaders sized for the run; also resolves `train.train_iter` from `train_epoch`."""
+        glob = cfg.train.global_batch_size
+        loader_cfg = cfg.dataloader.train
+        if cfg.train.get("train_epoch", 0):
+            samples_per_epoch = self._train_samples_per_epoch(cfg)
+            by_epoch = math.ceil(cfg.train.train_epoch * samples_per_epoch / glob)
+            cfg.train.train_iter = max(int(cfg.train.train_iter or 0), by_epoch)
+            logger.info(f"train.train_epoch={cfg.train.train_epoch}: {samples_per_epoch} samples per epoch, "
+                        f"train.train_iter set to {cfg.train.train_iter}")
+        if not cfg.train.train_iter or cfg.train.train_iter < 1:
+            raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
+        num_samples = [int(cfg.train.train_iter) * glob, self._eval_samples(cfg), self._eval_samples(cfg)]
+        loaders = instantiate_with(
+            loader_cfg,
+            train_valid_test_num_samples=num_samples,
+            micro_batch_size=int(cfg.train.train_micro_batch_size),
+            eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
+            consumed_samples=self.consumed_samples,
+            data_parallel_rank=self.ctx.dp_rank,
+            data_parallel_size=self.ctx.data_parallel_size,
+            vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
+        )
+        return loaders
+
+    def _train_samples_per_epoch(self, cfg) -> int:
+        from ..data.build import train_samples_per_epoch
+
+        c = cfg.dataloader.train
+        return train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.seq_length))
+
+    def build_model(self, cfg):
+        """Instantiate `cfg.model` on this rank's device and wrap it for data parallelism."""
+        model = instantiate(cfg.model).to(self.ctx.device)
+        n = sum(p.numel() for p in model.parameters())
+        logger.info(f"Model {type(model).__name__} with {n / 1e6:.2f}M parameters")
+        self.raw_model = model
+        if self.ctx.data_parallel_size > 1:
+            model = DistributedDataParallel(model, process_group=self.ctx.group("dp"))
+        return model
+
+    def build_optimizer(self, cfg, model):
+        """Instantiate `cfg.optim` with `optim.params.model` set to the model (LiBai's convention)."""
+        params = instantiate_with(cfg.optim.params, model=self.raw_model)
+        return instantiate_with(cfg.optim, params=params)
+
+    def build_lr_scheduler(self, cfg, optimizer):
+        """Instantiate `train.scheduler` with `max_iter` and `warmup_iter` filled in."""
+        sched_cfg = cfg.train.scheduler
+        warmup_iter = int(cfg.train.train_iter * float(cfg.train.get("warmup_ratio", 0) or 0))
+        return instantiate_with(sched_cfg, optimizer=optimizer, max_iter=int(cfg.train.train_iter), warmup_iter=warmup_iter)
+
+    def build_grad_scaler(self, cfg):
+        amp = cfg.train.amp
+        if not amp.get("enabled", False):
+            self.amp_dtype = None
+            return None
+        name = str(amp.get("dtype", "bf16"))
+        if name not in _AMP_DTYPES:
+            raise UsageError(f"train.amp.dtype={name!r} is not supported; use 'bf16' or 'fp16'")
+        self.amp_dtype = _AMP_DTYPES[name]
+        if self.amp_dtype is not torch.float16:
+            return None
+        return torch.amp.GradScaler(
+            self.ctx.device.type,
+            init_scale=float(amp.get("initial_scale", 2.0**16)),
+            growth_interval=int(amp.get("growth_interval", 1000)),
+        )
+
+    def build_trainer(self):
+        optim = self.cfg.optim.get("params", {})
+        return EagerTrainer(
+            self.model,
+            self.train_loader,
+            self.optimizer,
+            self.scheduler,
+            num_accumulation_steps=int(self.cfg.train.num_accumulation_steps),
+            device=self.ctx.device,
+            amp_dtype=self.amp_dtype,
+            grad_scaler=self.grad_scaler,
+            clip_grad_max_norm=optim.get("clip_grad_max_norm"),
+            clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
+        )
+
+    def build_hooks(self):
+        cfg = self.cfg
+        periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period, self.trainer_state)
+        out = [hooks.IterationTimer(), periodic, hooks.SignalCheckpointer(periodic)]
+        ev = cfg.train.evaluation
+        if ev.get("enabled", False) and self.valid_loader is not None:
+            eval_hook = hooks.EvalHook(ev.eval_period, self.evaluate)
+            out.append(eval_hook)
+            if ev.get("eval_metric"):
+                out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
+                                                  ev.eval_metric, ev.get("eval_mode", "min")))
+        seq = int(cfg.dataloader.train.seq_length)
+        flops = None
+        if hasattr(self.raw_model, "flops_per_token"):
+            flops = self.raw_model.flops_per_token(seq)
+        out.append(
+            hooks.PeriodicWriter(
+                self.output_dir,
+                cfg.train.log_period,
+                cfg.train.global_batch_size,
+                seq,
+                flops,
+                device_peak_flops(self.ctx.device, self.amp_dtype is not None),
+                lambda: self.consumed_samples_at(self.trainer.iter + 1),
+            )
+        )
+        return out
+
+    # --------------------------------------------------------------- state
+    def consumed_samples_at(self, iteration: int) -> int:
+        """Samples consumed once `iteration` steps of this run (counted from 0) are done."""
+        return self._consumed_at_start + (iteration - self.start_iter) * int(self.cfg.train.global_batch_size)
+
+    def trainer_state(self) -> dict:
+        it = self.trainer.iter
+        state = {
+            "iteration": it,
+            "consumed_samples": self.consumed_samples_at(it + 1),
+            "global_batch_size": int(self.cfg.train.global_batch_size),
+            "data_parallel_size": self.ctx.data_parallel_size,
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    @staticmethod
+    def _peek_trainer_state(path) -> dict:
+        if path is None:
+            return {}
+        import json
+
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            return json.load(f)
+
+    def _restore_trainer_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if state.get("data_parallel_size") not in (None, self.ctx.data_parallel_size):
+            logger.warning(
+                f"data_parallel_size changed from {state['data_parallel_size']} to {self.ctx.data_parallel_size}: "
+                f"the data position is kept as {self.consumed_samples} consumed samples, so every sample is seen once"
+            )
+
+    def _setup_output(self) -> None:
+        self._consumed_at_start = self.consumed_samples
+        if self.ctx.rank == 0:
+            try:
+                os.makedirs(self.output_dir, exist_ok=True)
+                probe = os.path.join(self.output_dir, ".write_test")
+                with open(probe, "w"):
+                    pass
+                os.remove(probe)
+            except OSError as e:
+                raise UsageError(
+                    f"train.output_dir={self.output_dir} is not writable ({e.strerror}); choose another directory"
+                ) from e
+        from ..utils.distributed import barrier
+
+        barrier()
+        attach_log_file(self.output_dir, self.ctx.rank)
+        if self.ctx.rank == 0:
+            self.checkpointer.remove_partial()
+            path = os.path.join(self.output_dir, "config.yaml")
+            # Interpolations are resolved so config.yaml shows the values this run used.
+            resolved = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True), flags={"allow_objects": True})
+            LazyConfig.save(resolved, path)
+            logger.info(f"Full config saved to {path}")
+
+    # ---------------------------------------------------------------- run
+    def evaluate(self) -> dict:
+        """Run `train.evaluation.evaluator` on the valid split for `eval_iter` batches."""
+        ev = self.cfg.train.evaluation
+        evaluator = instantiate(ev.evaluator)
+        return inference_on_dataset(self.model, self.valid_loader, evaluator, int(ev.eval_iter), self.trainer.autocast)
+
+    def test(self) -> dict:
+        """`--eval-only`: evaluate the loaded weights on the valid and test splits."""
+        ev = self.cfg.train.evaluation
+        results = {}
+        for split, loader in (("valid", self.valid_loader), ("test", self.test_loader)):
+            if loader is None:
+                continue
+            evaluator = instantiate(ev.evaluator)
+            res = inference_on_dataset(self.model, loader, evaluator, int(ev.eval_iter), self.trainer.autocast)
+            results.update({f"{split}/{k}": v for k, v in res.items()})
+        logger.info("Evaluation results: " + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+        return results
+
+    def train(self) -> None:
+        """Train from `start_iter` to `train.train_iter`."""
+        max_iter = int(self.cfg.train.train_iter)
+        logger.info(f"Starting training from iteration {self.start_iter} to {max_iter}")
+        self.trainer.train(self.start_iter, max_iter)
+
+
+def _user_error_types():
+    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError
+    from ..data.indexed_dataset import IndexedDatasetError
+
+    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError)
+
+
+def _find_user_error(exc: BaseException | None):
+    types = _user_error_types()
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, types):
+            return exc
+        exc, seen = exc.__cause__, seen + 1
+    return None
+
+
+def launch(args) -> int:
+    """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
+
+    Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
+    by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
+    """
+    from ..utils.distributed import destroy
+
+    try:
+        cfg = LazyConfig.load(args.config_file)
+        cfg = LazyConfig.apply_overrides(cfg, args.opts)
+        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        default_setup(cfg, args)
+        trainer = DefaultTrainer(cfg, resume=resume)
+        if args.eval_only:
+            trainer.test()
+        else:
+            trainer.train()
+        return 0
+    except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
+        e = _find_user_error(e)
+        if e is None:
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
+            msg = f"{msg}: {e.filename}"
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+    finally:
+        destroy()

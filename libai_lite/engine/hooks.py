@@ -1,0 +1,265 @@
+"""Hooks that make up the trainer's behaviour: timing, checkpoints, evaluation, signals, writers."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from ..utils.distributed import all_reduce_mean, get_dist, is_main_process
+from ..utils.events import JSONWriter, TensorboardWriter, format_bytes, format_eta
+from .trainer import HookBase, StopTraining
+
+logger = logging.getLogger("libai_lite")
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    # ru_maxrss is in KiB on Linux.
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class PeriodicCheckpointer(HookBase):
+    """Saves `model_XXXXXXX` every `period` iterations and `model_final` at the end."""
+
+    def __init__(self, checkpointer, period: int, trainer_state_fn):
+        self.checkpointer = checkpointer
+        self.period = int(period)
+        self.trainer_state_fn = trainer_state_fn
+
+    def after_step(self):
+        it = self.trainer.iter
+        if self.period > 0 and (it + 1) % self.period == 0 and it + 1 < self.trainer.max_iter:
+            self.save(f"model_{it:07d}")
+
+    def after_train(self):
+        # Only a run that reached the end writes model_final; a crash must not label itself final.
+        if self.trainer.iter >= self.trainer.max_iter:
+            self.save("model_final")
+
+    def save(self, name: str) -> None:
+        t = time.perf_counter()
+        path = self.checkpointer.save(name, self.trainer_state_fn())
+        logger.info(f"Saved checkpoint {path} in {time.perf_counter() - t:.2f}s")
+
+
+class SignalCheckpointer(HookBase):
+    """On SIGTERM or SIGINT, save a checkpoint at the next step boundary and stop cleanly."""
+
+    def __init__(self, periodic: PeriodicCheckpointer):
+        self.periodic = periodic
+        self._signal: int | None = None
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        self._signal = signum
+
+    def before_train(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def after_step(self):
+        # Every rank must agree, or one would enter the save's collectives alone.
+        got = all_reduce_mean([1.0 if self._signal is not None else 0.0])[0] > 0
+        if got:
+            it = self.trainer.iter
+            self.periodic.save(f"model_{it:07d}")
+            name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
+            raise StopTraining(f"Stopped by {name} after iteration {it}; resume with --resume")
+
+    def after_train(self):
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+class EvalHook(HookBase):
+    """Runs `eval_fn` every `eval_period` iterations and after the last one; stores the results."""
+
+    def __init__(self, eval_period: int, eval_fn):
+        self.period = int(eval_period)
+        self.eval_fn = eval_fn
+        self.last_results: dict = {}
+
+    def _run(self):
+        results = self.eval_fn()
+        self.last_results = results
+        for k, v in results.items():
+            self.trainer.storage.put_scalar(f"valid/{k}", v)
+
+    def after_step(self):
+        it = self.trainer.iter + 1
+        if self.period > 0 and it % self.period == 0 and it != self.trainer.max_iter:
+            self._run()
+
+    def after_train(self):
+        if self.trainer.iter >= self.trainer.max_iter:
+            self._run()
+
+
+class BestCheckpointer(HookBase):
+    """Saves `model_best` whenever the evaluation metric improves."""
+
+    def __init__(self, eval_hook: EvalHook, checkpointer, trainer_state_fn, metric: str = "PPL", mode: str = "min"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"train.evaluation.eval_mode must be 'min' or 'max', not {mode!r}")
+        self.eval_hook = eval_hook
+        self.checkpointer = checkpointer
+        self.trainer_state_fn = trainer_state_fn
+        self.metric = metric
+        self.mode = mode
+        self.best: float | None = None
+        self._seen = None
+
+    def _check(self):
+        results = self.eval_hook.last_results
+        if not results or results is self._seen or self.metric not in results:
+            return
+        self._seen = results
+        value = results[self.metric]
+        better = self.best is None or (value < self.best if self.mode == "min" else value > self.best)
+        if better and math.isfinite(value):
+            self.best = value
+            self.checkpointer.save("model_best", self.trainer_state_fn())
+            logger.info(f"New best {self.metric} {value:.4f}: saved model_best")
+
+    def after_step(self):
+        self._check()
+
+    def after_train(self):
+        self._check()
+
+
+class IterationTimer(HookBase):
+    """Tracks total training time so the end-of-run summary can report it."""
+
+    def before_train(self):
+        self._start = time.perf_counter()
+
+    def after_train(self):
+        total = time.perf_counter() - self._start
+        done = self.trainer.iter - self.trainer.start_iter
+        if done > 0:
+            logger.info(f"Total training time: {format_eta(total)} ({total / done:.4f} s / it over {done} iterations)")
+
+
+class PeriodicWriter(HookBase):
+    """Every `period` iterations: the log line, a `metrics.json` row and TensorBoard scalars (rank 0).
+
+    The log line shows means over the interval since the last log; `metrics.json` holds the raw
+    values of the logged step itself.
+    """
+
+    def __init__(self, output_dir: str, period: int, global_batch_size: int, seq_length: int,
+                 flops_per_token: float | None, peak_flops: float | None, consumed_fn, tensorboard: bool = True):
+        self.period = max(int(period), 1)
+        self.global_batch_size = global_batch_size
+        self.seq_length = seq_length
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.consumed_fn = consumed_fn
+        self.main = is_main_process()
+        self._json = JSONWriter(os.path.join(output_dir, "metrics.json")) if self.main else None
+        self._tb = None
+        if self.main and tensorboard:
+            try:
+                self._tb = TensorboardWriter(output_dir)
+            except ImportError:
+                logger.warning("tensorboard is not installed: no event files will be written")
+        self._window: list[dict] = []
+        self._bar = None
+
+    def before_train(self):
+        if self.main and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.trainer.max_iter, initial=self.trainer.start_iter, unit="it", dynamic_ncols=True)
+
+    def after_step(self):
+        self._window.append(self.trainer.storage.latest())
+        if self._bar is not None:
+            self._bar.update(1)
+        it = self.trainer.iter
+        if (it + 1) % self.period == 0 or it + 1 == self.trainer.max_iter:
+            self._write()
+        elif self.main:
+            # Evaluation results of a step that is not logged still go to metrics.json.
+            valid = {k: v for k, v in self.trainer.storage.latest().items() if k.startswith("valid/")}
+            if valid:
+                self._json.write(it + 1, valid)
+
+    def _write(self):
+        latest = self.trainer.storage.latest()
+        window, self._window = self._window, []
+        dp_group = get_dist().group("dp")
+        # Loss averaged over data-parallel ranks: each saw different samples.
+        loss_keys = sorted(k for k in latest if "loss" in k and not k.startswith("valid/"))
+        reduced = all_reduce_mean([latest[k] for k in loss_keys], group=dp_group)
+        raw = dict(latest)
+        raw.update(zip(loss_keys, reduced))
+        if not self.main:
+            return
+        it = self.trainer.iter
+        step_time = sum(w["time"] for w in window) / len(window)
+        data_time = sum(w["data_time"] for w in window) / len(window)
+        samples_s = self.global_batch_size / step_time
+        tokens_s = samples_s * self.seq_length
+        raw.pop("local_tokens", None)
+        raw.update(
+            consumed_samples=self.consumed_fn(),
+            samples_per_sec=self.global_batch_size / raw["time"],
+            tokens_per_sec=self.global_batch_size * self.seq_length / raw["time"],
+            max_mem_bytes=peak_memory_bytes(get_dist().device),
+        )
+        # The log line averages losses over the interval (this rank's view); metrics.json has the
+        # logged step's value averaged over data-parallel ranks.
+        parts = [
+            f"iteration: {it + 1}/{self.trainer.max_iter}",
+            f"consumed_samples: {raw['consumed_samples']}",
+        ]
+        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in loss_keys]
+        parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
+        if "loss_scale" in raw:
+            parts.append(f"loss_scale: {raw['loss_scale']:g}")
+        parts += [
+            f"time: {step_time:.4f} s/it",
+            f"data_time: {data_time:.4f} s/it",
+            f"samples/s: {samples_s:.2f}",
+            f"tokens/s: {tokens_s:.0f}",
+        ]
+        if self.flops_per_token:
+            tflops = tokens_s * self.flops_per_token / get_dist().world_size / 1e12
+            raw["tflops_per_rank"] = tflops
+            parts.append(f"TFLOP/s/rank: {tflops:.3f}")
+            if self.peak_flops:
+                raw["mfu"] = tflops * 1e12 / self.peak_flops
+                parts.append(f"MFU: {100 * raw['mfu']:.1f}%")
+        parts.append(f"max_mem: {format_bytes(raw['max_mem_bytes'])}")
+        parts.append(f"eta: {format_eta(step_time * (self.trainer.max_iter - it - 1))}")
+        logger.info("  ".join(parts))
+        self._json.write(it + 1, raw)
+        if self._tb is not None:
+            self._tb.write(it + 1, {k: v for k, v in raw.items() if k not in ("consumed_samples",)})
+
+    def after_train(self):
+        # Evaluation at the end stores valid/* after the last log line; record it too.
+        if self.main:
+            latest = self.trainer.storage.latest()
+            valid = {k: v for k, v in latest.items() if k.startswith("valid/")}
+            if valid and self._json is not None:
+                self._json.write(self.trainer.iter, valid)
+                if self._tb is not None:
+                    self._tb.write(self.trainer.iter, valid)
+        if self._bar is not None:
+            self._bar.close()
+        if self._json is not None:
+            self._json.close()
+        if self._tb is not None:
+            self._tb.close()

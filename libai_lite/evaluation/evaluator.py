@@ -1,0 +1,79 @@
+"""Evaluation loop and the perplexity evaluator."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+
+from ..utils.distributed import all_reduce_sum, get_dist
+
+logger = logging.getLogger("libai_lite")
+
+
+class DatasetEvaluator:
+    """Accumulates model outputs over an evaluation set: `reset`, `process` per batch, `evaluate` at the end."""
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def process(self, inputs: dict, outputs: dict) -> None:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+
+class PPLEvaluator(DatasetEvaluator):
+    """Perplexity = exp of the token-weighted mean NLL, summed over every data-parallel rank.
+
+    Needs the model's `nll_sum` and `num_tokens` outputs, so batches with different numbers of
+    real (non-padding) tokens are weighted correctly.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._nll = 0.0
+        self._tokens = 0.0
+
+    def process(self, inputs: dict, outputs: dict) -> None:
+        self._nll += float(outputs["nll_sum"].detach().float().sum())
+        self._tokens += float(outputs["num_tokens"].detach().float().sum())
+
+    def evaluate(self) -> dict:
+        nll, tokens = all_reduce_sum([self._nll, self._tokens], group=get_dist().group("dp"))
+        if tokens == 0:
+            logger.warning("Perplexity evaluation saw no tokens; check train.evaluation.eval_iter and the valid split")
+            return {}
+        mean = nll / tokens
+        return {"PPL": math.exp(min(mean, 80.0)), "lm_loss": mean, "tokens": tokens}
+
+
+def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None, autocast=None) -> dict:
+    """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`."""
+    device = get_dist().device
+    evaluator.reset()
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    n = 0
+    try:
+        with torch.no_grad():
+            for batch in data_loader:
+                if eval_iter is not None and n >= eval_iter:
+                    break
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                with autocast() if autocast is not None else nullcontext():
+                    outputs = model(**batch)
+                evaluator.process(batch, outputs)
+                n += 1
+    finally:
+        model.train(was_training)
+    results = evaluator.evaluate()
+    logger.info(f"Evaluated {n} batches in {time.perf_counter() - start:.1f}s: "
+                + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+    return results

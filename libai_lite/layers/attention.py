@@ -1,0 +1,169 @@
+"""Multi-head attention with a head-major fused QKV projection, ready for tensor parallelism."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .init_methods import InitMethod
+from .linear import Linear1D
+
+
+class MultiheadAttention(nn.Module):
+    """Self- or cross-attention through ``F.scaled_dot_product_attention``.
+
+    Self-attention uses one fused ``query_key_value`` projection whose output features
+    are laid out head-major, ``[num_heads, 3, head_size]`` flattened (Megatron's layout),
+    so splitting the output dimension evenly over tensor-parallel ranks hands every rank
+    whole heads with their own q, k and v. The forward reshapes with ``-1`` heads and
+    never with ``num_attention_heads``, so the same code runs on a rank that holds only
+    its share of heads. ``dense`` is row-parallel: each rank's partial output is summed
+    by the parallel step, not here.
+
+    Cross-attention (``is_cross_attention=True``, for encoder-decoder models) uses a
+    column-parallel ``query`` over the decoder states and a fused ``key_value`` laid out
+    ``[num_heads, 2, head_size]`` over ``encoder_states``.
+
+    Args:
+        hidden_size: model width (input and output features).
+        num_attention_heads: heads in the unsplit model.
+        attention_dropout_prob: dropout on attention probabilities, only while training.
+        output_dropout_prob: dropout after the output projection.
+        init_method: initialiser for the input projections.
+        output_layer_init_method: initialiser for ``dense``; defaults to ``init_method``.
+        layer_idx: transformer layer index, for pipeline placement.
+        attn_mask_type: ``"causal"`` (decoder self-attention; an ``attention_mask`` if
+            given is combined with the causal mask) or ``"padding"`` (only the given mask).
+        bias: whether the projections have biases.
+        is_cross_attention: attend from ``hidden_states`` to ``encoder_states``.
+        head_size: per-head width; defaults to ``hidden_size // num_attention_heads``
+            (T5 decouples it, e.g. mT5-small has 6 heads of 64 on a 512 model).
+        softmax_scale: score scale; defaults to ``1/sqrt(head_size)`` (T5 uses 1.0).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        attention_dropout_prob: float = 0.0,
+        output_dropout_prob: float = 0.0,
+        init_method: Optional[InitMethod] = None,
+        output_layer_init_method: Optional[InitMethod] = None,
+        layer_idx: int = 0,
+        attn_mask_type: str = "causal",
+        bias: bool = True,
+        is_cross_attention: bool = False,
+        head_size: Optional[int] = None,
+        softmax_scale: Optional[float] = None,
+    ):
+        super().__init__()
+        if attn_mask_type not in ("causal", "padding"):
+            raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
+        if is_cross_attention and attn_mask_type == "causal":
+            raise ValueError("cross-attention cannot be causal; use attn_mask_type='padding'")
+        if head_size is None:
+            if hidden_size % num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}; "
+                    "pass head_size explicitly"
+                )
+            head_size = hidden_size // num_attention_heads
+        if output_layer_init_method is None:
+            output_layer_init_method = init_method
+
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.head_size = head_size
+        self.attention_dropout_prob = attention_dropout_prob
+        self.attn_mask_type = attn_mask_type
+        self.is_cross_attention = is_cross_attention
+        self.softmax_scale = softmax_scale
+        self.layer_idx = layer_idx
+
+        inner = num_attention_heads * head_size
+        if is_cross_attention:
+            self.query = Linear1D(hidden_size, inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx)
+            self.key_value = Linear1D(
+                hidden_size, 2 * inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
+            )
+        else:
+            self.query_key_value = Linear1D(
+                hidden_size, 3 * inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
+            )
+        self.dense = Linear1D(
+            inner, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx
+        )
+        self.output_dropout = nn.Dropout(output_dropout_prob)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        encoder_states: Optional[torch.Tensor] = None,
+        position_bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Attend and project back to ``hidden_size``.
+
+        Args:
+            hidden_states: ``[batch, seq, hidden]``.
+            attention_mask: which keys may be attended: bool or 0/1, True/1 = attend;
+                ``[batch, key_seq]`` or anything broadcastable to
+                ``[batch, heads, query_seq, key_seq]``.
+            encoder_states: ``[batch, key_seq, hidden]``, required for cross-attention.
+            position_bias: additive score bias (T5 relative positions), broadcastable to
+                ``[batch, local_heads, query_seq, key_seq]``; under tensor parallelism it
+                must hold this rank's heads only.
+        """
+        bsz, q_len, _ = hidden_states.shape
+        hd = self.head_size
+        if self.is_cross_attention:
+            if encoder_states is None:
+                raise ValueError("cross-attention needs encoder_states")
+            query = self.query(hidden_states).view(bsz, q_len, -1, hd).transpose(1, 2)
+            kv = self.key_value(encoder_states).view(bsz, encoder_states.shape[1], -1, 2 * hd).transpose(1, 2)
+            key, value = kv.chunk(2, dim=-1)
+        else:
+            qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, 3 * hd).transpose(1, 2)
+            query, key, value = qkv.chunk(3, dim=-1)
+
+        attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias)
+        context = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=self.attention_dropout_prob if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+        )
+        context = context.transpose(1, 2).reshape(bsz, q_len, -1)
+        return self.output_dropout(self.dense(context))
+
+    def _score_mask(self, query, key, attention_mask, position_bias):
+        """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""
+        causal = self.attn_mask_type == "causal"
+        if attention_mask is None and position_bias is None:
+            return None, causal
+
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        keep = None
+        if causal:
+            keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+        if attention_mask is not None:
+            mask = attention_mask.to(device=query.device, dtype=torch.bool)
+            if mask.dim() == 2:
+                mask = mask[:, None, None, :]
+            keep = mask if keep is None else keep & mask
+
+        # An additive float mask with a finite floor keeps rows with no visible key
+        # finite (uniform weights) instead of NaN, which a boolean mask would give.
+        bias = torch.zeros((), dtype=query.dtype, device=query.device)
+        if position_bias is not None:
+            bias = bias + position_bias.to(query.dtype)
+        if keep is not None:
+            bias = torch.where(keep, bias, torch.finfo(query.dtype).min)
+        return bias, False
+
+    def extra_repr(self) -> str:
+        kind = "cross" if self.is_cross_attention else self.attn_mask_type
+        return f"heads={self.num_attention_heads}, head_size={self.head_size}, {kind}, layer_idx={self.layer_idx}"

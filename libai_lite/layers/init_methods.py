@@ -1,0 +1,26 @@
+"""Weight initialisers in Megatron's style: a factory returns a function that fills a tensor in place."""
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """Return an initialiser drawing from N(0, std**2)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """Return N(0, (std / sqrt(2 * num_layers))**2), Megatron's init for projections that feed a residual.
+
+    Each layer adds two such projections to the residual stream, so shrinking them keeps
+    the stream's variance from growing with depth.
+    """
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))

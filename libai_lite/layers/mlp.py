@@ -1,0 +1,72 @@
+"""Transformer feed-forward block: column-parallel up projection, row-parallel down projection."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .init_methods import InitMethod
+from .linear import Linear1D
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    # GPT-2's and T5 v1.1's "gelu_new".
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout.
+
+    ``dense_h_to_4h`` is column-parallel and ``dense_4h_to_h`` row-parallel, so under
+    tensor parallelism the activation runs on each rank's slice with no communication
+    in between.
+
+    With ``gated=True`` (T5 v1.1 / mT5 gated-GELU) the hidden activation is
+    ``act(dense_h_to_4h(x)) * dense_h_to_4h_linear(x)``; the two up projections are kept
+    as separate column-parallel layers so each rank's gate and value slices line up.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        output_dropout_prob: float = 0.0,
+        init_method: Optional[InitMethod] = None,
+        output_layer_init_method: Optional[InitMethod] = None,
+        bias: bool = True,
+        activation: str = "gelu",
+        gated: bool = False,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        if output_layer_init_method is None:
+            output_layer_init_method = init_method
+        self.activation = activation
+        self.layer_idx = layer_idx
+        self.dense_h_to_4h = Linear1D(
+            hidden_size, ffn_hidden_size, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
+        )
+        self.dense_h_to_4h_linear = (
+            Linear1D(hidden_size, ffn_hidden_size, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx)
+            if gated
+            else None
+        )
+        self.dense_4h_to_h = Linear1D(
+            ffn_hidden_size, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx
+        )
+        self.dropout = nn.Dropout(output_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        intermediate = _ACTIVATIONS[self.activation](self.dense_h_to_4h(hidden_states))
+        if self.dense_h_to_4h_linear is not None:
+            intermediate = intermediate * self.dense_h_to_4h_linear(hidden_states)
+        return self.dropout(self.dense_4h_to_h(intermediate))
+
+    def extra_repr(self) -> str:
+        gated = ", gated" if self.dense_h_to_4h_linear is not None else ""
+        return f"activation={self.activation}{gated}, layer_idx={self.layer_idx}"

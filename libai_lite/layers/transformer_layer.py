@@ -1,0 +1,75 @@
+"""Pre-LayerNorm transformer layer (GPT-2 style)."""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import MultiheadAttention
+from .init_methods import InitMethod
+from .layer_norm import LayerNorm
+from .mlp import MLP
+
+
+class TransformerLayer(nn.Module):
+    """``x + attn(ln(x))`` then ``x + mlp(ln(x))``; dropouts live inside the attention and MLP outputs.
+
+    ``apply_residual_post_layernorm=True`` takes each residual from the normalised input
+    instead of the raw one (a LiBai/Megatron option, off for GPT-2). ``layer_idx`` is
+    stamped on the layer and all its sublayers so the pipeline splitter can place it.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        attention_dropout_prob: float = 0.0,
+        output_dropout_prob: float = 0.0,
+        layernorm_epsilon: float = 1e-5,
+        init_method: Optional[InitMethod] = None,
+        output_layer_init_method: Optional[InitMethod] = None,
+        bias: bool = True,
+        activation: str = "gelu_tanh",
+        attn_mask_type: str = "causal",
+        apply_residual_post_layernorm: bool = False,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.apply_residual_post_layernorm = apply_residual_post_layernorm
+        self.input_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
+        self.self_attention = MultiheadAttention(
+            hidden_size,
+            num_attention_heads,
+            attention_dropout_prob=attention_dropout_prob,
+            output_dropout_prob=output_dropout_prob,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            layer_idx=layer_idx,
+            attn_mask_type=attn_mask_type,
+            bias=bias,
+        )
+        self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
+        self.mlp = MLP(
+            hidden_size,
+            ffn_hidden_size,
+            output_dropout_prob=output_dropout_prob,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            bias=bias,
+            activation=activation,
+            layer_idx=layer_idx,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states``: ``[batch, seq, hidden]``; ``attention_mask`` as in ``MultiheadAttention``."""
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if self.apply_residual_post_layernorm else hidden_states
+        hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask)
+
+        normed = self.post_attention_layernorm(hidden_states)
+        residual = normed if self.apply_residual_post_layernorm else hidden_states
+        return residual + self.mlp(normed)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}"

@@ -1,0 +1,101 @@
+"""Warmup + decay schedules with LiBai's class names.
+
+Each is a pure function of the iteration, so its state is a handful of numbers (saved as JSON
+in checkpoints) and resuming at iteration k gives exactly the lr of an uninterrupted run.
+The trainer fills in `max_iter` and `warmup_iter` (from `train.train_iter` and `train.warmup_ratio`).
+"""
+from __future__ import annotations
+
+import math
+
+from torch.optim.lr_scheduler import LRScheduler
+
+_DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant")
+
+
+class WarmupDecayLR(LRScheduler):
+    """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`."""
+
+    def __init__(
+        self,
+        optimizer,
+        max_iter: int,
+        warmup_iter: int = 0,
+        warmup_factor: float = 0.001,
+        warmup_method: str = "linear",
+        decay: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        power: float = 1.0,
+        gamma: float = 0.999,
+        last_epoch: int = -1,
+    ):
+        if decay not in _DECAYS:
+            raise ValueError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
+        if warmup_method not in ("linear", "constant"):
+            raise ValueError(f"unknown warmup_method {warmup_method!r}; choose 'linear' or 'constant'")
+        self.max_iter = int(max_iter)
+        self.warmup_iter = int(warmup_iter)
+        self.warmup_factor = float(warmup_factor)
+        self.warmup_method = warmup_method
+        self.decay = decay
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.power = float(power)
+        self.gamma = float(gamma)
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, it: int) -> float:
+        """Multiplier of the base lr at iteration `it` (0-based)."""
+        if it < self.warmup_iter:
+            if self.warmup_method == "constant":
+                return self.warmup_factor
+            alpha = it / self.warmup_iter
+            return self.warmup_factor * (1 - alpha) + alpha
+        span = max(self.max_iter - self.warmup_iter, 1)
+        progress = min(max(it - self.warmup_iter, 0) / span, 1.0)
+        floor = self.min_lr_ratio
+        if self.decay == "constant":
+            return 1.0
+        if self.decay == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if self.decay == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        if self.decay == "polynomial":
+            return floor + (1 - floor) * (1 - progress) ** self.power
+        return max(self.gamma ** (it - self.warmup_iter), floor)
+
+    def get_lr(self):
+        f = self.factor(self.last_epoch)
+        return [base * f for base in self.base_lrs]
+
+
+def WarmupCosineLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, alpha=0.0, warmup_method="linear"):
+    """Cosine decay to `alpha` x base lr (LiBai's name and arguments)."""
+    return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "cosine", alpha)
+
+
+def WarmupLinearLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, min_lr_ratio=0.0, warmup_method="linear"):
+    """Linear decay to `min_lr_ratio` x base lr."""
+    return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "linear", min_lr_ratio)
+
+
+def WarmupPolynomialLR(
+    optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, end_learning_rate=0.0, power=1.0, warmup_method="linear"
+):
+    """Polynomial decay to `end_learning_rate` (an absolute lr, as in LiBai)."""
+    base = optimizer.param_groups[0]["lr"]
+    ratio = end_learning_rate / base if base else 0.0
+    return WarmupDecayLR(
+        optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "polynomial", ratio, power=power
+    )
+
+
+def WarmupExponentialLR(optimizer, max_iter, gamma=0.999, warmup_factor=0.001, warmup_iter=0, min_lr_ratio=0.0, warmup_method="linear"):
+    """lr x gamma per iteration after warmup, never below `min_lr_ratio` x base lr."""
+    return WarmupDecayLR(
+        optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "exponential", min_lr_ratio, gamma=gamma
+    )
+
+
+def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, warmup_method="linear"):
+    """Warmup, then the base lr for the rest of training."""
+    return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "constant")

@@ -1,0 +1,279 @@
+"""The process group, the ("pp", "dp", "tp") device mesh, SBP vocabulary and rank helpers.
+
+LiBai's users think in SBP (split / broadcast / partial_sum) and in "which stage owns layer i";
+this module speaks that vocabulary and maps it onto DTensor placements and one DeviceMesh.
+Everything distributed comes from `torch.distributed`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+class sbp:
+    """LiBai's SBP names for DTensor placements: `sbp.split(0)`, `sbp.broadcast`, `sbp.partial_sum`."""
+
+    broadcast = Replicate()
+    partial_sum = Partial()
+
+    @staticmethod
+    def split(dim: int) -> Shard:
+        return Shard(dim)
+
+
+def get_nd_sbp(sbp_list: Sequence) -> tuple:
+    """The 2-D SBP `[dp_sbp, tp_sbp]` as DTensor placements on the ("dp", "tp") sub-mesh."""
+    if len(sbp_list) != 2:
+        raise ValueError(f"an nd_sbp has one entry per mesh dimension (dp, tp), got {list(sbp_list)}")
+    return tuple(sbp_list)
+
+
+@dataclass
+class DistContext:
+    """Everything a rank needs to know about the layout it runs in."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    mesh: DeviceMesh | None
+    num_layers: int | None = None
+    stage_of_layer: list[int] = field(default_factory=list)
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coord("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coord("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coord("tp")
+
+    def _coord(self, name: str) -> int:
+        if self.mesh is None:
+            return 0
+        return self.mesh.get_local_rank(name)
+
+    def group(self, name: str):
+        """The process group of one mesh dimension (None when there is no mesh)."""
+        return None if self.mesh is None else self.mesh.get_group(name)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+_CTX: DistContext | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """nccl when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_process_group(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    backend = default_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A plain `python tools/train_net.py` run is a world of one; initialising a real group
+        # keeps one code path (DCP, DeviceMesh, barriers) for every launch.
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            world_size=1,
+            rank=0,
+            timeout=timeout,
+        )
+
+
+def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int]:
+    """(pp, dp, tp) from `train.dist`, inferring dp when left out; raises UsageError if they don't fit."""
+    pp = int(dist_cfg.get("pipeline_parallel_size", 1) or 1)
+    tp = int(dist_cfg.get("tensor_parallel_size", 1) or 1)
+    dp = dist_cfg.get("data_parallel_size", None)
+    for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp)):
+        if value < 1:
+            raise UsageError(f"train.dist.{name}={value} must be at least 1")
+    if dp is None:
+        if world_size % (pp * tp):
+            raise UsageError(
+                f"world size {world_size} is not divisible by pipeline_parallel_size({pp}) x "
+                f"tensor_parallel_size({tp}); launch a multiple of {pp * tp} processes or change train.dist"
+            )
+        dp = world_size // (pp * tp)
+    dp = int(dp)
+    if dp * pp * tp != world_size:
+        raise UsageError(
+            f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
+            f"pipeline_parallel_size({pp}) = {dp * tp * pp} does not match the world size {world_size}; "
+            f"launch {dp * tp * pp} processes or set train.dist.data_parallel_size={world_size // (pp * tp) if world_size % (pp * tp) == 0 else 'null'}"
+        )
+    return pp, dp, tp
+
+
+def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
+    """Stage of each layer: an even split (earlier stages take the remainder) or the user's list."""
+    if custom_stage_ids is not None:
+        ids = [int(s) for s in custom_stage_ids]
+        if len(ids) != num_layers:
+            raise UsageError(
+                f"train.dist.custom_pipeline_stage_id has {len(ids)} entries for {num_layers} layers; give one stage id per layer"
+            )
+        if ids != sorted(ids) or set(ids) != set(range(pp)):
+            raise UsageError(
+                f"train.dist.custom_pipeline_stage_id={ids} must be non-decreasing and use every stage 0..{pp - 1}"
+            )
+        return ids
+    if num_layers < pp:
+        raise UsageError(
+            f"pipeline_parallel_size={pp} is more stages than the model's {num_layers} layers; "
+            f"use at most {num_layers} pipeline stages"
+        )
+    base, extra = divmod(num_layers, pp)
+    stages = []
+    for s in range(pp):
+        stages += [s] * (base + (1 if s < extra else 0))
+    return stages
+
+
+def setup_dist(dist_cfg, num_layers: int | None = None) -> DistContext:
+    """Initialise the process group and the ("pp", "dp", "tp") mesh from `train.dist`."""
+    global _CTX
+    timeout_s = float(dist_cfg.get("timeout", 600) or 600)
+    _init_process_group(timeout_s)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    pp, dp, tp = resolve_layout(world_size, dist_cfg)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        device_type = "cuda"
+    else:
+        device = torch.device("cpu")
+        device_type = "cpu"
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    stages = []
+    if num_layers is not None:
+        stages = layer_stages(num_layers, pp, dist_cfg.get("custom_pipeline_stage_id", None))
+    _CTX = DistContext(world_size, rank, local_rank, device, pp, dp, tp, mesh, num_layers, stages)
+    return _CTX
+
+
+def get_dist() -> DistContext:
+    """The current layout; a world of one on the CPU before `setup_dist` runs."""
+    if _CTX is None:
+        return DistContext(1, 0, 0, torch.device("cpu"), 1, 1, 1, None)
+    return _CTX
+
+
+def get_layer_placement(layer_idx: int) -> int:
+    """The pipeline stage that owns layer `layer_idx` (LiBai's `get_layer_placement`)."""
+    ctx = get_dist()
+    if not ctx.stage_of_layer:
+        return 0
+    return ctx.stage_of_layer[layer_idx]
+
+
+def get_hidden_sbp() -> tuple:
+    """Placement of hidden states between layers: split on the batch over dp, broadcast over tp."""
+    return (sbp.split(0), sbp.broadcast)
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def get_data_parallel_rank() -> int:
+    return get_dist().dp_rank
+
+
+def get_data_parallel_size() -> int:
+    return get_dist().data_parallel_size
+
+
+def get_tensor_parallel_size() -> int:
+    return get_dist().tensor_parallel_size
+
+
+def get_pipeline_parallel_size() -> int:
+    return get_dist().pipeline_parallel_size
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_mean(values: Sequence[float], group=None) -> list[float]:
+    """Mean of a few scalars over a process group (all ranks when `group` is None)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=get_dist().device)
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()
+
+
+def all_reduce_sum(values: Sequence[float], group=None) -> list[float]:
+    """Sum of a few scalars over a process group."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=get_dist().device)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s Python object on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def destroy() -> None:
+    """Tear down the process group (end of a run or a test)."""
+    global _CTX
+    _CTX = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,3 @@
+from .common.train import train
+
+train.train_iter = undefined_name

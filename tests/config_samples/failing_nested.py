@@ -1,0 +1,1 @@
+from .broken_part import value

@@ -1,0 +1,18 @@
+"""Shared pytest fixtures."""
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def shared_fixtures() -> Path:
+    """``../shared/fixtures`` beside the clone: files made by other tools (Megatron-LM, ...)."""
+    path = REPO_ROOT.parent / "shared" / "fixtures"
+    if not path.is_dir():
+        pytest.skip(
+            "../shared/fixtures not found: these tests compare against files made by Megatron-LM "
+            "and need the shared fixtures beside the clone"
+        )
+    return path

@@ -1,0 +1,235 @@
+"""End to end through tools/train_net.py and tools/train.sh, as a user runs them."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from libai_lite.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "projects/GPT/configs/gpt2_pretrain.py"
+DATA = "data_test/gpt2/demo_gpt2_text_document"
+
+
+def tiny(out, cache, *extra):
+    """Overrides that shrink the demo to a model that takes milliseconds per step."""
+    return [
+        f"train.output_dir={out}",
+        f"dataloader.train.cache_dir={cache}",
+        "dataloader.train.num_workers=0",
+        "model.cfg.hidden_layers=2",
+        "model.cfg.hidden_size=64",
+        "model.cfg.ffn_hidden_size=128",
+        "model.cfg.num_attention_heads=2",
+        "model.cfg.max_seq_length=32",
+        "model.cfg.attention_dropout_prob=0.1",
+        "model.cfg.output_dropout_prob=0.1",
+        "train.train_micro_batch_size=4",
+        "train.global_batch_size=8",
+        "train.test_micro_batch_size=4",
+        "train.log_period=1",
+        "train.evaluation.eval_iter=2",
+        *extra,
+    ]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def train_net(args, **kw):
+    return subprocess.run(
+        [sys.executable, "tools/train_net.py", "--config-file", CONFIG, *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw,
+    )
+
+
+def losses(out) -> dict:
+    """iteration -> total_loss, the last row for each iteration (a resumed run appends)."""
+    rows = {}
+    with open(Path(out) / "metrics.json") as f:
+        for line in f:
+            row = json.loads(line)
+            if "total_loss" in row:
+                rows[row["iteration"]] = row["total_loss"]
+    return rows
+
+
+def test_training_writes_outputs_and_loss_falls(tmp_path):
+    out = tmp_path / "run"
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=40", "optim.lr=3e-3",
+                       "train.checkpointer.period=20", "train.evaluation.eval_period=20"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("config.yaml", "log.txt", "metrics.json", "last_checkpoint", "model_0000019", "model_final", "model_best"):
+        assert (out / name).exists(), name
+    assert list(out.glob("events.out.tfevents.*"))
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, 41))
+    first, last = np.mean([curve[i] for i in range(1, 4)]), np.mean([curve[i] for i in range(38, 41)])
+    assert last < first - 1.0, (first, last)
+    log = (out / "log.txt").read_text()
+    for field in ("iteration: 40/40", "consumed_samples: 320", "lr:", "grad_norm:", "samples/s:", "tokens/s:",
+                  "TFLOP/s/rank:", "max_mem:", "eta:"):
+        assert field in log, field
+    # The saved config holds the values this run resolved: padded vocab, inferred accumulation.
+    from libai_lite.config import LazyConfig
+
+    saved = LazyConfig.load(str(out / "config.yaml"))
+    assert saved.model.cfg.vocab_size == 8064
+    assert saved.train.num_accumulation_steps == 2
+    assert saved.dataloader.train.seq_length == 32
+    rows = [json.loads(line) for line in open(out / "metrics.json")]
+    assert any("valid/PPL" in row for row in rows)
+
+
+def test_kill_9_then_resume_reproduces_losses(tmp_path):
+    """SIGKILL mid-run, --resume, and every step after the checkpoint matches an uninterrupted run."""
+    args = ["train.train_iter=30", "train.checkpointer.period=4", "train.evaluation.enabled=False"]
+    ref = tmp_path / "ref"
+    r = train_net(tiny(ref, tmp_path / "cache", *args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected = losses(ref)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "tools/train_net.py", "--config-file", CONFIG, *tiny(out, tmp_path / "cache", *args)]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if (out / "metrics.json").exists() and len(losses(out)) >= 10:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (out / "model_final").exists(), "the run finished before it could be killed"
+    resumed_from = (out / "last_checkpoint").read_text().strip()
+    start = int(resumed_from.split("_")[1]) + 1
+
+    r = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Resumed from {out / resumed_from} at iteration {start}" in (out / "log.txt").read_text()
+    got = losses(out)
+    assert sorted(got) == sorted(expected)
+    for it in range(start + 1, 31):
+        assert got[it] == expected[it], (it, got[it], expected[it])
+
+
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path):
+    out = tmp_path / "fresh"
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False") + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "has no last_checkpoint: starting from scratch" in r.stdout
+
+
+def test_load_weight_loads_and_refuses_other_shapes(tmp_path):
+    src = tmp_path / "src"
+    base = ["train.train_iter=2", "train.evaluation.enabled=False"]
+    assert train_net(tiny(src, tmp_path / "cache", *base)).returncode == 0
+    ok = train_net(tiny(tmp_path / "b", tmp_path / "cache", *base, f"train.load_weight={src / 'model_final'}"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "Loaded weights from" in ok.stdout
+    bad_out = tmp_path / "c"
+    bad = train_net(tiny(bad_out, tmp_path / "cache", *base, "model.cfg.hidden_size=32",
+                         f"train.load_weight={src / 'model_final'}"))
+    assert bad.returncode == 1
+    assert "another model shape" in bad.stderr
+    assert not bad_out.exists()
+
+
+def _one_error_line(r):
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return errors[0]
+
+
+def _copy_data(tmp_path):
+    dst = tmp_path / "data" / "demo"
+    dst.parent.mkdir(parents=True)
+    for ext in (".bin", ".idx"):
+        shutil.copy(ROOT / (DATA + ext), str(dst) + ext)
+    return dst
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "wrong_type", "missing_prefix", "truncated_idx", "bad_magic",
+                                  "ids_beyond_vocab", "batch_not_divisible", "missing_config", "bad_layout"])
+def test_bad_input_one_line_nonzero_nothing_written(tmp_path, case):
+    out = tmp_path / "out"
+    extra, needle, config = [], None, CONFIG
+    if case == "unknown_key":
+        extra, needle = ["train.train_iters=5"], "did you mean 'train.train_iter'"
+    elif case == "wrong_type":
+        extra, needle = ["train.train_iter=abc"], "train.train_iter"
+    elif case == "missing_prefix":
+        extra, needle = [f"dataloader.train.data_prefix={tmp_path / 'nope'}"], "tools/preprocess_data.py"
+    elif case == "truncated_idx":
+        prefix = _copy_data(tmp_path)
+        with open(str(prefix) + ".idx", "r+b") as f:
+            f.truncate(1000)
+        extra, needle = [f"dataloader.train.data_prefix={prefix}"], "truncated"
+    elif case == "bad_magic":
+        prefix = _copy_data(tmp_path)
+        with open(str(prefix) + ".idx", "r+b") as f:
+            f.write(b"NOTANIDX!")
+        extra, needle = [f"dataloader.train.data_prefix={prefix}"], "not a Megatron mmap index"
+    elif case == "ids_beyond_vocab":
+        prefix = tmp_path / "big" / "ids"
+        b = MMapIndexedDatasetBuilder(str(prefix), np.int32)
+        src = MMapIndexedDataset(str(ROOT / DATA))
+        for i in range(len(src)):
+            doc = src[i].astype(np.int32)
+            if i == 3:
+                doc[0] = 9000
+            b.add_item(doc)
+            b.end_document()
+        b.finalize()
+        extra, needle = [f"dataloader.train.data_prefix={prefix}"], "9000"
+    elif case == "batch_not_divisible":
+        extra, needle = ["train.global_batch_size=10"], "not divisible"
+    elif case == "missing_config":
+        config, needle = "projects/GPT/configs/nope.py", "nope.py"
+    elif case == "bad_layout":
+        extra, needle = ["train.dist.tensor_parallel_size=2"], "world size"
+    args = tiny(out, tmp_path / "cache", "train.train_iter=2", *extra)
+    r = subprocess.run([sys.executable, "tools/train_net.py", "--config-file", config, *args],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    line = _one_error_line(r)
+    assert needle in line, line
+    assert not out.exists()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_sh_two_processes_data_parallel_matches_one(tmp_path):
+    """dp=2 through tools/train.sh and torchrun gives the one-process loss curve."""
+    args = ["train.train_iter=4", "train.evaluation.enabled=False", "train.checkpointer.period=100",
+            "model.cfg.attention_dropout_prob=0.0", "model.cfg.output_dropout_prob=0.0"]
+    one = tmp_path / "one"
+    r = train_net(tiny(one, tmp_path / "cache", *args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = tmp_path / "two"
+    env = dict(_env(), PORT=str(_free_port()))
+    r = subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "2", *tiny(two, tmp_path / "cache", *args)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for it in a:
+        assert b[it] == pytest.approx(a[it], rel=1e-4, abs=1e-4)
+    assert (two / "log.txt.rank1").exists()

@@ -1,0 +1,22 @@
+#!/usr/bin/env python
+"""Train (or evaluate with --eval-only) a model described by a lazy config.
+
+    bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 train.train_iter=100
+    python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py train.train_iter=100
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from libai_lite.engine.default import launch  # noqa: E402
+from libai_lite.config import default_argument_parser  # noqa: E402
+
+
+def main(argv=None) -> int:
+    args = default_argument_parser().parse_args(argv)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
