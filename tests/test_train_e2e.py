@@ -14,56 +14,7 @@ import pytest
 
 from libai_lite.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "projects/GPT/configs/gpt2_pretrain.py"
-DATA = "data_test/gpt2/demo_gpt2_text_document"
-
-
-def tiny(out, cache, *extra):
-    """Overrides that shrink the demo to a model that takes milliseconds per step."""
-    return [
-        f"train.output_dir={out}",
-        f"dataloader.train.cache_dir={cache}",
-        "dataloader.train.num_workers=0",
-        "model.cfg.hidden_layers=2",
-        "model.cfg.hidden_size=64",
-        "model.cfg.ffn_hidden_size=128",
-        "model.cfg.num_attention_heads=2",
-        "model.cfg.max_seq_length=32",
-        "model.cfg.attention_dropout_prob=0.1",
-        "model.cfg.output_dropout_prob=0.1",
-        "train.train_micro_batch_size=4",
-        "train.global_batch_size=8",
-        "train.test_micro_batch_size=4",
-        "train.log_period=1",
-        "train.evaluation.eval_iter=2",
-        *extra,
-    ]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def train_net(args, **kw):
-    return subprocess.run(
-        [sys.executable, "tools/train_net.py", "--config-file", CONFIG, *args],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw,
-    )
-
-
-def losses(out) -> dict:
-    """iteration -> total_loss, the last row for each iteration (a resumed run appends)."""
-    rows = {}
-    with open(Path(out) / "metrics.json") as f:
-        for line in f:
-            row = json.loads(line)
-            if "total_loss" in row:
-                rows[row["iteration"]] = row["total_loss"]
-    return rows
+from e2e_utils import CONFIG, DATA, ROOT, env, losses, one_error_line, tiny, train_cmd, train_net, train_sh
 
 
 def test_training_writes_outputs_and_loss_falls(tmp_path):
@@ -102,8 +53,8 @@ def test_kill_9_then_resume_reproduces_losses(tmp_path):
     expected = losses(ref)
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "tools/train_net.py", "--config-file", CONFIG, *tiny(out, tmp_path / "cache", *args)]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = train_cmd(tiny(out, tmp_path / "cache", *args))
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
         if (out / "metrics.json").exists() and len(losses(out)) >= 10:
@@ -115,7 +66,7 @@ def test_kill_9_then_resume_reproduces_losses(tmp_path):
     resumed_from = (out / "last_checkpoint").read_text().strip()
     start = int(resumed_from.split("_")[1]) + 1
 
-    r = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"Resumed from {out / resumed_from} at iteration {start}" in (out / "log.txt").read_text()
     got = losses(out)
@@ -144,14 +95,6 @@ def test_load_weight_loads_and_refuses_other_shapes(tmp_path):
     assert bad.returncode == 1
     assert "another model shape" in bad.stderr
     assert not bad_out.exists()
-
-
-def _one_error_line(r):
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    return errors[0]
 
 
 def _copy_data(tmp_path):
@@ -202,18 +145,11 @@ def test_bad_input_one_line_nonzero_nothing_written(tmp_path, case):
     elif case == "bad_layout":
         extra, needle = ["train.dist.tensor_parallel_size=2"], "world size"
     args = tiny(out, tmp_path / "cache", "train.train_iter=2", *extra)
-    r = subprocess.run([sys.executable, "tools/train_net.py", "--config-file", config, *args],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = train_net(args, config=config, timeout=120)
     assert r.returncode != 0
-    line = _one_error_line(r)
+    line = one_error_line(r)
     assert needle in line, line
     assert not out.exists()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_train_sh_two_processes_data_parallel_matches_one(tmp_path):
@@ -224,9 +160,7 @@ def test_train_sh_two_processes_data_parallel_matches_one(tmp_path):
     r = train_net(tiny(one, tmp_path / "cache", *args))
     assert r.returncode == 0, r.stderr[-3000:]
     two = tmp_path / "two"
-    env = dict(_env(), PORT=str(_free_port()))
-    r = subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "2", *tiny(two, tmp_path / "cache", *args)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = train_sh(2, tiny(two, tmp_path / "cache", *args))
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

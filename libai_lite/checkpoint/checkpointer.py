@@ -227,17 +227,27 @@ class Checkpointer:
 
 
 def resolve_resume(save_dir: str) -> str | None:
-    """The checkpoint `--resume` should continue from, agreed by all ranks (None: start fresh)."""
-    path = None
+    """The checkpoint `--resume` should continue from, agreed by all ranks (None: start fresh).
+
+    Rank 0 reads the directory and every rank gets its verdict, so a corrupt checkpoint stops
+    all ranks with the same message instead of leaving the others waiting.
+    """
+    verdict: tuple[str | None, str | None] = (None, None)
     if get_rank() == 0:
         marker = os.path.join(save_dir, LAST_CHECKPOINT)
         if os.path.isfile(marker):
             with open(marker) as f:
                 name = f.read().strip()
             path = os.path.join(save_dir, name)
-            if not is_complete(path):
-                raise UsageError(
+            if is_complete(path):
+                verdict = (path, None)
+            else:
+                verdict = (None, (
                     f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; "
-                    f"point {LAST_CHECKPOINT} at an earlier model_XXXXXXX directory or start without --resume"
-                )
-    return broadcast_object(path)
+                    f"write the name of an earlier complete model_XXXXXXX directory into {marker}, "
+                    f"or start without --resume"
+                ))
+    path, error = broadcast_object(verdict)
+    if error:
+        raise UsageError(error)
+    return path

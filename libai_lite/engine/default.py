@@ -129,8 +129,9 @@ class DefaultTrainer:
     Subclass and override a `build_*` method to change one piece, LiBai style.
     """
 
-    def __init__(self, cfg, resume: bool = False):
+    def __init__(self, cfg, resume: bool = False, eval_only: bool = False):
         self.cfg = cfg
+        self.eval_only = eval_only
         ctx = get_dist()
         self.ctx = ctx
         self.output_dir = cfg.train.output_dir
@@ -155,9 +156,10 @@ class DefaultTrainer:
             logger.info(f"Resumed from {self.resume_path} at iteration {start_iter}, "
                         f"{self.consumed_samples} samples consumed")
         elif cfg.train.get("load_weight"):
-            self.checkpointer.check_shapes(cfg.train.load_weight)
             self.checkpointer.load(cfg.train.load_weight, weights_only=True)
             logger.info(f"Loaded weights from {cfg.train.load_weight}")
+        elif eval_only:
+            raise UsageError("--eval-only needs weights: set train.load_weight=CHECKPOINT_DIR or add --resume")
         self.start_iter = start_iter
         self._setup_output()
         self.trainer = self.build_trainer()
@@ -180,7 +182,7 @@ class DefaultTrainer:
 
     def _eval_samples(self, cfg) -> int:
         ev = cfg.train.evaluation
-        if not ev.get("enabled", False):
+        if not ev.get("enabled", False) and not self.eval_only:
             return 0
         return int(ev.eval_iter) * int(cfg.train.test_micro_batch_size) * self.ctx.data_parallel_size
 
@@ -266,12 +268,13 @@ class DefaultTrainer:
             grad_scaler=self.grad_scaler,
             clip_grad_max_norm=optim.get("clip_grad_max_norm"),
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
+            max_skipped_nonfinite=int(self.cfg.train.get("max_skipped_nonfinite", 0) or 0),
         )
 
     def build_hooks(self):
         cfg = self.cfg
         periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period, self.trainer_state)
-        out = [hooks.IterationTimer(), periodic, hooks.SignalCheckpointer(periodic)]
+        out = [hooks.IterationTimer(), periodic]
         ev = cfg.train.evaluation
         if ev.get("enabled", False) and self.valid_loader is not None:
             eval_hook = hooks.EvalHook(ev.eval_period, self.evaluate)
@@ -294,6 +297,8 @@ class DefaultTrainer:
                 lambda: self.consumed_samples_at(self.trainer.iter + 1),
             )
         )
+        # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
+        out.append(hooks.SignalCheckpointer(periodic))
         return out
 
     # --------------------------------------------------------------- state
@@ -389,7 +394,8 @@ def _user_error_types():
     from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError
     from ..data.indexed_dataset import IndexedDatasetError
 
-    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError)
+    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError,
+            FloatingPointError)
 
 
 def _find_user_error(exc: BaseException | None):
@@ -415,7 +421,7 @@ def launch(args) -> int:
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         default_setup(cfg, args)
-        trainer = DefaultTrainer(cfg, resume=resume)
+        trainer = DefaultTrainer(cfg, resume=resume, eval_only=args.eval_only)
         if args.eval_only:
             trainer.test()
         else:

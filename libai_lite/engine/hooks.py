@@ -200,7 +200,8 @@ class PeriodicWriter(HookBase):
         window, self._window = self._window, []
         dp_group = get_dist().group("dp")
         # Loss averaged over data-parallel ranks: each saw different samples.
-        loss_keys = sorted(k for k in latest if "loss" in k and not k.startswith("valid/"))
+        loss_keys = sorted((k for k in latest if "loss" in k and not k.startswith("valid/")),
+                           key=lambda k: (k != "total_loss", k))
         reduced = all_reduce_mean([latest[k] for k in loss_keys], group=dp_group)
         raw = dict(latest)
         raw.update(zip(loss_keys, reduced))
@@ -211,7 +212,6 @@ class PeriodicWriter(HookBase):
         data_time = sum(w["data_time"] for w in window) / len(window)
         samples_s = self.global_batch_size / step_time
         tokens_s = samples_s * self.seq_length
-        raw.pop("local_tokens", None)
         raw.update(
             consumed_samples=self.consumed_fn(),
             samples_per_sec=self.global_batch_size / raw["time"],

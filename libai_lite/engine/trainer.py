@@ -100,6 +100,7 @@ class EagerTrainer(TrainerBase):
         grad_scaler: torch.amp.GradScaler | None = None,
         clip_grad_max_norm: float | None = None,
         clip_grad_norm_type: float = 2.0,
+        max_skipped_nonfinite: int = 0,
     ):
         super().__init__()
         self.model = model
@@ -114,6 +115,9 @@ class EagerTrainer(TrainerBase):
         self.clip_grad_max_norm = clip_grad_max_norm
         self.clip_grad_norm_type = clip_grad_norm_type
         self._params = [p for p in model.parameters() if p.requires_grad]
+        # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
+        self.max_skipped_nonfinite = int(max_skipped_nonfinite or 0)
+        self.skipped_nonfinite = 0
 
     def autocast(self):
         """The autocast context for this run's precision (a no-op in fp32)."""
@@ -138,12 +142,10 @@ class EagerTrainer(TrainerBase):
         acc = self.num_accumulation_steps
         data_time = 0.0
         totals: dict[str, torch.Tensor] = {}
-        tokens = 0
         for micro in range(acc):
             t = time.perf_counter()
             batch = self._next_batch()
             data_time += time.perf_counter() - t
-            tokens += batch["input_ids"].numel()
             # Gradients are all-reduced once per step, not once per micro-batch.
             sync = (
                 self.model.no_sync()
@@ -163,9 +165,21 @@ class EagerTrainer(TrainerBase):
                 totals[k] = totals.get(k, 0.0) + v.detach().float() / acc
         total_loss = float(sum(totals.values()))
         if not math.isfinite(total_loss) and self.grad_scaler is None:
+            # fp16 runs leave this to the loss scaler, which skips overflowed steps itself.
+            if self.skipped_nonfinite < self.max_skipped_nonfinite:
+                self.skipped_nonfinite += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                logger.warning(
+                    f"loss is {total_loss} at iteration {self.iter}: batch skipped without an optimizer step "
+                    f"({self.skipped_nonfinite}/{self.max_skipped_nonfinite} allowed by train.max_skipped_nonfinite)"
+                )
+                self.storage.put_scalars(total_loss=total_loss, lr=lr, grad_norm=float("nan"),
+                                         time=time.perf_counter() - start, data_time=data_time, skipped=1.0)
+                return
             raise FloatingPointError(
                 f"loss is {total_loss} at iteration {self.iter}: training diverged; lower optim.lr, raise "
-                f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from the last checkpoint"
+                f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from the "
+                f"last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
             )
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
@@ -195,7 +209,6 @@ class EagerTrainer(TrainerBase):
             grad_norm=float(grad_norm),
             time=time.perf_counter() - start,
             data_time=data_time,
-            local_tokens=tokens,
         )
         if self.grad_scaler is not None:
             metrics.update(loss_scale=self.grad_scaler.get_scale(), skipped=float(skipped))
