@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..optim.container import optimizer_parts
 from ..utils.distributed import barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
 
@@ -77,14 +78,28 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, TRAINER_STATE))
 
 
-class Checkpointer:
-    """Saves and loads model, optimizer and trainer state under `save_dir`."""
+# Optimizer state flattened to one key per parameter name ("state.<fqn>.exp_avg"), so the
+# state of several model parts (pipeline stages) merges and splits by name, whatever the layout.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, save_dir: str = "", max_to_keep: int | None = None):
-        self.model = model
+
+class Checkpointer:
+    """Saves and loads model, optimizer and trainer state under `save_dir`.
+
+    `model` is a module or a list of model parts (the pipeline stages this rank holds);
+    `optimizer` is one optimizer or an `OptimizersContainer` with one optimizer per part.
+    """
+
+    def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None):
+        self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
         self.max_to_keep = max_to_keep
+
+    @property
+    def _optims(self) -> list:
+        parts = optimizer_parts(self.optimizer)
+        return parts if parts else [None] * len(self.parts)
 
     # ---------------------------------------------------------------- saving
     def save(self, name: str, trainer_state: dict) -> str:
@@ -134,9 +149,21 @@ class Checkpointer:
         return final
 
     def _state_dicts(self):
-        if self.optimizer is None:
-            return get_model_state_dict(self.model), None
-        return get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = {}, {}
+        for part, optim in zip(self.parts, self._optims):
+            if optim is None:
+                model_sd.update(get_model_state_dict(part))
+            else:
+                m, o = get_state_dict(part, optim, options=_FLAT)
+                model_sd.update(m)
+                optim_sd.update(o)
+        return model_sd, (optim_sd if self.optimizer is not None else None)
+
+    def _model_state_dict(self) -> dict:
+        sd = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        return sd
 
     def _prune(self, keep: str) -> None:
         if not self.max_to_keep or self.max_to_keep <= 0:
@@ -178,7 +205,7 @@ class Checkpointer:
             meta = reader.read_metadata().state_dict_metadata
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
             raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
-        ours = get_model_state_dict(self.model)
+        ours = self._model_state_dict()
         for key, tensor in ours.items():
             stored = meta.get(f"model.{key}")
             if stored is None:
@@ -202,22 +229,30 @@ class Checkpointer:
                 f"model_XXXXXXX directory, or remove it to start fresh"
             )
         self.check_shapes(path)
-        opts = StateDictOptions(strict=True)
         if weights_only or self.optimizer is None:
-            model_sd = get_model_state_dict(self.model)
-            state = {"model": model_sd}
+            state = {"model": self._model_state_dict()}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["model"], options=opts)
+            for part in self.parts:
+                own = get_model_state_dict(part)
+                set_model_state_dict(part, {k: state["model"][k] for k in own}, options=StateDictOptions(strict=True))
             return {}
         state_path = os.path.join(path, TRAINER_STATE)
         if not os.path.isfile(state_path):
             raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; remove it to resume from an earlier one")
         with open(state_path) as f:
             trainer_state = json.load(f)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+        for part, optim in zip(self.parts, self._optims):
+            own_model, own_optim = get_state_dict(part, optim, options=_FLAT)
+            set_state_dict(
+                part,
+                optim,
+                model_state_dict={k: state["model"][k] for k in own_model},
+                optim_state_dict={k: state["optim"][k] for k in own_optim},
+                options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),
+            )
         rng_path = os.path.join(path, f"rng_state_{get_rank()}.pt")
         if os.path.isfile(rng_path):
             set_rng_state(torch.load(rng_path, weights_only=True))
