@@ -1,5 +1,6 @@
 """End to end through tools/train_net.py and tools/train.sh, as a user runs them."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -167,3 +168,30 @@ def test_train_sh_two_processes_data_parallel_matches_one(tmp_path):
     for it in a:
         assert b[it] == pytest.approx(a[it], rel=1e-4, abs=1e-4)
     assert (two / "log.txt.rank1").exists()
+
+
+def test_eval_only_reports_valid_and_test_perplexity(tmp_path):
+    src = tmp_path / "src"
+    assert train_net(tiny(src, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False")).returncode == 0
+    r = train_net(tiny(tmp_path / "eval", tmp_path / "cache", f"train.load_weight={src / 'model_final'}") + ["--eval-only"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "valid/PPL" in r.stdout and "test/PPL" in r.stdout
+    no_weights = train_net(tiny(tmp_path / "none", tmp_path / "cache") + ["--eval-only"])
+    assert no_weights.returncode == 1
+    assert "train.load_weight" in one_error_line(no_weights)
+
+
+def test_fast_dev_run_and_train_epoch(tmp_path):
+    r = train_net(tiny(tmp_path / "fast", tmp_path / "cache") + ["--fast-dev-run"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(losses(tmp_path / "fast")) == list(range(1, 21))
+    # A fifth of an epoch of the train split at 128 tokens per sample and 512 samples per step.
+    out = tmp_path / "epoch"
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=1", "train.train_epoch=0.2", "train.log_period=1000",
+                       "train.evaluation.enabled=False", "model.cfg.max_seq_length=128", "train.global_batch_size=512",
+                       "train.train_micro_batch_size=64"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    from libai_lite.data.build import train_samples_per_epoch
+
+    per_epoch = train_samples_per_epoch(str(ROOT / DATA), "949,50,1", 128)
+    assert f"train.train_iter set to {math.ceil(0.2 * per_epoch / 512)}" in r.stdout
