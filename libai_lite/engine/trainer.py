@@ -8,7 +8,6 @@ import weakref
 from contextlib import nullcontext
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from ..utils.events import EventStorage
 
@@ -86,7 +85,13 @@ class TrainerBase:
 
 
 class EagerTrainer(TrainerBase):
-    """One optimizer step over `num_accumulation_steps` micro-batches, with AMP and gradient clipping."""
+    """One optimizer step over `num_accumulation_steps` micro-batches, with AMP and gradient clipping.
+
+    Works on a plain, DDP, FSDP2 or tensor-parallel model alike: gradient sync is deferred to
+    the last micro-batch (`no_sync_context`), the loss runs under `loss_context` (loss_parallel
+    when the vocabulary is sharded) and clipping takes DTensor gradients and pipeline stages
+    into account.
+    """
 
     def __init__(
         self,
@@ -101,6 +106,9 @@ class EagerTrainer(TrainerBase):
         clip_grad_max_norm: float | None = None,
         clip_grad_norm_type: float = 2.0,
         max_skipped_nonfinite: int = 0,
+        loss_context=nullcontext,
+        params=None,
+        pp_mesh=None,
     ):
         super().__init__()
         self.model = model
@@ -114,7 +122,10 @@ class EagerTrainer(TrainerBase):
         self.grad_scaler = grad_scaler
         self.clip_grad_max_norm = clip_grad_max_norm
         self.clip_grad_norm_type = clip_grad_norm_type
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_context = loss_context
+        self.pp_mesh = pp_mesh
+        params = model.parameters() if params is None else params
+        self._params = [p for p in params if p.requires_grad]
         # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
         self.max_skipped_nonfinite = int(max_skipped_nonfinite or 0)
         self.skipped_nonfinite = 0
@@ -135,34 +146,39 @@ class EagerTrainer(TrainerBase):
             batch = next(self._data_iter)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def run_step(self) -> None:
-        start = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.model.train()
-        acc = self.num_accumulation_steps
-        data_time = 0.0
+    def forward_backward(self, batches: list[dict]) -> dict:
+        """Forward and backward over the step's micro-batches; returns each loss averaged over them."""
+        from ..parallel.data_parallel import no_sync_context
+
+        acc = len(batches)
         totals: dict[str, torch.Tensor] = {}
-        for micro in range(acc):
-            t = time.perf_counter()
-            batch = self._next_batch()
-            data_time += time.perf_counter() - t
-            # Gradients are all-reduced once per step, not once per micro-batch.
-            sync = (
-                self.model.no_sync()
-                if isinstance(self.model, DistributedDataParallel) and micro < acc - 1
-                else nullcontext()
-            )
-            with sync:
+        for micro, batch in enumerate(batches):
+            # Gradients are reduced across data-parallel ranks once per step, on the last micro-batch.
+            with no_sync_context(self.model, micro == acc - 1), self.loss_context():
                 with self.autocast():
                     outputs = self.model(**batch)
                 losses = {k: v for k, v in outputs.items() if "loss" in k}
-                loss = sum(losses.values())
-                scaled = loss / acc
+                scaled = sum(losses.values()) / acc
                 if self.grad_scaler is not None:
                     scaled = self.grad_scaler.scale(scaled)
                 scaled.backward()
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v.detach().float() / acc
+        return totals
+
+    def before_optimizer_step(self) -> None:
+        """Called after backward, before clipping (pipeline stages sync tied weights here)."""
+
+    def run_step(self) -> None:
+        from ..parallel.data_parallel import clip_grad_norm_
+
+        start = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.model.train()
+        data_time = time.perf_counter()
+        batches = [self._next_batch() for _ in range(self.num_accumulation_steps)]
+        data_time = time.perf_counter() - data_time
+        totals = self.forward_backward(batches)
         total_loss = float(sum(totals.values()))
         if not math.isfinite(total_loss) and self.grad_scaler is None:
             # fp16 runs leave this to the loss scaler, which skips overflowed steps itself.
@@ -181,10 +197,11 @@ class EagerTrainer(TrainerBase):
                 f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from the "
                 f"last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
             )
+        self.before_optimizer_step()
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         max_norm = self.clip_grad_max_norm if self.clip_grad_max_norm else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type=self.clip_grad_norm_type)
+        grad_norm = clip_grad_norm_(self._params, max_norm, self.clip_grad_norm_type, pp_mesh=self.pp_mesh)
         skipped = False
         if self.grad_scaler is not None:
             scale_before = self.grad_scaler.get_scale()
