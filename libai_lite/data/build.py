@@ -207,7 +207,7 @@ def open_indexed_dataset(data_prefix: str) -> MMapIndexedDataset:
     return MMapIndexedDataset(data_prefix)
 
 
-def _check_num_samples(train_valid_test_num_samples) -> list:
+def check_num_samples(train_valid_test_num_samples) -> list:
     nums = [0 if n is None else int(n) for n in train_valid_test_num_samples]
     if len(nums) != 3 or any(n < 0 for n in nums):
         raise UsageError(f"train_valid_test_num_samples must be three non-negative counts, "
@@ -243,7 +243,7 @@ def build_gpt_train_valid_test_datasets(data_prefix, splits_string, train_valid_
 
     With ``vocab_size``, data holding token ids outside the vocabulary is refused.
     """
-    nums = _check_num_samples(train_valid_test_num_samples)
+    nums = check_num_samples(train_valid_test_num_samples)
     prefixes, weights = parse_data_prefix(data_prefix)
     if weights is None:
         result = _build_single_prefix(prefixes[0], splits_string, nums, seq_length, seed, cache_dir)
@@ -294,9 +294,17 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
     padding the last global batch with ``labels == IGNORE_INDEX`` samples so all ranks stay in
     step. A split asked for 0 samples gets None.
     """
-    nums = _check_num_samples(train_valid_test_num_samples)
+    nums = check_num_samples(train_valid_test_num_samples)
     datasets = build_gpt_train_valid_test_datasets(
         data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=vocab_size)
+    return build_loaders_for_datasets(datasets, nums, micro_batch_size, eval_micro_batch_size, consumed_samples,
+                                      data_parallel_rank, data_parallel_size, num_workers)
+
+
+def build_loaders_for_datasets(datasets, nums, micro_batch_size: int, eval_micro_batch_size: int | None,
+                               consumed_samples: int, data_parallel_rank: int, data_parallel_size: int,
+                               num_workers: int) -> tuple:
+    """Loaders for (train, valid, test) datasets: resumable train sampler, padded exact-size eval samplers."""
     train_ds, valid_ds, test_ds = datasets
     layout = dict(micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                   data_parallel_size=data_parallel_size)

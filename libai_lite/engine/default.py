@@ -212,10 +212,29 @@ class DefaultTrainer:
         return loaders
 
     def _train_samples_per_epoch(self, cfg) -> int:
-        from ..data.build import train_samples_per_epoch
-
         c = cfg.dataloader.train
-        return train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.seq_length))
+        if "seq_length" in c:
+            from ..data.build import train_samples_per_epoch
+
+            return train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.seq_length))
+        from ..data.t5_dataset import t5_train_samples_per_epoch
+
+        return t5_train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.max_seq_length),
+                                          float(c.get("masked_lm_prob", 0.15)), float(c.get("mean_span_length", 3.0)))
+
+    @staticmethod
+    def tokens_per_sample(cfg) -> int:
+        """Tokens one sample feeds the model: the GPT sequence, or T5's encoder plus decoder lengths."""
+        c = cfg.dataloader.train
+        if "seq_length" in c:
+            return int(c.seq_length)
+        dec = c.get("max_seq_length_dec")
+        if dec is None:
+            from ..data.t5_dataset import random_spans_helper
+
+            dec = random_spans_helper(int(c.max_seq_length), float(c.get("masked_lm_prob", 0.15)),
+                                      float(c.get("mean_span_length", 3.0)))[1]
+        return int(c.max_seq_length) + int(dec)
 
     def build_model(self, cfg):
         """Instantiate `cfg.model` on this rank's device and wrap it for data parallelism."""
@@ -282,7 +301,7 @@ class DefaultTrainer:
             if ev.get("eval_metric"):
                 out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
                                                   ev.eval_metric, ev.get("eval_mode", "min")))
-        seq = int(cfg.dataloader.train.seq_length)
+        seq = self.tokens_per_sample(cfg)
         flops = None
         if hasattr(self.raw_model, "flops_per_token"):
             flops = self.raw_model.flops_per_token(seq)
