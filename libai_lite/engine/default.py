@@ -107,6 +107,9 @@ def default_setup(cfg, args) -> None:
         cfg.train.evaluation.eval_iter = 2
         cfg.train.checkpointer.period = 10
     num_layers = try_get_key(cfg, "model.cfg.hidden_layers", default=None)
+    # Encoder-decoder models pipeline both stacks: their layer_idx runs over 2 x hidden_layers.
+    if num_layers is not None and try_get_key(cfg, "model.cfg.model_type", default=None) in ("t5", "mt5"):
+        num_layers = 2 * int(num_layers)
     with open_dict(cfg):
         if cfg.train.dist.get("pipeline_num_layers") is None and num_layers is not None:
             cfg.train.dist.pipeline_num_layers = int(num_layers)
@@ -222,6 +225,18 @@ class DefaultTrainer:
         return t5_train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.max_seq_length),
                                           float(c.get("masked_lm_prob", 0.15)), float(c.get("mean_span_length", 3.0)))
 
+    def flops_per_sample(self, cfg) -> float | None:
+        """Training FLOPs of one sample (forward and backward) from the model's own count, if it has one."""
+        if not hasattr(self.raw_model, "flops_per_token"):
+            return None
+        c = cfg.dataloader.train
+        if "seq_length" in c:
+            return float(self.raw_model.flops_per_token(int(c.seq_length))) * int(c.seq_length)
+        enc = int(c.max_seq_length)
+        dec = self.tokens_per_sample(cfg) - enc
+        # The T5 models count per encoder token, with the decoder's length given separately.
+        return float(self.raw_model.flops_per_token(enc, decoder_seq_length=dec)) * enc
+
     @staticmethod
     def tokens_per_sample(cfg) -> int:
         """Tokens one sample feeds the model: the GPT sequence, or T5's encoder plus decoder lengths."""
@@ -302,9 +317,7 @@ class DefaultTrainer:
                 out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
                                                   ev.eval_metric, ev.get("eval_mode", "min")))
         seq = self.tokens_per_sample(cfg)
-        flops = None
-        if hasattr(self.raw_model, "flops_per_token"):
-            flops = self.raw_model.flops_per_token(seq)
+        flops = self.flops_per_sample(cfg)
         out.append(
             hooks.PeriodicWriter(
                 self.output_dir,

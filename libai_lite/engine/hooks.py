@@ -158,11 +158,11 @@ class PeriodicWriter(HookBase):
     """
 
     def __init__(self, output_dir: str, period: int, global_batch_size: int, seq_length: int,
-                 flops_per_token: float | None, peak_flops: float | None, consumed_fn, tensorboard: bool = True):
+                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, tensorboard: bool = True):
         self.period = max(int(period), 1)
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
-        self.flops_per_token = flops_per_token
+        self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops
         self.consumed_fn = consumed_fn
         self.main = is_main_process()
@@ -225,6 +225,8 @@ class PeriodicWriter(HookBase):
             f"consumed_samples: {raw['consumed_samples']}",
         ]
         parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in loss_keys]
+        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}"
+                  for k in sorted(latest) if k.endswith("_acc")]
         parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
         if "loss_scale" in raw:
             parts.append(f"loss_scale: {raw['loss_scale']:g}")
@@ -234,8 +236,8 @@ class PeriodicWriter(HookBase):
             f"samples/s: {samples_s:.2f}",
             f"tokens/s: {tokens_s:.0f}",
         ]
-        if self.flops_per_token:
-            tflops = tokens_s * self.flops_per_token / get_dist().world_size / 1e12
+        if self.flops_per_sample:
+            tflops = samples_s * self.flops_per_sample / get_dist().world_size / 1e12
             raw["tflops_per_rank"] = tflops
             parts.append(f"TFLOP/s/rank: {tflops:.3f}")
             if self.peak_flops:

@@ -158,7 +158,10 @@ class EagerTrainer(TrainerBase):
                 with self.autocast():
                     outputs = self.model(**batch)
                 losses = {k: v for k, v in outputs.items() if "loss" in k}
-                scaled = sum(losses.values()) / acc
+                # Other scalar outputs (token accuracy, ...) are logged, not back-propagated.
+                losses.update({k: v for k, v in outputs.items() if k not in losses and k != "nll_sum"
+                               and torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()})
+                scaled = sum(v for k, v in losses.items() if "loss" in k) / acc
                 if self.grad_scaler is not None:
                     scaled = self.grad_scaler.scale(scaled)
                 scaled.backward()
@@ -179,7 +182,7 @@ class EagerTrainer(TrainerBase):
         batches = [self._next_batch() for _ in range(self.num_accumulation_steps)]
         data_time = time.perf_counter() - data_time
         totals = self.forward_backward(batches)
-        total_loss = float(sum(totals.values()))
+        total_loss = float(sum(v for k, v in totals.items() if "loss" in k))
         if not math.isfinite(total_loss) and self.grad_scaler is None:
             # fp16 runs leave this to the loss scaler, which skips overflowed steps itself.
             if self.skipped_nonfinite < self.max_skipped_nonfinite:

@@ -1,0 +1,53 @@
+"""LiBai's MT5 pretraining recipe: mT5-base dimensions, dp2 x tp2, ZeRO-2, mixed precision,
+8 accumulation steps of micro-batch 4, span corruption on the demo corpus in data_test/.
+
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 4
+
+projects/MT5/README.md has the one-process and 8-process variants and how to scale it down.
+"""
+from configs.common.data.t5_dataset import dataloader, tokenization
+from configs.common.models.t5 import pretrain_model as model
+from configs.common.optim import optim
+from configs.common.train import train
+from libai_lite.config import LazyCall
+from libai_lite.scheduler import WarmupExponentialLR
+
+model.cfg.update(
+    hidden_size=768,
+    hidden_layers=12,
+    num_attention_heads=12,
+    head_size=64,
+    intermediate_size=2048,
+    model_type="mt5",
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    embedding_dropout_prob=0.0,
+    tie_word_embeddings=False,
+)
+
+dataloader.train.update(max_seq_length=512, masked_lm_prob=0.15)
+
+optim.lr = 1e-4
+
+train.update(
+    output_dir="output/mt5_pretrain",
+    train_micro_batch_size=4,
+    num_accumulation_steps=8,
+    global_batch_size=None,
+    test_micro_batch_size=4,
+    train_epoch=1,
+    train_iter=24000,
+    log_period=10,
+    warmup_ratio=1 / 24,
+    scheduler=LazyCall(WarmupExponentialLR)(warmup_factor=0.001, gamma=1.0, warmup_method="linear"),
+)
+train.amp.update(enabled=True, dtype="bf16")
+train.dist.update(
+    data_parallel_size=2,
+    tensor_parallel_size=2,
+    pipeline_parallel_size=1,
+    pipeline_num_layers=2 * model.cfg.hidden_layers,
+)
+train.zero_optimization.update(enabled=True, stage=2)
+train.activation_checkpoint.enabled = False
+train.evaluation.update(enabled=True, eval_period=5000, eval_iter=20)

@@ -1,0 +1,86 @@
+"""T5's bucketed relative position bias, a per-head additive term on the attention scores."""
+import math
+from typing import Optional
+
+import torch
+
+from libai_lite.layers import Embedding
+from libai_lite.layers.init_methods import InitMethod
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> torch.Tensor:
+    """Map ``key_position - query_position`` to a bucket in ``[0, num_buckets)`` (Mesh TensorFlow's scheme).
+
+    Half of the buckets (per direction when ``bidirectional``) hold exact distances
+    0..max_exact-1; the rest grow logarithmically up to ``max_distance``, beyond which
+    every distance shares the last bucket. A causal decoder never sees keys after the
+    query, so with ``bidirectional=False`` positive offsets fold into bucket 0.
+    The arithmetic follows Mesh TensorFlow op for op (float32 log, truncation by
+    ``.to(long)``) so trained checkpoints see exactly the buckets they were trained with.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # clamp(min=1) only avoids log(0) on entries that is_small selects away anyway.
+    large = max_exact + (
+        torch.log(distance.clamp(min=1).float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(Embedding):
+    """The ``[num_buckets, num_heads]`` table of one T5 stack and the score bias it yields.
+
+    It lives in the first layer of the encoder and of the decoder (as in Hugging Face);
+    that layer computes ``compute_bias`` once and every later layer of the same stack
+    reuses the result. Under tensor parallelism the table is split over heads (weight
+    SBP ``split(1)``, ``parallel = "col"``: torch's ``ColwiseParallel`` on an
+    ``nn.Embedding`` shards exactly that dimension and, with a local output, hands each
+    rank the bias of its own heads, which is what ``MultiheadAttention`` expects).
+    """
+
+    parallel = "col"
+
+    def __init__(
+        self,
+        num_buckets: int,
+        num_heads: int,
+        bidirectional: bool,
+        max_distance: int = 128,
+        init_method: Optional[InitMethod] = None,
+        layer_idx: int = 0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            num_buckets, num_heads, init_method=init_method, layer_idx=layer_idx, device=device, dtype=dtype
+        )
+        self.bidirectional = bidirectional
+        self.max_distance = max_distance
+
+    def compute_bias(self, query_length: int, key_length: int) -> torch.Tensor:
+        """Score bias ``[1, heads, query_length, key_length]`` (this rank's heads under tensor parallelism)."""
+        device = self.weight.device
+        query_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
+        key_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(
+            key_position - query_position, self.bidirectional, self.num_embeddings, self.max_distance
+        )
+        # Called through the module (not F.embedding) so a tensor-parallel plan's hooks apply.
+        values = self(buckets)  # [query, key, heads]
+        return values.permute(2, 0, 1).unsqueeze(0)
+
+    def extra_repr(self) -> str:
+        direction = "bidirectional" if self.bidirectional else "causal"
+        return f"{super().extra_repr()}, {direction}, max_distance={self.max_distance}"
