@@ -1,0 +1,329 @@
+#!/usr/bin/env python
+"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, and activation checkpointing.
+
+One torchrun job (gloo on CPU, nccl on GPU; 4 processes by default) trains a GPT of a few tens
+of millions of parameters for three steps in each configuration, one after another, and every
+rank reports:
+
+  - param / grad / optimizer bytes, counted from what the rank holds: a DTensor's local shard
+    (`to_local()`), a ZeroRedundancyOptimizer's local state; `static` is their sum;
+  - activation bytes: memory the forward leaves alive for the backward (after forward minus
+    before forward; under ZeRO-2 this includes the parameters FSDP keeps gathered);
+  - peak fwd+bwd: the high-water mark during forward+backward above the memory before forward;
+  - peak step: the high-water mark during a whole step above the memory before the model existed.
+
+Memory is the process RSS on CPU (the peak reset through /proc/self/clear_refs, and glibc told
+to return large frees at once so RSS follows live memory) and `torch.cuda` allocator statistics
+on GPU. The table shows each configuration next to no-ZeRO; the last line of the output is one
+JSON object with every number (the maximum over ranks).
+
+    python bench/memory.py                 # defaults: ~30M-parameter GPT, 4 ranks, a few minutes on 2 CPU cores
+    python bench/memory.py --smoke         # tiny model, seconds
+    python bench/memory.py --hidden 1024 --layers 12 --nproc 8
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# name -> (zero_stage, offload, activation checkpointing); "no_zero" is the reference column.
+CONFIGS = {
+    "no_zero": (0, False, False),
+    "zero1": (1, False, False),
+    "zero2": (2, False, False),
+    "zero3": (3, False, False),
+    "zero3_offload": (3, True, False),
+    "no_zero_ac": (0, False, True),
+    "zero3_ac": (3, False, True),
+}
+MODEL_DEFAULTS = dict(layers=6, hidden=512, heads=8, vocab=16384, seq=128, micro_batch=4)
+SMOKE = dict(layers=2, hidden=32, heads=4, vocab=128, seq=16, micro_batch=2)
+ACCEPT_ZERO3_STATIC_RATIO = 0.30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--smoke", action="store_true", help="tiny model: checks the benchmark runs (seconds)")
+    p.add_argument("--nproc", type=int, default=4, help="data-parallel ranks (default 4)")
+    for key, value in MODEL_DEFAULTS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value} (smoke {SMOKE[key]})")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    base = SMOKE if args.smoke else MODEL_DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown configs {sorted(unknown)}; choose from {','.join(CONFIGS)}")
+    if "no_zero" not in args.configs.split(","):
+        p.error("--configs must include no_zero, the reference column")
+    return args
+
+
+# ------------------------------------------------------------------ memory probes (worker side)
+
+
+class MemoryProbe:
+    """Current and peak memory of this process: RSS on CPU, the CUDA allocator on GPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+
+    def current(self) -> int:
+        if self.cuda:
+            return self.torch.cuda.memory_allocated()
+        return self._status_kb("VmRSS") * 1024
+
+    def peak(self) -> int:
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated()
+        return self._status_kb("VmHWM") * 1024
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+            return
+        # "5" resets the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0).
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    @staticmethod
+    def _status_kb(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def tensor_bytes(t) -> int:
+    """Bytes this rank holds for `t`: the local shard of a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model, optimizer) -> tuple[int, int, int]:
+    """(param, grad, optimizer-state) bytes held by this rank."""
+    import torch
+
+    params = list(model.parameters())
+    param_bytes = sum(tensor_bytes(p) for p in params)
+    grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+    # ShardedStateZeroRedundancyOptimizer.state is its local shard; other optimizers hold their own.
+    opt_bytes = sum(
+        tensor_bytes(v) for s in optimizer.state.values() if s for v in s.values() if torch.is_tensor(v)
+    )
+    return param_bytes, grad_bytes, opt_bytes
+
+
+def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
+    """Three training steps of one configuration; the third is measured."""
+    import torch
+
+    from libai_lite.optim.build import get_default_optimizer_params
+    from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing
+    from libai_lite.parallel.data_parallel import apply_data_parallel, build_zero1_optimizer
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    stage, offload, ac = CONFIGS[name]
+    gc.collect()
+    baseline = probe.current()
+    torch.manual_seed(0)
+    cfg = dict(hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
+               num_attention_heads=args.heads, max_seq_length=args.seq, embedding_dropout_prob=0.0,
+               attention_dropout_prob=0.0, output_dropout_prob=0.0)
+    model = GPTForPreTraining(cfg).to(device)
+    n_params = model.num_parameters()
+    if ac:
+        apply_activation_checkpointing(model)
+    model = apply_data_parallel(model, dp_mesh, stage, offload=offload)
+    raw = model.module if hasattr(model, "module") else model
+    groups = get_default_optimizer_params(raw, weight_decay=0.01)
+    if stage == 1:
+        opt = build_zero1_optimizer(torch.optim.AdamW, groups, dp_mesh.get_group(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-4)
+    g = torch.Generator().manual_seed(1 + dp_mesh.get_local_rank())
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # Step 1 allocates the optimizer state and DDP rebuilds its gradient buckets in step 2's
+    # forward (freeing the first ones mid-forward); step 3 is the one measured.
+    for _ in range(2):
+        model(x, y)["lm_loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    gc.collect()
+    sync()
+    t0 = time.perf_counter()
+    probe.reset_peak()
+    before_forward = probe.current()
+    loss = model(x, y)["lm_loss"]
+    sync()
+    after_forward = probe.current()
+    loss.backward()
+    sync()
+    peak_fwd_bwd = probe.peak()
+    param_b, grad_b, _ = state_bytes(model, opt)
+    opt.step()
+    sync()
+    peak_step = probe.peak()
+    _, _, opt_b = state_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
+    step_time = time.perf_counter() - t0
+    del model, raw, opt, loss, groups
+    gc.collect()
+    return {
+        "num_parameters": n_params,
+        "param_bytes": param_b,
+        "grad_bytes": grad_b,
+        "optimizer_bytes": opt_b,
+        "static_bytes": param_b + grad_b + opt_b,
+        "activation_bytes": after_forward - before_forward,
+        "peak_fwd_bwd_bytes": peak_fwd_bwd - before_forward,
+        "peak_step_bytes": peak_step - baseline,
+        "step_time_s": step_time,
+    }
+
+
+def worker(args) -> None:
+    """One rank of the torchrun job: every configuration in turn; rank 0 writes the per-rank maxima."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    probe = MemoryProbe(device)
+    results = {}
+    for name in args.configs.split(","):
+        row = run_config(name, args, mesh["dp"], device, probe)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+        results[name] = {k: max(r[k] for r in rows) for k in row}
+        if dist.get_rank() == 0:
+            print(f"[memory bench] {name} done in {results[name]['step_time_s']:.1f} s/step", file=sys.stderr, flush=True)
+    if dist.get_rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"device": device.type, "configs": results}, f)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.1f}"
+
+
+def format_table(configs: dict) -> str:
+    """Side-by-side MiB per rank, each configuration's static bytes as a ratio of no-ZeRO's."""
+    ref = configs["no_zero"]
+    cols = ["param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes", "activation_bytes",
+            "peak_fwd_bwd_bytes", "peak_step_bytes"]
+    heads = ["params", "grads", "optim", "static", "activ.", "pk f+b", "pk step"]
+    lines = [f"{'config (MiB/rank)':18s}" + "".join(f"{h:>10s}" for h in heads) + f"{'static/no_zero':>16s}{'activ./no_AC':>14s}"]
+    for name, row in configs.items():
+        ac_ref = configs.get(name[: -len("_ac")]) if name.endswith("_ac") else None
+        ac_ratio = f"{row['activation_bytes'] / ac_ref['activation_bytes']:14.2f}" if ac_ref and ac_ref["activation_bytes"] > 0 else f"{'':14s}"
+        lines.append(
+            f"{name:18s}" + "".join(f"{_mib(row[c]):>10s}" for c in cols)
+            + f"{row['static_bytes'] / ref['static_bytes']:16.3f}" + ac_ratio
+        )
+    return "\n".join(lines)
+
+
+def launch(args) -> dict:
+    """Run the torchrun job and return its results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "memory.json")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   # A fixed mmap threshold makes glibc return every large free to the OS at once
+                   # (its default adapts upwards and keeps freed tensors resident), so RSS is live memory.
+                   MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               os.path.abspath(__file__), "--worker-out", out, "--configs", args.configs]
+        cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in MODEL_DEFAULTS]
+        start = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, stdout=sys.stderr)
+        with open(out) as f:
+            result = json.load(f)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return 0
+    result = launch(args)
+    configs = result["configs"]
+    model = {k: getattr(args, k) for k in MODEL_DEFAULTS}
+    model["num_parameters"] = configs["no_zero"]["num_parameters"]
+    summary = {
+        "bench": "memory",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {result['device']}",
+        "nproc": args.nproc,
+        "smoke": args.smoke,
+        "model": model,
+        "wall_s": result["wall_s"],
+        "configs": configs,
+    }
+    if "zero3" in configs:
+        ratio = configs["zero3"]["static_bytes"] / configs["no_zero"]["static_bytes"]
+        summary["zero3_static_ratio"] = round(ratio, 4)
+        summary["zero3_static_at_most_30pct"] = ratio <= ACCEPT_ZERO3_STATIC_RATIO
+    print(f"GPT {model['num_parameters'] / 1e6:.1f}M parameters, dp={args.nproc}, micro-batch {args.micro_batch} x "
+          f"seq {args.seq}, {result['device']}, {summary['wall_s']} s")
+    print(format_table(configs))
+    if "zero3_static_ratio" in summary:
+        verdict = "meets" if summary["zero3_static_at_most_30pct"] else "MISSES"
+        print(f"ZeRO-3 param+grad+optimizer bytes per rank = {summary['zero3_static_ratio']:.1%} of no-ZeRO "
+              f"({verdict} the <= 30% target)")
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
