@@ -29,7 +29,25 @@ if [ "$NODE_RANK" = "0" ]; then
   fi
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+# A worker refusing bad input says why in one "error: ..." line; torchrun then adds a traceback
+# and a failure report of its own, which only bury that line, so they are dropped after it.
+# Any other failure (a crash, a signal) is shown in full.
+filter_report() {
+  awk '
+    /^error: / { seen = 1; print; fflush(); next }
+    seen && (/^Traceback \(most recent call last\):$/ || /^  File "/ || /^    / || /ChildFailedError/ ||
+             /^=+$/ || /^-+$/ || / FAILED$/ || /^Failures:$/ || /^Root Cause/ || /^\[[0-9]+\]:$/ ||
+             /^  (time|host|rank|exitcode|error_file|traceback) *:/ || /^  <NO_OTHER_FAILURES>$/ ||
+             /^[EWI][0-9][0-9][0-9][0-9] / || /^ *\^+ *$/ || /^$/) { next }
+    { print; fflush() }
+  '
+}
+
+set +e
+"$PYTHON" -m torch.distributed.run \
   --nproc_per_node "$NPROC" --nnodes "$NODE" --node_rank "$NODE_RANK" \
   --master_addr "$ADDR" --master_port "$PORT" --max-restarts "$MAX_RESTARTS" \
-  "$FILE" --config-file "$CONFIG" "$@"
+  "$FILE" --config-file "$CONFIG" "$@" 2> >(filter_report >&2)
+status=$?
+wait
+exit $status

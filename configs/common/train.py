@@ -34,14 +34,22 @@ train = dict(
     # A NaN/inf loss stops the run (0) or skips up to this many batches (fp32/bf16; fp16 relies on
     # the loss scaler, which skips overflowed steps on its own).
     max_skipped_nonfinite=0,
-    activation_checkpoint=dict(enabled=False),
-    zero_optimization=dict(enabled=False, stage=1),
+    # Recompute every N-th transformer layer's activations in backward instead of storing them.
+    activation_checkpoint=dict(enabled=False, every_n_layers=1),
+    # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
+    # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
+    zero_optimization=dict(enabled=False, stage=1, offload=False),
     dist=dict(
         data_parallel_size=None,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         pipeline_num_layers=None,
         custom_pipeline_stage_id=None,
+        # Pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b" (with virtual_pipeline_size stages per rank).
+        pipeline_schedule="1f1b",
+        virtual_pipeline_size=1,
+        # Split activations along the sequence between tensor-parallel ranks outside attention/MLP.
+        sequence_parallel=False,
         # Seconds a collective may wait before the run fails instead of hanging.
         timeout=600,
     ),

@@ -90,11 +90,22 @@ class Checkpointer:
     `optimizer` is one optimizer or an `OptimizersContainer` with one optimizer per part.
     """
 
-    def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None):
+    def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
+                 aliases: dict | None = None):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
         self.max_to_keep = max_to_keep
+        # {name this rank holds: name to read it from}: a last pipeline stage's copy of a tied
+        # weight reads the embedding's entries, which every layout saves.
+        self.aliases = dict(aliases or {})
+
+    def _dcp_load(self, state: dict, path: str) -> dict:
+        from ..parallel.pipeline import alias_state_dict_keys
+
+        state = alias_state_dict_keys(state, self.aliases)
+        dcp.load(state, checkpoint_id=path)
+        return alias_state_dict_keys(state, {v: k for k, v in self.aliases.items()})
 
     @property
     def _optims(self) -> list:
@@ -207,7 +218,7 @@ class Checkpointer:
             raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
         ours = self._model_state_dict()
         for key, tensor in ours.items():
-            stored = meta.get(f"model.{key}")
+            stored = meta.get(f"model.{self.aliases.get(key, key)}")
             if stored is None:
                 raise UsageError(
                     f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
@@ -230,8 +241,7 @@ class Checkpointer:
             )
         self.check_shapes(path)
         if weights_only or self.optimizer is None:
-            state = {"model": self._model_state_dict()}
-            dcp.load(state, checkpoint_id=path)
+            state = self._dcp_load({"model": self._model_state_dict()}, path)
             for part in self.parts:
                 own = get_model_state_dict(part)
                 set_model_state_dict(part, {k: state["model"][k] for k in own}, options=StateDictOptions(strict=True))
@@ -242,8 +252,7 @@ class Checkpointer:
         with open(state_path) as f:
             trainer_state = json.load(f)
         model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        state = self._dcp_load({"model": model_sd, "optim": optim_sd}, path)
         for part, optim in zip(self.parts, self._optims):
             own_model, own_optim = get_state_dict(part, optim, options=_FLAT)
             set_state_dict(

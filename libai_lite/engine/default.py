@@ -1,6 +1,7 @@
 """`default_setup` and `DefaultTrainer`: from a resolved config to a running training job."""
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -10,18 +11,17 @@ import sys
 import numpy as np
 import torch
 from omegaconf import OmegaConf, open_dict
-from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import Checkpointer, resolve_resume
 from ..config import LazyConfig, instantiate, try_get_key
-from ..evaluation import inference_on_dataset
+from ..evaluation import inference_on_dataset, inference_on_pipeline
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import get_dist, setup_dist
 from ..utils.errors import UsageError
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file, setup_logger
 from . import hooks
-from .trainer import EagerTrainer
+from .trainer import EagerTrainer, PipelineTrainer
 
 logger = logging.getLogger("libai_lite")
 
@@ -48,6 +48,14 @@ def instantiate_with(node, **kwargs):
             for key, value in stashed.items():
                 node[key] = value
     return fn(**kwargs)
+
+
+def instantiate_target(node):
+    """The class or function a LazyCall node would call, without calling it."""
+    from ..config import locate
+
+    target = node._target_
+    return locate(target) if isinstance(target, str) else target
 
 
 def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
@@ -139,6 +147,7 @@ class DefaultTrainer:
         self.ctx = ctx
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
+        self.check_layout(cfg)
         self.resume_path = resolve_resume(self.output_dir) if resume else None
         if resume and self.resume_path is None:
             logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
@@ -150,8 +159,11 @@ class DefaultTrainer:
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.grad_scaler = self.build_grad_scaler(cfg)
+        from ..parallel.pipeline import tied_checkpoint_aliases
+
         self.checkpointer = Checkpointer(
-            self.model, self.optimizer, self.output_dir, max_to_keep=cfg.train.checkpointer.get("max_to_keep")
+            self.model_parts, self.optimizer, self.output_dir, max_to_keep=cfg.train.checkpointer.get("max_to_keep"),
+            aliases=tied_checkpoint_aliases(self.model_parts[0]) if self.stepper is not None else None,
         )
         if self.resume_path is not None:
             self.checkpointer.load(self.resume_path)
@@ -251,20 +263,135 @@ class DefaultTrainer:
                                       float(c.get("mean_span_length", 3.0)))[1]
         return int(c.max_seq_length) + int(dec)
 
+    def check_layout(self, cfg) -> None:
+        """Refuse, before any work, parallel settings the model or the world cannot take."""
+        from ..parallel.data_parallel import validate_zero_config
+        from ..parallel.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(cfg.model.cfg, self.ctx.tensor_parallel_size, bool(cfg.train.dist.get("sequence_parallel")),
+                              self.tokens_per_sample(cfg) if "seq_length" in cfg.dataloader.train else None)
+        validate_zero_config(self.zero_stage(cfg), self.offload(cfg), self.fsdp_param_dtype(cfg))
+        pp = self.ctx.pipeline_parallel_size
+        if pp > 1:
+            from ..parallel.pipeline import check_schedule
+
+            num_stages, stage_of_layer = self.pipeline_layout(cfg)
+            check_schedule(str(cfg.train.dist.get("pipeline_schedule", "1f1b")), num_stages, pp,
+                           int(cfg.train.num_accumulation_steps))
+            if self.zero_stage(cfg) == 1 and self.ctx.data_parallel_size > 1:
+                raise UsageError("ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) cannot run under pipeline parallelism; "
+                                 "use train.zero_optimization.stage=2, which also shards optimizer state")
+            if cfg.train.amp.get("enabled") and str(cfg.train.amp.get("dtype", "bf16")) in ("fp16", "float16"):
+                raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; "
+                                 "use train.amp.dtype=bf16")
+            if not hasattr(instantiate_target(cfg.model), "pipeline_module"):
+                raise UsageError(f"{cfg.model._target_} does not support pipeline parallelism (no pipeline_module()); "
+                                 f"set train.dist.pipeline_parallel_size=1")
+            with open_dict(cfg):
+                # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
+                cfg.train.dist.stage_of_layer = stage_of_layer
+
+    @staticmethod
+    def zero_stage(cfg) -> int:
+        z = cfg.train.zero_optimization
+        return int(z.get("stage", 1)) if z.get("enabled", False) else 0
+
+    @staticmethod
+    def offload(cfg) -> bool:
+        return bool(cfg.train.zero_optimization.get("offload", False))
+
+    def fsdp_param_dtype(self, cfg):
+        """Under FSDP (ZeRO-2/3) mixed precision is FSDP's policy: parameters gathered in the amp dtype."""
+        amp = cfg.train.amp
+        if self.zero_stage(cfg) < 2 or not amp.get("enabled", False):
+            return None
+        return _AMP_DTYPES.get(str(amp.get("dtype", "bf16")))
+
     def build_model(self, cfg):
-        """Instantiate `cfg.model` on this rank's device and wrap it for data parallelism."""
+        """Instantiate `cfg.model` on this rank's device and parallelize it as `train.dist` says.
+
+        Order (torchtitan's): pipeline split, then on each stage tensor parallel, activation
+        checkpointing and data parallel / ZeRO. Returns the module the trainer calls (a view
+        with the unsplit model's parameter names under pipeline parallelism, whose steps go
+        through `self.stepper`); `self.model_parts` holds the unwrapped module(s) whose
+        parameters this rank trains and checkpoints.
+        """
         model = instantiate(cfg.model).to(self.ctx.device)
         n = sum(p.numel() for p in model.parameters())
         logger.info(f"Model {type(model).__name__} with {n / 1e6:.2f}M parameters")
         self.raw_model = model
-        if self.ctx.data_parallel_size > 1:
-            model = DistributedDataParallel(model, process_group=self.ctx.group("dp"))
-        return model
+        # FLOPs are counted on the whole model, before a pipeline split takes pieces away.
+        self._flops_per_sample = self.flops_per_sample(cfg)
+        self.stepper = None
+        if self.ctx.pipeline_parallel_size == 1:
+            self.model_parts = [model]
+            return self.parallelize(model, cfg)
+        return self.build_pipeline(model, cfg)
+
+    def pipeline_layout(self, cfg) -> tuple[int, list[int]]:
+        """(number of stages, stage of each layer) for `train.dist`'s pipeline settings."""
+        from ..utils.distributed import layer_stages
+
+        d = cfg.train.dist
+        num_stages = self.ctx.pipeline_parallel_size * int(d.get("virtual_pipeline_size", 1) or 1)
+        return num_stages, layer_stages(int(d.pipeline_num_layers), num_stages, d.get("custom_pipeline_stage_id"))
+
+    def build_pipeline(self, model, cfg):
+        """Cut `model` into this rank's pipeline stages, parallelize each, and build the schedule."""
+        from ..parallel import pipeline as pl
+
+        ctx = self.ctx
+        num_stages, stage_of_layer = self.pipeline_layout(cfg)
+        ids = pl.local_stage_ids(ctx.pp_rank, ctx.pipeline_parallel_size, num_stages // ctx.pipeline_parallel_size)
+        stages, models = pl.build_stage_modules(model, ids, num_stages, stage_of_layer)
+        wrapped = [self.parallelize(stage, cfg) for stage in stages]
+        tied_group = pl.build_tied_weight_group(ctx.mesh)
+        view = pl.pipeline_model_view(models)
+        self.model_parts = [view]
+        self.stepper = pl.PipelineStepper(
+            wrapped, ids, num_stages, ctx.group("pp"), ctx.device, str(cfg.train.dist.get("pipeline_schedule", "1f1b")),
+            int(cfg.train.num_accumulation_steps), model.pipeline_loss_fn, tied_group,
+        )
+        logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
+        return view
+
+    def parallelize(self, module, cfg):
+        """Tensor parallel, activation checkpointing and data parallel for one model part."""
+        from ..parallel.activation_checkpoint import apply_activation_checkpointing
+        from ..parallel.data_parallel import apply_data_parallel
+        from ..parallel.tensor_parallel import apply_tensor_parallel
+
+        ctx = self.ctx
+        tp = ctx.tensor_parallel_size
+        if tp > 1:
+            apply_tensor_parallel(module, ctx.mesh["tp"], bool(cfg.train.dist.get("sequence_parallel")))
+        ac = cfg.train.activation_checkpoint
+        if ac.get("enabled", False):
+            apply_activation_checkpointing(module, int(ac.get("every_n_layers", 1) or 1))
+        return apply_data_parallel(module, ctx.mesh["dp"], self.zero_stage(cfg), offload=self.offload(cfg),
+                                   param_dtype=self.fsdp_param_dtype(cfg), tp_enabled=tp > 1,
+                                   pipeline=ctx.pipeline_parallel_size > 1)
 
     def build_optimizer(self, cfg, model):
-        """Instantiate `cfg.optim` with `optim.params.model` set to the model (LiBai's convention)."""
-        params = instantiate_with(cfg.optim.params, model=self.raw_model)
-        return instantiate_with(cfg.optim, params=params)
+        """`cfg.optim` for each model part, with `optim.params.model` set to it (LiBai's convention).
+
+        ZeRO-1 shards the optimizer state over the data-parallel group; a rank holding several
+        pipeline stages gets one optimizer per stage behind one `OptimizersContainer`.
+        """
+        from ..optim.container import OptimizersContainer
+        from ..parallel.data_parallel import build_zero1_optimizer
+
+        optimizers = []
+        for part in self.model_parts:
+            params = instantiate_with(cfg.optim.params, model=part)
+            opt = instantiate_with(cfg.optim, params=params)
+            if self.zero_stage(cfg) == 1 and self.ctx.data_parallel_size > 1:
+                # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
+                accepted = inspect.signature(type(opt).__init__).parameters
+                kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
+                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.ctx.group("dp"), **kwargs)
+            optimizers.append(opt)
+        return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 
     def build_lr_scheduler(self, cfg, optimizer):
         """Instantiate `train.scheduler` with `max_iter` and `warmup_iter` filled in."""
@@ -291,7 +418,13 @@ class DefaultTrainer:
 
     def build_trainer(self):
         optim = self.cfg.optim.get("params", {})
-        return EagerTrainer(
+        from ..parallel.tensor_parallel import loss_parallel_context
+
+        tp = self.ctx.tensor_parallel_size > 1
+        cls, extra = EagerTrainer, {}
+        if self.stepper is not None:
+            cls, extra = PipelineTrainer, {"stepper": self.stepper}
+        return cls(
             self.model,
             self.train_loader,
             self.optimizer,
@@ -303,6 +436,10 @@ class DefaultTrainer:
             clip_grad_max_norm=optim.get("clip_grad_max_norm"),
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
             max_skipped_nonfinite=int(self.cfg.train.get("max_skipped_nonfinite", 0) or 0),
+            loss_context=lambda: loss_parallel_context(tp),
+            params=[p for part in self.model_parts for p in part.parameters()],
+            pp_mesh=self.ctx.mesh["pp"] if self.ctx.pipeline_parallel_size > 1 else None,
+            **extra,
         )
 
     def build_hooks(self):
@@ -317,7 +454,7 @@ class DefaultTrainer:
                 out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
                                                   ev.eval_metric, ev.get("eval_mode", "min")))
         seq = self.tokens_per_sample(cfg)
-        flops = self.flops_per_sample(cfg)
+        flops = self._flops_per_sample
         out.append(
             hooks.PeriodicWriter(
                 self.output_dir,
@@ -400,7 +537,15 @@ class DefaultTrainer:
         """Run `train.evaluation.evaluator` on the valid split for `eval_iter` batches."""
         ev = self.cfg.train.evaluation
         evaluator = instantiate(ev.evaluator)
-        return inference_on_dataset(self.model, self.valid_loader, evaluator, int(ev.eval_iter), self.trainer.autocast)
+        return self._inference(self.valid_loader, evaluator, int(ev.eval_iter))
+
+    def _inference(self, loader, evaluator, eval_iter: int) -> dict:
+        if self.stepper is not None:
+            return inference_on_pipeline(self.stepper, loader, evaluator, eval_iter,
+                                         int(self.cfg.train.num_accumulation_steps), self.trainer.autocast,
+                                         self.trainer.loss_context)
+        return inference_on_dataset(self.model, loader, evaluator, eval_iter, self.trainer.autocast,
+                                    self.trainer.loss_context)
 
     def test(self) -> dict:
         """`--eval-only`: evaluate the loaded weights on the valid and test splits."""
@@ -410,7 +555,7 @@ class DefaultTrainer:
             if loader is None:
                 continue
             evaluator = instantiate(ev.evaluator)
-            res = inference_on_dataset(self.model, loader, evaluator, int(ev.eval_iter), self.trainer.autocast)
+            res = self._inference(loader, evaluator, int(ev.eval_iter))
             results.update({f"{split}/{k}": v for k, v in res.items()})
         logger.info("Evaluation results: " + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
         return results
@@ -423,21 +568,31 @@ class DefaultTrainer:
 
 
 def _user_error_types():
-    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError
+    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError, InstantiationError
     from ..data.indexed_dataset import IndexedDatasetError
 
+    # InstantiationError: a config-built object refused its arguments (its message names the
+    # target, the key path and the original error), which is a config problem the user fixes.
     return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError,
-            FloatingPointError)
+            FloatingPointError, InstantiationError)
+
+
+def _instantiation_error():
+    from ..config import InstantiationError
+
+    return InstantiationError
 
 
 def _find_user_error(exc: BaseException | None):
+    """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
     types = _user_error_types()
-    seen = 0
-    while exc is not None and seen < 10:
+    found = []
+    while exc is not None and len(found) < 10:
         if isinstance(exc, types):
-            return exc
-        exc, seen = exc.__cause__, seen + 1
-    return None
+            found.append(exc)
+        exc = exc.__cause__
+    specific = [e for e in found if not isinstance(e, _instantiation_error())]
+    return specific[0] if specific else (found[0] if found else None)
 
 
 def launch(args) -> int:
@@ -460,13 +615,19 @@ def launch(args) -> int:
             trainer.train()
         return 0
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
+        if os.environ.get("LIBAI_LITE_TRACEBACK"):
+            raise
         e = _find_user_error(e)
         if e is None:
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
             msg = f"{msg}: {e.filename}"
-        print(f"error: {msg}", file=sys.stderr)
+        # Every rank hits the same input error; one line from global rank 0 is enough (a rank-local
+        # problem still reaches the user through torchrun's failure report).
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {msg} (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
+                  if isinstance(e, _instantiation_error()) else f"error: {msg}", file=sys.stderr, flush=True)
         return 1
     finally:
         destroy()

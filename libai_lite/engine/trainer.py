@@ -172,9 +172,13 @@ class EagerTrainer(TrainerBase):
     def before_optimizer_step(self) -> None:
         """Called after backward, before clipping (pipeline stages sync tied weights here)."""
 
-    def run_step(self) -> None:
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip to `max_norm` (inf only measures); returns the global gradient norm."""
         from ..parallel.data_parallel import clip_grad_norm_
 
+        return clip_grad_norm_(self._params, max_norm, self.clip_grad_norm_type, pp_mesh=self.pp_mesh)
+
+    def run_step(self) -> None:
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         self.model.train()
@@ -204,7 +208,7 @@ class EagerTrainer(TrainerBase):
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         max_norm = self.clip_grad_max_norm if self.clip_grad_max_norm else float("inf")
-        grad_norm = clip_grad_norm_(self._params, max_norm, self.clip_grad_norm_type, pp_mesh=self.pp_mesh)
+        grad_norm = self.clip_gradients(max_norm)
         skipped = False
         if self.grad_scaler is not None:
             scale_before = self.grad_scaler.get_scale()
@@ -233,3 +237,27 @@ class EagerTrainer(TrainerBase):
         if self.grad_scaler is not None:
             metrics.update(loss_scale=self.grad_scaler.get_scale(), skipped=float(skipped))
         self.storage.put_scalars(**metrics)
+
+
+class PipelineTrainer(EagerTrainer):
+    """The eager step with forward and backward run by a pipeline schedule.
+
+    The step's `num_accumulation_steps` micro-batches are concatenated and handed to the
+    schedule as its micro-batches; only the first stage reads the inputs and only the last
+    the labels. The loss comes back on every rank for logging.
+    """
+
+    def __init__(self, *args, stepper, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stepper = stepper
+
+    def forward_backward(self, batches: list[dict]) -> dict:
+        input_ids = torch.cat([b["input_ids"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        with self.loss_context(), self.autocast():
+            loss = self.stepper.step(input_ids, labels, grad_scaler=self.grad_scaler)
+        return {"lm_loss": loss.float()}
+
+    def clip_gradients(self, max_norm: float) -> float:
+        # The stepper counts the tied embedding / LM-head weight once across stages.
+        return float(self.stepper.clip_grad_norm_(max_norm, self.clip_grad_norm_type))

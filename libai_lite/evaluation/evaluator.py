@@ -53,8 +53,13 @@ class PPLEvaluator(DatasetEvaluator):
         return {"PPL": math.exp(min(mean, 80.0)), "lm_loss": mean, "tokens": tokens}
 
 
-def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None, autocast=None) -> dict:
-    """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`."""
+def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None, autocast=None,
+                         loss_context=None) -> dict:
+    """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
+
+    `autocast` and `loss_context` are context factories (the trainer's precision, and
+    loss_parallel when the vocabulary is split over tensor-parallel ranks).
+    """
     device = get_dist().device
     evaluator.reset()
     was_training = model.training
@@ -67,7 +72,8 @@ def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_i
                 if eval_iter is not None and n >= eval_iter:
                     break
                 batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                with autocast() if autocast is not None else nullcontext():
+                with autocast() if autocast is not None else nullcontext(), \
+                        loss_context() if loss_context is not None else nullcontext():
                     outputs = model(**batch)
                 evaluator.process(batch, outputs)
                 n += 1
@@ -75,5 +81,32 @@ def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_i
         model.train(was_training)
     results = evaluator.evaluate()
     logger.info(f"Evaluated {n} batches in {time.perf_counter() - start:.1f}s: "
+                + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+    return results
+
+
+def inference_on_pipeline(stepper, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None, group: int,
+                          autocast=None, loss_context=None) -> dict:
+    """`inference_on_dataset` through a pipeline: `group` micro-batches go through the schedule at once."""
+    device = get_dist().device
+    evaluator.reset()
+    start = time.perf_counter()
+    n, pending = 0, []
+    with torch.no_grad():
+        for batch in data_loader:
+            if eval_iter is not None and n >= max(eval_iter, group):
+                break
+            pending.append({k: v.to(device) for k, v in batch.items()})
+            n += 1
+            if len(pending) < group:
+                continue
+            inputs = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
+            pending = []
+            with autocast() if autocast is not None else nullcontext(), \
+                    loss_context() if loss_context is not None else nullcontext():
+                outputs = stepper.eval_step(inputs["input_ids"], inputs["labels"])
+            evaluator.process(inputs, outputs)
+    results = evaluator.evaluate()
+    logger.info(f"Evaluated {n - len(pending)} batches through the pipeline in {time.perf_counter() - start:.1f}s: "
                 + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
     return results

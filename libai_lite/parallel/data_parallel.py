@@ -145,6 +145,7 @@ def apply_data_parallel(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     tp_enabled: bool = False,
+    pipeline: bool = False,
 ) -> nn.Module:
     """Make `model` data parallel over `dp_mesh` at the given ZeRO stage; returns the module to train.
 
@@ -157,6 +158,11 @@ def apply_data_parallel(
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
     dtensor_params = tp_enabled or has_dtensor_params(model)
+    if stage == 1 and pipeline:
+        raise UsageError(
+            "ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) cannot run under pipeline parallelism; "
+            "use ZeRO stage 2, which also shards optimizer state"
+        )
     if stage == 1 and dtensor_params:
         raise UsageError(
             "ZeRO stage 1 (ZeroRedundancyOptimizer) cannot hold tensor-parallel DTensor parameters; "
@@ -165,7 +171,9 @@ def apply_data_parallel(
     if stage in (0, 1):
         if dp_size == 1:
             return model
-        if dtensor_params:
+        # DDP's reducer cannot follow a pipeline schedule's interleaved micro-batch forwards and
+        # backwards; FSDP2's replicate (gradient sync per layer) can.
+        if dtensor_params or pipeline:
             return apply_replicate(model, dp_mesh)
         return apply_ddp(model, dp_mesh)
     mp_policy, offload_policy = fsdp_policies(offload, param_dtype, reduce_dtype)

@@ -242,6 +242,14 @@ class GPTForPreTraining(nn.Module):
             return {"logits": logits}
         return self.loss_func(logits, labels, loss_mask)
 
+    def pipeline_module(self) -> nn.Module:
+        """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
+        return self.GPT_model
+
+    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token loss (labels of -100 ignored) of the last pipeline stage's logits: the schedule's loss_fn."""
+        return self.loss_func(output, labels)["lm_loss"]
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """See ``GPTModel.num_parameters``."""
         return self.GPT_model.num_parameters(non_embedding)

@@ -1,0 +1,629 @@
+"""Pipeline parallelism: cut a model into stages and run them with `torch.distributed.pipelining`.
+
+How a model takes part (GPTForPreTraining does all of this):
+
+- ``model.pipeline_module()`` returns the inner module to cut; it has ``embeddings``, ``layers``
+  (an ``nn.ModuleDict`` keyed by the global layer index), ``final_layernorm`` and ``lm_head``, and
+  its forward skips whichever of them is None (hidden states in, hidden states out).
+- ``model.pipeline_loss_fn(output, labels)`` is the mean token loss of the last stage's output.
+
+Stage ``s`` of ``num_stages`` keeps the layers ``stage_of_layer`` gives it; stage 0 keeps the
+embeddings, the last stage the final norm and the LM head. With ``virtual_stages`` ``v`` per rank
+(the interleaved schedule) pipeline rank ``r`` owns stages ``r, r + pp, ..., r + (v - 1) pp``.
+
+Tied embeddings (Megatron's scheme): the LM head shares the token embedding's weight. When the
+first and last stages live on different ranks, the last stage's ``lm_head.weight`` is a copy of
+its own; ``sync_tied_weight_grads`` sums the two copies' gradients over the group {first-stage
+rank, last-stage rank} of each (dp, tp) coordinate before clipping and the optimizer step, so
+both copies take identical updates. Each copy keeps its own FQN:
+
+    GPT_model.embeddings.token_embeddings.weight    on the first stage
+    GPT_model.lm_head.weight                        on the last stage
+
+A one-process model (one Parameter, two names) saves both FQNs with the same data through
+``get_model_state_dict``, and its optimizer state under the embedding's FQN only. To load any
+layout into any other, the rank that holds the copy without the embedding reads the copy's
+entries from the embedding's FQN (``tied_checkpoint_aliases`` + ``alias_state_dict_keys``); the
+optimizer state must be flattened (``StateDictOptions(flatten_optimizer_state_dict=True)``) so
+each parameter's state is its own DCP key. ``pipeline_model_view`` gives the one module whose
+state-dict FQNs are those of the unsplit model, whatever the number of local stages.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from ..utils.errors import UsageError
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+# Schedules that drive several stages per rank; the others drive exactly one.
+_MULTI_STAGE = {"interleaved_1f1b"}
+
+# The tied pair, relative to the module returned by `pipeline_module()`.
+TIED_SOURCE = "embeddings.token_embeddings.weight"
+TIED_COPY = "lm_head.weight"
+
+
+# ------------------------------------------------------------------------------- splitting
+
+
+def pipeline_module(model: nn.Module) -> nn.Module:
+    """The inner module a splitter cuts: ``model.pipeline_module()`` when the model has one, else ``model``."""
+    fn = getattr(model, "pipeline_module", None)
+    return fn() if callable(fn) else model
+
+
+def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` owns: ``pp_rank, pp_rank + pp_size, ...`` (torch's loop-style placement)."""
+    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+
+
+def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
+    for attr in ("embeddings", "layers", "final_layernorm", "lm_head"):
+        if not hasattr(inner, attr):
+            raise UsageError(
+                f"{type(inner).__name__} has no '{attr}': a pipelined model's pipeline_module() needs "
+                f"embeddings, layers (ModuleDict by layer index), final_layernorm and lm_head"
+            )
+    num_layers = len(stage_of_layer)
+    keys = sorted(int(k) for k in inner.layers.keys())
+    if keys and keys[-1] >= num_layers:
+        raise UsageError(
+            f"stage_of_layer has {num_layers} entries but the model has layer {keys[-1]}; "
+            f"give one stage id per layer (layer_stages(num_layers, num_stages))"
+        )
+    bad = [s for s in stage_of_layer if not 0 <= s < num_stages]
+    if bad:
+        raise UsageError(f"stage_of_layer uses stage ids {sorted(set(bad))} outside 0..{num_stages - 1}; "
+                         f"compute it with layer_stages(num_layers, {num_stages})")
+    for s in stage_ids:
+        if not 0 <= s < num_stages:
+            raise UsageError(f"stage id {s} is outside 0..{num_stages - 1} for a {num_stages}-stage pipeline")
+
+
+def _prune(inner: nn.Module, owned: set[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
+    """Delete from `inner` (in place) what none of the stages in `owned` needs."""
+    for key in list(inner.layers.keys()):
+        if stage_of_layer[int(key)] not in owned:
+            del inner.layers[key]
+    if 0 not in owned:
+        inner.embeddings = None
+    if num_stages - 1 not in owned:
+        inner.final_layernorm = None
+        inner.lm_head = None
+
+
+def split_pipeline_stage(model: nn.Module, stage_id: int, num_stages: int, stage_of_layer: Sequence[int]) -> nn.Module:
+    """Cut ``model`` down, in place, to pipeline stage ``stage_id`` and return the stage module.
+
+    The stage module is ``pipeline_module(model)`` with the layers of other stages deleted, the
+    embeddings deleted unless ``stage_id == 0`` and ``final_layernorm``/``lm_head`` set to None
+    unless it is the last stage. ``model`` itself still holds the stage module, so its state dict
+    has the unsplit model's FQNs for what this stage owns. Works on a model built on the ``meta``
+    device (nothing is materialised here; see ``materialize_stage``). On the last stage of a
+    multi-stage pipeline the LM head keeps the embedding's Parameter object, which the deleted
+    embedding no longer shares: it becomes the head's own copy.
+    """
+    inner = pipeline_module(model)
+    _check_split(inner, [stage_id], num_stages, stage_of_layer)
+    _prune(inner, {stage_id}, num_stages, stage_of_layer)
+    return inner
+
+
+def build_stage_modules(
+    model: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Split ``model`` into this rank's stages: ``(stage_modules, models)``, both in ``stage_ids`` order.
+
+    ``models[i]`` is a copy of ``model`` cut to stage ``stage_ids[i]`` (``stage_modules[i]`` is
+    its pipeline module); pass ``models`` to ``pipeline_model_view`` for checkpoints. ``model``
+    is first cut to the union of the local stages, so the copies (``copy.deepcopy``) are no
+    bigger than what this rank keeps; the last local stage reuses ``model`` itself.
+    """
+    stage_ids = list(stage_ids)
+    inner = pipeline_module(model)
+    _check_split(inner, stage_ids, num_stages, stage_of_layer)
+    _prune(inner, set(stage_ids), num_stages, stage_of_layer)
+    models = [copy.deepcopy(model) for _ in stage_ids[:-1]] + [model]
+    stages = [split_pipeline_stage(m, s, num_stages, stage_of_layer) for m, s in zip(models, stage_ids)]
+    return stages, models
+
+
+def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device stage on ``device`` and initialise it with each submodule's ``reset_parameters``.
+
+    Values differ from a whole-model init (the RNG is drawn in another order), so the tied
+    LM-head copy must then be made equal to the embedding: call ``broadcast_tied_weights``.
+    """
+    stage_module.to_empty(device=device)
+    with torch.no_grad():
+        for module in stage_module.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    # to_empty swaps parameters module by module, so a tie inside one stage comes apart.
+    tie = getattr(stage_module, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return stage_module
+
+
+def _merge_views(mods: list[nn.Module], path: str) -> nn.Module:
+    if len(mods) == 1:
+        return mods[0]
+    for m in mods:
+        own = [n for n, p in m._parameters.items() if p is not None] + [n for n, b in m._buffers.items() if b is not None]
+        if own:
+            raise UsageError(f"two local pipeline stages both own '{path}' ({own}); stage_of_layer assigns each layer once")
+    view = nn.ModuleDict() if all(isinstance(m, nn.ModuleDict) for m in mods) else nn.Module()
+    names: list[str] = []
+    for m in mods:
+        names += [n for n, c in m._modules.items() if c is not None and n not in names]
+    for name in names:
+        children = [m._modules[name] for m in mods if m._modules.get(name) is not None]
+        view.add_module(name, _merge_views(children, f"{path}.{name}" if path else name))
+    return view
+
+
+def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
+    """One module over this rank's stage copies whose FQNs are those of the unsplit model.
+
+    For checkpoints (``get_state_dict``) and for optimizer parameter groups; not for forward.
+    With one stage per rank it is that model; with several it is a tree of plain containers
+    holding the very same submodules (and so the same Parameters the optimizer steps).
+    """
+    return _merge_views(list(models), "")
+
+
+# ------------------------------------------------------------------------------- tied weights
+
+
+def _get_attr_path(module: nn.Module, path: str):
+    # A DDP-wrapped stage (data parallel without ZeRO) keeps the stage under `.module`.
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The tied embedding/LM-head Parameters present on this rank, each once (resolved now, so
+    Parameters swapped in by TP or FSDP are the ones returned)."""
+    out: list[nn.Parameter] = []
+    for stage in stage_modules:
+        for path in (TIED_SOURCE, TIED_COPY):
+            p = _get_attr_path(stage, path)
+            if p is not None and all(p is not q for q in out):
+                out.append(p)
+    return out
+
+
+def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """LM-head copies on this rank that are not the embedding's own Parameter: gradient-norm
+    computations skip them so the tied weight counts once."""
+    sources = [p for s in stage_modules if (p := _get_attr_path(s, TIED_SOURCE)) is not None]
+    copies = [p for s in stage_modules if (p := _get_attr_path(s, TIED_COPY)) is not None]
+    return [p for p in copies if all(p is not q for q in sources)]
+
+
+def build_tied_weight_group(mesh, pp_dim: str = "pp"):
+    """This rank's process group {first-stage rank, last-stage rank} for its (dp, tp) coordinate.
+
+    Every rank must call it (``dist.new_group`` is collective), in the same order. Returns None
+    when the pipeline has one rank (the tie is then one Parameter, or copies on one rank).
+    """
+    ranks = mesh.mesh
+    pp_index = mesh.mesh_dim_names.index(pp_dim)
+    pp_size = ranks.shape[pp_index]
+    if pp_size == 1:
+        return None
+    columns = ranks.movedim(pp_index, 0).reshape(pp_size, -1)
+    me = dist.get_rank()
+    mine = None
+    for c in range(columns.shape[1]):
+        pair = [int(columns[0, c]), int(columns[-1, c])]
+        group = dist.new_group(pair)
+        if me in pair:
+            mine = group
+    return mine
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Both copies are split alike under TP (Shard(0) on the vocab) and FSDP (Shard(0)), so the
+    # local shards of the two ranks in a tie group hold the same rows.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def sync_tied_weight_grads(stage_modules: Sequence[nn.Module], group) -> None:
+    """Sum the tied embedding/LM-head gradients so every copy holds the gradient of the tied weight.
+
+    Local copies (several stages on one rank) are summed first, then the sum is all-reduced over
+    ``group`` (from ``build_tied_weight_group``; None when all copies are local). Call it after
+    the backward of a step and before unscaling, clipping and the optimizer step.
+    """
+    params = tied_weight_params(stage_modules)
+    for p in params:
+        # Under TP the embedding's gradient can come back replicated or partial while the weight
+        # is vocab-sharded; both copies must hold the same rows before their shards are summed.
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad for p in params if p.grad is not None]
+    if len(grads) != len(params):
+        missing = [i for i, p in enumerate(params) if p.grad is None]
+        raise RuntimeError(f"tied weight copies {missing} on this rank have no gradient; run backward first")
+    if group is not None and not grads:
+        # A rank in a tie group with neither copy cannot happen with first/last-stage groups.
+        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
+    if not grads:
+        return
+    total = _local(grads[0]).clone()
+    for g in grads[1:]:
+        total += _local(g)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for g in grads:
+        _local(g).copy_(total)
+
+
+@torch.no_grad()
+def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
+    """Copy the first stage's token embedding into every LM-head copy (once, at setup).
+
+    Needed when the stages were initialised separately (``materialize_stage``); a model built
+    whole with the same seed on every rank already starts with equal copies. ``group`` is the
+    one from ``build_tied_weight_group`` (None when every copy is on this rank). All ranks call it.
+    """
+    params = tied_weight_params(stage_modules)
+    sources = [p for s in stage_modules if (p := _get_attr_path(s, TIED_SOURCE)) is not None]
+    if sources:
+        for p in params:
+            if p is not sources[0]:
+                _local(p).copy_(_local(sources[0]))
+    if group is None:
+        return
+    if not params:
+        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
+    me = dist.get_rank()
+    # The group is {first-stage rank, last-stage rank}: the source is whichever holds the embedding.
+    src = me if sources else next(r for r in dist.get_process_group_ranks(group) if r != me)
+    buf = _local(params[0]).contiguous()
+    dist.broadcast(buf, src=src, group=group)
+    for p in params:
+        _local(p).copy_(buf)
+
+
+def tied_checkpoint_aliases(model_view: nn.Module) -> dict[str, str]:
+    """``{copy FQN: embedding FQN}`` when this rank holds the LM-head copy without the embedding.
+
+    Loading reads the copy's model and optimizer entries from the embedding's, which every
+    layout saves (a one-process checkpoint has no optimizer state under the head's FQN).
+    """
+    names = {n for n, _ in model_view.named_parameters(remove_duplicate=False)}
+    for name in names:
+        if name == TIED_COPY or name.endswith("." + TIED_COPY):
+            source = name[: len(name) - len(TIED_COPY)] + TIED_SOURCE
+            if source not in names:
+                return {name: source}
+    return {}
+
+
+def alias_state_dict_keys(state: dict, aliases: dict[str, str]) -> dict:
+    """Rename keys of a model state dict, a flattened optimizer state dict (``state.FQN.x``,
+    ``param_groups.FQN.x``) or a dict of those (``{"model": ..., "optim": ...}``) by ``aliases``.
+
+    Apply before ``dcp.load`` and apply the inverse mapping afterwards, before ``set_state_dict``:
+    the tensors are the same objects, so what DCP loads under the alias lands in the copy.
+    """
+    if not aliases:
+        return state
+
+    def rename(key: str) -> str:
+        for prefix in ("", "state.", "param_groups."):
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            for old, new in aliases.items():
+                if rest == old or rest.startswith(old + "."):
+                    return prefix + new + rest[len(old):]
+        return key
+
+    out = {}
+    for key, value in state.items():
+        out[rename(key) if isinstance(key, str) else key] = (
+            alias_state_dict_keys(value, aliases) if isinstance(value, dict) and key in ("model", "optim") else value
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------- schedules
+
+
+def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:
+    """Validate a schedule choice against torch's rules; returns the normalised name or raises UsageError."""
+    name = str(schedule).lower()
+    if name not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
+    if n_microbatches < 1:
+        raise UsageError(f"n_microbatches={n_microbatches} must be at least 1 (train.num_accumulation_steps)")
+    if num_stages % pp_size:
+        raise UsageError(f"{num_stages} pipeline stages do not divide over {pp_size} pipeline ranks; "
+                         f"use a multiple of {pp_size} stages")
+    virtual = num_stages // pp_size
+    if name in _MULTI_STAGE:
+        if virtual < 2:
+            raise UsageError(f"schedule 'interleaved_1f1b' needs at least 2 virtual stages per pipeline rank, got "
+                             f"{virtual}; set 2 or more virtual stages or use '1f1b'")
+        rounds = max(1, n_microbatches // pp_size)
+        if n_microbatches % rounds:
+            raise UsageError(
+                f"schedule 'interleaved_1f1b' needs n_microbatches ({n_microbatches}) to be a multiple of "
+                f"max(1, n_microbatches // pp) = {rounds}; use a multiple of pipeline_parallel_size ({pp_size})"
+            )
+    else:
+        if virtual != 1:
+            raise UsageError(f"schedule {name!r} runs one stage per pipeline rank, got {virtual}; "
+                             f"use 'interleaved_1f1b' for virtual stages")
+        if name == "1f1b" and n_microbatches < num_stages:
+            raise UsageError(f"schedule '1f1b' needs n_microbatches ({n_microbatches}) >= the number of stages "
+                             f"({num_stages}); raise train.num_accumulation_steps to {num_stages} or use 'gpipe'")
+    return name
+
+
+def build_pipeline_schedule(
+    stage_modules: Sequence[nn.Module],
+    stage_ids: Sequence[int],
+    num_stages: int,
+    pp_group,
+    device: torch.device,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """``PipelineStage``s for this rank's stage modules and the torch schedule named ``schedule``.
+
+    ``loss_fn(output, target)`` is the mean loss of one micro-batch; the schedule divides the
+    accumulated gradients by ``n_microbatches`` (``scale_grads=True``), so they are the gradient
+    of the mean of micro-batch losses. Call ``step(inputs...)`` on the rank of stage 0 and
+    ``step(target=labels)`` on the rank of the last stage (``PipelineStepper`` does this).
+    """
+    pp_size = dist.get_world_size(pp_group)
+    pp_rank = dist.get_rank(pp_group)
+    name = check_schedule(schedule, num_stages, pp_size, n_microbatches)
+    expected = local_stage_ids(pp_rank, pp_size, num_stages // pp_size)
+    if list(stage_ids) != expected or len(stage_modules) != len(expected):
+        raise UsageError(f"pipeline rank {pp_rank} of {pp_size} must own stages {expected} of {num_stages}, "
+                         f"got stage ids {list(stage_ids)} for {len(stage_modules)} modules")
+    stages = [
+        PipelineStage(module, sid, num_stages, device, group=pp_group)
+        for module, sid in zip(stage_modules, stage_ids)
+    ]
+    cls = SCHEDULES[name]
+    if name in _MULTI_STAGE:
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+# ------------------------------------------------------------------------------- gradient norm
+
+
+def _norm_of(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-group norms as plain tensors: DTensor grads are grouped by mesh and placements and
+    their norm made full (`get_total_norm` on DTensors returns a partial DTensor)."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+    norms = []
+    if plain:
+        norms.append(torch.nn.utils.get_total_norm(plain, norm_type))
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norms
+
+
+@torch.no_grad()
+def clip_grad_norm_pipeline(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_group=None,
+    *,
+    exclude_from_norm: Iterable[torch.Tensor] = (),
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Clip gradients by the total norm over all pipeline stages; returns that norm (same on every rank).
+
+    Each stage's norm (DTensor gradients made full) is raised to ``norm_type`` and summed over
+    ``pp_group`` (max for ``inf``), as torchtitan does. ``exclude_from_norm`` (the LM-head copies,
+    ``tied_weight_copies``) are scaled but not counted, so the tied weight counts once.
+    ``max_norm=inf`` only measures.
+    """
+    params = [p for p in params]
+    skip = {id(p) for p in exclude_from_norm}
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    if device is None:
+        ref = grads[0] if grads else next((p for p in params), None)
+        device = (ref.to_local() if isinstance(ref, DTensor) else ref).device if ref is not None else torch.device("cpu")
+    norms = [n.to(device=device, dtype=torch.float32) for n in _norm_of(grads, norm_type)]
+    inf = norm_type == float("inf")
+    if not norms:
+        total = torch.zeros((), device=device)
+    elif inf:
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack(norms).pow(norm_type).sum()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
+    if not inf:
+        total = total.pow(1.0 / norm_type)
+    if max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ------------------------------------------------------------------------------- the step
+
+
+class PipelineStepper:
+    """Runs one optimizer step's forward and backward through the pipeline.
+
+    ``step(input_ids, labels)`` takes the step's ``n_microbatches`` micro-batches concatenated on
+    dim 0 (every rank may pass them; only stage 0 uses the inputs and only the last stage the
+    labels) and leaves in the stage parameters the gradient of the mean of micro-batch losses,
+    the tied copies already summed, ready for ``clip_grad_norm_`` and ``optimizer.step()``.
+    """
+
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        num_stages: int,
+        pp_group,
+        device: torch.device,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tied_group=None,
+    ):
+        self.stage_modules = list(stage_modules)
+        self.stage_ids = list(stage_ids)
+        self.num_stages = num_stages
+        self.pp_group = pp_group
+        self.device = torch.device(device)
+        self.n_microbatches = int(n_microbatches)
+        self.tied_group = tied_group
+        self.loss_fn = loss_fn
+        self.is_first = 0 in self.stage_ids
+        self.is_last = num_stages - 1 in self.stage_ids
+        pp_size = dist.get_world_size(pp_group)
+        # The last stage sits on pipeline rank (num_stages - 1) % pp = pp - 1.
+        self._last_rank = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
+        self._grad_scaler = None
+        self._losses: list[torch.Tensor] = []
+        self.schedule = build_pipeline_schedule(
+            self.stage_modules, self.stage_ids, num_stages, pp_group, self.device, schedule,
+            self.n_microbatches, self._loss,
+        )
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # torch also calls this on placeholder outputs while inferring backward metadata, so
+        # the step's losses come from the schedule's `losses` list, not from here.
+        loss = self.loss_fn(output, target)
+        if self._grad_scaler is not None and torch.is_grad_enabled():
+            return self._grad_scaler.scale(loss)
+        return loss
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, each once."""
+        seen, out = set(), []
+        for m in self.stage_modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _check_batch(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.shape[0] % self.n_microbatches:
+            raise UsageError(f"{what} has {tensor.shape[0]} rows, not a multiple of the {self.n_microbatches} "
+                             f"micro-batches per step; pass num_accumulation_steps micro-batches concatenated")
+
+    def _run(self, fn, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+        args = ()
+        if self.is_first:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage needs input_ids")
+            self._check_batch(input_ids, "input_ids")
+            args = (input_ids.to(self.device),)
+        target = None
+        if self.is_last:
+            if labels is None:
+                raise ValueError("the last pipeline stage needs labels")
+            self._check_batch(labels, "labels")
+            target = labels.to(self.device)
+        self._losses = []
+        fn(*args, target=target, losses=self._losses)
+
+    def _broadcast_losses(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values if self.is_last else [0.0] * len(values), dtype=torch.float64, device=self.device)
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(t, src=self._last_rank, group=self.pp_group)
+        return t.tolist()
+
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, grad_scaler=None,
+             broadcast_loss: bool = True) -> torch.Tensor | None:
+        """Forward + backward of one step; returns the mean micro-batch loss (a 0-d float64 tensor).
+
+        The loss is returned on every pipeline rank when ``broadcast_loss`` (for logging), else
+        on the last stage only (None elsewhere). With ``grad_scaler`` (fp16) each micro-batch
+        loss is scaled before its backward; the returned loss is unscaled.
+        """
+        for m in self.stage_modules:
+            m.train()
+        self._grad_scaler = grad_scaler
+        try:
+            self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels)
+        finally:
+            self._grad_scaler = None
+        sync_tied_weight_grads(self.stage_modules, self.tied_group)
+        loss = [0.0]
+        if self.is_last:
+            # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
+            scale = float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
+            loss = [float(torch.stack([l.detach().float() for l in self._losses]).mean()) / scale]
+        if broadcast_loss:
+            loss = self._broadcast_losses(loss)
+        elif not self.is_last:
+            return None
+        return torch.tensor(loss[0], dtype=torch.float64)
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> dict:
+        """Forward only; ``{"lm_loss", "nll_sum", "num_tokens"}`` as float tensors on every pipeline rank.
+
+        ``nll_sum`` weights each micro-batch's mean loss by its count of labels other than -100,
+        so ``nll_sum / num_tokens`` is the token-weighted mean the perplexity evaluator wants.
+        """
+        modes = [m.training for m in self.stage_modules]
+        for m in self.stage_modules:
+            m.eval()
+        try:
+            self._run(self.schedule.eval, input_ids, labels)
+        finally:
+            for m, mode in zip(self.stage_modules, modes):
+                m.train(mode)
+        values = [0.0, 0.0]
+        if self.is_last:
+            chunks = torch.tensor_split(labels, self.n_microbatches, dim=0)
+            counts = [float((c != -100).sum()) for c in chunks]
+            values = [sum(float(l) * n for l, n in zip(self._losses, counts)), sum(counts)]
+        nll, tokens = self._broadcast_losses(values)
+        return {
+            "lm_loss": torch.tensor(nll / tokens if tokens else 0.0, dtype=torch.float64),
+            "nll_sum": torch.tensor(nll, dtype=torch.float64),
+            "num_tokens": torch.tensor(tokens, dtype=torch.float64),
+        }
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``clip_grad_norm_pipeline`` over this rank's stages, the tied weight counted once."""
+        return clip_grad_norm_pipeline(
+            self.parameters(), max_norm, norm_type, self.pp_group,
+            exclude_from_norm=tied_weight_copies(self.stage_modules), device=self.device,
+        )

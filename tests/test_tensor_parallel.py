@@ -1,0 +1,260 @@
+"""Tensor and sequence parallelism from declared intent: refusals, the plan, and numerics under torchrun."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from libai_lite.layers import Linear1D
+from libai_lite.parallel.tensor_parallel import (
+    GatherSequence,
+    ReplicateParallel,
+    check_tensor_parallel,
+    tensor_parallel_plan,
+)
+from libai_lite.utils.errors import UsageError
+
+import tp_worker
+from tp_worker import TINY_GPT, TinyT5, build, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- check_tensor_parallel
+
+
+def _refusal(cfg, tp, **kw) -> str:
+    with pytest.raises(UsageError) as info:
+        check_tensor_parallel(cfg, tp, **kw)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_heads_not_divisible_names_numbers_and_fix():
+    assert _refusal(TINY_GPT, 3) == (
+        "tensor_parallel_size=3 does not divide model.cfg.num_attention_heads=4; "
+        "use a tensor_parallel_size that divides the number of heads (1, 2 or 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    "override,tp,key",
+    [
+        (dict(num_attention_heads=8, hidden_size=66), 4, "hidden_size=66"),
+        (dict(ffn_hidden_size=250), 4, "ffn_hidden_size=250"),
+        (dict(vocab_size=130), 4, "vocab_size=130"),
+    ],
+)
+def test_each_split_size_is_checked(override, tp, key):
+    msg = _refusal({**TINY_GPT, **override}, tp)
+    assert msg.startswith(f"tensor_parallel_size={tp} does not divide model.cfg.{key}")
+
+
+def test_vocab_refusal_points_at_padding():
+    assert "make_vocab_size_divisible_by" in _refusal({**TINY_GPT, "vocab_size": 130}, 4)
+
+
+def test_t5_and_mt5_key_names():
+    hf_mt5_small = dict(num_heads=6, d_model=512, d_ff=1024, d_kv=64, vocab_size=250112)
+    check_tensor_parallel(hf_mt5_small, 2)  # heads, not their 64-wide d_kv, are split
+    assert "model.cfg.num_heads=6" in _refusal(hf_mt5_small, 4)
+    libai_mt5 = dict(num_attention_heads=12, hidden_size=768, intermediate_size=2050, vocab_size=250112)
+    assert "model.cfg.intermediate_size=2050" in _refusal(libai_mt5, 4)
+
+
+def test_valid_layouts_pass_and_dictconfig_is_accepted():
+    check_tensor_parallel(OmegaConf.create(TINY_GPT), 4)
+    check_tensor_parallel(TINY_GPT, 1)
+    check_tensor_parallel(TINY_GPT, 2, sequence_parallel=True, seq_length=16)
+
+
+def test_bad_tp_and_sequence_length():
+    assert "must be at least 1" in _refusal(TINY_GPT, 0)
+    msg = _refusal(TINY_GPT, 2, sequence_parallel=True, seq_length=15)
+    assert "sequence length 15" in msg and "multiple of 2" in msg
+    check_tensor_parallel(TINY_GPT, 2, sequence_parallel=False, seq_length=15)
+
+
+# ---------------------------------------------------------------- the plan (no processes needed)
+
+
+def test_gpt_plan_from_intent():
+    plan = tensor_parallel_plan(build("gpt"))
+    tok = plan["GPT_model.embeddings.token_embeddings"]
+    assert isinstance(tok, RowwiseParallel) and tok.input_layouts == (Replicate(),)
+    assert tok.output_layouts == (Replicate(),)
+    head = plan["GPT_model.lm_head"]
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and not head.use_local_output
+    assert isinstance(plan["GPT_model.layers.0.self_attention.query_key_value"], ColwiseParallel)
+    assert isinstance(plan["GPT_model.layers.1.mlp.dense_h_to_4h"], ColwiseParallel)
+    for name in ("GPT_model.layers.0.self_attention.dense", "GPT_model.layers.1.mlp.dense_4h_to_h"):
+        assert isinstance(plan[name], RowwiseParallel) and plan[name].output_layouts == (Replicate(),)
+    for name in ("GPT_model.embeddings.position_embeddings", "GPT_model.layers.0.input_layernorm",
+                 "GPT_model.final_layernorm"):
+        assert isinstance(plan[name], ReplicateParallel) and plan[name].output_layout == Replicate()
+    # Without sequence parallelism activations are whole: nothing gathers, dropouts stay plain.
+    assert not any(isinstance(s, (GatherSequence, SequenceParallel)) for s in plan.values())
+
+
+def test_gpt_plan_with_sequence_parallel():
+    plan = tensor_parallel_plan(build("gpt"), sequence_parallel=True)
+    assert plan["GPT_model.embeddings.token_embeddings"].output_layouts == (Shard(1),)
+    assert plan["GPT_model.embeddings.position_embeddings"].output_layout == Shard(-2)
+    assert plan["GPT_model.lm_head"].input_layouts == (Shard(1),)
+    assert plan["GPT_model.layers.0.self_attention.dense"].output_layouts == (Shard(1),)
+    for name in ("GPT_model.layers.0.input_layernorm", "GPT_model.final_layernorm",
+                 "GPT_model.embeddings.dropout", "GPT_model.layers.1.mlp.dropout"):
+        assert isinstance(plan[name], SequenceParallel), name
+    gathers = {n for n, s in plan.items() if isinstance(s, GatherSequence)}
+    assert gathers == {f"GPT_model.layers.{i}.{b}" for i in (0, 1) for b in ("self_attention", "mlp")}
+
+
+def test_t5_plan_splits_bias_over_heads_and_gathers_encoder_states():
+    plan = tensor_parallel_plan(TinyT5(), sequence_parallel=True)
+    for name in ("enc_bias.relative_attention_bias", "dec_bias.relative_attention_bias",
+                 "cross_attn.query", "cross_attn.key_value", "enc_mlp.dense_h_to_4h_linear"):
+        assert isinstance(plan[name], ColwiseParallel), name
+    assert plan["lm_head"].output_layouts == (Shard(-1),)  # untied, found by its name
+    cross = plan["cross_attn"]
+    assert isinstance(cross, GatherSequence) and 2 in cross.indices and "encoder_states" in cross.names
+    assert not any(n.endswith("bias") and isinstance(s, GatherSequence) for n, s in plan.items())
+
+
+def test_replicated_relative_bias_is_refused():
+    model = TinyT5()
+    model.enc_bias.relative_attention_bias.parallel = "data"
+    with pytest.raises(UsageError, match='enc_bias.relative_attention_bias.parallel = "col"'):
+        tensor_parallel_plan(model)
+
+
+def test_data_marked_block_stays_replicated_whole():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = Linear1D(8, 16, parallel="col")
+            self.down = Linear1D(16, 8, parallel="row")
+
+    model = nn.Sequential(Block(), Block())
+    model[1].parallel = "data"
+    plan = tensor_parallel_plan(model)
+    assert isinstance(plan["0.up"], ColwiseParallel) and isinstance(plan["0.down"], RowwiseParallel)
+    assert isinstance(plan["1"], ReplicateParallel)
+    assert not any(n.startswith("1.") for n in plan)
+
+
+def test_undeclared_container_with_own_parameters_is_refused():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.proj = Linear1D(8, 8, parallel="col")
+
+    with pytest.raises(UsageError, match=r"^scaled \(Scaled\) has its own parameters"):
+        tensor_parallel_plan(nn.ModuleDict({"scaled": Scaled()}))
+
+
+# ---------------------------------------------------------------- numerics under torchrun
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, nproc: int, tp: int, dp: int) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(ROOT / "tests" / "tp_worker.py"), str(out), str(tp), str(dp)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return [torch.load(out / f"rank{i}.pt") for i in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """Results of every rank of one 2-process run (tp=2) of all TP cases."""
+    return _torchrun(tmp_path_factory.mktemp("tp2"), nproc=2, tp=2, dp=1)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: reference(kind) for kind in ("gpt", "t5")}
+
+
+def _assert_matches(got: dict, ref: dict) -> None:
+    torch.testing.assert_close(got["loss0"], ref["loss0"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["nll_sum0"], ref["nll_sum0"], rtol=1e-5, atol=0)
+    assert got["grads0"].keys() == ref["grads0"].keys()
+    for name, expected in ref["grads0"].items():
+        grad = got["grads0"][name]
+        assert grad.shape == expected.shape, name
+        # Relative to the tensor's scale: single elements near zero have no useful relative error.
+        err = (grad - expected).abs().max() / expected.abs().max()
+        assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-4, atol=0)
+    torch.testing.assert_close(got["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "t5"])
+@pytest.mark.parametrize("sp", [0, 1], ids=["tp2", "tp2-sequence-parallel"])
+def test_tp2_matches_one_process(tp2, references, kind, sp):
+    """Loss, every gradient and ten clipped AdamW steps under tp=2 equal one process's."""
+    for rank in tp2:
+        _assert_matches(rank[f"{kind}_sp{sp}"], references[kind])
+    assert len(references[kind]["losses"]) == tp_worker.STEPS
+
+
+def test_tp2_parameters_are_split_as_declared(tp2):
+    gpt, t5 = tp2[0]["gpt_sp0"]["placements"], tp2[0]["t5_sp1"]["placements"]
+    assert gpt["GPT_model.embeddings.token_embeddings.weight"] == ["S(0)"]
+    assert gpt["GPT_model.layers.0.self_attention.query_key_value.weight"] == ["S(0)"]
+    assert gpt["GPT_model.layers.0.self_attention.dense.weight"] == ["S(1)"]
+    assert gpt["GPT_model.layers.0.self_attention.dense.bias"] == ["R"]
+    assert gpt["GPT_model.embeddings.position_embeddings.weight"] == ["R"]
+    assert gpt["GPT_model.final_layernorm.weight"] == ["R"]
+    assert "GPT_model.lm_head.weight" not in gpt  # tied: one parameter, listed once
+    assert t5["enc_bias.relative_attention_bias.weight"] == ["S(1)"]  # each rank's heads
+    assert t5["cross_attn.key_value.weight"] == ["S(0)"]
+    assert t5["lm_head.weight"] == ["S(0)"]
+    assert t5["dec_ln1.weight"] == ["R"]
+
+
+@pytest.mark.parametrize("sp", [0, 1])
+def test_loss_parallel_never_gathers_the_vocabulary(tp2, sp):
+    info = tp2[0][f"loss_comms_sp{sp}"]
+    assert info["placements"] == ["S(2)"]
+    assert info["local_shape"] == [tp_worker.BATCH, tp_worker.SEQ, tp_worker.VOCAB // 2]
+    assert info["grad_local_shape"] == info["local_shape"]
+    # Softmax statistics are all-reduced per token; nothing is gathered.
+    assert info["comms"] and set(info["comms"]) == {"c10d_functional.all_reduce"}
+
+
+def test_dp2_tp2_matches_one_process_mean_over_batch_halves(tmp_path):
+    """("dp", "tp") = (2, 2), FSDP2 over dp and sequence-parallel TP: each dp rank trains on half
+    of every batch, and the dp mean equals one process accumulating both halves."""
+    ranks = _torchrun(tmp_path, nproc=4, tp=2, dp=2)
+    ref = reference("gpt", parts=2)
+    by_dp = {}
+    for r in ranks:
+        by_dp.setdefault(r["meta"]["dp_rank"], []).append(r["gpt_sp1"])
+    assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
+    halves = [by_dp[d][0] for d in (0, 1)]
+    mean = {
+        "loss0": (halves[0]["loss0"] + halves[1]["loss0"]) / 2,
+        "nll_sum0": halves[0]["nll_sum0"] + halves[1]["nll_sum0"],
+        "losses": [(a + b) / 2 for a, b in zip(halves[0]["losses"], halves[1]["losses"])],
+    }
+    for r in ranks:
+        # Gradients and norms are dp-averaged already, so every rank holds the reference's.
+        got = {**r["gpt_sp1"], **mean}
+        _assert_matches(got, ref)
+    assert ranks[0]["gpt_sp1"]["placements"]["GPT_model.layers.0.mlp.dense_h_to_4h.weight"][1] == "S(0)"
