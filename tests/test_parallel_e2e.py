@@ -97,3 +97,30 @@ def test_invalid_layouts_fail_fast_with_one_line(tmp_path, nproc, extra, needle)
     assert r.returncode != 0
     assert needle in one_error_line(r)
     assert not out.exists()
+
+
+def test_checkpoint_from_tp2_pp2_resumes_at_dp4_and_on_one_process(tmp_path, reference):
+    """DCP reshards: a tp=2 x pp=2 checkpoint continues the same loss curve under other layouts."""
+    import shutil
+
+    args = [*COMMON, "train.checkpointer.period=5"]
+    src = tmp_path / "tp2pp2"
+    r = train_sh(4, tiny(src, tmp_path / "cache", *args, "train.dist.pipeline_parallel_size=2",
+                         "train.dist.tensor_parallel_size=2"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    for name, nproc in (("dp4", 4), ("one", 1)):
+        out = tmp_path / name
+        shutil.copytree(src, out)
+        # Resume from the iteration-5 checkpoint, as if the run had stopped there.
+        (out / "last_checkpoint").write_text("model_0000004")
+        with open(out / "metrics.json") as f:
+            rows = [line for line in f if '"iteration": ' in line and int(line.split('"iteration": ')[1].split(",")[0].split("}")[0]) <= 5]
+        (out / "metrics.json").write_text("".join(rows))
+        resumed = tiny(out, tmp_path / "cache", *args) + ["--resume"]
+        r = train_sh(nproc, resumed) if nproc > 1 else train_net(resumed)
+        assert r.returncode == 0, r.stderr[-4000:]
+        curve = losses(out)
+        for it in range(6, STEPS + 1):
+            assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
+        if name == "dp4":
+            assert "data_parallel_size changed from 1 to 4" in (out / "log.txt").read_text()
