@@ -5,6 +5,8 @@ and `train.activation_checkpoint.*` changed, and compares `metrics.json` step fo
 one-process run of the same global batch. Gradient-level parity of each piece is checked in
 tests/test_{tensor,pipeline,data}_parallel.py.
 """
+import json
+
 import pytest
 
 from e2e_utils import losses, one_error_line, tiny, train_net, train_sh
@@ -114,7 +116,7 @@ def test_checkpoint_from_tp2_pp2_resumes_at_dp4_and_on_one_process(tmp_path, ref
         # Resume from the iteration-5 checkpoint, as if the run had stopped there.
         (out / "last_checkpoint").write_text("model_0000004")
         with open(out / "metrics.json") as f:
-            rows = [line for line in f if '"iteration": ' in line and int(line.split('"iteration": ')[1].split(",")[0].split("}")[0]) <= 5]
+            rows = [line for line in f if json.loads(line)["iteration"] <= 5]
         (out / "metrics.json").write_text("".join(rows))
         resumed = tiny(out, tmp_path / "cache", *args) + ["--resume"]
         r = train_sh(nproc, resumed) if nproc > 1 else train_net(resumed)
@@ -124,3 +126,42 @@ def test_checkpoint_from_tp2_pp2_resumes_at_dp4_and_on_one_process(tmp_path, ref
             assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
         if name == "dp4":
             assert "data_parallel_size changed from 1 to 4" in (out / "log.txt").read_text()
+
+
+MT5_CONFIG = "projects/MT5/configs/mt5_pretrain.py"
+MT5_COMMON = [
+    "model.cfg.hidden_layers=2", "model.cfg.hidden_size=64", "model.cfg.num_attention_heads=4",
+    "model.cfg.head_size=16", "model.cfg.intermediate_size=128", "dataloader.train.max_seq_length=64",
+    "dataloader.train.num_workers=0", "train.train_micro_batch_size=2", "train.global_batch_size=8",
+    "train.num_accumulation_steps=null", "train.train_epoch=0", f"train.train_iter={STEPS}", "train.log_period=1",
+    "train.evaluation.enabled=False", "train.checkpointer.period=1000", "train.amp.enabled=False",
+    "train.zero_optimization.enabled=False", "train.dist.data_parallel_size=null",
+    "train.dist.tensor_parallel_size=1", "tokenization.make_vocab_size_divisible_by=256", "optim.lr=1e-3",
+]
+
+
+@pytest.fixture(scope="module")
+def mt5_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mt5ref")
+    r = train_net([f"train.output_dir={tmp / 'out'}", f"dataloader.train.cache_dir={tmp / 'cache'}", *MT5_COMMON],
+                  config=MT5_CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(tmp / "out")
+
+
+@pytest.mark.parametrize("name,nproc,extra", [
+    ("tp2", 2, ["train.dist.tensor_parallel_size=2"]),
+    ("dp2_zero2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"]),
+    ("dp2_tp2_zero2_actckpt", 4, ["train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
+                                  "train.zero_optimization.stage=2", "train.activation_checkpoint.enabled=True"]),
+])
+def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, extra):
+    out = tmp_path / "out"
+    r = train_sh(nproc, [f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+                         *MT5_COMMON, *extra], config=MT5_CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(out)
+    assert sorted(curve) == sorted(mt5_reference) == list(range(1, STEPS + 1))
+    for it in mt5_reference:
+        assert curve[it] == pytest.approx(mt5_reference[it], rel=2e-4, abs=2e-4), (name, it)
+    assert mt5_reference[STEPS] < mt5_reference[1]

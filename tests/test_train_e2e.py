@@ -195,3 +195,20 @@ def test_fast_dev_run_and_train_epoch(tmp_path):
 
     per_epoch = train_samples_per_epoch(str(ROOT / DATA), "949,50,1", 128)
     assert f"train.train_iter set to {math.ceil(0.2 * per_epoch / 512)}" in r.stdout
+
+
+def test_mt5_demo_validation_perplexity_falls(tmp_path):
+    out = tmp_path / "mt5"
+    r = train_net([f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+                   "train.dist.data_parallel_size=1", "train.dist.tensor_parallel_size=1",
+                   "train.zero_optimization.enabled=False", "model.cfg.hidden_layers=2", "model.cfg.hidden_size=128",
+                   "model.cfg.num_attention_heads=4", "model.cfg.head_size=32", "model.cfg.intermediate_size=256",
+                   "dataloader.train.max_seq_length=128", "dataloader.train.num_workers=0",
+                   "train.num_accumulation_steps=1", "train.train_micro_batch_size=8", "train.train_iter=40",
+                   "train.train_epoch=0", "train.log_period=10", "train.evaluation.eval_period=10",
+                   "train.evaluation.eval_iter=4", "optim.lr=1e-3"], config="projects/MT5/configs/mt5_pretrain.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ppl = [json.loads(line)["valid/PPL"] for line in open(out / "metrics.json") if "valid/PPL" in line]
+    assert len(ppl) == 4
+    assert ppl[-1] < ppl[0] * 0.5, ppl
+    assert "token_acc" in (out / "log.txt").read_text()

@@ -2,7 +2,8 @@
 
 Apply it after tensor parallelism and before data parallelism (FSDP2 `fully_shard` then shards
 the wrapped layers, torchtitan's order). Layers are found generically: the children of every
-`layers` ModuleDict/ModuleList in the model, so GPT, T5 encoder/decoder stacks and pipeline
+`layers` ModuleDict/ModuleList (or one whose name ends in `_layers`, like T5's
+`encoder_layers` and `decoder_layers`) in the model, so GPT, T5 encoder/decoder stacks and pipeline
 stages (which keep only their own layers) all work without registration.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ def transformer_layer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(container, key) of every transformer layer, in model order: the children of `layers` containers."""
     slots = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != LAYER_CONTAINER_NAME:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf != LAYER_CONTAINER_NAME and not leaf.endswith("_" + LAYER_CONTAINER_NAME):
             continue
         if isinstance(module, nn.ModuleDict):
             slots += [(module, key) for key in module.keys()]
