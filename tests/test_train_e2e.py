@@ -212,3 +212,21 @@ def test_mt5_demo_validation_perplexity_falls(tmp_path):
     assert len(ppl) == 4
     assert ppl[-1] < ppl[0] * 0.5, ppl
     assert "token_acc" in (out / "log.txt").read_text()
+
+
+def test_two_node_launch_forms_one_job(tmp_path):
+    """Two tools/train.sh launches with NODE=2 and NODE_RANK=0|1 on one machine train as dp=2."""
+    from e2e_utils import free_port
+
+    out = tmp_path / "two_nodes"
+    args = tiny(out, tmp_path / "cache", "train.train_iter=4", "train.evaluation.enabled=False")
+    port = str(free_port())
+    procs = [subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1", *args], cwd=ROOT,
+                              env=env(NODE="2", NODE_RANK=str(rank), ADDR="127.0.0.1", PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert "Rank 0 of 2; layout pp=1 dp=2 tp=1" in (out / "log.txt").read_text()
+    assert sorted(losses(out)) == [1, 2, 3, 4]
