@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Throughput of ``tools/preprocess_data.py``: documents, MB and tokens per second.
+
+A corpus of at least ``--corpus-mb`` MB is made in a temporary directory by repeating
+``data_test/corpus.jsonl``, then the tool is run on it as a user runs it (a subprocess, the
+real command line) with each tokenizer (GPT-2 BPE and SentencePiece from ``data_test/``) and
+each worker count. Two references sit beside each row:
+
+* same job: a naive single-process loop over the same corpus with the same tokenizer
+  (``json.loads`` + ``tokenizer.encode`` per document + ``MMapIndexedDatasetBuilder``), the
+  code a user would write without the tool;
+* recorded figure (NOT measured in this job): Megatron-LM's own ``tools/preprocess_data.py``
+  did about 1.8 MB/s with GPT-2 BPE and 2 workers on the same kind of 2-core machine, on the
+  shared fixture corpus (``../shared/fixtures/README.md``).
+
+MB/s is reported twice: as the tool reports it (its clock starts when tokenising starts,
+like Megatron's own progress line, so this is the one compared with Megatron's figure) and
+end to end (process start to exit, including imports and tokenizer loading).
+
+    python bench/preprocess.py                  # 50 MB, 1 and 2 workers, GPT-2 BPE and SentencePiece
+    python bench/preprocess.py --corpus-mb 200 --workers 1 2 4
+
+The last line of the output is one JSON object with the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+SOURCE_CORPUS = os.path.join(ROOT, "data_test", "corpus.jsonl")
+TOKENIZERS = {
+    "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "data_test/gpt2/vocab.json",
+             "--merge-file", "data_test/gpt2/merges.txt"],
+    "spm": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "data_test/spm/spiece.model"],
+}
+# ../shared/fixtures/README.md: Megatron-LM's tools/preprocess_data.py, GPT-2 BPE, --workers 2,
+# on a 2-core machine. A recorded number, not a run in this job.
+MEGATRON_RECORDED_MB_S = 1.8
+MEGATRON_RECORDED = dict(tokenizer="gpt2", workers=2)
+_DONE = re.compile(r"done: (\d+) documents, (\d+) tokens, ([\d.]+) MB in ([\d.]+) s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus-mb", type=float, default=50.0, help="corpus size in MB (default 50)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
+    p.add_argument("--tokenizers", nargs="+", choices=sorted(TOKENIZERS), default=["gpt2", "spm"])
+    p.add_argument("--no-naive", action="store_true", help="skip the naive single-process reference")
+    p.add_argument("--tmpdir", default=None, help="where the corpus and outputs go (default: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="a ~1 MB corpus: checks the script runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.corpus_mb = 1.0
+    if args.corpus_mb <= 0 or any(w < 1 for w in args.workers):
+        p.error("--corpus-mb must be > 0 and --workers >= 1")
+    return args
+
+
+def make_corpus(path: str, target_mb: float) -> dict:
+    """Write ``data_test/corpus.jsonl`` repeated (cut at a line) until it reaches ``target_mb`` MB."""
+    with open(SOURCE_CORPUS, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    target = int(target_mb * 1e6)
+    size = docs = 0
+    with open(path, "wb") as out:
+        while size < target:
+            for line in lines:
+                out.write(line)
+                size += len(line)
+                docs += 1
+                if size >= target:
+                    break
+    return {"bytes": size, "documents": docs}
+
+
+def count_tokens(prefix: str) -> int:
+    """Tokens in a ``.bin/.idx`` pair, from its index."""
+    from libai_lite.data.indexed_dataset import MMapIndexedDataset
+
+    return int(np.asarray(MMapIndexedDataset(prefix).sizes, dtype=np.int64).sum())
+
+
+def run_tool(corpus: str, out_prefix: str, tokenizer: str, workers: int) -> dict:
+    """Run tools/preprocess_data.py once; the tool's own rates and the end-to-end ones.
+
+    The tool prints its time to 0.01 s; MB is taken from the corpus file, exactly.
+    """
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+           "--output-prefix", out_prefix, "--json-keys", "text", "--append-eod", "--workers", str(workers),
+           "--log-interval", str(10**9), *TOKENIZERS[tokenizer]]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    m = _DONE.search(proc.stdout)
+    if m is None:
+        raise RuntimeError(f"no 'done:' line in the tool's output: {proc.stdout[-500:]}")
+    docs, tokens, seconds = int(m[1]), int(m[2]), max(float(m[4]), 0.01)
+    mb = os.path.getsize(corpus) / 1e6
+    if tokens != count_tokens(f"{out_prefix}_text_document"):
+        raise RuntimeError("the tool's token count does not match the .idx it wrote")
+    return {"documents": docs, "tokens": tokens, "mb": mb, "seconds": seconds, "wall_seconds": wall,
+            "docs_per_s": docs / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds,
+            "wall_mb_per_s": mb / wall}
+
+
+def run_naive(corpus: str, out_prefix: str, tokenizer: str) -> dict:
+    """The reference loop: one process, ``tokenizer.encode`` per document, one builder."""
+    from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+    from libai_lite.tokenizer import build_tokenizer
+
+    flags = TOKENIZERS[tokenizer]
+    kwargs = {"tokenizer_type": flags[1]}
+    for flag, key in (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"),
+                      ("--tokenizer-model", "tokenizer_model")):
+        if flag in flags:
+            kwargs[key] = os.path.join(ROOT, flags[flags.index(flag) + 1])
+    tok = build_tokenizer(**kwargs)
+    builder = MMapIndexedDatasetBuilder(f"{out_prefix}_text_document", dtype=best_fitting_dtype(tok.vocab_size))
+    docs = tokens = nbytes = 0
+    start = time.perf_counter()
+    with open(corpus, "rb") as f:
+        for line in f:
+            nbytes += len(line)
+            ids = tok.encode(json.loads(line)["text"])
+            if ids:
+                ids.append(tok.eod_id)
+                builder.add_item(ids)
+            builder.end_document()
+            docs += 1
+            tokens += len(ids)
+    builder.finalize()
+    seconds = time.perf_counter() - start
+    mb = nbytes / 1e6
+    return {"documents": docs, "tokens": tokens, "mb": mb, "seconds": seconds,
+            "docs_per_s": docs / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds}
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark, print a table and the JSON line; returns the JSON object."""
+    args = parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_preprocess_", dir=args.tmpdir) as tmp:
+        corpus = os.path.join(tmp, "corpus.jsonl")
+        info = make_corpus(corpus, args.corpus_mb)
+        print(f"corpus: {info['bytes'] / 1e6:.1f} MB, {info['documents']} documents "
+              f"(data_test/corpus.jsonl repeated), {os.cpu_count()} CPUs")
+        for tok in args.tokenizers:
+            naive = None
+            if not args.no_naive:
+                naive = run_naive(corpus, os.path.join(tmp, f"naive_{tok}"), tok)
+                rows.append({"tokenizer": tok, "workers": 1, "impl": "naive loop (same job)", **naive})
+            for w in args.workers:
+                res = run_tool(corpus, os.path.join(tmp, f"tool_{tok}_{w}"), tok, w)
+                row = {"tokenizer": tok, "workers": w, "impl": "tools/preprocess_data.py", **res}
+                if naive is not None:
+                    row["ratio_vs_naive"] = res["mb_per_s"] / naive["mb_per_s"]
+                if tok == MEGATRON_RECORDED["tokenizer"] and w == MEGATRON_RECORDED["workers"]:
+                    row["ratio_vs_megatron_recorded"] = res["mb_per_s"] / MEGATRON_RECORDED_MB_S
+                rows.append(row)
+
+    print(f"{'tokenizer':<9} {'workers':>7} {'impl':<26} {'docs/s':>9} {'MB/s':>7} {'tokens/s':>10} "
+          f"{'MB/s e2e':>8} {'vs naive':>8}")
+    for r in rows:
+        e2e = f"{r['wall_mb_per_s']:.2f}" if "wall_mb_per_s" in r else "-"
+        vs = f"{r['ratio_vs_naive']:.2f}x" if "ratio_vs_naive" in r else "-"
+        print(f"{r['tokenizer']:<9} {r['workers']:>7} {r['impl']:<26} {r['docs_per_s']:>9.0f} "
+              f"{r['mb_per_s']:>7.2f} {r['tokens_per_s']:>10.0f} {e2e:>8} {vs:>8}")
+    mega = [r for r in rows if "ratio_vs_megatron_recorded" in r]
+    for r in mega:
+        print(f"GPT-2 BPE, 2 workers: {r['mb_per_s']:.2f} MB/s = {r['ratio_vs_megatron_recorded']:.2f}x the "
+              f"RECORDED Megatron-LM figure of {MEGATRON_RECORDED_MB_S} MB/s (../shared/fixtures/README.md; "
+              f"not run in this job, other corpus)")
+    result = {
+        "benchmark": "preprocess",
+        "corpus_mb": info["bytes"] / 1e6,
+        "corpus_documents": info["documents"],
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "rows": rows,
+        "megatron_recorded_mb_per_s": MEGATRON_RECORDED_MB_S,
+        "ratio_vs_megatron_recorded": mega[0]["ratio_vs_megatron_recorded"] if mega else None,
+        "date": datetime.date.today().isoformat(),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+#!/usr/bin/env python
+"""Training throughput of our GPT against Hugging Face's GPT-2, side by side in one process.
+
+Our side is the real training step: ``GPTForPreTraining`` stepped by
+``libai_lite.engine.trainer.EagerTrainer.run_step`` (autocast, loss dict, backward, gradient
+clipping, AdamW built from ``configs/common/optim.py`` through
+``get_default_optimizer_params``, lr schedule), fed by an in-memory loader. The reference is
+``transformers.GPT2LMHeadModel`` of the same shape trained by a plain PyTorch loop (AdamW,
+the same clipping, the same autocast). Both see the same tokens, dtype, thread count and
+dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) so background
+load on a shared machine hits both alike; the ratio reported is the median of the per-block
+ratios ours/HF.
+
+MFU is model FLOPs per token (6N + 12·L·H·T) x tokens/s over a peak: on CPU the best rate of a
+large matmul measured in this same job (fp32, and bf16 with ``--dtype bf16``), on GPU the
+datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
+
+    python bench/train_throughput.py --size demo
+    python bench/train_throughput.py --size 117M
+    python bench/train_throughput.py --size 345M --device cuda --dtype bf16 --micro-batch 8
+
+The last line of the output is one JSON object with the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+# Model shapes: GPT-2's published sizes plus the demo config (projects/GPT/configs/gpt2_pretrain.py).
+# Defaults for steps and micro batch are sized to finish in a few minutes on a 2-core CPU;
+# the GPU sizes are meant to be run with --device cuda. Short blocks, many of them: on a shared
+# machine the load changes within seconds, and a ratio taken over two neighbouring short
+# blocks sees nearly the same load on both sides.
+SIZES = {
+    "smoke": dict(layers=2, hidden=64, heads=2, seq=32, vocab=128, micro_batch=2, steps=2, blocks=2, warmup=1),
+    "demo": dict(layers=4, hidden=256, heads=4, seq=128, vocab=8064, micro_batch=8, steps=2, blocks=15, warmup=2),
+    "117M": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, micro_batch=1, steps=1, blocks=7, warmup=1),
+    "345M": dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50304, micro_batch=8, steps=10, blocks=5, warmup=5),
+    "1.3B": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50304, micro_batch=4, steps=10, blocks=5, warmup=5),
+}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# configs/common/optim.py: what the trainer builds for every GPT config.
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.01, 1.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=[s for s in SIZES if s != "smoke"], default="demo",
+                   help="model shape (default demo: 4 layers, hidden 256, seq 128, vocab 8064)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="fp32, or bf16 autocast for both models (the trainer's train.amp)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per model per block")
+    p.add_argument("--blocks", type=int, default=None, help="alternating blocks (each model runs once per block)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per model before the blocks")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="torch's fused AdamW on both sides (ours through the config's optim.fused=True; "
+                        "recent HF Trainers default to it); by default each side uses what it is configured with")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--smoke", action="store_true", help="a tiny model and two steps: checks the script runs")
+    args = p.parse_args(argv)
+    shape = dict(SIZES["smoke" if args.smoke else args.size])
+    for key in ("steps", "blocks", "warmup", "micro_batch"):
+        if getattr(args, key) is None:
+            setattr(args, key, shape[key])
+        elif getattr(args, key) < (0 if key == "warmup" else 1):
+            p.error(f"--{key.replace('_', '-')} must be {'>= 0' if key == 'warmup' else '>= 1'}")
+    args.shape = shape
+    if args.smoke:
+        args.size = "smoke"
+    return args
+
+
+# ------------------------------------------------------------------------------------- models
+def build_ours(shape: dict, device: torch.device):
+    """Our GPTForPreTraining with the demo config's dropout 0 and GPT-2's gelu_tanh."""
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    cfg = dict(hidden_layers=shape["layers"], vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+               ffn_hidden_size=4 * shape["hidden"], num_attention_heads=shape["heads"],
+               max_seq_length=shape["seq"], embedding_dropout_prob=0.0, attention_dropout_prob=0.0,
+               output_dropout_prob=0.0, activation="gelu_tanh")
+    return GPTForPreTraining(cfg).to(device)
+
+
+def build_hf(shape: dict, device: torch.device):
+    """``transformers.GPT2LMHeadModel`` of the same shape, dropout 0, its default attention implementation."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # bos/eos ids beyond a small vocab are irrelevant here
+    config = GPT2Config(n_layer=shape["layers"], n_embd=shape["hidden"], n_head=shape["heads"],
+                        n_positions=shape["seq"], vocab_size=shape["vocab"], n_inner=4 * shape["hidden"],
+                        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).to(device)
+
+
+def hf_attn_implementation(model) -> str:
+    """The attention implementation transformers picked (``sdpa``, ``eager``, ...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "unknown")
+
+
+# -------------------------------------------------------------------------------------- steps
+class OursStepper:
+    """Steps our model through EagerTrainer.run_step, the exact code path of a training run."""
+
+    def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
+        from configs.common.optim import optim as optim_cfg
+        from libai_lite.engine.default import instantiate_with
+        from libai_lite.engine.trainer import EagerTrainer
+        from libai_lite.scheduler import WarmupDecayLR
+        from libai_lite.utils.events import EventStorage
+
+        # The trainer builds the optimizer from this config node with the model filled in.
+        optim_cfg.lr = LR
+        if fused_adamw:
+            optim_cfg.fused = True
+        params = instantiate_with(optim_cfg.params, model=model)
+        optimizer = instantiate_with(optim_cfg, params=params)
+        self.optimizer = optimizer
+        scheduler = WarmupDecayLR(optimizer, max_iter=10**9, decay="constant")
+        stepped = torch.compile(model) if compile_model else model
+        # The trainer moves each batch to the device itself, as it does for a DataLoader.
+        loader = [{"input_ids": x, "labels": y} for x, y in batches]
+        self.trainer = EagerTrainer(stepped, loader, optimizer, scheduler, device=device, amp_dtype=amp_dtype,
+                                    clip_grad_max_norm=CLIP, clip_grad_norm_type=2.0)
+        self.trainer.storage = EventStorage(0)
+
+    def step(self) -> None:
+        t = self.trainer
+        t.storage.begin(t.iter)
+        t.run_step()
+        t.iter += 1
+
+
+class HFStepper:
+    """A plain PyTorch loop over GPT2LMHeadModel: autocast forward with labels, backward, clip, AdamW."""
+
+    def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
+        self.model = torch.compile(model) if compile_model else model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                           fused=True if fused_adamw else None)
+        # HF shifts labels itself, so it is given the inputs as labels (the usual HF call).
+        self.batches = [x for x, _ in batches]
+        self.device, self.amp_dtype = device, amp_dtype
+        self.i = 0
+
+    def step(self) -> None:
+        x = self.batches[self.i % len(self.batches)].to(self.device, non_blocking=True)
+        self.i += 1
+        self.model.train()
+        ctx = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
+               else contextlib.nullcontext())
+        with ctx:
+            loss = self.model(input_ids=x, labels=x).loss
+        loss.backward()
+        float(loss.detach())  # the trainer reads the loss every step (its NaN check); so does this loop
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def adamw_impl(optimizer) -> str:
+    """Which AdamW kernel runs: fused, foreach, or torch's default (foreach on CUDA, a for-loop on CPU)."""
+    if optimizer.defaults.get("fused"):
+        return "fused"
+    if optimizer.defaults.get("foreach"):
+        return "foreach"
+    return "default"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_blocks(steppers: dict, steps: int, blocks: int, warmup: int, tokens_per_step: int,
+               device: torch.device, between=None) -> dict:
+    """Tokens/s of each stepper per block, the order flipped every block (A B, B A, ...).
+
+    ``between()`` runs after every block (the CPU peak is re-measured there, so a busy moment at
+    the start does not set it).
+    """
+    for s in steppers.values():
+        for _ in range(warmup):
+            s.step()
+    _sync(device)
+    names = list(steppers)
+    rates = {n: [] for n in names}
+    for b in range(blocks):
+        for name in (names if b % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            for _ in range(steps):
+                steppers[name].step()
+            _sync(device)
+            rates[name].append(steps * tokens_per_step / (time.perf_counter() - start))
+        if between is not None:
+            between()
+    return rates
+
+
+# ------------------------------------------------------------------------------------- peaks
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """Best FLOP/s of an ``n x n`` matmul on ``device`` over ``reps`` tries (the practical peak)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = 0.0
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+class Peak:
+    """The device's peak FLOP/s for the training dtype: the datasheet on known GPUs, else measured.
+
+    A measured peak is the best over every ``measure()`` call, so a moment when other jobs held
+    the cores does not make MFU look better than it is.
+    """
+
+    def __init__(self, device: torch.device, amp_dtype, smoke: bool):
+        from libai_lite.utils.flops import device_peak_flops
+
+        self.device, self.amp_dtype = device, amp_dtype
+        self.n = 256 if smoke else 2048
+        self.sheet = device_peak_flops(device, amp_dtype is not None)
+        self.fp32 = self.low = 0.0
+        self.measure()
+
+    def measure(self) -> None:
+        """Measure the matmul peak(s) once more (no-op with a datasheet figure)."""
+        if self.sheet is not None:
+            return
+        self.fp32 = max(self.fp32, measured_matmul_peak(self.device, torch.float32, self.n))
+        if self.amp_dtype is not None:
+            self.low = max(self.low, measured_matmul_peak(self.device, self.amp_dtype, self.n))
+
+    @property
+    def flops(self) -> float:
+        """The peak MFU is taken against."""
+        if self.sheet is not None:
+            return self.sheet
+        return self.low if self.amp_dtype is not None else self.fp32
+
+    @property
+    def source(self) -> str:
+        """Where the peak comes from, for the report."""
+        if self.sheet is not None:
+            return f"datasheet ({torch.cuda.get_device_name(self.device)})"
+        if self.amp_dtype is None:
+            return f"measured fp32 {self.n}x{self.n} matmul, best of the job"
+        return (f"measured bf16 {self.n}x{self.n} matmul, best of the job (fp32 matmul: "
+                f"{self.fp32 / 1e9:.1f} GFLOP/s)")
+
+
+# --------------------------------------------------------------------------------------- main
+def _quantile(values, q: float) -> float:
+    """Linear-interpolated quantile (statistics.quantiles needs two or more values)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark, print a table and the JSON line; returns the JSON object."""
+    args = parse_args(argv)
+    shape = args.shape
+    device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    amp_dtype = DTYPES[args.dtype]
+    warnings.filterwarnings("ignore", message=".*bos_token_id.*|.*eos_token_id.*|.*loss_type.*")
+
+    from libai_lite.utils.flops import transformer_flops_per_token
+
+    peak_meter = Peak(device, amp_dtype, args.smoke)
+
+    torch.manual_seed(args.seed)
+    ours = build_ours(shape, device)
+    torch.manual_seed(args.seed)
+    hf = build_hf(shape, device)
+    gen = torch.Generator().manual_seed(args.seed)
+    # A few distinct batches, pinned when a GPU will receive them, as the DataLoader does.
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, shape["vocab"], (args.micro_batch, shape["seq"] + 1), generator=gen)
+        pair = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
+
+    n_params = ours.num_parameters(non_embedding=True)
+    n_hf = sum(p.numel() for p in hf.parameters()) - hf.transformer.wpe.weight.numel()
+    flops_per_token = transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
+    attn_impl = hf_attn_implementation(hf)
+
+    steppers = {
+        "ours": OursStepper(ours, batches, device, amp_dtype, args.compile, args.fused_adamw),
+        "hf": HFStepper(hf, batches, device, amp_dtype, args.compile, args.fused_adamw),
+    }
+    tokens_per_step = args.micro_batch * shape["seq"]
+    rates = run_blocks(steppers, args.steps, args.blocks, args.warmup, tokens_per_step, device,
+                       between=peak_meter.measure)
+    peak, peak_source = peak_meter.flops, peak_meter.source
+    ours_tps, hf_tps = statistics.median(rates["ours"]), statistics.median(rates["hf"])
+    ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]
+    result = {
+        "benchmark": "train_throughput",
+        "size": args.size,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+        or platform.machine(),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "compile": bool(args.compile),
+        "layers": shape["layers"], "hidden": shape["hidden"], "heads": shape["heads"],
+        "seq_length": shape["seq"], "vocab": shape["vocab"], "micro_batch": args.micro_batch,
+        "steps_per_block": args.steps, "blocks": args.blocks, "warmup": args.warmup,
+        "params_non_embedding": n_params, "hf_params_non_embedding": n_hf,
+        "hf_attn_implementation": attn_impl,
+        "ours_adamw": adamw_impl(steppers["ours"].optimizer),
+        "hf_adamw": adamw_impl(steppers["hf"].optimizer),
+        "ours_tokens_per_s": ours_tps,
+        "hf_tokens_per_s": hf_tps,
+        "ratio": statistics.median(ratios),
+        # The spread of the per-block ratios: how much to trust the median on a busy machine.
+        "ratio_p25": _quantile(ratios, 0.25),
+        "ratio_p75": _quantile(ratios, 0.75),
+        "ours_block_tokens_per_s": rates["ours"],
+        "hf_block_tokens_per_s": rates["hf"],
+        "flops_per_token": flops_per_token,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "mfu_ours": flops_per_token * ours_tps / peak,
+        "mfu_hf": flops_per_token * hf_tps / peak,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    print(f"GPT {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, seq {shape['seq']}, "
+          f"vocab {shape['vocab']}, micro batch {args.micro_batch}, {args.dtype}, {result['threads']} threads, "
+          f"compile {'on' if args.compile else 'off'}, HF attention '{attn_impl}', AdamW ours "
+          f"{result['ours_adamw']} / HF {result['hf_adamw']}")
+    print(f"peak {peak / 1e12:.3f} TFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP/token")
+    print(f"{'block':>5} {'ours tok/s':>12} {'HF tok/s':>12} {'ours/HF':>8}")
+    for b, (o, h) in enumerate(zip(rates["ours"], rates["hf"])):
+        print(f"{b:>5} {o:>12.1f} {h:>12.1f} {o / h:>8.3f}")
+    print(f"median: ours {ours_tps:.1f} tok/s (MFU {result['mfu_ours']:.1%}), HF {hf_tps:.1f} tok/s "
+          f"(MFU {result['mfu_hf']:.1%}), ours/HF {result['ratio']:.3f} "
+          f"(per-block quartiles {result['ratio_p25']:.3f}-{result['ratio_p75']:.3f})")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
