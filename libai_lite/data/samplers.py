@@ -32,7 +32,22 @@ def _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel
         raise UsageError(f"data_parallel_rank {data_parallel_rank} is not in [0, {data_parallel_size})")
 
 
-class MegatronPretrainingSampler(Sampler[List[int]]):
+class _RankSlicedSampler(Sampler[List[int]]):
+    """Micro-batches of consecutive indices, global batch by global batch, this rank's slice of each."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool):
+        _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+        self.drop_last = bool(drop_last)
+        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
+
+
+class MegatronPretrainingSampler(_RankSlicedSampler):
     """Megatron's pretraining batch sampler: one pass from ``consumed_samples`` to ``total_samples``.
 
     Yields lists of ``micro_batch_size`` indices for ``data_parallel_rank``. With ``drop_last`` the
@@ -42,14 +57,8 @@ class MegatronPretrainingSampler(Sampler[List[int]]):
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.total_samples = int(total_samples)
-        self.consumed_samples = int(consumed_samples)
-        self.micro_batch_size = int(micro_batch_size)
-        self.data_parallel_rank = int(data_parallel_rank)
-        self.data_parallel_size = int(data_parallel_size)
-        self.drop_last = bool(drop_last)
-        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                         drop_last)
 
     def __len__(self) -> int:
         remaining = self.total_samples - self.consumed_samples
@@ -70,7 +79,7 @@ class MegatronPretrainingSampler(Sampler[List[int]]):
                 yield list(range(lo, hi))
 
 
-class SequentialEvalSampler(Sampler[List[int]]):
+class SequentialEvalSampler(_RankSlicedSampler):
     """In-order batches for validation and test that drop no sample and keep every rank in step.
 
     Same layout and arguments as ``MegatronPretrainingSampler``. Without ``drop_last`` the final
@@ -82,14 +91,8 @@ class SequentialEvalSampler(Sampler[List[int]]):
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = False):
-        _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.total_samples = int(total_samples)
-        self.consumed_samples = int(consumed_samples)
-        self.micro_batch_size = int(micro_batch_size)
-        self.data_parallel_rank = int(data_parallel_rank)
-        self.data_parallel_size = int(data_parallel_size)
-        self.drop_last = bool(drop_last)
-        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                         drop_last)
 
     def __len__(self) -> int:
         remaining = self.total_samples - self.consumed_samples
