@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from libai_lite.layers import Linear1D, VocabEmbedding
 from projects.GPT.modeling import GPTForPreTraining, GPTModel
+from projects.GPT.modeling.hf_mapping import config_from_hf, state_dict_from_hf
 
 TINY = dict(
     hidden_layers=2,
@@ -26,41 +27,6 @@ TINY = dict(
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def _hf_gpt2_into_ours(hf, ours: GPTModel) -> None:
-    """Copy GPT2LMHeadModel weights into GPTModel (the test's own converter).
-
-    HF's Conv1D stores [in, out], so weights are transposed; its c_attn output is
-    [q; k; v] (each heads*head_size), which is permuted to our head-major
-    [heads, 3, head_size] layout.
-    """
-    nh = hf.config.n_head
-    hd = hf.config.n_embd // nh
-    sd = hf.state_dict()
-
-    def qkv_head_major(t):
-        return t.reshape(3, nh, hd, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-    with torch.no_grad():
-        ours.embeddings.token_embeddings.weight.copy_(sd["transformer.wte.weight"])
-        ours.embeddings.position_embeddings.weight.copy_(sd["transformer.wpe.weight"])
-        for i, layer in ours.layers.items():
-            p = f"transformer.h.{i}."
-            layer.input_layernorm.weight.copy_(sd[p + "ln_1.weight"])
-            layer.input_layernorm.bias.copy_(sd[p + "ln_1.bias"])
-            layer.self_attention.query_key_value.weight.copy_(qkv_head_major(sd[p + "attn.c_attn.weight"].t()))
-            layer.self_attention.query_key_value.bias.copy_(qkv_head_major(sd[p + "attn.c_attn.bias"]))
-            layer.self_attention.dense.weight.copy_(sd[p + "attn.c_proj.weight"].t())
-            layer.self_attention.dense.bias.copy_(sd[p + "attn.c_proj.bias"])
-            layer.post_attention_layernorm.weight.copy_(sd[p + "ln_2.weight"])
-            layer.post_attention_layernorm.bias.copy_(sd[p + "ln_2.bias"])
-            layer.mlp.dense_h_to_4h.weight.copy_(sd[p + "mlp.c_fc.weight"].t())
-            layer.mlp.dense_h_to_4h.bias.copy_(sd[p + "mlp.c_fc.bias"])
-            layer.mlp.dense_4h_to_h.weight.copy_(sd[p + "mlp.c_proj.weight"].t())
-            layer.mlp.dense_4h_to_h.bias.copy_(sd[p + "mlp.c_proj.bias"])
-        ours.final_layernorm.weight.copy_(sd["transformer.ln_f.weight"])
-        ours.final_layernorm.bias.copy_(sd["transformer.ln_f.bias"])
 
 
 def test_logits_match_hugging_face_gpt2():
@@ -85,7 +51,10 @@ def test_logits_match_hugging_face_gpt2():
             if name.endswith("bias") or ".ln_" in name:
                 p.normal_(0.0, 0.1 if name.endswith("bias") else 1.0)
     ours = GPTModel(**TINY, activation="gelu_tanh").eval()
-    _hf_gpt2_into_ours(hf, ours)
+    assert config_from_hf(config.to_dict()) == {**TINY, "activation": "gelu_tanh", "ffn_hidden_size": 256,
+                                                "layernorm_epsilon": 1e-5, "initializer_range": 0.02}
+    # The library mapping (projects/GPT/modeling/hf_mapping.py): transposed Conv1D, head-major qkv.
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), TINY), strict=True)
     ids = torch.randint(0, 100, (3, 32))
     with torch.no_grad():
         expected = hf(ids).logits

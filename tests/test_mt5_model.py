@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from libai_lite.layers import Linear1D, VocabEmbedding
 from libai_lite.utils.errors import UsageError
 from projects.MT5 import MT5ForPreTraining, MT5Model
+from projects.MT5.hf_mapping import state_dict_from_hf
 from projects.MT5.layers import MT5Loss, RelativePositionBias, relative_position_bucket
 
 VOCAB, HIDDEN, LAYERS, HEADS, HEAD_SIZE, FFN = 128, 48, 2, 4, 8, 96  # heads * head_size (32) != hidden (48)
@@ -57,61 +58,6 @@ def _padded_batch(batch=3, enc_len=20, dec_len=12):
 # ------------------------------------------------------------------ Hugging Face weights -> ours
 
 
-def hf_t5_state_dict_to_ours(sd: dict, num_layers: int, num_heads: int, head_size: int) -> dict:
-    """Map a Hugging Face (m)T5ForConditionalGeneration state dict onto MT5Model's names.
-
-    The converter-to-be: q/k/v (each ``[heads*d_kv, d_model]``, rows head-major) are interleaved
-    into our fused head-major ``[heads, 3, d_kv]`` rows, cross-attention k/v into ``[heads, 2, d_kv]``;
-    decoder block i becomes ``decoder_layers.{num_layers + i}``; ``wi``/``wi_0``/``wi_1``/``wo`` become
-    ``dense_h_to_4h``/``dense_h_to_4h``/``dense_h_to_4h_linear``/``dense_4h_to_h``. A tied T5 carries
-    ``lm_head.weight`` equal to ``shared.weight``, which fills both of our (shared) names.
-    """
-
-    def fused(*weights):
-        return torch.stack([w.reshape(num_heads, head_size, w.shape[-1]) for w in weights], dim=1).reshape(
-            -1, weights[0].shape[-1]
-        )
-
-    out = {
-        "embedding.weight": sd["shared.weight"],
-        "lm_head.weight": sd["lm_head.weight"],
-        "encoder_final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
-        "decoder_final_layernorm.weight": sd["decoder.final_layer_norm.weight"],
-    }
-
-    def mlp(dst, src):
-        if src + "wi.weight" in sd:  # ReLU (T5 v1.0)
-            out[dst + "mlp.dense_h_to_4h.weight"] = sd[src + "wi.weight"]
-        else:  # gated-GELU: wi_0 goes through the activation, wi_1 is the linear gate
-            out[dst + "mlp.dense_h_to_4h.weight"] = sd[src + "wi_0.weight"]
-            out[dst + "mlp.dense_h_to_4h_linear.weight"] = sd[src + "wi_1.weight"]
-        out[dst + "mlp.dense_4h_to_h.weight"] = sd[src + "wo.weight"]
-
-    for stack, offset in (("encoder", 0), ("decoder", num_layers)):
-        for i in range(num_layers):
-            src = f"{stack}.block.{i}.layer."
-            dst = f"{stack}_layers.{offset + i}."
-            attn = src + "0.SelfAttention."
-            out[dst + "input_layernorm.weight"] = sd[src + "0.layer_norm.weight"]
-            out[dst + "self_attention.query_key_value.weight"] = fused(
-                sd[attn + "q.weight"], sd[attn + "k.weight"], sd[attn + "v.weight"]
-            )
-            out[dst + "self_attention.dense.weight"] = sd[attn + "o.weight"]
-            if i == 0:
-                out[dst + "relative_attention_bias.weight"] = sd[attn + "relative_attention_bias.weight"]
-            out[dst + "post_attention_layernorm.weight"] = sd[src + "1.layer_norm.weight"]
-            if stack == "decoder":
-                cross = src + "1.EncDecAttention."
-                out[dst + "cross_attention.query.weight"] = sd[cross + "q.weight"]
-                out[dst + "cross_attention.key_value.weight"] = fused(sd[cross + "k.weight"], sd[cross + "v.weight"])
-                out[dst + "cross_attention.dense.weight"] = sd[cross + "o.weight"]
-                out[dst + "post_cross_attention_layernorm.weight"] = sd[src + "2.layer_norm.weight"]
-                mlp(dst, src + "2.DenseReluDense.")
-            else:
-                mlp(dst, src + "1.DenseReluDense.")
-    return out
-
-
 def _hf_model(model_type):
     from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
@@ -138,7 +84,8 @@ def test_logits_match_hugging_face_with_padding_in_encoder_and_decoder(model_typ
     if model_type == "t5":
         assert hf.config.feed_forward_proj == "relu" and hf.lm_head.weight is hf.shared.weight
     ours = MT5Model(tiny(model_type)).eval()
-    ours.load_state_dict(hf_t5_state_dict_to_ours(hf.state_dict(), LAYERS, HEADS, HEAD_SIZE), strict=True)
+    # The library mapping (projects/MT5/hf_mapping.py): fused head-major qkv / kv, stacked layer indices.
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), tiny(model_type)), strict=True)
     if model_type == "t5":
         assert ours.lm_head.weight is ours.embedding.weight
     else:
@@ -360,39 +307,6 @@ def test_structure_names_and_declared_intent():
     assert t5.encoder_layers["0"].mlp.dense_h_to_4h_linear is None and t5.encoder_layers["0"].mlp.activation == "relu"
     clone = copy.deepcopy(t5)
     assert clone.lm_head.weight is clone.embedding.weight
-
-
-@pytest.mark.parametrize("model_type", ["t5", "mt5"])
-def test_pipeline_style_stages_compose_to_full_forward(model_type):
-    model = MT5Model(tiny(model_type, hidden_layers=3)).eval()  # layers 0-2 encoder, 3-5 decoder
-    enc, dec, enc_mask, dec_mask = _padded_batch()
-    first, middle, last = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
-
-    def keep(stage, owned):
-        for layers in (stage.encoder_layers, stage.decoder_layers):
-            for i in list(layers):
-                if int(i) not in owned:
-                    del layers[i]
-
-    keep(first, {0, 1})
-    first.encoder_final_layernorm = first.decoder_final_layernorm = first.lm_head = None
-    keep(middle, {2, 3, 4})  # crosses from the encoder into the decoder
-    middle.embedding = middle.decoder_final_layernorm = middle.lm_head = None
-    keep(last, {5})
-    last.embedding = last.encoder_final_layernorm = None
-    masks = dict(encoder_attn_mask=enc_mask, decoder_attn_mask=dec_mask)
-    with torch.no_grad():
-        enc_h, dec_h, enc_bias, dec_bias = first(enc, dec, **masks)
-        assert enc_h.shape == (3, 20, HIDDEN) and dec_h.shape == (3, 12, HIDDEN)
-        assert enc_bias.shape == (1, HEADS, 20, 20) and dec_bias is None
-        enc_h, dec_h, enc_bias, dec_bias = middle(enc_h, dec_h, **masks, encoder_position_bias=enc_bias)
-        assert enc_bias is None and dec_bias.shape == (1, HEADS, 12, 12)
-        got = last(enc_h, dec_h, **masks, decoder_position_bias=dec_bias)
-        torch.testing.assert_close(got, model(enc, dec, **masks))
-        with pytest.raises(ValueError, match="position bias"):
-            last(enc_h, dec_h, **masks)
-    # The last stage keeps the (tied or own) head weight once the embedding is gone.
-    assert "lm_head.weight" in dict(last.named_parameters())
 
 
 def test_meta_build_then_materialise_draws_t5_init():

@@ -1,0 +1,256 @@
+"""Hugging Face T5 / T5 v1.1 / mT5 (``(M)T5ForConditionalGeneration``) <-> ``MT5Model``.
+
+State dicts here are ``MT5Model``'s (the ``mt5_model`` attribute of ``MT5ForPreTraining``) and
+Hugging Face's. Layouts that differ, each mapped explicitly:
+
+* self-attention ``q``, ``k``, ``v`` (each ``[heads * d_kv, d_model]``, rows head-major) are
+  interleaved into our fused head-major ``query_key_value`` rows ``[heads, 3, d_kv]``;
+  cross-attention ``k``, ``v`` into ``key_value`` rows ``[heads, 2, d_kv]`` (``q`` stays ``query``);
+* decoder block ``i`` is our ``decoder_layers.{L + i}`` (one layer index space for both stacks);
+* ``wi`` (ReLU) or ``wi_0`` / ``wi_1`` (gated-GELU) and ``wo`` are ``dense_h_to_4h`` /
+  ``dense_h_to_4h_linear`` and ``dense_4h_to_h``; the relative bias tables live in each stack's
+  first layer in both.
+
+Which head: our ``tie_word_embeddings`` ties the LM head to the embedding AND scales the decoder
+output by ``d_model ** -0.5`` (T5 v1.0); untied means no scaling (T5 v1.1, mT5). Hugging Face
+decides the scaling from the config (``scale_decoder_outputs``, else ``tie_word_embeddings`` for
+``model_type="t5"``; transformers 5 never scales ``model_type="mt5"``), and whether the head is its
+own matrix from the weights (``lm_head.weight`` present and different from ``shared.weight``).
+An unscaled model whose head is the embedding imports as our untied model with a copy of it.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from libai_lite.checkpoint.hf import StateDictSource
+from libai_lite.utils.errors import UsageError
+
+from .mt5_model import MT5Config
+
+HF_MODEL_TYPES = ("t5", "mt5")
+EMBEDDING_KEY = "embedding.weight"
+VOCAB_KEYS = (EMBEDDING_KEY, "lm_head.weight")
+
+# HF feed_forward_proj -> our model_type (the feed-forward architecture), and back.
+_ARCH_FROM_HF = {"relu": "t5", "gated-gelu": "mt5"}
+_FFN_TO_HF = {"t5": "relu", "mt5": "gated-gelu"}
+# Present in some HF checkpoints and ignored by HF itself (cross-attention has no position bias).
+_IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
+# Copies of shared.weight that HF ties on load.
+_EMBED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def _hf(cfg: Mapping[str, Any], key: str, default: Any = ...) -> Any:
+    if cfg.get(key) is not None:
+        return cfg[key]
+    if default is ...:
+        raise UsageError(f"config.json has no '{key}': it is not a complete T5 config; re-save it with transformers")
+    return default
+
+
+def decoder_output_scaled(hf_config: Mapping[str, Any]) -> bool:
+    """Whether Hugging Face scales this model's decoder output by ``d_model ** -0.5`` before the head."""
+    if hf_config.get("scale_decoder_outputs") is not None:
+        return bool(hf_config["scale_decoder_outputs"])
+    if hf_config.get("model_type") == "mt5":
+        return False
+    return hf_config.get("tie_word_embeddings", True) is not False
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
+    """Our ``model.cfg`` (MT5Config keys) for a Hugging Face T5/mT5 ``config.json`` dict."""
+    c = hf_config
+    default_ffn = "gated-gelu" if c.get("model_type") == "mt5" else "relu"
+    ffn = c.get("feed_forward_proj") or default_ffn
+    if ffn not in _ARCH_FROM_HF:
+        raise UsageError(f"config.json feed_forward_proj={ffn!r} is not supported; MT5Model runs 'relu' "
+                         f"(T5 v1.0) and 'gated-gelu' (T5 v1.1, mT5)")
+    layers = int(_hf(c, "num_layers"))
+    if int(_hf(c, "num_decoder_layers", layers)) != layers:
+        raise UsageError(f"config.json has num_layers={layers} but num_decoder_layers={c['num_decoder_layers']}; "
+                         f"MT5Model needs as many decoder as encoder layers")
+    dropout = float(_hf(c, "dropout_rate", 0.1))
+    return dict(
+        vocab_size=int(_hf(c, "vocab_size")),
+        hidden_size=int(_hf(c, "d_model")),
+        hidden_layers=layers,
+        num_attention_heads=int(_hf(c, "num_heads")),
+        intermediate_size=int(_hf(c, "d_ff")),
+        head_size=int(_hf(c, "d_kv")),
+        embedding_dropout_prob=dropout,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        relative_attention_num_buckets=int(_hf(c, "relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(_hf(c, "relative_attention_max_distance", 128)),
+        initializer_range=float(_hf(c, "initializer_factor", 1.0)),
+        layernorm_eps=float(_hf(c, "layer_norm_epsilon", 1e-6)),
+        model_type=_ARCH_FROM_HF[ffn],
+        tie_word_embeddings=decoder_output_scaled(c),
+    )
+
+
+def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
+    """A Hugging Face config dict for our ``model.cfg``.
+
+    A tied (and so scaled) model is ``T5ForConditionalGeneration`` with ``tie_word_embeddings:
+    true`` whatever its feed-forward; an untied mT5-architecture model is
+    ``MT5ForConditionalGeneration`` and an untied ReLU one ``T5ForConditionalGeneration``, both
+    with ``tie_word_embeddings: false`` (which every transformers version reads as "no scaling").
+    """
+    cfg = MT5Config.from_mapping(model_cfg)
+    if (getattr(cfg, "moe", None) or {}).get("enabled"):
+        raise UsageError("model.cfg.moe is enabled: mixture-of-experts layers have no T5 equivalent, "
+                         "so this model cannot be exported to Hugging Face")
+    tied = bool(cfg.tie_word_embeddings)
+    hf_type = "mt5" if cfg.model_type == "mt5" and not tied else "t5"
+    return {
+        "architectures": ["MT5ForConditionalGeneration" if hf_type == "mt5" else "T5ForConditionalGeneration"],
+        "model_type": hf_type,
+        "vocab_size": int(cfg.vocab_size),
+        "d_model": int(cfg.hidden_size),
+        "d_kv": int(cfg.head_size),
+        "d_ff": int(cfg.intermediate_size),
+        "num_layers": int(cfg.hidden_layers),
+        "num_decoder_layers": int(cfg.hidden_layers),
+        "num_heads": int(cfg.num_attention_heads),
+        "relative_attention_num_buckets": int(cfg.relative_attention_num_buckets),
+        "relative_attention_max_distance": int(cfg.relative_attention_max_distance),
+        "dropout_rate": float(cfg.hidden_dropout_prob),
+        "layer_norm_epsilon": float(cfg.layernorm_eps),
+        "initializer_factor": float(cfg.initializer_range),
+        "feed_forward_proj": _FFN_TO_HF[cfg.model_type],
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": tied,
+        "use_cache": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+    }
+
+
+def special_token_ids(tokenizer) -> dict:
+    """``config.json`` token ids for one of our tokenizers, with the decoder start the T5 dataset trains with."""
+    from libai_lite.data.t5_dataset import t5_special_ids
+
+    ids = t5_special_ids(tokenizer)
+    return {"pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "decoder_start_token_id": ids["decoder_start"]}
+
+
+def _sizes(cfg: Mapping[str, Any]) -> MT5Config:
+    return MT5Config.from_mapping(cfg)
+
+
+def _fuse(heads: int, head_size: int, *weights: torch.Tensor) -> torch.Tensor:
+    """Separate ``[heads * d_kv, d]`` projections -> head-major fused rows ``[heads, n, d_kv]``."""
+    return torch.stack([w.reshape(heads, head_size, w.shape[-1]) for w in weights], dim=1).reshape(
+        -1, weights[0].shape[-1])
+
+
+def _unfuse(fused: torch.Tensor, heads: int, head_size: int, n: int) -> list[torch.Tensor]:
+    grouped = fused.reshape(heads, n, head_size, fused.shape[-1])
+    return [grouped[:, j].reshape(heads * head_size, fused.shape[-1]) for j in range(n)]
+
+
+def _layer_pairs(cfg: MT5Config):
+    """``(hf block prefix, our layer prefix, stack)`` for every layer of both stacks."""
+    n = cfg.hidden_layers
+    for stack, offset in (("encoder", 0), ("decoder", n)):
+        for i in range(n):
+            yield f"{stack}.block.{i}.layer.", f"{stack}_layers.{offset + i}.", stack, i
+
+
+def _mlp_names(cfg: MT5Config) -> list[tuple[str, str]]:
+    if cfg.model_type == "mt5":  # gated-GELU: wi_0 goes through the activation, wi_1 is the linear gate
+        return [("dense_h_to_4h", "wi_0"), ("dense_h_to_4h_linear", "wi_1"), ("dense_4h_to_h", "wo")]
+    return [("dense_h_to_4h", "wi"), ("dense_4h_to_h", "wo")]
+
+
+def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
+    """MT5Model's state dict (``lm_head.weight`` included, tied or not) from Hugging Face (m)T5 weights."""
+    cfg = _sizes(model_cfg)
+    heads, hd = cfg.num_attention_heads, cfg.head_size
+    src = StateDictSource(sd, "the T5 weights")
+    shared = src("shared.weight")
+    out = {
+        EMBEDDING_KEY: shared,
+        "encoder_final_layernorm.weight": src("encoder.final_layer_norm.weight"),
+        "decoder_final_layernorm.weight": src("decoder.final_layer_norm.weight"),
+    }
+    for hf, ours, stack, i in _layer_pairs(cfg):
+        attn = hf + "0.SelfAttention."
+        out[ours + "input_layernorm.weight"] = src(hf + "0.layer_norm.weight")
+        out[ours + "self_attention.query_key_value.weight"] = _fuse(
+            heads, hd, src(attn + "q.weight"), src(attn + "k.weight"), src(attn + "v.weight"))
+        out[ours + "self_attention.dense.weight"] = src(attn + "o.weight")
+        if i == 0:
+            out[ours + "relative_attention_bias.weight"] = src(attn + "relative_attention_bias.weight")
+        out[ours + "post_attention_layernorm.weight"] = src(hf + "1.layer_norm.weight")
+        ffn = hf + "1.DenseReluDense."
+        if stack == "decoder":
+            cross = hf + "1.EncDecAttention."
+            out[ours + "cross_attention.query.weight"] = src(cross + "q.weight")
+            out[ours + "cross_attention.key_value.weight"] = _fuse(
+                heads, hd, src(cross + "k.weight"), src(cross + "v.weight"))
+            out[ours + "cross_attention.dense.weight"] = src(cross + "o.weight")
+            out[ours + "post_cross_attention_layernorm.weight"] = src(hf + "2.layer_norm.weight")
+            ffn = hf + "2.DenseReluDense."
+        for our_name, hf_name in _mlp_names(cfg):
+            out[f"{ours}mlp.{our_name}.weight"] = src(f"{ffn}{hf_name}.weight")
+
+    for key in _EMBED_COPIES:
+        if key in sd:
+            src(key)
+            if not torch.equal(sd[key], shared):
+                raise UsageError(f"the T5 weights hold a {key} different from shared.weight; "
+                                 f"MT5Model has one token embedding for both stacks")
+    head = src("lm_head.weight") if "lm_head.weight" in sd else shared
+    if cfg.tie_word_embeddings and not torch.equal(head, shared):
+        raise UsageError("the T5 config scales the decoder output (tie_word_embeddings) but lm_head.weight differs "
+                         "from shared.weight; MT5Model only scales a tied head: set tie_word_embeddings false "
+                         "in config.json if the model was trained without scaling")
+    out["lm_head.weight"] = shared if cfg.tie_word_embeddings else head
+    src.check_all_used(ignore=lambda k: k in _IGNORED)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
+    """Hugging Face (m)T5 weights from MT5Model's state dict; a tied head is written once, as ``shared.weight``."""
+    cfg = _sizes(model_cfg)
+    heads, hd = cfg.num_attention_heads, cfg.head_size
+    src = StateDictSource(sd, "the MT5 model state dict")
+    out = {
+        "shared.weight": src(EMBEDDING_KEY),
+        "encoder.final_layer_norm.weight": src("encoder_final_layernorm.weight"),
+        "decoder.final_layer_norm.weight": src("decoder_final_layernorm.weight"),
+    }
+    for hf, ours, stack, i in _layer_pairs(cfg):
+        attn = hf + "0.SelfAttention."
+        out[hf + "0.layer_norm.weight"] = src(ours + "input_layernorm.weight")
+        q, k, v = _unfuse(src(ours + "self_attention.query_key_value.weight"), heads, hd, 3)
+        out.update({attn + "q.weight": q, attn + "k.weight": k, attn + "v.weight": v})
+        out[attn + "o.weight"] = src(ours + "self_attention.dense.weight")
+        if i == 0:
+            out[attn + "relative_attention_bias.weight"] = src(ours + "relative_attention_bias.weight")
+        out[hf + "1.layer_norm.weight"] = src(ours + "post_attention_layernorm.weight")
+        ffn = hf + "1.DenseReluDense."
+        if stack == "decoder":
+            cross = hf + "1.EncDecAttention."
+            out[cross + "q.weight"] = src(ours + "cross_attention.query.weight")
+            k, v = _unfuse(src(ours + "cross_attention.key_value.weight"), heads, hd, 2)
+            out.update({cross + "k.weight": k, cross + "v.weight": v})
+            out[cross + "o.weight"] = src(ours + "cross_attention.dense.weight")
+            out[hf + "2.layer_norm.weight"] = src(ours + "post_cross_attention_layernorm.weight")
+            ffn = hf + "2.DenseReluDense."
+        for our_name, hf_name in _mlp_names(cfg):
+            out[f"{ffn}{hf_name}.weight"] = src(f"{ours}mlp.{our_name}.weight")
+    head = src("lm_head.weight")
+    if cfg.tie_word_embeddings:
+        if not torch.equal(head, out["shared.weight"]):
+            raise UsageError("model.cfg.tie_word_embeddings is true but lm_head.weight differs from the embedding; "
+                             "the checkpoint was trained untied: set model.cfg.tie_word_embeddings=False")
+    else:
+        out["lm_head.weight"] = head
+    src.check_all_used()
+    return {k: v.contiguous() for k, v in out.items()}

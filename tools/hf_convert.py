@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""Hugging Face weights in and out of libai_lite checkpoints.
+
+    # a transformers directory (config.json + model.safetensors / pytorch_model.bin) -> a DCP checkpoint
+    python tools/hf_convert.py import --model gpt2 --hf-dir gpt2/ --output checkpoints/gpt2_hf
+    bash tools/train.sh tools/train_net.py checkpoints/gpt2_hf/config.py 1 dataloader.train.data_prefix=...
+
+    # a checkpoint of any parallel layout -> a directory transformers' from_pretrained loads
+    python tools/hf_convert.py export --config-file output/gpt2_pretrain/config.yaml \\
+        --checkpoint output/gpt2_pretrain/model_final --output hf/gpt2_demo
+
+Bad input ends with one `error: ...` line and exit status 1; nothing is left half-written (the
+output is assembled in OUTPUT.tmp and renamed at the end).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pprint
+import sys
+import warnings
+
+try:
+    import libai_lite  # noqa: F401
+except ImportError:  # run as `python tools/hf_convert.py` from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The project mappings import as `projects.*`, which lives beside libai_lite/ in a checkout.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from libai_lite.utils.errors import UsageError  # noqa: E402
+
+MODEL_CHOICES = ("gpt2", "mt5", "t5")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The two subcommands, each with its own --help."""
+    parser = argparse.ArgumentParser(description="Convert weights between Hugging Face transformers and libai_lite.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{import,export}")
+
+    imp = sub.add_parser(
+        "import", help="Hugging Face directory -> libai_lite DCP checkpoint plus a fine-tuning config",
+        description="Read a Hugging Face model directory (config.json and model.safetensors, a sharded "
+                    "model.safetensors.index.json, or pytorch_model.bin loaded with weights_only) and write a "
+                    "DCP checkpoint that train.load_weight=OUTPUT loads, with OUTPUT/config.py ready to train. "
+                    "The vocabulary is padded the way the trainer pads it (mean rows for the new ids).",
+    )
+    imp.add_argument("--model", required=True, choices=MODEL_CHOICES, help="architecture of the directory")
+    imp.add_argument("--hf-dir", required=True, help="Hugging Face model directory")
+    imp.add_argument("--output", required=True, help="checkpoint directory to create")
+    imp.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="tensor-parallel size the fine-tuning run will use: the vocabulary is padded to a "
+                          "multiple of make_vocab_size_divisible_by x this (default 1)")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="tokenization.make_vocab_size_divisible_by of the fine-tuning run (default 128)")
+    imp.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+
+    exp = sub.add_parser(
+        "export", help="libai_lite checkpoint (any parallel layout) -> Hugging Face directory",
+        description="Load a checkpoint saved under any layout (tp, pp, ZeRO) into a one-process model and write "
+                    "config.json, generation_config.json and model.safetensors for transformers' from_pretrained "
+                    "(GPT2LMHeadModel, T5ForConditionalGeneration, MT5ForConditionalGeneration). The vocabulary "
+                    "size comes from the checkpoint; when the config names a tokenizer, the padded rows are cut "
+                    "to its real vocabulary and its files are copied.",
+    )
+    exp.add_argument("--config-file", required=True, help="the run's config (its output config.yaml, or the .py)")
+    exp.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. OUTPUT_DIR/model_final)")
+    exp.add_argument("--output", required=True, help="Hugging Face directory to create")
+    exp.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    exp.add_argument("opts", nargs=argparse.REMAINDER, default=[],
+                     help="config overrides, as for train_net.py (e.g. model.cfg.hidden_layers=6)")
+    return parser
+
+
+# ------------------------------------------------------------------------------------ import
+
+
+def _finetune_config(spec, cfg: dict, tokenizer, tp: int, divisible_by: int, hf_dir: str, output: str) -> str:
+    """Source of OUTPUT/config.py: the project's config with this model's cfg, weights and tokenizer."""
+    names = "dataloader, model, optim, tokenization, train"
+    lines = [
+        f'"""Fine-tune the Hugging Face weights imported from {os.path.abspath(hf_dir)}',
+        "(written by tools/hf_convert.py import; train.load_weight is this directory).",
+        "",
+        f"    bash tools/train.sh tools/train_net.py {os.path.join(output, 'config.py')} 1 \\",
+        "        dataloader.train.data_prefix=YOUR_CORPUS_text_document",
+        "",
+        "Point dataloader.train.data_prefix at a corpus preprocessed with this tokenizer",
+        "(tools/preprocess_data.py). The vocabulary was padded as the trainer pads it for",
+        f"tensor_parallel_size={tp} and make_vocab_size_divisible_by={divisible_by}; another",
+        "tensor-parallel size needs another import (--tensor-parallel-size).",
+        '"""',
+        "import os",
+        "",
+        "from libai_lite.config import LazyCall  # noqa: F401",
+    ]
+    if tokenizer is not None:
+        lines.append(tokenizer.import_line)
+    lines += [
+        f"from {spec.finetune_config} import {names}",
+        "",
+        "_here = os.path.dirname(os.path.abspath(__file__))",
+        "",
+        "model.cfg.update(",
+        *[f"    {k}={v!r}," for k, v in cfg.items()],
+        ")",
+    ]
+    if tokenizer is not None:
+        lines.append(f"tokenization.tokenizer = {tokenizer.lazy_call}")
+    else:
+        lines += ["# The Hugging Face directory had no tokenizer files: set the tokenizer this model was trained with.",
+                  "tokenization.tokenizer = None"]
+    lines.append(f"tokenization.make_vocab_size_divisible_by = {divisible_by}")
+    if spec.family == "t5":
+        lines.append(f"train.dist.update(data_parallel_size=None, tensor_parallel_size={tp}, pipeline_parallel_size=1, "
+                     f"pipeline_num_layers={2 * int(cfg['hidden_layers'])})")
+    else:
+        lines.append(f"train.dist.update(data_parallel_size=None, tensor_parallel_size={tp}, pipeline_parallel_size=1)")
+    lines += [
+        "train.load_weight = _here",
+        f'train.output_dir = "output/{os.path.basename(os.path.normpath(output))}_finetune"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_import(args) -> int:
+    """Hugging Face directory -> DCP checkpoint + config.py."""
+    import shutil
+
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.checkpoint.hf import (
+        check_output_dir,
+        convert_hf_dir,
+        detect_model_type,
+        find_hf_tokenizer,
+        hf_spec,
+        read_hf_config,
+        staged_output_dir,
+    )
+    from libai_lite.tokenizer import pad_vocab_size
+
+    for name in ("tensor_parallel_size", "make_vocab_size_divisible_by"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
+    check_output_dir(args.output, args.force)
+    hf_config = read_hf_config(args.hf_dir)
+    model_type = detect_model_type(hf_config, args.model, args.hf_dir)
+    spec = hf_spec(model_type)
+    tokenizer = find_hf_tokenizer(args.hf_dir, model_type)
+    hf_vocab = int(spec.mapping_module().config_from_hf(hf_config)["vocab_size"])
+    tok_vocab = tokenizer.tokenizer.vocab_size if tokenizer is not None else 0
+    # What the trainer will build: the tokenizer's size padded for the layout (never fewer rows than the weights).
+    padded = pad_vocab_size(max(hf_vocab, tok_vocab), args.make_vocab_size_divisible_by, args.tensor_parallel_size)
+    model_type, cfg, module = convert_hf_dir(args.hf_dir, model_type, vocab_size=padded)
+
+    output = os.path.abspath(args.output)
+    with staged_output_dir(output, args.force, promote="checkpoint") as tmp:
+        state = {"iteration": -1, "consumed_samples": 0, "imported_from": os.path.abspath(args.hf_dir),
+                 "hf_model_type": model_type}
+        ckpt = Checkpointer(module, save_dir=tmp).save("checkpoint", state)
+        for name, src in (tokenizer.files.items() if tokenizer is not None else ()):
+            shutil.copyfile(src, os.path.join(ckpt, name))
+        with open(os.path.join(ckpt, "config.py"), "w", encoding="utf-8") as f:
+            f.write(_finetune_config(spec, cfg, tokenizer, args.tensor_parallel_size,
+                                     args.make_vocab_size_divisible_by, args.hf_dir, output))
+
+    print(f"Imported {model_type} weights from {args.hf_dir} into {output}")
+    print(f"vocabulary: {hf_vocab} rows in the weights, tokenizer "
+          f"{tok_vocab if tokenizer is not None else 'not found'}, padded to {padded}")
+    print("model.cfg:")
+    print(pprint.pformat(cfg, sort_dicts=False))
+    print(f"Fine-tune: bash tools/train.sh tools/train_net.py {os.path.join(output, 'config.py')} 1 "
+          f"dataloader.train.data_prefix=YOUR_CORPUS_text_document   (or train.load_weight={output} in your config)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+def cmd_export(args) -> int:
+    """DCP checkpoint -> Hugging Face directory."""
+    from omegaconf import OmegaConf, open_dict
+
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.checkpoint.hf import (
+        build_model,
+        check_output_dir,
+        checkpoint_vocab_size,
+        save_hf_model,
+        spec_for_model,
+        staged_output_dir,
+    )
+    from libai_lite.config import LazyConfig, instantiate, locate
+
+    check_output_dir(args.output, args.force)
+    if not os.path.isdir(args.checkpoint) or not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
+        raise UsageError(f"checkpoint {args.checkpoint} is missing or incomplete (no .metadata); point --checkpoint "
+                         f"to a complete checkpoint directory such as OUTPUT_DIR/model_final")
+    try:
+        cfg = LazyConfig.load(args.config_file)
+    except FileNotFoundError as e:
+        raise UsageError(f"config file {args.config_file} not found; pass the run's config.yaml or its .py") from e
+    cfg = LazyConfig.apply_overrides(cfg, [o for o in args.opts if o != "--"])
+    if "model" not in cfg or "_target_" not in cfg.model or "cfg" not in cfg.model:
+        raise UsageError(f"{args.config_file} has no model = LazyCall(...)(cfg=...); pass a training config")
+    target = cfg.model._target_
+    try:
+        model_class = locate(target) if isinstance(target, str) else target
+    except ImportError as e:
+        raise UsageError(f"{args.config_file}: model._target_ {target!r} cannot be imported ({e})") from e
+    model_type, spec = spec_for_model(model_class)
+    model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
+    # The vocabulary the run padded to (a tp=2 run pads to a multiple of 256), not a fresh padding.
+    model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_type)
+    module = build_model(model_type, model_cfg)
+    Checkpointer(module).load(args.checkpoint, weights_only=True)
+
+    tokenizer = None
+    tok_cfg = cfg.get("tokenization")
+    if tok_cfg is not None and tok_cfg.get("tokenizer") is not None:
+        try:
+            with open_dict(cfg):
+                tokenizer = instantiate(tok_cfg.tokenizer)
+        except Exception as e:  # noqa: BLE001 - any failure here is a tokenizer path the user must fix
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise UsageError(f"the config's tokenization.tokenizer cannot be built ({' '.join(str(cause).split())}); "
+                             f"run from the directory its paths start at, override tokenization.tokenizer.*, "
+                             f"or pass tokenization.tokenizer=null to keep the padded vocabulary") from e
+    vocab = tokenizer.vocab_size if tokenizer is not None else None
+    with staged_output_dir(args.output, args.force) as tmp:
+        hf_config, notes = save_hf_model(module, model_cfg, tmp, vocab_size=vocab, tokenizer=tokenizer)
+    print(f"Exported {args.checkpoint} ({spec.model_class.rpartition(':')[2]}) to {os.path.abspath(args.output)} as "
+          f"{hf_config['architectures'][0]} (model_type {hf_config['model_type']})")
+    kept = "cut to the tokenizer's" if vocab is not None else "kept as in the checkpoint (no tokenizer in the config):"
+    print(f"vocabulary: {model_cfg['vocab_size']} rows in the checkpoint, {kept} {hf_config['vocab_size']}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Run a subcommand; a user error prints one `error:` line and returns 1."""
+    args = build_parser().parse_args(argv)
+    # DCP says it runs in one process, which is what a conversion does.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    try:
+        return cmd_import(args) if args.command == "import" else cmd_export(args)
+    except UsageError as e:
+        if os.environ.get("LIBAI_LITE_TRACEBACK"):
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
