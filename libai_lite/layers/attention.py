@@ -1,5 +1,5 @@
 """Multi-head attention with a head-major fused QKV projection, ready for tensor parallelism."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +7,54 @@ from torch import nn
 
 from .init_methods import InitMethod
 from .linear import Linear1D
+
+
+class KVCache:
+    """The keys and values one attention layer has computed so far, for incremental decoding.
+
+    Holds ``[batch, local_heads, length, head_size]`` tensors: under tensor parallelism each
+    rank caches only its own heads, since the projections already hand it only those.
+    Self-attention appends every step's keys and values (``update``); cross-attention fills
+    it once from the encoder output and reuses it for every later step. With ``capacity``
+    the buffers are allocated once, at the first update, and written in place, so a step
+    never copies what is already cached; without it they grow by concatenation.
+    """
+
+    def __init__(self, capacity: Optional[int] = None):
+        self.capacity = capacity
+        self.length = 0
+        self._key: Optional[torch.Tensor] = None
+        self._value: Optional[torch.Tensor] = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key``/``value`` ``[batch, heads, new, head_size]``; return all keys and values cached so far."""
+        end = self.length + key.shape[-2]
+        if self.capacity is None:
+            if self._key is None:
+                self._key, self._value = key, value
+            else:
+                self._key = torch.cat([self._key, key], dim=-2)
+                self._value = torch.cat([self._value, value], dim=-2)
+        else:
+            if end > self.capacity:
+                raise ValueError(f"KVCache holds {self.capacity} positions; {end} were given")
+            if self._key is None:
+                shape = (*key.shape[:-2], self.capacity, key.shape[-1])
+                self._key, self._value = key.new_empty(shape), value.new_empty(shape)
+            self._key[..., self.length : end, :] = key
+            self._value[..., self.length : end, :] = value
+        self.length = end
+        return self.key, self.value
+
+    @property
+    def key(self) -> Optional[torch.Tensor]:
+        """Cached keys ``[batch, heads, length, head_size]`` (None while empty)."""
+        return None if self._key is None else self._key[..., : self.length, :]
+
+    @property
+    def value(self) -> Optional[torch.Tensor]:
+        """Cached values, shaped as ``key``."""
+        return None if self._value is None else self._value[..., : self.length, :]
 
 
 class MultiheadAttention(nn.Module):
@@ -101,6 +149,7 @@ class MultiheadAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         encoder_states: Optional[torch.Tensor] = None,
         position_bias: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
@@ -113,18 +162,31 @@ class MultiheadAttention(nn.Module):
             position_bias: additive score bias (T5 relative positions), broadcastable to
                 ``[batch, local_heads, query_seq, key_seq]``; under tensor parallelism it
                 must hold this rank's heads only.
+            kv_cache: incremental decoding. Self-attention appends this call's keys and values
+                to it and attends over everything cached (``hidden_states`` are then the new
+                positions only, the last of the keys; ``attention_mask`` and ``position_bias``
+                must cover all cached keys). Cross-attention projects ``encoder_states`` into
+                an empty cache once and reuses it on later calls.
         """
         bsz, q_len, _ = hidden_states.shape
         hd = self.head_size
         if self.is_cross_attention:
-            if encoder_states is None:
-                raise ValueError("cross-attention needs encoder_states")
             query = self.query(hidden_states).view(bsz, q_len, -1, hd).transpose(1, 2)
-            kv = self.key_value(encoder_states).view(bsz, encoder_states.shape[1], -1, 2 * hd).transpose(1, 2)
-            key, value = kv.chunk(2, dim=-1)
+            if kv_cache is not None and kv_cache.length:
+                # The encoder output is fixed while decoding: its keys and values are projected once.
+                key, value = kv_cache.key, kv_cache.value
+            else:
+                if encoder_states is None:
+                    raise ValueError("cross-attention needs encoder_states")
+                kv = self.key_value(encoder_states).view(bsz, encoder_states.shape[1], -1, 2 * hd).transpose(1, 2)
+                key, value = kv.chunk(2, dim=-1)
+                if kv_cache is not None:
+                    key, value = kv_cache.update(key, value)
         else:
             qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, 3 * hd).transpose(1, 2)
             query, key, value = qkv.chunk(3, dim=-1)
+            if kv_cache is not None:
+                key, value = kv_cache.update(key, value)
 
         attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias)
         context = F.scaled_dot_product_attention(
@@ -142,13 +204,18 @@ class MultiheadAttention(nn.Module):
     def _score_mask(self, query, key, attention_mask, position_bias):
         """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""
         causal = self.attn_mask_type == "causal"
-        if attention_mask is None and position_bias is None:
-            return None, causal
-
         q_len, k_len = query.shape[-2], key.shape[-2]
+        if attention_mask is None and position_bias is None:
+            if not causal or q_len == k_len:
+                return None, causal
+            if q_len == 1:  # the one new query of a cached decoding step may see every key
+                return None, False
+
         keep = None
         if causal:
-            keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
+            # The queries are the last q_len of the k_len positions (fewer when keys come from a cache);
+            # SDPA's is_causal would align them to the first ones instead.
+            keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
         if attention_mask is not None:
             mask = attention_mask.to(device=query.device, dtype=torch.bool)
             if mask.dim() == 2:

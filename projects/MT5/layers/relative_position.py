@@ -69,10 +69,15 @@ class RelativePositionBias(Embedding):
         self.bidirectional = bidirectional
         self.max_distance = max_distance
 
-    def compute_bias(self, query_length: int, key_length: int) -> torch.Tensor:
-        """Score bias ``[1, heads, query_length, key_length]`` (this rank's heads under tensor parallelism)."""
+    def compute_bias(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """Score bias ``[1, heads, query_length, key_length]`` (this rank's heads under tensor parallelism).
+
+        The queries sit at positions ``query_offset ..``: a cached decoding step has one query at
+        position ``t`` against keys ``0..t``, and gets the last row of the full ``[t+1, t+1]`` bias.
+        """
         device = self.weight.device
-        query_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
+        query_position = torch.arange(query_offset, query_offset + query_length, dtype=torch.long, device=device)
+        query_position = query_position[:, None]
         key_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
         buckets = relative_position_bucket(
             key_position - query_position, self.bidirectional, self.num_embeddings, self.max_distance
