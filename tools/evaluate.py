@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint: perplexity over a JSON-lines file or a `.bin/.idx` prefix, or LAMBADA accuracy.
+
+    python tools/evaluate.py --config-file projects/GPT/configs/gpt2_pretrain.py \\
+        --checkpoint output/gpt2_pretrain/model_final --task lambada --data data_test/lambada_sample.jsonl
+    python tools/evaluate.py --config-file CONFIG --checkpoint DIR --task ppl --data held_out.jsonl --stride 512
+    python tools/evaluate.py --config-file CONFIG --checkpoint DIR --task ppl      # the config's test split
+    torchrun --nproc_per_node 2 tools/evaluate.py ... train.dist.tensor_parallel_size=2
+
+The config gives the model, tokenizer and parallel layout (overrides work as for train_net.py);
+the checkpoint loads on any layout. Prints one result line; `--output FILE` also writes the
+results as JSON. The log goes to `<train.output_dir>/evaluate/`.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from libai_lite.engine.default import DefaultTrainer, default_setup  # noqa: E402
+from libai_lite.utils.errors import UsageError  # noqa: E402
+
+
+class EvalOnlyTrainer(DefaultTrainer):
+    """`DefaultTrainer` set up for evaluation alone: the model from a checkpoint, no optimizer, no hooks.
+
+    `data_loader_fn(trainer)` builds the one loader to evaluate (or returns None for an
+    evaluator that reads its own data); the training data of the config is never opened.
+    """
+
+    def __init__(self, cfg, data_loader_fn):
+        self._data_loader_fn = data_loader_fn
+        super().__init__(cfg, eval_only=True)
+
+    def build_tokenizer(self, cfg):
+        """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
+
+        Training pads the vocabulary to a multiple of 128 x its tensor-parallel size, so a checkpoint
+        saved at tp=2 has more rows than tp=1 would pad to; the checkpoint's size wins, which lets any
+        layout evaluate it.
+        """
+        tokenizer = super().build_tokenizer(cfg)
+        rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight)
+        if tokenizer is not None and rows is not None and rows != cfg.model.cfg.vocab_size:
+            logging.getLogger("libai_lite").info(f"Model vocabulary set to the checkpoint's {rows} rows")
+            cfg.model.cfg.vocab_size = rows
+        return tokenizer
+
+    def build_loaders(self, cfg):
+        # The base builds the train loader from the config's data; evaluation needs none of it.
+        # The empty "train loader" is only there for the step runner the trainer still builds.
+        return [], None, self._data_loader_fn(self)
+
+    def build_optimizer(self, cfg, model):
+        return None
+
+    def build_lr_scheduler(self, cfg, optimizer):
+        return None
+
+    def build_hooks(self):
+        return []
+
+
+def checkpoint_vocab_rows(cfg, path: str) -> int | None:
+    """Rows of the token embedding stored in the DCP checkpoint at `path` (None when it cannot tell)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from libai_lite.config import instantiate
+    from libai_lite.layers import VocabEmbedding
+
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - the checkpointer reports a missing or corrupt checkpoint in one line
+        return None
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    for name, module in model.named_modules():
+        stored = meta.get(f"model.{name}.weight") if isinstance(module, VocabEmbedding) else None
+        if stored is not None:
+            return int(stored.size[0])
+    return None
+
+
+def ppl_loader_fn(data, json_key, stride, split, seq_length):
+    """A loader builder for `EvalOnlyTrainer`: perplexity windows over `data` (a config prefix when None)."""
+
+    def build(trainer):
+        from libai_lite.data.jsonl_dataset import build_ppl_eval_loader, is_jsonl_path
+
+        cfg = trainer.cfg
+        path, which = data, split
+        if path is None:
+            prefix = cfg.dataloader.train.get("data_prefix")
+            if not isinstance(prefix, str):
+                raise UsageError("--task ppl without --data evaluates the config's single data prefix, but "
+                                 "dataloader.train.data_prefix is a blend; pass --data PREFIX or FILE.jsonl")
+            path, which = prefix, split or "test"
+        if not is_jsonl_path(path) and os.path.isfile(path) and not path.endswith((".bin", ".idx")):
+            raise UsageError(f"{path} is neither a .jsonl file nor a .bin/.idx prefix; name JSON-lines files *.jsonl")
+        seq = seq_length or cfg.model.cfg.get("max_seq_length") or cfg.dataloader.train.get("seq_length")
+        return build_ppl_eval_loader(
+            path, seq_length=int(seq), json_key=json_key, stride=stride, split=which or "all",
+            splits_string=cfg.dataloader.train.get("splits_string", "949,50,1"), tokenizer=trainer.tokenizer,
+            micro_batch_size=int(cfg.train.test_micro_batch_size), data_parallel_rank=trainer.ctx.dp_rank,
+            data_parallel_size=trainer.ctx.data_parallel_size,
+            batches_multiple_of=int(cfg.train.num_accumulation_steps) if trainer.ctx.pipeline_parallel_size > 1 else 1,
+            vocab_size=trainer.tokenizer.vocab_size if trainer.tokenizer is not None else None,
+        )
+
+    return build
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config-file", required=True, metavar="FILE", help="the config the checkpoint was trained with")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint directory (model_XXXXXXX, model_final)")
+    p.add_argument("--task", required=True, choices=("ppl", "lambada"))
+    p.add_argument("--data", metavar="FILE.jsonl|PREFIX",
+                   help="JSON lines (ppl, lambada) or a .bin/.idx prefix (ppl); ppl defaults to the config's data")
+    p.add_argument("--json-key", default="text", help="the JSON field holding the text (default: text)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="ppl: sliding windows that start every STRIDE tokens and score only their new tokens "
+                        "(default: non-overlapping windows)")
+    p.add_argument("--split", choices=("all", "train", "valid", "test"), default=None,
+                   help="ppl on a prefix: the documents of one split of dataloader.train.splits_string "
+                        "(default: all of --data, the test split of the config's own prefix)")
+    p.add_argument("--seq-length", type=int, default=None, help="ppl window length (default: model.cfg.max_seq_length)")
+    p.add_argument("--output", metavar="FILE.json", help="also write the results here as JSON")
+    p.add_argument("opts", nargs="*", help="config overrides, key=value (flags may come before or after them)")
+    return p
+
+
+def evaluate(args) -> dict:
+    """Set up the run from `args`, evaluate, and return the results (identical on every rank)."""
+    from libai_lite.config import LazyConfig
+    from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
+
+    if args.task == "lambada" and not args.data:
+        raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
+    if args.data and args.task == "lambada" and not os.path.isfile(args.data):
+        raise UsageError(f"data file {args.data} not found (relative paths start at {os.getcwd()})")
+    cfg = LazyConfig.load(args.config_file)
+    cfg = LazyConfig.apply_overrides(cfg, args.opts or [])
+    cfg.train.load_weight = args.checkpoint
+    # The log and config.yaml of this evaluation go beside, not over, the training run's.
+    cfg.train.output_dir = os.path.join(cfg.train.output_dir, "evaluate")
+    cfg.train.evaluation.enabled = False
+    # Training's global batch need not fit this layout; evaluation batches are test_micro_batch_size
+    # per data-parallel rank (and num_accumulation_steps micro-batches per pipeline schedule).
+    cfg.train.global_batch_size = None
+    default_setup(cfg, argparse.Namespace(fast_dev_run=False))
+    if args.task == "lambada":
+        trainer = EvalOnlyTrainer(cfg, lambda trainer: None)
+        return trainer._inference(None, LambadaEvaluator(args.data, json_key=args.json_key), None)
+    trainer = EvalOnlyTrainer(cfg, ppl_loader_fn(args.data, args.json_key, args.stride, args.split, args.seq_length))
+    return trainer._inference(trainer.test_loader, PPLEvaluator(), None)
+
+
+def main(argv=None) -> int:
+    from libai_lite.engine.default import user_error_message
+    from libai_lite.utils.distributed import destroy
+
+    args = build_parser().parse_intermixed_args(argv)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    try:
+        results = evaluate(args)
+    except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
+        if os.environ.get("LIBAI_LITE_TRACEBACK"):
+            raise
+        line = user_error_message(e)
+        if line is None:
+            raise
+        if rank0:
+            print(line, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        destroy()
+    if rank0:
+        print(f"{args.task}: " + "  ".join(f"{k}: {v:.6g}" for k, v in results.items()), flush=True)
+        if args.output:
+            record = {"task": args.task, "data": args.data, "checkpoint": args.checkpoint, "results": results}
+            parent = os.path.dirname(os.path.abspath(args.output))
+            os.makedirs(parent, exist_ok=True)
+            tmp = args.output + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
