@@ -226,7 +226,7 @@ class PeriodicWriter(HookBase):
         ]
         parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in loss_keys]
         parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}"
-                  for k in sorted(latest) if k.endswith("_acc")]
+                  for k in sorted(latest) if k.endswith("_acc") or (k.startswith("moe_") and "loss" not in k)]
         parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
         if "loss_scale" in raw:
             parts.append(f"loss_scale: {raw['loss_scale']:g}")

@@ -6,6 +6,7 @@ from .layer_norm import LayerNorm, RMSLayerNorm
 from .linear import Linear1D
 from .loss import ParallelCrossEntropyLoss
 from .mlp import MLP
+from .moe import MoEConfig, MoELayer, collect_moe_outputs
 from .transformer_layer import TransformerLayer
 
 __all__ = [
@@ -13,11 +14,14 @@ __all__ = [
     "LayerNorm",
     "Linear1D",
     "MLP",
+    "MoEConfig",
+    "MoELayer",
     "MultiheadAttention",
     "ParallelCrossEntropyLoss",
     "RMSLayerNorm",
     "TransformerLayer",
     "VocabEmbedding",
+    "collect_moe_outputs",
     "init_method_normal",
     "scaled_init_method_normal",
 ]

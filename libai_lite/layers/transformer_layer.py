@@ -1,13 +1,15 @@
 """Pre-LayerNorm transformer layer (GPT-2 style)."""
+import functools
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .attention import MultiheadAttention
+from .attention import KVCache, MultiheadAttention
 from .init_methods import InitMethod
 from .layer_norm import LayerNorm
 from .mlp import MLP
+from .moe import MoEConfig, MoELayer
 
 
 class TransformerLayer(nn.Module):
@@ -16,6 +18,7 @@ class TransformerLayer(nn.Module):
     ``apply_residual_post_layernorm=True`` takes each residual from the normalised input
     instead of the raw one (a LiBai/Megatron option, off for GPT-2). ``layer_idx`` is
     stamped on the layer and all its sublayers so the pipeline splitter can place it.
+    With ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class TransformerLayer(nn.Module):
         attn_mask_type: str = "causal",
         apply_residual_post_layernorm: bool = False,
         layer_idx: int = 0,
+        moe: Optional[MoEConfig] = None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -50,7 +54,8 @@ class TransformerLayer(nn.Module):
             bias=bias,
         )
         self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
-        self.mlp = MLP(
+        feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
+        self.mlp = feed_forward(
             hidden_size,
             ffn_hidden_size,
             output_dropout_prob=output_dropout_prob,
@@ -61,11 +66,16 @@ class TransformerLayer(nn.Module):
             layer_idx=layer_idx,
         )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``hidden_states``: ``[batch, seq, hidden]``; ``attention_mask`` as in ``MultiheadAttention``."""
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """``hidden_states``: ``[batch, seq, hidden]``; ``attention_mask``, ``kv_cache`` as in ``MultiheadAttention``."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
-        hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask)
+        hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache)
 
         normed = self.post_attention_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states

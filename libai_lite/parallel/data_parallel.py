@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
+from .expert_parallel import expert_norm_group
 
 logger = logging.getLogger("libai_lite")
 
@@ -80,16 +81,22 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> DistributedDataParallel:
     )
 
 
-def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """DDP semantics for a model whose parameters are DTensors on the tp mesh.
 
     `DistributedDataParallel` only takes plain tensors, so this uses FSDP2's `replicate`
     (`torch.distributed._composable.replicate_with_fsdp`): it composes the dp mesh with the
     parameters' tp mesh into ("dp", "tp") DTensors with `Replicate()` on dp and all-reduces
     gradients over dp, layer by layer. It also answers `set_requires_gradient_sync` like FSDP2.
+    With `expert_mesh` (the expert-data-parallel mesh of expert parallelism) MoE experts are
+    replicated over it instead (`expert_parallel.replicate_experts`).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    if expert_mesh is not None:
+        from .expert_parallel import replicate_experts
+
+        replicate_experts(model, expert_mesh, dp_mesh.size())
     for layer in transformer_layers(model):
         replicate(layer, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)
@@ -112,13 +119,19 @@ def apply_fsdp(
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 `fully_shard` on each transformer layer, then on the root (embeddings, tied head, norms).
 
     One group per layer is what bounds ZeRO-3's unsharded parameters to about one layer at a time.
-    The last layer is never resharded after forward: backward needs it straight away.
+    The last layer is never resharded after forward: backward needs it straight away. With
+    `expert_mesh` each MoE layer's experts are first sharded over that expert-data-parallel mesh.
     """
     layers = transformer_layers(model)
+    if expert_mesh is not None:
+        from .expert_parallel import shard_experts
+
+        shard_experts(model, expert_mesh, dp_mesh.size(), reshard_after_forward, mp_policy, offload_policy)
     for i, layer in enumerate(layers):
         fully_shard(
             layer,
@@ -146,6 +159,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype | None = torch.float32,
     tp_enabled: bool = False,
     pipeline: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Make `model` data parallel over `dp_mesh` at the given ZeRO stage; returns the module to train.
 
@@ -153,7 +167,9 @@ def apply_data_parallel(
     under FSDP2 `replicate`), or the model itself when dp is 1; stage 1 also needs
     `build_zero1_optimizer`. Stage 2/3 shard in place with FSDP2 (even at dp=1, so offload and
     mixed precision still apply) and return the same module object. Apply tensor parallelism and
-    activation checkpointing first.
+    activation checkpointing first. `expert_mesh`: the expert-data-parallel mesh when MoE experts
+    are spread over ranks (`expert_parallel.apply_expert_parallel`); experts are then reduced over
+    it rather than over `dp_mesh` (stage 0 uses FSDP2 `replicate`, stage 1 is refused).
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
@@ -168,7 +184,14 @@ def apply_data_parallel(
             "ZeRO stage 1 (ZeroRedundancyOptimizer) cannot hold tensor-parallel DTensor parameters; "
             "use ZeRO stage 2, which also shards optimizer state, with tensor parallelism"
         )
+    if expert_mesh is not None and stage == 1:
+        raise UsageError(
+            "ZeRO stage 1 (ZeroRedundancyOptimizer) would overwrite each rank's experts with another's; "
+            "use ZeRO stage 2 (it also shards gradients) or 0 with expert parallelism"
+        )
     if stage in (0, 1):
+        if expert_mesh is not None:
+            return apply_replicate(model, dp_mesh, expert_mesh)
         if dp_size == 1:
             return model
         # DDP's reducer cannot follow a pipeline schedule's interleaved micro-batch forwards and
@@ -177,7 +200,7 @@ def apply_data_parallel(
             return apply_replicate(model, dp_mesh)
         return apply_ddp(model, dp_mesh)
     mp_policy, offload_policy = fsdp_policies(offload, param_dtype, reduce_dtype)
-    return apply_fsdp(model, dp_mesh, stage == 3, mp_policy, offload_policy)
+    return apply_fsdp(model, dp_mesh, stage == 3, mp_policy, offload_policy, expert_mesh)
 
 
 class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
@@ -305,10 +328,20 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     norms = []
-    for grads in _grad_groups([p.grad for p in params]).values():
+    for mesh, grads in _grad_groups([p.grad for p in params]).items():
         norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        ep_group = expert_norm_group(mesh)
+        if ep_group is not None:
+            # Expert parallelism: the other experts' gradients live on the other ranks of the ep group.
+            norm = norm.float()
+            if math.isinf(norm_type):
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=ep_group)
+            else:
+                norm = norm.pow(norm_type)
+                dist.all_reduce(norm, group=ep_group)
+                norm = norm.pow(1.0 / norm_type)
         norms.append(norm.float().cpu())
     if norms:
         stacked = torch.stack(norms)

@@ -17,6 +17,17 @@ cfg = dict(
     initializer_range=0.02,
     use_scaled_init_for_output_weights=True,
     activation="gelu_tanh",
+    # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig; README "Mixture of experts").
+    moe=dict(
+        enabled=False,
+        num_experts=8,
+        top_k=1,
+        ep_size=1,
+        capacity_factor=1.25,
+        aux_loss_weight=0.01,
+        every_n_layers=2,
+        jitter_noise=0.0,
+    ),
 )
 
 pretrain_model = LazyCall(GPTForPreTraining)(cfg=cfg)

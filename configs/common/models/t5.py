@@ -27,6 +27,17 @@ cfg = dict(
     model_type="mt5",
     # mT5 unties the LM head; None would derive it from model_type (tied only for "t5").
     tie_word_embeddings=False,
+    # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig; README "Mixture of experts").
+    moe=dict(
+        enabled=False,
+        num_experts=8,
+        top_k=1,
+        ep_size=1,
+        capacity_factor=1.25,
+        aux_loss_weight=0.01,
+        every_n_layers=2,
+        jitter_noise=0.0,
+    ),
 )
 
 mt5_model = LazyCall(MT5Model)(cfg=cfg)

@@ -14,12 +14,15 @@ from libai_lite.layers import (
     Embedding,
     LayerNorm,
     Linear1D,
+    MoEConfig,
     ParallelCrossEntropyLoss,
     TransformerLayer,
     VocabEmbedding,
     init_method_normal,
     scaled_init_method_normal,
 )
+from libai_lite.layers.attention import KVCache
+from libai_lite.layers.moe import collect_moe_outputs, inactive_expert_parameters
 
 # LiBai GPT config keys that name kernel fusions or fp16 tricks with no numerical effect
 # here; accepted so LiBai configs load unchanged.
@@ -44,13 +47,15 @@ class GPTEmbedding(nn.Module):
         self.dropout = nn.Dropout(embedding_dropout_prob)
         self.layer_idx = 0
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        seq_length = input_ids.shape[1]
-        if seq_length > self.position_embeddings.num_embeddings:
-            raise ValueError(
-                f"sequence length {seq_length} exceeds max_seq_length {self.position_embeddings.num_embeddings}"
-            )
-        position_ids = torch.arange(seq_length, device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids`` ``[batch, seq]`` default to ``0..seq-1``; generation passes its own (left padding, cache)."""
+        if position_ids is None:
+            seq_length = input_ids.shape[1]
+            if seq_length > self.position_embeddings.num_embeddings:
+                raise ValueError(
+                    f"sequence length {seq_length} exceeds max_seq_length {self.position_embeddings.num_embeddings}"
+                )
+            position_ids = torch.arange(seq_length, device=input_ids.device)
         return self.dropout(self.token_embeddings(input_ids) + self.position_embeddings(position_ids))
 
 
@@ -64,6 +69,8 @@ class GPTModel(nn.Module):
 
     ``bias_gelu_fusion`` and the other LiBai fusion flags are accepted and ignored.
     ``activation`` is ``"gelu_tanh"`` for GPT-2 (``gelu_new``) or ``"gelu"``/``"relu"``.
+    ``moe`` (``model.cfg.moe``, see ``libai_lite.layers.MoEConfig``) makes every
+    ``every_n_layers``-th feed-forward a mixture of experts when ``enabled``.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class GPTModel(nn.Module):
         apply_residual_post_layernorm: bool = False,
         activation: str = "gelu_tanh",
         pad_token_id: Optional[int] = None,
+        moe: Optional[Mapping[str, Any]] = None,
         **ignored_fusion_flags,
     ):
         super().__init__()
@@ -94,6 +102,7 @@ class GPTModel(nn.Module):
         self.hidden_size = hidden_size
         self.max_seq_length = max_seq_length
 
+        moe_cfg = MoEConfig.from_mapping(moe)
         init_method = init_method_normal(initializer_range)
         output_layer_init_method = (
             scaled_init_method_normal(initializer_range, hidden_layers)
@@ -121,6 +130,7 @@ class GPTModel(nn.Module):
                     attn_mask_type="causal",
                     apply_residual_post_layernorm=apply_residual_post_layernorm,
                     layer_idx=i,
+                    moe=moe_cfg if moe_cfg.is_moe_layer(i) else None,
                 )
                 for i in range(hidden_layers)
             }
@@ -159,11 +169,31 @@ class GPTModel(nn.Module):
         """Build from a LiBai-style model cfg (dict or OmegaConf DictConfig of constructor arguments)."""
         return cls(**dict(cfg))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states."""
-        hidden_states = self.embeddings(input_ids) if self.embeddings is not None else input_ids
-        for layer in self.layers.values():
-            hidden_states = layer(hidden_states)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_caches: Optional[Mapping[str, KVCache]] = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
+
+        The optional arguments serve incremental decoding (``generate``): ``attention_mask``
+        ``[batch, keys]`` (1 = real token, 0 = left padding; covering cached keys too),
+        ``position_ids`` ``[batch, seq]``, ``kv_caches`` (a ``KVCache`` per key of ``layers``;
+        ``input_ids`` are then only the positions after the cached ones) and
+        ``logits_to_keep`` (> 0: logits of the last that many positions only).
+        """
+        if self.embeddings is not None:
+            hidden_states = self.embeddings(input_ids, position_ids)
+        else:
+            hidden_states = input_ids
+        for name, layer in self.layers.items():
+            cache = kv_caches[name] if kv_caches is not None else None
+            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache)
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         if self.lm_head is not None:
@@ -189,9 +219,80 @@ class GPTModel(nn.Module):
         ``N`` is ``num_parameters(non_embedding=True)`` (every weight matmul costs 2
         FLOPs per parameter forward and 4 backward); ``12 L H T`` adds attention's
         score and context matmuls (PaLM appendix B, as in nanoGPT's MFU estimate).
+        With MoE layers ``N`` counts the active parameters: a token runs ``top_k`` experts.
         """
-        n = self.num_parameters(non_embedding=True)
+        n = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
         return 6 * n + 12 * len(self.layers) * self.hidden_size * seq_length
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        eos_token_id=None,
+        pad_token_id: Optional[int] = None,
+        use_cache: bool = True,
+        generator: Optional[torch.Generator] = None,
+        vocab_size: Optional[int] = None,
+        return_logits: bool = False,
+    ):
+        """Continue the prompts ``input_ids`` ``[batch, len]``; returns ``[batch, len + new]`` ids.
+
+        Prompts of different lengths are left-padded, with ``attention_mask`` 0 on the padding
+        (``libai_lite.inference.pad_prompts``); positions count from each row's first real token,
+        as Hugging Face does. ``use_cache`` keeps every layer's keys and values so each step
+        feeds one token; without it each step re-reads the whole sequence (same tokens, slower).
+        ``vocab_size`` is the tokenizer's real size: ids from it up to the padded embedding
+        size are never produced (default: the model's whole, padded vocabulary). The other
+        options are those of ``libai_lite.inference.decode``. Runs in eval mode, also on a
+        tensor-parallel model (every rank must call it with the same arguments).
+        """
+        from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
+        from libai_lite.utils.errors import UsageError
+
+        if self.embeddings is None or self.lm_head is None:
+            raise UsageError(
+                "generate needs the whole GPT model (embeddings to LM head); build it without pipeline parallelism"
+            )
+        prompt_len = input_ids.shape[1]
+        total = prompt_len + int(max_new_tokens)
+        if total > self.max_seq_length:
+            raise UsageError(
+                f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                f"max_seq_length={self.max_seq_length}; shorten the prompt or generate fewer tokens"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+        padded = not bool(mask.all())
+        caches = {name: KVCache(capacity=total) for name in self.layers} if use_cache else None
+        seen = {"ids": input_ids[:, :0], "mask": mask[:, :0]}
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            new_mask = mask if seen["ids"].shape[1] == 0 else torch.ones_like(tokens)
+            seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
+            seen["mask"] = torch.cat([seen["mask"], new_mask], dim=1)
+            ids = tokens if use_cache else seen["ids"]
+            # Left padding shifts each row: its first real token is position 0.
+            positions = (seen["mask"].cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            # Without padding SDPA's causal kernel needs no mask at all.
+            logits = self(ids, seen["mask"] if padded else None, positions, caches, logits_to_keep=1)
+            return gather_logits(logits)[:, -1]
+
+        with eval_mode(self):
+            return decode(
+                step, input_ids, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.vocab_size,
+                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                generator=generator, ignore_mask=mask == 0, sync_group=tensor_parallel_group(self),
+                return_logits=return_logits,
+            )
 
 
 class GPTLoss(nn.Module):
@@ -224,8 +325,9 @@ class GPTForPreTraining(nn.Module):
     """GPT language model with its pretraining loss; LiBai configs build it as ``LazyCall(GPTForPreTraining)(cfg=cfg)``.
 
     ``forward(input_ids, labels=None, loss_mask=None)``: with labels returns
-    ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``GPTLoss``); without, ``{"logits"}``.
-    Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
+    ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``GPTLoss``), plus ``moe_aux_loss``,
+    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers (``collect_moe_outputs``);
+    without, ``{"logits"}``. Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
     as the GPT dataset produces them.
     """
 
@@ -240,7 +342,9 @@ class GPTForPreTraining(nn.Module):
         logits = self.GPT_model(input_ids)
         if labels is None:
             return {"logits": logits}
-        return self.loss_func(logits, labels, loss_mask)
+        outputs = self.loss_func(logits, labels, loss_mask)
+        outputs.update(collect_moe_outputs(self.GPT_model))
+        return outputs
 
     def pipeline_module(self) -> nn.Module:
         """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
@@ -257,3 +361,7 @@ class GPTForPreTraining(nn.Module):
     def flops_per_token(self, seq_length: int) -> int:
         """See ``GPTModel.flops_per_token``."""
         return self.GPT_model.flops_per_token(seq_length)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
+        """Continue prompts; ``GPTModel.generate`` lists the options (``max_new_tokens``, ``do_sample``, ...)."""
+        return self.GPT_model.generate(input_ids, attention_mask, **options)

@@ -1,10 +1,12 @@
 """One T5 block: RMS-normed pre-LN self-attention, cross-attention (decoder only) and feed-forward."""
+import functools
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from libai_lite.layers import MLP, MultiheadAttention, RMSLayerNorm, init_method_normal
+from libai_lite.layers import MLP, MoEConfig, MoELayer, MultiheadAttention, RMSLayerNorm, init_method_normal
+from libai_lite.layers.attention import KVCache
 from libai_lite.layers.init_methods import InitMethod
 
 from .relative_position import RelativePositionBias
@@ -48,7 +50,8 @@ class MT5TransformerLayer(nn.Module):
     (fused head-major ``query_key_value``, ``dense``), ``relative_attention_bias`` (first
     layer only), ``post_attention_layernorm``, then for a decoder ``cross_attention``
     (``query``, ``key_value``, ``dense``) and ``post_cross_attention_layernorm``, then
-    ``mlp`` (``dense_h_to_4h``, gated ``dense_h_to_4h_linear``, ``dense_4h_to_h``).
+    ``mlp`` (``dense_h_to_4h``, gated ``dense_h_to_4h_linear``, ``dense_4h_to_h``), or with
+    ``moe`` a ``MoELayer`` (``mlp.router``, ``mlp.experts.<e>.dense_h_to_4h``, ...).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class MT5TransformerLayer(nn.Module):
         model_type: str = "mt5",
         initializer_range: float = 1.0,
         layer_idx: int = 0,
+        moe: Optional[MoEConfig] = None,
     ):
         super().__init__()
         if model_type not in FEED_FORWARD:
@@ -125,7 +129,8 @@ class MT5TransformerLayer(nn.Module):
             self.cross_attention = None
             self.post_cross_attention_layernorm = None
         activation, gated = FEED_FORWARD[model_type]
-        self.mlp = MLP(
+        # With `moe`, a mixture of experts that are each this MLP (MoELayer takes MLP's arguments).
+        self.mlp = (MLP if moe is None else functools.partial(MoELayer, moe))(
             hidden_size,
             ffn_hidden_size,
             output_dropout_prob=output_dropout_prob,
@@ -144,6 +149,8 @@ class MT5TransformerLayer(nn.Module):
         position_bias: Optional[torch.Tensor] = None,
         encoder_states: Optional[torch.Tensor] = None,
         encoder_attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        cross_kv_cache: Optional[KVCache] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run the block; returns ``(hidden_states, position_bias)`` so later layers reuse the bias.
 
@@ -155,10 +162,15 @@ class MT5TransformerLayer(nn.Module):
                 recomputed) by the layer that owns the relative bias table.
             encoder_states: encoder output ``[batch, enc_seq, hidden]`` (decoder only).
             encoder_attention_mask: cross-attention mask over the encoder positions.
+            kv_cache, cross_kv_cache: incremental decoding (see ``MultiheadAttention``): the
+                self-attention keys and values so far, and the encoder's projected once.
+                ``hidden_states`` are then the new positions only, and the bias covers their
+                rows against every cached key.
         """
         if self.relative_attention_bias is not None:
             seq = hidden_states.shape[1]
-            position_bias = self.relative_attention_bias.compute_bias(seq, seq)
+            past = kv_cache.length if kv_cache is not None else 0
+            position_bias = self.relative_attention_bias.compute_bias(seq, past + seq, query_offset=past)
         elif position_bias is None:
             raise ValueError(
                 f"layer {self.layer_idx} reuses the relative position bias computed by the first layer of its stack; "
@@ -167,12 +179,12 @@ class MT5TransformerLayer(nn.Module):
 
         normed = self.input_layernorm(hidden_states)
         hidden_states = hidden_states + self.self_attention(
-            normed, attention_mask=attention_mask, position_bias=position_bias
+            normed, attention_mask=attention_mask, position_bias=position_bias, kv_cache=kv_cache
         )
         if self.is_decoder:
             normed = self.post_attention_layernorm(hidden_states)
             hidden_states = hidden_states + self.cross_attention(
-                normed, attention_mask=encoder_attention_mask, encoder_states=encoder_states
+                normed, attention_mask=encoder_attention_mask, encoder_states=encoder_states, kv_cache=cross_kv_cache
             )
             normed = self.post_cross_attention_layernorm(hidden_states)
         else:

@@ -1,0 +1,340 @@
+"""Mixture-of-experts feed-forward layer: a learned router sends each token to its top-k experts.
+
+Switch Transformer (top-1) and GShard (top-2) routing, as DeepSpeed-MoE and Megatron-LM do it:
+
+* the router is a bias-free ``hidden -> num_experts`` linear layer computed in fp32 (autocast off),
+  optionally with multiplicative jitter noise on its input while training (Switch's
+  ``router_jitter``); probabilities are its softmax;
+* top-1 weights the chosen expert's output by its probability (so the router gets a gradient
+  from the language-model loss); top-k > 1 renormalises the k chosen probabilities to sum to 1;
+* every expert is the model's ordinary ``MLP`` (same width, activation and gating as the dense
+  layer it replaces), so tensor parallelism splits it as usual;
+* capacity: each expert takes at most ``ceil(capacity_factor * tokens * k / num_experts)``
+  assignments from a rank's micro-batch; first choices are served before second choices, and
+  earlier tokens before later ones. An assignment over capacity is dropped: it contributes
+  nothing, and a token whose every assignment is dropped passes through the residual unchanged.
+  ``capacity_factor=None`` never drops;
+* auxiliary load-balancing loss (Switch eq. 4, GShard): ``num_experts * sum_e f_e * P_e`` with
+  ``f_e`` the fraction of assignments the router made to expert ``e`` (before capacity) and
+  ``P_e`` its mean router probability. It is 1 at perfect balance and grows as load concentrates;
+  ``aux_loss_weight`` multiplies it before it joins the training loss.
+
+The layer is a drop-in for ``MLP``: ``forward(hidden_states) -> hidden_states``. Its auxiliary loss
+and statistics are left on the module after each forward, and ``collect_moe_outputs(model)`` sums
+them into the pretraining wrapper's output dict (``moe_aux_loss``, back-propagated by the trainer;
+``moe_dropped_frac`` and ``moe_load_max``, logged).
+
+Expert parallelism (``libai_lite.parallel.expert_parallel``) keeps only this rank's experts in
+``experts`` (a ``ModuleDict`` keyed by the GLOBAL expert index, so checkpoints do not depend on the
+layout) and sets ``ep_group``; tokens then travel to their expert's rank and back by all-to-all.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..utils.errors import UsageError
+from .init_methods import InitMethod
+from .linear import Linear1D
+from .mlp import MLP
+
+
+@dataclass
+class MoEConfig:
+    """``model.cfg.moe``: which feed-forward layers become mixtures of experts, and how they route.
+
+    Args:
+        enabled: False keeps every layer dense (the model is exactly the dense model).
+        num_experts: experts per MoE layer.
+        top_k: experts each token is sent to (1: Switch, 2: GShard).
+        ep_size: expert-parallel size: the experts of a layer are spread over this many ranks of
+            the data-parallel group (``num_experts`` and the data-parallel size must be multiples).
+        capacity_factor: expert capacity as a multiple of the balanced load ``tokens * k / E``;
+            None never drops a token.
+        aux_loss_weight: weight of the load-balancing loss in the training loss.
+        every_n_layers: the N-th, 2N-th, ... feed-forward layer of each stack is an MoE layer
+            (2: every other layer, as in Switch and GShard; 1: all of them).
+        jitter_noise: router input multiplied by ``U(1 - eps, 1 + eps)`` while training (0: off).
+    """
+
+    enabled: bool = False
+    num_experts: int = 8
+    top_k: int = 1
+    ep_size: int = 1
+    capacity_factor: Optional[float] = 1.25
+    aux_loss_weight: float = 0.01
+    every_n_layers: int = 2
+    jitter_noise: float = 0.0
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "ep_size", "every_n_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or int(value) < 1:
+                raise UsageError(f"model.cfg.moe.{name}={value!r} must be a positive integer")
+            setattr(self, name, int(value))
+        if self.top_k > self.num_experts:
+            raise UsageError(
+                f"model.cfg.moe.top_k={self.top_k} is more than num_experts={self.num_experts}; "
+                f"use top_k <= num_experts (1 or 2 are the usual choices)"
+            )
+        if self.num_experts % self.ep_size:
+            raise UsageError(
+                f"model.cfg.moe.ep_size={self.ep_size} does not divide num_experts={self.num_experts}; "
+                f"use an ep_size that divides the number of experts"
+            )
+        if self.capacity_factor is not None and not float(self.capacity_factor) > 0:
+            raise UsageError(
+                f"model.cfg.moe.capacity_factor={self.capacity_factor} must be positive (or null for no capacity limit)"
+            )
+        if float(self.aux_loss_weight) < 0:
+            raise UsageError(f"model.cfg.moe.aux_loss_weight={self.aux_loss_weight} must be >= 0")
+        if not 0.0 <= float(self.jitter_noise) < 1.0:
+            raise UsageError(f"model.cfg.moe.jitter_noise={self.jitter_noise} must be in [0, 1)")
+
+    @classmethod
+    def from_mapping(cls, cfg: Optional[Mapping[str, Any]]) -> "MoEConfig":
+        """Build from ``model.cfg.moe`` (a dict, DictConfig, MoEConfig or None); unknown keys are refused."""
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, MoEConfig):
+            return cfg
+        given = dict(cfg)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known))}"
+            raise UsageError(f"unknown key model.cfg.moe.{key}; {hint}")
+        return cls(**given)
+
+    def is_moe_layer(self, index_in_stack: int) -> bool:
+        """Whether the feed-forward of the ``index_in_stack``-th layer (0-based) of a stack is an MoE layer."""
+        return self.enabled and (index_in_stack + 1) % self.every_n_layers == 0
+
+
+class Routing(NamedTuple):
+    """What the router decided for ``T`` tokens (``k`` = top_k, ``E`` = num_experts)."""
+
+    expert_index: torch.Tensor  # [T, k] long: the chosen experts, best first
+    gates: torch.Tensor  # [T, k] fp32: the weight of each chosen expert's output
+    keep: torch.Tensor  # [T, k] bool: False where the assignment exceeded its expert's capacity
+    probs: torch.Tensor  # [T, E] fp32 router probabilities
+    load: torch.Tensor  # [E] long: assignments per expert before capacity
+    capacity: int  # assignments each expert accepts (T * k when unlimited)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: Optional[float]) -> int:
+    """Assignments one expert accepts from ``num_tokens`` tokens: ``ceil(cf * T * k / E)``, or all with cf None."""
+    if capacity_factor is None:
+        return num_tokens * top_k
+    return max(int(math.ceil(float(capacity_factor) * num_tokens * top_k / num_experts)), 1)
+
+
+def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float]) -> Routing:
+    """Top-k routing with capacity from router ``logits`` ``[T, E]``.
+
+    Priority for capacity is GShard's: every token's first choice before any second choice,
+    and within one choice, tokens in order.
+    """
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_probs, expert_index = probs.topk(top_k, dim=-1)
+    gates = top_probs if top_k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)
+    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
+    # Position of each assignment in its expert's queue, in priority order (choice-major).
+    by_priority = expert_index.t().reshape(-1)
+    load = torch.bincount(by_priority, minlength=num_experts)
+    order = torch.argsort(by_priority, stable=True)
+    starts = torch.cumsum(load, 0) - load
+    position = torch.empty_like(by_priority)
+    position[order] = torch.arange(by_priority.numel(), device=logits.device) - starts[by_priority[order]]
+    keep = (position < capacity).view(top_k, num_tokens).t()
+    return Routing(expert_index, gates, keep, probs, load, capacity)
+
+
+def load_balancing_loss(probs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+    """Switch/GShard auxiliary loss ``E * sum_e f_e * P_e`` (1 at perfect balance).
+
+    ``probs`` ``[T, E]`` router probabilities, ``load`` ``[E]`` assignments per expert (counts
+    are not differentiable; the gradient flows through the mean probabilities).
+    """
+    num_experts = probs.shape[-1]
+    fraction = load.to(probs.dtype) / load.sum().clamp(min=1)
+    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+class Router(Linear1D):
+    """``hidden -> num_experts`` logits in fp32, replicated under tensor parallelism.
+
+    Routing decisions are discrete, so the router runs in full precision whatever the autocast
+    (Switch's selective precision); jitter noise multiplies its input while training.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, init_method: Optional[InitMethod] = None,
+                 jitter_noise: float = 0.0, layer_idx: int = 0):
+        super().__init__(hidden_size, num_experts, bias=False, parallel="data", init_method=init_method,
+                         layer_idx=layer_idx)
+        self.jitter_noise = float(jitter_noise)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.training and self.jitter_noise > 0:
+            noise = torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            x = x * noise
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x, self.weight.float())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, jitter_noise={self.jitter_noise}"
+
+
+class Experts(nn.ModuleDict):
+    """This rank's experts, keyed by global expert index; ``forward`` runs each on its slice of tokens.
+
+    A module with a forward of its own (rather than a plain container) so FSDP can shard the
+    experts as one group over their expert-data-parallel ranks and gather them around this call.
+    Every expert runs even on zero tokens, which keeps all expert parameters in the autograd
+    graph (data-parallel gradient reduction expects a gradient for each).
+    """
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th local expert."""
+        pieces = tokens.split(tokens_per_expert, dim=0)
+        return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)], dim=0)
+
+
+class MoELayer(nn.Module):
+    """Routed mixture of ``MLP`` experts with the ``MLP`` interface: ``forward(hidden_states) -> hidden_states``.
+
+    Constructor arguments after ``moe`` are the ``MLP``'s, used for every expert. After each
+    forward, ``aux_loss`` (unweighted), ``aux_loss_weight`` and ``stats`` (assignments, dropped
+    assignments, max/mean expert load; detached) describe it; see ``collect_moe_outputs``.
+    """
+
+    def __init__(
+        self,
+        moe: MoEConfig,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        output_dropout_prob: float = 0.0,
+        init_method: Optional[InitMethod] = None,
+        output_layer_init_method: Optional[InitMethod] = None,
+        bias: bool = True,
+        activation: str = "gelu",
+        gated: bool = False,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        moe = MoEConfig.from_mapping(moe)
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.capacity_factor = None if moe.capacity_factor is None else float(moe.capacity_factor)
+        self.aux_loss_weight = float(moe.aux_loss_weight)
+        self.layer_idx = layer_idx
+        self.router = Router(hidden_size, moe.num_experts, init_method=init_method,
+                             jitter_noise=moe.jitter_noise, layer_idx=layer_idx)
+        self.experts = Experts({
+            str(e): MLP(hidden_size, ffn_hidden_size, output_dropout_prob=output_dropout_prob,
+                        init_method=init_method, output_layer_init_method=output_layer_init_method,
+                        bias=bias, activation=activation, gated=gated, layer_idx=layer_idx)
+            for e in range(moe.num_experts)
+        })
+        # Set by libai_lite.parallel.expert_parallel.apply_expert_parallel.
+        self.ep_group = None
+        self.ep_size = 1
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.stats: dict = {}
+
+    @property
+    def local_expert_ids(self) -> list[int]:
+        """Global indices of the experts this rank holds, in order."""
+        return [int(k) for k in self.experts.keys()]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` ``[..., hidden]`` -> the experts' weighted outputs, same shape."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        routing = route(self.router(x), self.top_k, self.capacity_factor)
+        self.aux_loss = load_balancing_loss(routing.probs, routing.load)
+        kept = routing.keep.reshape(-1).nonzero().squeeze(1)
+        flat_expert = routing.expert_index.reshape(-1)
+        # Kept assignments grouped by expert; within an expert, in token order.
+        order = kept[torch.argsort(flat_expert[kept], stable=True)]
+        token_of = order // self.top_k
+        tokens_per_expert = torch.bincount(flat_expert[order], minlength=self.num_experts)
+        dispatched = x.index_select(0, token_of)
+        if self.ep_size > 1:
+            from ..parallel.expert_parallel import expert_parallel_forward
+
+            expert_out = expert_parallel_forward(self.experts, dispatched, tokens_per_expert, self.ep_group,
+                                                 self.ep_size)
+        else:
+            expert_out = self.experts(dispatched, tokens_per_expert.tolist())
+        gates = routing.gates.reshape(-1).index_select(0, order).to(expert_out.dtype)
+        weighted = (expert_out * gates.unsqueeze(1)).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, weighted)
+        assignments = routing.expert_index.numel()
+        load = routing.load.float()
+        self.stats = {
+            "assignments": assignments,
+            "dropped": assignments - int(order.numel()),
+            "load_max": float(load.max() / load.mean()),
+        }
+        return out.view(shape)
+
+    def extra_repr(self) -> str:
+        cf = "none" if self.capacity_factor is None else f"{self.capacity_factor:g}"
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={cf}, "
+                f"local_experts={self.local_expert_ids}, ep_size={self.ep_size}, layer_idx={self.layer_idx}")
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every ``MoELayer`` in ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def collect_moe_outputs(model: nn.Module) -> dict:
+    """The MoE entries of a pretraining model's output dict, from the layers' last forward.
+
+    ``moe_aux_loss``: the weighted load-balancing losses summed over MoE layers (back-propagated);
+    ``moe_dropped_frac``: dropped / all token-to-expert assignments over all MoE layers;
+    ``moe_load_max``: the largest ratio max/mean of assignments per expert over the MoE layers,
+    before capacity (1.0 is perfect balance, ``num_experts / top_k`` the same k experts taking every
+    token). Empty for a dense model. Statistics are this rank's tokens.
+    """
+    layers = [m for m in moe_layers(model) if m.aux_loss is not None]
+    if not layers:
+        return {}
+    aux = sum(m.aux_loss_weight * m.aux_loss for m in layers)
+    assignments = sum(m.stats["assignments"] for m in layers)
+    dropped = sum(m.stats["dropped"] for m in layers)
+    device = aux.device
+    out = {
+        "moe_aux_loss": aux,
+        "moe_dropped_frac": torch.tensor(dropped / max(assignments, 1), device=device),
+        "moe_load_max": torch.tensor(max(m.stats["load_max"] for m in layers), device=device),
+    }
+    for m in layers:
+        # The graph behind the aux loss is released once the wrapper holds it.
+        m.aux_loss = None
+    return out
+
+
+def inactive_expert_parameters(model: nn.Module) -> int:
+    """Expert parameters a token does not use: ``(E - k) / E`` of each MoE layer's experts.
+
+    Subtract from the parameter count for FLOPs (the active parameters); call it on the whole
+    model before expert parallelism removes other ranks' experts.
+    """
+    total = 0
+    for m in moe_layers(model):
+        per_layer = sum(p.numel() for p in m.experts.parameters())
+        total += per_layer * (m.num_experts - m.top_k) // m.num_experts
+    return total

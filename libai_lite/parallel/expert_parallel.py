@@ -1,0 +1,213 @@
+"""Expert parallelism: the experts of each MoE layer spread over ``ep_size`` ranks of the data-parallel group.
+
+Layout (DeepSpeed-MoE's and torchtitan's): the data-parallel dimension of the ``("pp", "dp", "tp")``
+mesh is unflattened into ``("edp", "ep")`` with ``dp = edp x ep``. Consecutive data-parallel ranks
+form an expert-parallel group (``"ep"``): together they hold all experts of a layer, rank ``i`` of
+the group experts ``[i * E/ep, (i + 1) * E/ep)``. Ranks holding the same experts form the
+expert-data-parallel group (``"edp"``), over which those experts are replicated (or ZeRO-sharded).
+
+- which experts a rank keeps: ``apply_expert_parallel`` deletes the others from each
+  ``MoELayer.experts``; keys stay global expert indices, so checkpoints load under any ``ep_size``.
+- token dispatch and combine: ``expert_parallel_forward``. Counts go by ``all_to_all_single``,
+  tokens by the autograd ``all_to_all_single`` of ``torch.distributed._functional_collectives``
+  (what torch names as the successor of ``torch.distributed.nn.functional.all_to_all_single``).
+- gradient reduction: experts are left out of the dense data-parallel wrapper and reduced over
+  ``"edp"`` by their own FSDP2 ``replicate`` (ZeRO 0) or ``fully_shard`` (ZeRO 2/3), divided by
+  the whole data-parallel size (``set_gradient_divide_factor``): an expert's local gradient already
+  sums the loss gradients of every token its ep group sent it, so the mean over all ``dp`` ranks'
+  losses is the edp sum divided by ``dp``.
+- gradient clipping: ``data_parallel.clip_grad_norm_`` adds the expert gradients' norms across
+  ``"ep"`` (``expert_norm_group``).
+
+With ``ep_size=1`` none of this runs: every rank holds every expert and they are ordinary
+data-parallel parameters.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..layers.moe import Experts, MoEConfig, moe_layers
+from ..utils.errors import UsageError
+
+logger = logging.getLogger("libai_lite")
+
+# (edp mesh, ep process group) of every expert layout built in this process, for clip_grad_norm_.
+_EXPERT_MESHES: list[tuple[DeviceMesh, object]] = []
+_MESH_CACHE: dict = {}
+
+
+def moe_config(model_cfg) -> MoEConfig | None:
+    """The validated ``model.cfg.moe`` when MoE is enabled, else None."""
+    raw = model_cfg.get("moe") if hasattr(model_cfg, "get") else getattr(model_cfg, "moe", None)
+    if raw is None:
+        return None
+    cfg = MoEConfig.from_mapping(raw)
+    return cfg if cfg.enabled else None
+
+
+def check_moe_layout(moe: MoEConfig | None, pp: int, dp: int, tp: int, zero_stage: int,
+                     sequence_parallel: bool) -> None:
+    """Refuse, with one line, layouts MoE layers cannot run under."""
+    if moe is None:
+        return
+    ep = moe.ep_size
+    if dp % ep:
+        raise UsageError(
+            f"model.cfg.moe.ep_size={ep} does not divide the data-parallel size {dp}: experts are spread over "
+            f"data-parallel ranks; use an ep_size that divides {dp} or launch a multiple of {ep} data-parallel ranks"
+        )
+    if pp > 1:
+        raise UsageError(
+            "MoE layers are not supported with pipeline parallelism (the auxiliary loss would not reach the "
+            "schedule's loss); set train.dist.pipeline_parallel_size=1 and use data/expert and tensor parallelism"
+        )
+    if sequence_parallel:
+        raise UsageError(
+            "MoE layers route whole tokens and cannot take sequence-parallel slices; set "
+            "train.dist.sequence_parallel=False"
+        )
+    if ep > 1 and tp > 1:
+        raise UsageError(
+            f"expert parallelism (model.cfg.moe.ep_size={ep}) with tensor parallelism is not supported; "
+            f"use model.cfg.moe.ep_size=1 with tensor_parallel_size={tp}, or tensor_parallel_size=1"
+        )
+    if ep > 1 and zero_stage == 1:
+        raise UsageError(
+            "ZeRO stage 1 (ZeroRedundancyOptimizer) would overwrite each rank's experts with another's; "
+            "use train.zero_optimization.stage=2 (it also shards gradients) or 0 with model.cfg.moe.ep_size>1"
+        )
+
+
+def build_expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
+    """The ``("pp", "edp", "ep", "tp")`` mesh: ``mesh``'s ``"dp"`` split into ``edp x ep`` (ep ranks consecutive).
+
+    Collective: every rank must call it (it creates the process groups). Cached per mesh and size.
+    """
+    key = (id(mesh), ep_size)
+    if key in _MESH_CACHE:
+        return _MESH_CACHE[key]
+    dp = mesh["dp"].size()
+    if dp % ep_size:
+        raise UsageError(f"model.cfg.moe.ep_size={ep_size} does not divide the data-parallel size {dp}")
+    names = tuple(mesh.mesh_dim_names)
+    sizes = [mesh[n].size() for n in names]
+    # Data-parallel rank r is (edp, ep) = divmod(r, ep_size) in row-major unflattening.
+    shape = []
+    new_names = []
+    for n, s in zip(names, sizes):
+        if n == "dp":
+            shape += [dp // ep_size, ep_size]
+            new_names += ["edp", "ep"]
+        else:
+            shape.append(s)
+            new_names.append(n)
+    expert_mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(new_names))
+    _MESH_CACHE[key] = expert_mesh
+    _EXPERT_MESHES.append((expert_mesh["edp"], expert_mesh["ep"].get_group()))
+    return expert_mesh
+
+
+def expert_norm_group(mesh: DeviceMesh | None):
+    """The ep group whose ranks hold the other experts of gradients on ``mesh`` (an edp mesh), else None."""
+    if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("edp",):
+        return None
+    for edp, group in _EXPERT_MESHES:
+        if edp == mesh:
+            return group
+    return None
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
+    """Keep this rank's share of every MoE layer's experts and give the layers their ep group; returns the layers.
+
+    Rank ``i`` of the ``"ep"`` dimension keeps experts ``[i * E/ep, (i + 1) * E/ep)``. Call it on the
+    whole model before tensor parallelism, activation checkpointing and data parallelism.
+    """
+    ep_mesh = expert_mesh["ep"]
+    ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    layers = moe_layers(model)
+    for layer in layers:
+        if layer.num_experts % ep_size:
+            raise UsageError(
+                f"model.cfg.moe.ep_size={ep_size} does not divide num_experts={layer.num_experts}; "
+                f"use an ep_size that divides the number of experts"
+            )
+        per_rank = layer.num_experts // ep_size
+        mine = set(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+        for key in list(layer.experts.keys()):
+            if int(key) not in mine:
+                del layer.experts[key]
+        layer.ep_group = ep_mesh.get_group()
+        layer.ep_size = ep_size
+    if layers:
+        logger.info(f"Expert parallel: ep={ep_size}, this rank holds experts {layers[0].local_expert_ids} "
+                    f"of {layers[0].num_experts} in each of {len(layers)} MoE layers")
+    return layers
+
+
+def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, group,
+                            ep_size: int) -> torch.Tensor:
+    """Send ``tokens`` (sorted by global expert) to their experts' ranks, run the local experts, send results back.
+
+    ``tokens_per_expert`` ``[E]``: rows of ``tokens`` for each global expert. Returns the expert
+    outputs in the order of ``tokens``. Differentiable: backward runs the two all-to-alls in reverse.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    num_experts = tokens_per_expert.numel()
+    local = num_experts // ep_size
+    send_counts = tokens_per_expert.to(torch.int64).contiguous()
+    recv_counts = torch.empty_like(send_counts)
+    # recv_counts[src * local + i]: rows rank src sends to this rank's i-th expert.
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits = send_counts.view(ep_size, local).sum(1).tolist()
+    recv_matrix = recv_counts.view(ep_size, local)
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    # Received rows come grouped (source rank, local expert); the experts want (local expert, source).
+    segment_expert = torch.arange(ep_size * local, device=tokens.device) % local
+    row_expert = torch.repeat_interleave(segment_expert, recv_counts)
+    perm = torch.argsort(row_expert, stable=True)
+    out = experts(received.index_select(0, perm), recv_matrix.sum(0).tolist())
+    out = out.index_select(0, torch.argsort(perm))
+    return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+
+
+def expert_modules(model: nn.Module) -> list[Experts]:
+    """The ``Experts`` containers of every MoE layer, in module order."""
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def replicate_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy=None) -> None:
+    """ZeRO 0 with ep > 1: each layer's experts all-reduced over their edp group, averaged over all dp ranks.
+
+    FSDP2's ``replicate`` on each ``Experts`` module; the dense wrapper then leaves them alone.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for experts in expert_modules(model):
+        replicate(experts, mesh=edp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+        # replicate divides by the factor before its all-reduce (a SUM): gloo-safe as it is.
+        experts.set_gradient_divide_factor(float(dp_size))
+
+
+def shard_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, reshard_after_forward: bool,
+                  mp_policy, offload_policy) -> None:
+    """ZeRO 2/3 with ep > 1: FSDP2 ``fully_shard`` of each layer's experts over their edp group."""
+    from torch.distributed.fsdp import fully_shard
+
+    for experts in expert_modules(model):
+        fully_shard(experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy)
+        experts.set_gradient_divide_factor(float(dp_size))
+        if edp_mesh.size() > 1:
+            # A factor other than the group size makes FSDP reduce-scatter with NCCL's PREMUL_SUM,
+            # which gloo lacks; forcing SUM divides afterwards. (On a one-rank mesh FSDP divides
+            # by the factor itself, and forcing SUM would divide a second time.)
+            experts.set_force_sum_reduction_for_comms(True)
