@@ -154,6 +154,11 @@ def mt5_reference(tmp_path_factory):
     ("dp2_zero2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"]),
     ("dp2_tp2_zero2_actckpt", 4, ["train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
                                   "train.zero_optimization.stage=2", "train.activation_checkpoint.enabled=True"]),
+    # 4 stages of one layer each: cuts inside the encoder (the encoder bias travels), at the
+    # encoder/decoder boundary and inside the decoder (the decoder bias travels).
+    ("pp2_interleaved_1f1b", 2, ["train.dist.pipeline_parallel_size=2", "train.dist.pipeline_schedule=interleaved_1f1b",
+                                 "train.dist.virtual_pipeline_size=2"]),
+    ("tp2_pp2", 4, ["train.dist.pipeline_parallel_size=2", "train.dist.tensor_parallel_size=2"]),
 ])
 def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, extra):
     out = tmp_path / "out"
@@ -165,3 +170,28 @@ def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, ex
     for it in mt5_reference:
         assert curve[it] == pytest.approx(mt5_reference[it], rel=2e-4, abs=2e-4), (name, it)
     assert mt5_reference[STEPS] < mt5_reference[1]
+
+
+def test_t5_tied_head_under_pp2_matches_one_process(tmp_path):
+    """T5 v1.0 ties the LM head to the embedding: the last stage's copy and the first stage's
+    embedding take identical updates, so the pp=2 curve is the one-process curve."""
+    curves = {}
+    for name, nproc, extra in (("one", 1, []), ("pp2", 2, ["train.dist.pipeline_parallel_size=2"])):
+        args = [f"train.output_dir={tmp_path / name}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+                *MT5_COMMON, "model.cfg.model_type=t5", *extra]
+        r = train_sh(nproc, args, config=MT5_CONFIG) if nproc > 1 else train_net(args, config=MT5_CONFIG)
+        assert r.returncode == 0, r.stderr[-4000:]
+        curves[name] = losses(tmp_path / name)
+    assert sorted(curves["pp2"]) == list(range(1, STEPS + 1))
+    for it in curves["one"]:
+        assert curves["pp2"][it] == pytest.approx(curves["one"][it], rel=2e-4, abs=2e-4), it
+
+
+def test_mt5_pipeline_num_layers_that_disagrees_with_the_model_is_refused(tmp_path):
+    out = tmp_path / "out"
+    r = train_sh(2, [f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}", *MT5_COMMON,
+                     "train.dist.pipeline_parallel_size=2", "train.dist.pipeline_num_layers=6"],
+                 config=MT5_CONFIG, timeout=120)
+    assert r.returncode != 0
+    assert "train.dist.pipeline_num_layers=6 but the model has 4 layers" in one_error_line(r)
+    assert not out.exists()

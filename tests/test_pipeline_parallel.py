@@ -5,6 +5,7 @@ one schedule and checks what its phases wrote against a one-process reference co
 loss and every gradient of a step of 4 micro-batches, 10 AdamW steps with clipping, evaluation,
 and DCP checkpoints moved between pp=2 and pp=1 with the tied embedding / LM head.
 """
+import copy
 import os
 import socket
 import subprocess
@@ -363,3 +364,69 @@ def test_more_stages_than_layers_is_a_usage_error():
         split_pipeline_stage(_model(), 0, 2, [0, 0, 1])
     with pytest.raises(UsageError, match="stage id 2 is outside 0..1"):
         split_pipeline_stage(_model(), 2, 2, [0, 0, 1, 1])
+
+
+# ------------------------------------------------------------------ T5: two stacks, carried state
+
+
+@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type):
+    """Stages cut by the generic splitter from T5's pipeline_spec, run through pipeline_forward with
+    what each stage returns handed to the next, give the whole model's logits and gradients."""
+    from libai_lite.parallel.pipeline import PipelineForward, pipeline_spec
+    from projects.MT5 import MT5ForPreTraining
+
+    cfg = dict(vocab_size=64, hidden_size=32, hidden_layers=3, num_attention_heads=2, head_size=8,
+               intermediate_size=48, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, model_type=model_type)
+    torch.manual_seed(0)
+    whole = MT5ForPreTraining(cfg)
+    g = torch.Generator().manual_seed(1)
+    enc, dec = torch.randint(0, 64, (3, 10), generator=g), torch.randint(0, 64, (3, 6), generator=g)
+    enc_mask = torch.ones(3, 10, dtype=torch.long)
+    enc_mask[0, 7:] = 0
+    dec_mask = torch.ones(3, 6, dtype=torch.long)
+    dec_mask[2, 4:] = 0
+    labels = torch.randint(0, 64, (3, 6), generator=g)
+    labels[2, 4:] = -100
+    batch = dict(encoder_input_ids=enc, decoder_input_ids=dec, encoder_attn_mask=enc_mask,
+                 decoder_attn_mask=dec_mask, encoder_decoder_attn_mask=enc_mask, labels=labels)
+
+    expected = whole(**batch)["lm_loss"]
+    expected.backward()
+    want = {n: p.grad.clone() for n, p in whole.named_parameters()}
+
+    # 6 pipeline layers over 4 stages: [0 1] [2] [3 4] [5] puts a cut inside the encoder, one at
+    # the encoder/decoder boundary (layer 2 with the encoder's final norm) and one in the decoder.
+    stage_of_layer = [0, 0, 1, 2, 2, 3]
+    model = copy.deepcopy(whole)
+    model.zero_grad()
+    stages, models = build_stage_modules(model, [0, 1, 2, 3], 4, stage_of_layer)
+    assert all(isinstance(s, PipelineForward) for s in stages)
+    assert stages[1].stage.encoder_final_layernorm is not None and stages[2].stage.encoder_final_layernorm is None
+    assert pipeline_spec(stages[3]).tied == (("embedding.weight", "lm_head.weight") if model_type == "t5" else None)
+
+    args, kwargs, target = MT5ForPreTraining.pipeline_batch(batch)
+    out = stages[0](*args, **kwargs)
+    assert len(out) == 3 and out[2].shape == (1, 2, 10, 10)  # mid-encoder: the encoder bias travels
+    out = stages[1](*out, **kwargs)
+    assert len(out) == 2  # encoder done, decoder not started: no bias
+    out = stages[2](*out, **kwargs)
+    assert len(out) == 3 and out[2].shape == (1, 2, 6, 6)  # the decoder bias
+    logits = stages[3](*out, **kwargs)
+    loss = whole.pipeline_loss_fn(logits, target)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+
+    got = {}
+    for m in models:
+        for n, p in m.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                got[n] = got.get(n, 0) + p.grad
+    if model_type == "t5":
+        # The LM-head copy on the last stage and the embedding on the first: their sum is the tied gradient.
+        head = "mt5_model.lm_head.weight"
+        got["mt5_model.embedding.weight"] = got["mt5_model.embedding.weight"] + got.pop(head)
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)

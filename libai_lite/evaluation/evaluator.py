@@ -104,7 +104,8 @@ def inference_on_pipeline(stepper, data_loader, evaluator: DatasetEvaluator, eva
             pending = []
             with autocast() if autocast is not None else nullcontext(), \
                     loss_context() if loss_context is not None else nullcontext():
-                outputs = stepper.eval_step(inputs["input_ids"], inputs["labels"])
+                args, kwargs, labels = stepper.split_batch(inputs)
+                outputs = stepper.eval_step(args, labels, kwargs)
             evaluator.process(inputs, outputs)
     results = evaluator.evaluate()
     logger.info(f"Evaluated {n - len(pending)} batches through the pipeline in {time.perf_counter() - start:.1f}s: "

@@ -1,11 +1,20 @@
 """Pipeline parallelism: cut a model into stages and run them with `torch.distributed.pipelining`.
 
-How a model takes part (GPTForPreTraining does all of this):
+How a model takes part (GPTForPreTraining and MT5ForPreTraining do all of this):
 
-- ``model.pipeline_module()`` returns the inner module to cut; it has ``embeddings``, ``layers``
-  (an ``nn.ModuleDict`` keyed by the global layer index), ``final_layernorm`` and ``lm_head``, and
-  its forward skips whichever of them is None (hidden states in, hidden states out).
+- ``model.pipeline_module()`` returns the inner module to cut. Its ``pipeline_spec`` (a
+  ``PipelineSpec``; GPT's layout when absent) names the pieces: layer containers
+  (``nn.ModuleDict`` keyed by the global layer index), what only the first stage keeps
+  (``embeddings``), what only the last stage keeps (``final_layernorm``, ``lm_head``), pieces
+  that go with a given layer (T5's encoder final norm with the last encoder layer) and the
+  tied embedding/LM-head pair, if any. Its forward skips whichever piece is None (hidden
+  states in, hidden states out); or, when the stage must carry more than one tensor (T5's
+  encoder output, decoder states and position bias), it defines ``pipeline_forward``, which
+  the stage runs instead of ``forward``.
 - ``model.pipeline_loss_fn(output, labels)`` is the mean token loss of the last stage's output.
+- ``model.pipeline_batch(batch)`` (optional; GPT's ``input_ids``/``labels`` when absent) turns
+  a loader batch into ``(args, kwargs, labels)``: ``args`` go to the first stage, ``kwargs``
+  (masks) to every stage, ``labels`` to the loss.
 
 Stage ``s`` of ``num_stages`` keeps the layers ``stage_of_layer`` gives it; stage 0 keeps the
 embeddings, the last stage the final norm and the LM head. With ``virtual_stages`` ``v`` per rank
@@ -31,6 +40,7 @@ state-dict FQNs are those of the unsplit model, whatever the number of local sta
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -49,9 +59,29 @@ SCHEDULES = {
 # Schedules that drive several stages per rank; the others drive exactly one.
 _MULTI_STAGE = {"interleaved_1f1b"}
 
-# The tied pair, relative to the module returned by `pipeline_module()`.
+# GPT's tied pair, relative to the module returned by `pipeline_module()`.
 TIED_SOURCE = "embeddings.token_embeddings.weight"
 TIED_COPY = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What a pipeline splitter needs to know about a model's pieces (attribute names on the pipeline module).
+
+    ``layer_containers``: ``nn.ModuleDict``s keyed by global layer index, together numbering
+    ``0..N-1``. ``first_stage`` / ``last_stage``: modules only stage 0 / the last stage keeps.
+    ``with_layer``: module name -> the layer whose stage keeps it. ``tied``: ``(source, copy)``
+    parameter paths of a weight shared by the first and last stage, or None.
+    """
+
+    layer_containers: tuple[str, ...] = ("layers",)
+    first_stage: tuple[str, ...] = ("embeddings",)
+    last_stage: tuple[str, ...] = ("final_layernorm", "lm_head")
+    with_layer: tuple[tuple[str, int], ...] = ()
+    tied: tuple[str, str] | None = (TIED_SOURCE, TIED_COPY)
+
+
+GPT_SPEC = PipelineSpec()
 
 
 # ------------------------------------------------------------------------------- splitting
@@ -68,15 +98,37 @@ def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list
     return [pp_rank + k * pp_size for k in range(virtual_stages)]
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    # A DDP-wrapped stage keeps the model under `.module`, a stage run through `pipeline_forward`
+    # under `.stage`; FSDP2 wraps in place, so the attribute lookups below see through it.
+    while isinstance(module, (torch.nn.parallel.DistributedDataParallel, PipelineForward)):
+        module = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module.stage
+    return module
+
+
+def pipeline_spec(module: nn.Module) -> PipelineSpec:
+    """The ``PipelineSpec`` of a pipeline module (or stage): its ``pipeline_spec``, or GPT's layout."""
+    spec = getattr(_unwrap(module), "pipeline_spec", None)
+    return spec if isinstance(spec, PipelineSpec) else GPT_SPEC
+
+
+def _layer_items(inner: nn.Module, spec: PipelineSpec):
+    for name in spec.layer_containers:
+        container = getattr(inner, name)
+        for key in list(container.keys()):
+            yield container, key
+
+
 def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
-    for attr in ("embeddings", "layers", "final_layernorm", "lm_head"):
+    spec = pipeline_spec(inner)
+    for attr in spec.layer_containers + spec.first_stage + spec.last_stage + tuple(n for n, _ in spec.with_layer):
         if not hasattr(inner, attr):
             raise UsageError(
-                f"{type(inner).__name__} has no '{attr}': a pipelined model's pipeline_module() needs "
-                f"embeddings, layers (ModuleDict by layer index), final_layernorm and lm_head"
+                f"{type(inner).__name__} has no '{attr}': its pipeline_spec names it; a pipelined model's "
+                f"pipeline_module() needs every piece its spec lists (GPT: embeddings, layers, final_layernorm, lm_head)"
             )
     num_layers = len(stage_of_layer)
-    keys = sorted(int(k) for k in inner.layers.keys())
+    keys = sorted(int(k) for _, k in _layer_items(inner, spec))
     if keys and keys[-1] >= num_layers:
         raise UsageError(
             f"stage_of_layer has {num_layers} entries but the model has layer {keys[-1]}; "
@@ -93,22 +145,27 @@ def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, st
 
 def _prune(inner: nn.Module, owned: set[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
     """Delete from `inner` (in place) what none of the stages in `owned` needs."""
-    for key in list(inner.layers.keys()):
+    spec = pipeline_spec(inner)
+    for container, key in _layer_items(inner, spec):
         if stage_of_layer[int(key)] not in owned:
-            del inner.layers[key]
+            del container[key]
     if 0 not in owned:
-        inner.embeddings = None
+        for name in spec.first_stage:
+            setattr(inner, name, None)
     if num_stages - 1 not in owned:
-        inner.final_layernorm = None
-        inner.lm_head = None
+        for name in spec.last_stage:
+            setattr(inner, name, None)
+    for name, layer in spec.with_layer:
+        if stage_of_layer[layer] not in owned:
+            setattr(inner, name, None)
 
 
 def split_pipeline_stage(model: nn.Module, stage_id: int, num_stages: int, stage_of_layer: Sequence[int]) -> nn.Module:
     """Cut ``model`` down, in place, to pipeline stage ``stage_id`` and return the stage module.
 
     The stage module is ``pipeline_module(model)`` with the layers of other stages deleted, the
-    embeddings deleted unless ``stage_id == 0`` and ``final_layernorm``/``lm_head`` set to None
-    unless it is the last stage. ``model`` itself still holds the stage module, so its state dict
+    spec's first-stage pieces (embeddings) set to None unless ``stage_id == 0`` and its
+    last-stage pieces (``final_layernorm``, ``lm_head``) unless it is the last stage. ``model`` itself still holds the stage module, so its state dict
     has the unsplit model's FQNs for what this stage owns. Works on a model built on the ``meta``
     device (nothing is materialised here; see ``materialize_stage``). On the last stage of a
     multi-stage pipeline the LM head keeps the embedding's Parameter object, which the deleted
@@ -136,7 +193,24 @@ def build_stage_modules(
     _prune(inner, set(stage_ids), num_stages, stage_of_layer)
     models = [copy.deepcopy(model) for _ in stage_ids[:-1]] + [model]
     stages = [split_pipeline_stage(m, s, num_stages, stage_of_layer) for m, s in zip(models, stage_ids)]
+    stages = [PipelineForward(s) if callable(getattr(s, "pipeline_forward", None)) else s for s in stages]
     return stages, models
+
+
+class PipelineForward(nn.Module):
+    """Runs a stage through its ``pipeline_forward`` (what ``PipelineStage`` calls is ``forward``).
+
+    Tensor parallelism, activation checkpointing and FSDP are applied to this wrapper like to
+    any stage: they find the layers by walking its modules. Parameter names gain a ``stage.``
+    prefix here only; checkpoints use the unsplit model's names (``pipeline_model_view``).
+    """
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        return self.stage.pipeline_forward(*args, **kwargs)
 
 
 def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn.Module:
@@ -189,9 +263,7 @@ def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
 
 
 def _get_attr_path(module: nn.Module, path: str):
-    # A DDP-wrapped stage (data parallel without ZeRO) keeps the stage under `.module`.
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        module = module.module
+    module = _unwrap(module)
     for part in path.split("."):
         module = getattr(module, part, None)
         if module is None:
@@ -199,12 +271,16 @@ def _get_attr_path(module: nn.Module, path: str):
     return module
 
 
+def _tied_paths(stage: nn.Module) -> tuple[str, str] | tuple[()]:
+    return pipeline_spec(stage).tied or ()
+
+
 def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """The tied embedding/LM-head Parameters present on this rank, each once (resolved now, so
     Parameters swapped in by TP or FSDP are the ones returned)."""
     out: list[nn.Parameter] = []
     for stage in stage_modules:
-        for path in (TIED_SOURCE, TIED_COPY):
+        for path in _tied_paths(stage):
             p = _get_attr_path(stage, path)
             if p is not None and all(p is not q for q in out):
                 out.append(p)
@@ -214,8 +290,8 @@ def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]
 def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """LM-head copies on this rank that are not the embedding's own Parameter: gradient-norm
     computations skip them so the tied weight counts once."""
-    sources = [p for s in stage_modules if (p := _get_attr_path(s, TIED_SOURCE)) is not None]
-    copies = [p for s in stage_modules if (p := _get_attr_path(s, TIED_COPY)) is not None]
+    sources = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[0])) is not None]
+    copies = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[1])) is not None]
     return [p for p in copies if all(p is not q for q in sources)]
 
 
@@ -288,7 +364,7 @@ def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
     one from ``build_tied_weight_group`` (None when every copy is on this rank). All ranks call it.
     """
     params = tied_weight_params(stage_modules)
-    sources = [p for s in stage_modules if (p := _get_attr_path(s, TIED_SOURCE)) is not None]
+    sources = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[0])) is not None]
     if sources:
         for p in params:
             if p is not sources[0]:
@@ -306,16 +382,20 @@ def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
         _local(p).copy_(buf)
 
 
-def tied_checkpoint_aliases(model_view: nn.Module) -> dict[str, str]:
+def tied_checkpoint_aliases(model_view: nn.Module, spec: PipelineSpec = GPT_SPEC) -> dict[str, str]:
     """``{copy FQN: embedding FQN}`` when this rank holds the LM-head copy without the embedding.
 
     Loading reads the copy's model and optimizer entries from the embedding's, which every
     layout saves (a one-process checkpoint has no optimizer state under the head's FQN).
+    ``spec`` is the pipeline module's (``pipeline_spec``); a model without a tie has no aliases.
     """
+    if spec.tied is None:
+        return {}
+    tied_source, tied_copy = spec.tied
     names = {n for n, _ in model_view.named_parameters(remove_duplicate=False)}
     for name in names:
-        if name == TIED_COPY or name.endswith("." + TIED_COPY):
-            source = name[: len(name) - len(TIED_COPY)] + TIED_SOURCE
+        if name == tied_copy or name.endswith("." + tied_copy):
+            source = name[: len(name) - len(tied_copy)] + tied_source
             if source not in names:
                 return {name: source}
     return {}
@@ -501,8 +581,10 @@ class PipelineStepper:
         n_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         tied_group=None,
+        batch_fn: Callable[[dict], tuple[tuple, dict, torch.Tensor]] | None = None,
     ):
         self.stage_modules = list(stage_modules)
+        self.batch_fn = batch_fn
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
         self.pp_group = pp_group
@@ -530,6 +612,12 @@ class PipelineStepper:
             return self._grad_scaler.scale(loss)
         return loss
 
+    def split_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """``(first-stage inputs, every-stage kwargs, labels)`` of a loader batch (the model's ``pipeline_batch``)."""
+        if self.batch_fn is not None:
+            return self.batch_fn(batch)
+        return (batch["input_ids"],), {}, batch["labels"]
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
         seen, out = set(), []
@@ -545,21 +633,26 @@ class PipelineStepper:
             raise UsageError(f"{what} has {tensor.shape[0]} rows, not a multiple of the {self.n_microbatches} "
                              f"micro-batches per step; pass num_accumulation_steps micro-batches concatenated")
 
-    def _run(self, fn, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+    def _run(self, fn, inputs, labels: torch.Tensor | None, kwargs: dict | None) -> None:
         args = ()
         if self.is_first:
-            if input_ids is None:
-                raise ValueError("the first pipeline stage needs input_ids")
-            self._check_batch(input_ids, "input_ids")
-            args = (input_ids.to(self.device),)
+            if inputs is None:
+                raise ValueError("the first pipeline stage needs its inputs (input_ids)")
+            inputs = (inputs,) if torch.is_tensor(inputs) else tuple(inputs)
+            for i, t in enumerate(inputs):
+                self._check_batch(t, "input_ids" if len(inputs) == 1 else f"pipeline input {i}")
+            args = tuple(t.to(self.device) for t in inputs)
         target = None
         if self.is_last:
             if labels is None:
                 raise ValueError("the last pipeline stage needs labels")
             self._check_batch(labels, "labels")
             target = labels.to(self.device)
+        kwargs = {k: v.to(self.device) for k, v in (kwargs or {}).items()}
+        for k, v in kwargs.items():
+            self._check_batch(v, k)
         self._losses = []
-        fn(*args, target=target, losses=self._losses)
+        fn(*args, target=target, losses=self._losses, **kwargs)
 
     def _broadcast_losses(self, values: list[float]) -> list[float]:
         t = torch.tensor(values if self.is_last else [0.0] * len(values), dtype=torch.float64, device=self.device)
@@ -567,9 +660,12 @@ class PipelineStepper:
             dist.broadcast(t, src=self._last_rank, group=self.pp_group)
         return t.tolist()
 
-    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, grad_scaler=None,
-             broadcast_loss: bool = True) -> torch.Tensor | None:
+    def step(self, input_ids, labels: torch.Tensor | None, grad_scaler=None,
+             broadcast_loss: bool = True, kwargs: dict | None = None) -> torch.Tensor | None:
         """Forward + backward of one step; returns the mean micro-batch loss (a 0-d float64 tensor).
+
+        ``input_ids`` is the first stage's input, a tensor or a tuple of tensors (T5's encoder
+        and decoder ids); ``kwargs`` (masks) reach every stage and every rank must pass them.
 
         The loss is returned on every pipeline rank when ``broadcast_loss`` (for logging), else
         on the last stage only (None elsewhere). With ``grad_scaler`` (fp16) each micro-batch
@@ -579,7 +675,7 @@ class PipelineStepper:
             m.train()
         self._grad_scaler = grad_scaler
         try:
-            self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels)
+            self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels, kwargs)
         finally:
             self._grad_scaler = None
         sync_tied_weight_grads(self.stage_modules, self.tied_group)
@@ -595,7 +691,7 @@ class PipelineStepper:
         return torch.tensor(loss[0], dtype=torch.float64)
 
     @torch.no_grad()
-    def eval_step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> dict:
+    def eval_step(self, input_ids, labels: torch.Tensor | None, kwargs: dict | None = None) -> dict:
         """Forward only; ``{"lm_loss", "nll_sum", "num_tokens"}`` as float tensors on every pipeline rank.
 
         ``nll_sum`` weights each micro-batch's mean loss by its count of labels other than -100,
@@ -605,7 +701,7 @@ class PipelineStepper:
         for m in self.stage_modules:
             m.eval()
         try:
-            self._run(self.schedule.eval, input_ids, labels)
+            self._run(self.schedule.eval, input_ids, labels, kwargs)
         finally:
             for m, mode in zip(self.stage_modules, modes):
                 m.train(mode)

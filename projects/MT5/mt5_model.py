@@ -27,21 +27,19 @@ LM head, then the pretraining wrapper that adds the loss. The choices that make 
 
 Pipeline parallelism. The layers of both stacks form one sequence of ``2 * hidden_layers``
 global indices (encoder ``0..L-1``, decoder ``L..2L-1``, set ``train.dist.pipeline_num_layers``
-to ``pipeline_num_layers``), so a stage is a contiguous range of them. Every piece is a
-direct attribute that a stage may set to None (``embedding``, ``encoder_final_layernorm``,
-``decoder_final_layernorm``, ``lm_head``) or drop layers from (``encoder_layers`` /
-``decoder_layers`` are keyed by global index, so checkpoint names do not depend on the
-layout). A stage carries ``(encoder_hidden, decoder_hidden, encoder_position_bias,
-decoder_position_bias)``: the first stage (it owns ``embedding``, layer 0) embeds both the
-encoder and the decoder ids; encoder stages advance ``encoder_hidden`` and pass the embedded
-decoder input through; the stage owning layer ``L-1`` applies ``encoder_final_layernorm`` and
-from then on ``encoder_hidden`` is the encoder output that every decoder stage reads for
-cross-attention; decoder stages advance ``decoder_hidden``; the last stage returns logits.
-A position bias is computed by its stack's first layer and must reach later layers of that
-stack, so it travels with the stage outputs (with its gradient, back to the table). The
-padding masks are plain inputs every stage takes (``PipelineStage`` passes keyword
-arguments to every stage). With T5's tied head the last stage shares the embedding matrix
-with the first, as GPT's does.
+to ``pipeline_num_layers``), so a stage is a contiguous range of them. ``pipeline_spec`` tells
+the generic splitter (``libai_lite.parallel.pipeline``) which attributes a stage may set to None
+(``embedding``, ``encoder_final_layernorm``, ``decoder_final_layernorm``, ``lm_head``) or drop
+layers from (``encoder_layers`` / ``decoder_layers`` are keyed by global index, so checkpoint
+names do not depend on the layout); a stage runs ``pipeline_forward``. The first stage (it owns
+``embedding``, layer 0) embeds both the encoder and the decoder ids; encoder stages advance the
+encoder states and pass the embedded decoder input through; the stage owning layer ``L-1``
+applies ``encoder_final_layernorm`` and from then on the encoder states are the encoder output
+every decoder stage reads for cross-attention; decoder stages advance the decoder states; the
+last stage returns logits. A position bias is computed by its stack's first layer and must reach
+later layers of that stack, so it travels with the stage outputs (with its gradient, back to the
+table). The padding masks are keyword inputs the schedule gives every stage. With T5's tied head
+the last stage shares the embedding matrix with the first, as GPT's does.
 """
 from __future__ import annotations
 
@@ -53,7 +51,9 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from libai_lite.layers import Linear1D, RMSLayerNorm, VocabEmbedding, init_method_normal
+from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, collect_moe_outputs, init_method_normal
+from libai_lite.layers.attention import KVCache
+from libai_lite.parallel.pipeline import PipelineSpec
 from libai_lite.utils.errors import UsageError
 
 from .layers import FEED_FORWARD, MT5Loss, MT5TransformerLayer, RelativePositionBias
@@ -95,6 +95,8 @@ class MT5Config:
         layernorm_eps: RMS norm epsilon (``layer_norm_epsilon``).
         model_type: ``"mt5"`` (gated-GELU, untied head) or ``"t5"`` (ReLU, tied and scaled head).
         tie_word_embeddings: None follows ``model_type``; True/False ties (and scales) or not.
+        moe: mixture-of-experts feed-forward layers (``libai_lite.layers.MoEConfig`` keys; off
+            when None or ``enabled=False``); ``every_n_layers`` counts within each stack.
     """
 
     vocab_size: int
@@ -112,6 +114,7 @@ class MT5Config:
     layernorm_eps: float = 1e-6
     model_type: str = "mt5"
     tie_word_embeddings: Optional[bool] = None
+    moe: Optional[Any] = None
 
     def __post_init__(self):
         if self.model_type not in FEED_FORWARD:
@@ -180,6 +183,8 @@ class MT5Model(nn.Module):
         self.embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=embedding_init, layer_idx=0)
         self.embedding_dropout = nn.Dropout(cfg.embedding_dropout_prob)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        # MoE layers are counted within each stack: every_n_layers=2 makes layers 1, 3, ... of both.
+        moe = MoEConfig.from_mapping(cfg.moe)
         layer = functools.partial(
             MT5TransformerLayer,
             cfg.hidden_size,
@@ -196,14 +201,16 @@ class MT5Model(nn.Module):
         )
         self.encoder_layers = nn.ModuleDict(
             {
-                str(i): layer(is_decoder=False, has_relative_attention_bias=i == 0, layer_idx=i)
+                str(i): layer(is_decoder=False, has_relative_attention_bias=i == 0, layer_idx=i,
+                              moe=moe if moe.is_moe_layer(i) else None)
                 for i in range(num_layers)
             }
         )
         self.encoder_final_layernorm = RMSLayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, layer_idx=num_layers - 1)
         self.decoder_layers = nn.ModuleDict(
             {
-                str(i): layer(is_decoder=True, has_relative_attention_bias=i == num_layers, layer_idx=i)
+                str(i): layer(is_decoder=True, has_relative_attention_bias=i == num_layers, layer_idx=i,
+                              moe=moe if moe.is_moe_layer(i - num_layers) else None)
                 for i in range(num_layers, 2 * num_layers)
             }
         )
@@ -231,6 +238,72 @@ class MT5Model(nn.Module):
         """Layers the pipeline splitter places: encoder and decoder together, ``2 * hidden_layers``."""
         return 2 * self.cfg.hidden_layers
 
+    @property
+    def pipeline_spec(self) -> PipelineSpec:
+        """The pieces a pipeline splitter cuts (see ``libai_lite.parallel.pipeline``): both stacks
+        as one layer sequence, the encoder's final norm with the last encoder layer."""
+        last_encoder_layer = self.cfg.hidden_layers - 1
+        return PipelineSpec(
+            layer_containers=("encoder_layers", "decoder_layers"),
+            first_stage=("embedding",),
+            last_stage=("decoder_final_layernorm", "lm_head"),
+            with_layer=(("encoder_final_layernorm", last_encoder_layer),),
+            tied=("embedding.weight", "lm_head.weight") if self.tie_word_embeddings else None,
+        )
+
+    def pipeline_forward(
+        self,
+        *carried: torch.Tensor,
+        encoder_attn_mask: Optional[torch.Tensor] = None,
+        decoder_attn_mask: Optional[torch.Tensor] = None,
+        encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """One pipeline stage: what ``PipelineStage`` runs (through ``PipelineForward``).
+
+        The first stage takes ``(encoder_input_ids, decoder_input_ids)``; every other stage
+        takes what the previous one returned: ``(encoder_hidden, decoder_hidden)`` plus the
+        position bias of the stack in progress, when a layer after this stack's first one
+        still needs it (``PipelineStage`` sends tensors only, so an absent bias is an absent
+        element, never None). Which stack a carried bias belongs to follows from the stage's
+        own layers: a stage holding encoder layers is mid-encoder. Masks come as keyword
+        arguments, which the schedule gives every stage. The last stage returns logits.
+        """
+        if self.embedding is not None:
+            encoder_input_ids, decoder_input_ids = carried
+            encoder_hidden = self.embedding_dropout(self.embedding(encoder_input_ids))
+            decoder_hidden = self.embedding_dropout(self.embedding(decoder_input_ids))
+            bias = None
+        else:
+            encoder_hidden, decoder_hidden, *rest = carried
+            bias = rest[0] if rest else None
+        mid_encoder = len(self.encoder_layers) > 0 or self.encoder_final_layernorm is not None
+        encoder_bias, decoder_bias = (bias, None) if mid_encoder else (None, bias)
+
+        if encoder_decoder_attn_mask is None and encoder_attn_mask is not None and encoder_attn_mask.dim() == 2:
+            encoder_decoder_attn_mask = encoder_attn_mask
+        encoder_attn_mask = _attention_mask(encoder_attn_mask)
+        decoder_attn_mask = _attention_mask(decoder_attn_mask)
+        encoder_decoder_attn_mask = _attention_mask(encoder_decoder_attn_mask)
+        for layer in self.encoder_layers.values():
+            encoder_hidden, encoder_bias = layer(encoder_hidden, encoder_attn_mask, position_bias=encoder_bias)
+        if self.encoder_final_layernorm is not None:
+            encoder_hidden = self.hidden_dropout(self.encoder_final_layernorm(encoder_hidden))
+            encoder_bias = None
+        for layer in self.decoder_layers.values():
+            decoder_hidden, decoder_bias = layer(
+                decoder_hidden, decoder_attn_mask, position_bias=decoder_bias,
+                encoder_states=encoder_hidden, encoder_attention_mask=encoder_decoder_attn_mask,
+            )
+        if self.lm_head is not None:
+            decoder_hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
+            if self.tie_word_embeddings:
+                decoder_hidden = decoder_hidden * self.hidden_size**-0.5
+            return self.lm_head(decoder_hidden)
+        carried_bias = encoder_bias if encoder_bias is not None else decoder_bias
+        # Point-to-point sends need contiguous tensors; the bias is a permuted view of its table lookup.
+        carried = (encoder_hidden, decoder_hidden) + ((carried_bias,) if carried_bias is not None else ())
+        return tuple(t.contiguous() for t in carried)
+
     def tie_weights(self) -> None:
         """Point a tied LM head at the embedding Parameter (after ``to_empty()`` or ``parallelize_module``).
 
@@ -246,63 +319,24 @@ class MT5Model(nn.Module):
         encoder_attn_mask: Optional[torch.Tensor] = None,
         decoder_attn_mask: Optional[torch.Tensor] = None,
         encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
-        encoder_position_bias: Optional[torch.Tensor] = None,
-        decoder_position_bias: Optional[torch.Tensor] = None,
-    ) -> Union[torch.Tensor, Tuple[Optional[torch.Tensor], ...]]:
-        """Encode, decode and project to the vocabulary.
+    ) -> torch.Tensor:
+        """Encode, decode and project to the vocabulary: logits ``[batch, dec_seq, vocab]``.
 
         Args:
-            encoder_input_ids, decoder_input_ids: ``[batch, enc_seq]`` / ``[batch, dec_seq]`` ids;
-                on a pipeline stage without ``embedding``, the carried hidden states instead.
+            encoder_input_ids, decoder_input_ids: ``[batch, enc_seq]`` / ``[batch, dec_seq]`` ids.
             encoder_attn_mask: encoder padding mask, 1/True = real token: ``[batch, enc_seq]``
                 (or LiBai's ``[batch, enc_seq, enc_seq]``, or 4-D).
             decoder_attn_mask: decoder padding mask; causality is added here.
             encoder_decoder_attn_mask: which encoder positions the decoder may attend to
                 (``[batch, enc_seq]`` or ``[batch, dec_seq, enc_seq]``); when None a 2-D
                 ``encoder_attn_mask`` is used, as Hugging Face does.
-            encoder_position_bias, decoder_position_bias: carried biases on a stage that
-                lacks its stack's first layer.
 
-        Returns logits when this module has ``lm_head``; otherwise the stage outputs
-        ``(encoder_hidden, decoder_hidden, encoder_position_bias, decoder_position_bias)``
-        (a bias is None once its stack is done or before it starts).
+        The whole model is its own single pipeline stage, so this is ``pipeline_forward``.
         """
-        if encoder_decoder_attn_mask is None and encoder_attn_mask is not None and encoder_attn_mask.dim() == 2:
-            encoder_decoder_attn_mask = encoder_attn_mask
-        encoder_attn_mask = _attention_mask(encoder_attn_mask)
-        decoder_attn_mask = _attention_mask(decoder_attn_mask)
-        encoder_decoder_attn_mask = _attention_mask(encoder_decoder_attn_mask)
-
-        if self.embedding is not None:
-            encoder_hidden = self.embedding_dropout(self.embedding(encoder_input_ids))
-            decoder_hidden = self.embedding_dropout(self.embedding(decoder_input_ids))
-        else:
-            encoder_hidden, decoder_hidden = encoder_input_ids, decoder_input_ids
-
-        for layer in self.encoder_layers.values():
-            encoder_hidden, encoder_position_bias = layer(
-                encoder_hidden, encoder_attn_mask, position_bias=encoder_position_bias
-            )
-        if self.encoder_final_layernorm is not None:
-            encoder_hidden = self.hidden_dropout(self.encoder_final_layernorm(encoder_hidden))
-            encoder_position_bias = None  # the decoder has its own
-        for layer in self.decoder_layers.values():
-            decoder_hidden, decoder_position_bias = layer(
-                decoder_hidden,
-                decoder_attn_mask,
-                position_bias=decoder_position_bias,
-                encoder_states=encoder_hidden,
-                encoder_attention_mask=encoder_decoder_attn_mask,
-            )
-        if self.decoder_final_layernorm is not None:
-            decoder_hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
-
-        if self.lm_head is None:
-            return encoder_hidden, decoder_hidden, encoder_position_bias, decoder_position_bias
-        if self.tie_word_embeddings:
-            # The tied matrix has std ~1 (it is also the input embedding); this keeps logits O(1).
-            decoder_hidden = decoder_hidden * self.hidden_size**-0.5
-        return self.lm_head(decoder_hidden)
+        return self.pipeline_forward(
+            encoder_input_ids, decoder_input_ids, encoder_attn_mask=encoder_attn_mask,
+            decoder_attn_mask=decoder_attn_mask, encoder_decoder_attn_mask=encoder_decoder_attn_mask,
+        )
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module, a tied matrix once; global sizes even when sharded.
@@ -338,7 +372,9 @@ class MT5Model(nn.Module):
 
         Norms, softmax, embedding lookups and the relative bias are not counted; the causal
         mask is not discounted (PaLM's convention). ``tests/test_mt5_model.py`` checks this
-        against ``torch.utils.flop_counter`` on a real forward and backward.
+        against ``torch.utils.flop_counter`` on a real forward and backward. An MoE layer's
+        feed-forward counts ``top_k`` experts plus its router (``d E``) instead of one MLP;
+        tokens dropped by capacity are not discounted.
         """
         c = self.cfg
         s = seq_length
@@ -346,10 +382,110 @@ class MT5Model(nn.Module):
         d, f, v, n = c.hidden_size, c.intermediate_size, c.vocab_size, c.hidden_layers
         a = c.num_attention_heads * c.head_size
         m = 3 if FEED_FORWARD[c.model_type][1] else 2
-        encoder = 2 * n * s * (4 * d * a + m * d * f) + 4 * n * s * s * a
-        decoder = 2 * n * t * (6 * d * a + m * d * f) + 2 * n * s * 2 * d * a + 4 * n * (t * t + t * s) * a
+        moe = MoEConfig.from_mapping(c.moe)
+        n_moe = sum(moe.is_moe_layer(i) for i in range(n))
+        # Multiply-adds per token of one stack's feed-forwards.
+        ffn = (n - n_moe) * m * d * f + n_moe * (moe.top_k * m * d * f + d * moe.num_experts)
+        encoder = 2 * s * (n * 4 * d * a + ffn) + 4 * n * s * s * a
+        decoder = 2 * t * (n * 6 * d * a + ffn) + 2 * n * s * 2 * d * a + 4 * n * (t * t + t * s) * a
         head = 2 * t * d * v
         return 3.0 * (encoder + decoder + head) / s
+
+    def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The encoder output ``[batch, enc_seq, hidden]`` (the whole model only; generation runs it once)."""
+        mask = _attention_mask(encoder_attn_mask)
+        hidden, bias = self.embedding_dropout(self.embedding(encoder_input_ids)), None
+        for layer in self.encoder_layers.values():
+            hidden, bias = layer(hidden, mask, position_bias=bias)
+        return self.hidden_dropout(self.encoder_final_layernorm(hidden))
+
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        encoder_hidden: torch.Tensor,
+        encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
+        kv_caches: Optional[Mapping[str, KVCache]] = None,
+        cross_kv_caches: Optional[Mapping[str, KVCache]] = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Decoder logits over ``encode``'s output, for incremental decoding.
+
+        With ``kv_caches`` / ``cross_kv_caches`` (a ``KVCache`` per key of ``decoder_layers``)
+        ``decoder_input_ids`` are only the positions after the cached ones, and the encoder's
+        keys and values are projected on the first call only. ``logits_to_keep`` > 0 returns
+        the logits of that many last positions.
+        """
+        mask = _attention_mask(encoder_decoder_attn_mask)
+        hidden, bias = self.embedding_dropout(self.embedding(decoder_input_ids)), None
+        for name, layer in self.decoder_layers.items():
+            hidden, bias = layer(
+                hidden, None, position_bias=bias, encoder_states=encoder_hidden, encoder_attention_mask=mask,
+                kv_cache=kv_caches[name] if kv_caches is not None else None,
+                cross_kv_cache=cross_kv_caches[name] if cross_kv_caches is not None else None,
+            )
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        hidden = self.hidden_dropout(self.decoder_final_layernorm(hidden))
+        if self.tie_word_embeddings:
+            hidden = hidden * self.hidden_size**-0.5
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        encoder_input_ids: torch.Tensor,
+        encoder_attn_mask: Optional[torch.Tensor] = None,
+        decoder_start_token_id: int = 0,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        eos_token_id=None,
+        pad_token_id: Optional[int] = None,
+        use_cache: bool = True,
+        generator: Optional[torch.Generator] = None,
+        vocab_size: Optional[int] = None,
+        return_logits: bool = False,
+    ):
+        """Decode from ``decoder_start_token_id`` (T5's pad id, 0) given the encoder input; returns
+        the decoder ids ``[batch, 1 + new]``, start token first, as Hugging Face does.
+
+        ``encoder_input_ids`` of different lengths are right-padded with ``encoder_attn_mask`` 0
+        on the padding. The encoder runs once; with ``use_cache`` each decoder step feeds one
+        token, its self-attention keys and values are cached (the relative position bias is
+        computed for the new position only) and the encoder's keys and values are projected
+        once per layer. ``vocab_size`` and the other options are as in ``GPTModel.generate``
+        and ``libai_lite.inference.decode``.
+        """
+        from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
+
+        pieces = (self.embedding, self.encoder_final_layernorm, self.decoder_final_layernorm, self.lm_head)
+        if any(p is None for p in pieces):
+            raise UsageError("generate needs the whole MT5 model; build it without pipeline parallelism")
+        batch = encoder_input_ids.shape[0]
+        start = torch.full((batch, 1), int(decoder_start_token_id), dtype=torch.long, device=encoder_input_ids.device)
+        capacity = 1 + int(max_new_tokens)
+        caches = {name: KVCache(capacity) for name in self.decoder_layers} if use_cache else None
+        cross = {name: KVCache() for name in self.decoder_layers} if use_cache else None
+        seen = {"ids": start[:, :0]}
+
+        with eval_mode(self):
+            encoder_hidden = self.encode(encoder_input_ids, encoder_attn_mask)
+
+            def step(tokens: torch.Tensor) -> torch.Tensor:
+                seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
+                ids = tokens if use_cache else seen["ids"]
+                logits = self.decode(ids, encoder_hidden, encoder_attn_mask, caches, cross, logits_to_keep=1)
+                return gather_logits(logits)[:, -1]
+
+            return decode(
+                step, start, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.cfg.vocab_size,
+                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                generator=generator, sync_group=tensor_parallel_group(self), return_logits=return_logits,
+            )
 
 
 class MT5ForPreTraining(nn.Module):
@@ -357,7 +493,8 @@ class MT5ForPreTraining(nn.Module):
 
     ``forward`` takes the span-corruption batch as keyword arguments. With ``labels``
     (``[batch, dec_seq]``, -100 where nothing is predicted) it returns ``{"lm_loss",
-    "num_tokens", "nll_sum", "token_acc"}`` (see ``MT5Loss``); without, ``{"logits"}``.
+    "num_tokens", "nll_sum", "token_acc"}`` (see ``MT5Loss``), plus ``moe_aux_loss``,
+    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers; without, ``{"logits"}``.
     """
 
     def __init__(self, cfg: Union[Mapping[str, Any], MT5Config]):
@@ -379,12 +516,29 @@ class MT5ForPreTraining(nn.Module):
         )
         if labels is None:
             return {"logits": logits}
-        return self.loss_func(logits, labels)
+        outputs = self.loss_func(logits, labels)
+        outputs.update(collect_moe_outputs(self.mt5_model))
+        return outputs
 
     @property
     def pipeline_num_layers(self) -> int:
         """See ``MT5Model.pipeline_num_layers``."""
         return self.mt5_model.pipeline_num_layers
+
+    def pipeline_module(self) -> nn.Module:
+        """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
+        return self.mt5_model
+
+    @staticmethod
+    def pipeline_batch(batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """A span-corruption batch as ``(first-stage inputs, masks every stage takes, labels)``."""
+        masks = {k: batch[k] for k in ("encoder_attn_mask", "decoder_attn_mask", "encoder_decoder_attn_mask")
+                 if batch.get(k) is not None}
+        return (batch["encoder_input_ids"], batch["decoder_input_ids"]), masks, batch["labels"]
+
+    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token loss (labels of -100 ignored) of the last stage's logits: the schedule's loss_fn."""
+        return self.loss_func(output, labels)["lm_loss"]
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """See ``MT5Model.num_parameters``."""
@@ -393,3 +547,7 @@ class MT5ForPreTraining(nn.Module):
     def flops_per_token(self, seq_length: int, decoder_seq_length: Optional[int] = None) -> float:
         """See ``MT5Model.flops_per_token``."""
         return self.mt5_model.flops_per_token(seq_length, decoder_seq_length)
+
+    def generate(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None, **options):
+        """Decode for the encoder input; ``MT5Model.generate`` lists the options (``max_new_tokens``, ...)."""
+        return self.mt5_model.generate(encoder_input_ids, encoder_attn_mask, **options)

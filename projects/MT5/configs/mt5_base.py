@@ -7,5 +7,4 @@ model for real runs, see projects/MT5/README.md).
 from .mt5_pretrain import dataloader, model, optim, tokenization, train
 
 model.cfg.update(hidden_size=768, hidden_layers=12, num_attention_heads=12, head_size=64, intermediate_size=2048)
-train.dist.pipeline_num_layers = 2 * model.cfg.hidden_layers
 train.output_dir = "output/mt5_base"

@@ -46,7 +46,8 @@ train.dist.update(
     data_parallel_size=2,
     tensor_parallel_size=2,
     pipeline_parallel_size=1,
-    pipeline_num_layers=2 * model.cfg.hidden_layers,
+    # pipeline_num_layers stays None: it is derived as 2 x model.cfg.hidden_layers (both stacks),
+    # so overriding hidden_layers on the command line keeps the pipeline split right.
 )
 train.zero_optimization.update(enabled=True, stage=2)
 train.activation_checkpoint.enabled = False

@@ -7,5 +7,4 @@ model for real runs, see projects/MT5/README.md).
 from .mt5_pretrain import dataloader, model, optim, tokenization, train
 
 model.cfg.update(hidden_size=512, hidden_layers=8, num_attention_heads=6, head_size=64, intermediate_size=1024)
-train.dist.pipeline_num_layers = 2 * model.cfg.hidden_layers
 train.output_dir = "output/mt5_small"
