@@ -211,26 +211,7 @@ class Checkpointer:
 
     def check_shapes(self, path: str) -> None:
         """Refuse a checkpoint whose parameter names or shapes differ from this model's."""
-        reader = dcp.FileSystemReader(path)
-        try:
-            meta = reader.read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
-            raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
-        ours = self._model_state_dict()
-        for key, tensor in ours.items():
-            stored = meta.get(f"model.{self.aliases.get(key, key)}")
-            if stored is None:
-                raise UsageError(
-                    f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
-                    f"check train.load_weight and model.cfg"
-                )
-            shape = tuple(getattr(stored, "size", ()))
-            full = tuple(tensor.shape) if not hasattr(tensor, "full_tensor") else tuple(tensor.size())
-            if shape != full:
-                raise UsageError(
-                    f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
-                    f"the checkpoint is of another model shape; make model.cfg match it"
-                )
+        check_checkpoint_shapes(path, self._model_state_dict(), self.aliases)
 
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
@@ -268,6 +249,39 @@ class Checkpointer:
         else:
             logger.warning(f"{rng_path} not found (the checkpoint was saved with fewer ranks): RNG streams start fresh")
         return trainer_state
+
+
+def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None) -> None:
+    """Refuse (UsageError) a checkpoint that is unreadable or lacks a tensor of ``model_state`` at its global shape.
+
+    ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model built on the meta
+    device checks a checkpoint before any data or weights are touched).
+    """
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UsageError(
+            f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
+            f"model_XXXXXXX directory, or remove it to start fresh"
+        )
+    aliases = aliases or {}
+    reader = dcp.FileSystemReader(path)
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
+        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
+    for key, tensor in model_state.items():
+        stored = meta.get(f"model.{aliases.get(key, key)}")
+        if stored is None:
+            raise UsageError(
+                f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
+                f"check train.load_weight and model.cfg"
+            )
+        shape = tuple(getattr(stored, "size", ()))
+        full = tuple(tensor.shape) if not hasattr(tensor, "full_tensor") else tuple(tensor.size())
+        if shape != full:
+            raise UsageError(
+                f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
+                f"the checkpoint is of another model shape; make model.cfg match it"
+            )
 
 
 def resolve_resume(save_dir: str) -> str | None:

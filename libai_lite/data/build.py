@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .gpt_dataset import GPTDataset, check_token_ids
+from .gpt_dataset import GPTDataset, check_token_ids, token_id_range
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
@@ -215,11 +215,14 @@ def check_num_samples(train_valid_test_num_samples) -> list:
     return nums
 
 
-def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cache_dir) -> list:
+def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=None) -> list:
     indexed = open_indexed_dataset(data_prefix)
     num_docs = max(len(indexed.doc_idx) - 1, 0)
     if num_docs == 0:
         raise IndexedDatasetError(f"{data_prefix}.idx holds no documents: re-run tools/preprocess_data.py")
+    if vocab_size is not None:
+        # Before any index is cached: refused data must leave nothing behind.
+        token_id_range(indexed, data_prefix, cache_dir, vocab_size=vocab_size)
     bounds = get_train_valid_test_split(splits_string, num_docs)
     out = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -246,10 +249,10 @@ def build_gpt_train_valid_test_datasets(data_prefix, splits_string, train_valid_
     nums = check_num_samples(train_valid_test_num_samples)
     prefixes, weights = parse_data_prefix(data_prefix)
     if weights is None:
-        result = _build_single_prefix(prefixes[0], splits_string, nums, seq_length, seed, cache_dir)
+        result = _build_single_prefix(prefixes[0], splits_string, nums, seq_length, seed, cache_dir, vocab_size)
     else:
         _, _, per_prefix_nums = get_datasets_weights_and_num_samples(data_prefix, nums)
-        parts = [_build_single_prefix(p, splits_string, n, seq_length, seed, cache_dir)
+        parts = [_build_single_prefix(p, splits_string, n, seq_length, seed, cache_dir, vocab_size)
                  for p, n in zip(prefixes, per_prefix_nums)]
         result = []
         for i in range(3):

@@ -270,12 +270,14 @@ def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], wha
             f"(see its log) or the cache is not on storage every rank can read (set cache_dir)")
 
 
-def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None) -> tuple:
+def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None,
+                   vocab_size: int | None = None) -> tuple:
     """``(min_token_id, max_token_id)`` over the whole indexed dataset, cached in a small JSON.
 
     Scanning every token is O(corpus), so it is done once by rank 0 and kept in
     ``{prefix}_token_range.json``; the cache is trusted only while the token and sequence
-    counts still match the data.
+    counts still match the data. With ``vocab_size``, ids outside ``[0, vocab_size)`` raise a
+    UsageError before anything is cached, so refused data leaves no file behind.
     """
     path = cache_stem(data_prefix, cache_dir) + "_token_range.json"
     sizes = np.asarray(indexed_dataset.sizes)
@@ -288,13 +290,25 @@ def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = No
     def build() -> None:
         start = time.perf_counter()
         lo, hi = _scan_token_range(indexed_dataset)
+        if vocab_size is not None:
+            _refuse_out_of_vocab(data_prefix, lo, hi, vocab_size)
         _save_json(path, {**expect, "min_token_id": lo, "max_token_id": hi})
         logger.info(f"scanned {expect['num_tokens']} tokens of {data_prefix} for their id range "
                     f"in {time.perf_counter() - start:.1f}s")
 
     _build_on_rank0(valid, build, path)
     cached = _load_json(path)
+    if vocab_size is not None:
+        _refuse_out_of_vocab(data_prefix, cached["min_token_id"], cached["max_token_id"], vocab_size)
     return cached["min_token_id"], cached["max_token_id"]
+
+
+def _refuse_out_of_vocab(data_prefix: str, lo, hi, vocab_size: int) -> None:
+    if hi is not None and (hi >= vocab_size or lo < 0):
+        bad = hi if hi >= vocab_size else lo
+        raise UsageError(
+            f"{data_prefix} holds token id {bad}, outside the model's vocabulary of {vocab_size}: "
+            f"preprocess it with this model's tokenizer (tools/preprocess_data.py) or fix vocab_size")
 
 
 def _scan_token_range(ds) -> tuple:
@@ -515,8 +529,4 @@ def check_token_ids(dataset, vocab_size: int) -> None:
         hi, lo = getattr(ds, "max_token_id", None), getattr(ds, "min_token_id", None)
         if hi is None:
             continue
-        if hi >= vocab_size or (lo is not None and lo < 0):
-            bad = hi if hi >= vocab_size else lo
-            raise UsageError(
-                f"{ds.data_prefix} holds token id {bad}, outside the model's vocabulary of {vocab_size}: "
-                f"preprocess it with this model's tokenizer (tools/preprocess_data.py) or fix vocab_size")
+        _refuse_out_of_vocab(ds.data_prefix, lo if lo is not None else 0, hi, vocab_size)

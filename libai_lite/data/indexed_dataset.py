@@ -90,7 +90,9 @@ class MMapIndexedDataset:
         if actual == 0:
             self._bin = np.zeros(0, dtype=self.dtype)
         else:
-            self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r")
+            # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
+            # sample, which halves the loader's samples/s (bench/data_loader.py).
+            self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r"))
         if not skip_warmup:
             # Touch every page once so the first epoch is not dominated by page faults.
             np.sum(self._bin[:: max(1, 4096 // self.dtype.itemsize)])

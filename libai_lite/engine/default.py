@@ -101,6 +101,15 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def model_pipeline_layers(cfg) -> int | None:
+    """Layers a pipeline places for `cfg.model`: hidden_layers, or both stacks of a T5 (None if unknown)."""
+    num_layers = try_get_key(cfg, "model.cfg.hidden_layers", default=None)
+    # Encoder-decoder models pipeline both stacks: their layer_idx runs over 2 x hidden_layers.
+    if num_layers is not None and try_get_key(cfg, "model.cfg.model_type", default=None) in ("t5", "mt5"):
+        return 2 * int(num_layers)
+    return None if num_layers is None else int(num_layers)
+
+
 def default_setup(cfg, args) -> None:
     """Mesh, seeds, logger and batch sizes for a run; nothing is written to disk yet.
 
@@ -114,10 +123,7 @@ def default_setup(cfg, args) -> None:
         cfg.train.evaluation.eval_period = 10
         cfg.train.evaluation.eval_iter = 2
         cfg.train.checkpointer.period = 10
-    num_layers = try_get_key(cfg, "model.cfg.hidden_layers", default=None)
-    # Encoder-decoder models pipeline both stacks: their layer_idx runs over 2 x hidden_layers.
-    if num_layers is not None and try_get_key(cfg, "model.cfg.model_type", default=None) in ("t5", "mt5"):
-        num_layers = 2 * int(num_layers)
+    num_layers = model_pipeline_layers(cfg)
     with open_dict(cfg):
         if cfg.train.dist.get("pipeline_num_layers") is None and num_layers is not None:
             cfg.train.dist.pipeline_num_layers = int(num_layers)
@@ -151,6 +157,8 @@ class DefaultTrainer:
         self.resume_path = resolve_resume(self.output_dir) if resume else None
         if resume and self.resume_path is None:
             logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
+        self.precheck_output_dir(self.output_dir)
+        self.precheck_checkpoint(cfg, self.resume_path or cfg.train.get("load_weight"))
         trainer_state = self._peek_trainer_state(self.resume_path)
         self.consumed_samples = int(trainer_state.get("consumed_samples", 0))
         start_iter = int(trainer_state.get("iteration", -1)) + 1
@@ -159,11 +167,12 @@ class DefaultTrainer:
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.grad_scaler = self.build_grad_scaler(cfg)
-        from ..parallel.pipeline import tied_checkpoint_aliases
+        from ..parallel.pipeline import pipeline_module, pipeline_spec, tied_checkpoint_aliases
 
         self.checkpointer = Checkpointer(
             self.model_parts, self.optimizer, self.output_dir, max_to_keep=cfg.train.checkpointer.get("max_to_keep"),
-            aliases=tied_checkpoint_aliases(self.model_parts[0]) if self.stepper is not None else None,
+            aliases=tied_checkpoint_aliases(self.model_parts[0], pipeline_spec(pipeline_module(self.raw_model)))
+            if self.stepper is not None else None,
         )
         if self.resume_path is not None:
             self.checkpointer.load(self.resume_path)
@@ -181,6 +190,33 @@ class DefaultTrainer:
         self.trainer.register_hooks(self.build_hooks())
 
     # ------------------------------------------------------------ building
+    @staticmethod
+    def precheck_output_dir(output_dir: str) -> None:
+        """Refuse an output directory that cannot be created or written, before anything is written anywhere."""
+        path = os.path.abspath(output_dir)
+        while not os.path.exists(path):
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+            what = "is a file" if os.path.exists(path) and not os.path.isdir(path) else "is not writable"
+            raise UsageError(f"train.output_dir={output_dir} is not writable ({path} {what}); choose another directory")
+
+    def precheck_checkpoint(self, cfg, path) -> None:
+        """Refuse an unreadable checkpoint, or one of another model shape, before data or weights are touched.
+
+        The model is built on the meta device (no memory, no init), so a wrong ``--resume`` or
+        ``train.load_weight`` costs a second, and nothing (index caches, output dir) is written.
+        """
+        if not path:
+            return
+        from ..checkpoint.checkpointer import check_checkpoint_shapes
+
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        check_checkpoint_shapes(path, model.state_dict())
+
     def build_tokenizer(self, cfg):
         """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
         tok_cfg = cfg.get("tokenization")
@@ -271,10 +307,20 @@ class DefaultTrainer:
         check_tensor_parallel(cfg.model.cfg, self.ctx.tensor_parallel_size, bool(cfg.train.dist.get("sequence_parallel")),
                               self.tokens_per_sample(cfg) if "seq_length" in cfg.dataloader.train else None)
         validate_zero_config(self.zero_stage(cfg), self.offload(cfg), self.fsdp_param_dtype(cfg))
+        from ..parallel.expert_parallel import check_moe_layout, moe_config
+
+        check_moe_layout(moe_config(cfg.model.cfg), self.ctx.pipeline_parallel_size, self.ctx.data_parallel_size,
+                         self.ctx.tensor_parallel_size, self.zero_stage(cfg), bool(cfg.train.dist.get("sequence_parallel")))
         pp = self.ctx.pipeline_parallel_size
         if pp > 1:
             from ..parallel.pipeline import check_schedule
 
+            expected = model_pipeline_layers(cfg)
+            given = cfg.train.dist.get("pipeline_num_layers")
+            if expected is not None and given is not None and int(given) != expected:
+                raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place "
+                                 f"(T5 counts both stacks: 2 x model.cfg.hidden_layers); set it to {expected} or "
+                                 f"leave it unset (null) to derive it")
             num_stages, stage_of_layer = self.pipeline_layout(cfg)
             check_schedule(str(cfg.train.dist.get("pipeline_schedule", "1f1b")), num_stages, pp,
                            int(cfg.train.num_accumulation_steps))
@@ -345,23 +391,32 @@ class DefaultTrainer:
         ids = pl.local_stage_ids(ctx.pp_rank, ctx.pipeline_parallel_size, num_stages // ctx.pipeline_parallel_size)
         stages, models = pl.build_stage_modules(model, ids, num_stages, stage_of_layer)
         wrapped = [self.parallelize(stage, cfg) for stage in stages]
-        tied_group = pl.build_tied_weight_group(ctx.mesh)
+        # new_group is collective: every rank sees the same spec, so all skip it together for an untied model.
+        tied_group = pl.build_tied_weight_group(ctx.mesh) if pl.pipeline_spec(pl.pipeline_module(model)).tied else None
         view = pl.pipeline_model_view(models)
         self.model_parts = [view]
         self.stepper = pl.PipelineStepper(
             wrapped, ids, num_stages, ctx.group("pp"), ctx.device, str(cfg.train.dist.get("pipeline_schedule", "1f1b")),
             int(cfg.train.num_accumulation_steps), model.pipeline_loss_fn, tied_group,
+            batch_fn=getattr(model, "pipeline_batch", None),
         )
         logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
         return view
 
     def parallelize(self, module, cfg):
-        """Tensor parallel, activation checkpointing and data parallel for one model part."""
+        """Expert, tensor parallel, activation checkpointing and data parallel for one model part."""
         from ..parallel.activation_checkpoint import apply_activation_checkpointing
         from ..parallel.data_parallel import apply_data_parallel
+        from ..parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, moe_config
         from ..parallel.tensor_parallel import apply_tensor_parallel
 
         ctx = self.ctx
+        moe, expert_mesh = moe_config(cfg.model.cfg), None
+        if moe is not None and moe.ep_size > 1:
+            # First, so later steps only touch this rank's experts.
+            mesh = build_expert_mesh(ctx.mesh, moe.ep_size)
+            apply_expert_parallel(module, mesh)
+            expert_mesh = mesh["edp"]
         tp = ctx.tensor_parallel_size
         if tp > 1:
             apply_tensor_parallel(module, ctx.mesh["tp"], bool(cfg.train.dist.get("sequence_parallel")))
@@ -370,7 +425,7 @@ class DefaultTrainer:
             apply_activation_checkpointing(module, int(ac.get("every_n_layers", 1) or 1))
         return apply_data_parallel(module, ctx.mesh["dp"], self.zero_stage(cfg), offload=self.offload(cfg),
                                    param_dtype=self.fsdp_param_dtype(cfg), tp_enabled=tp > 1,
-                                   pipeline=ctx.pipeline_parallel_size > 1)
+                                   pipeline=ctx.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
 
     def build_optimizer(self, cfg, model):
         """`cfg.optim` for each model part, with `optim.params.model` set to it (LiBai's convention).
@@ -534,13 +589,34 @@ class DefaultTrainer:
 
     # ---------------------------------------------------------------- run
     def evaluate(self) -> dict:
-        """Run `train.evaluation.evaluator` on the valid split for `eval_iter` batches."""
+        """Run `train.evaluation.evaluator`: on the valid split for `eval_iter` batches, or on its own data."""
         ev = self.cfg.train.evaluation
         evaluator = instantiate(ev.evaluator)
         return self._inference(self.valid_loader, evaluator, int(ev.eval_iter))
 
-    def _inference(self, loader, evaluator, eval_iter: int) -> dict:
+    def eval_context(self):
+        """What an evaluator that brings its own data (`evaluate_model`, e.g. LAMBADA) gets from this run."""
+        from ..evaluation.model_evaluator import EvalContext
+
+        cfg = self.cfg
+        max_len = try_get_key(cfg, "model.cfg.max_seq_length", default=None) or \
+            try_get_key(cfg, "dataloader.train.seq_length", default=None)
+        return EvalContext(
+            tokenizer=self.tokenizer, device=self.ctx.device, dp_rank=self.ctx.dp_rank,
+            dp_size=self.ctx.data_parallel_size, dp_group=self.ctx.group("dp"),
+            tensor_parallel_size=self.ctx.tensor_parallel_size, micro_batch_size=int(cfg.train.test_micro_batch_size),
+            max_seq_length=int(max_len) if max_len else None, autocast=self.trainer.autocast,
+            loss_context=self.trainer.loss_context, pipeline=self.stepper is not None,
+        )
+
+    def _inference(self, loader, evaluator, eval_iter: int | None) -> dict:
+        """`evaluator` over at most `eval_iter` batches of `loader` (all when None), or over its own data."""
+        from ..evaluation.model_evaluator import brings_own_data
+
+        if brings_own_data(evaluator):
+            return evaluator.evaluate_model(self.model, self.eval_context())
         if self.stepper is not None:
+            eval_iter = len(loader) if eval_iter is None else eval_iter
             return inference_on_pipeline(self.stepper, loader, evaluator, eval_iter,
                                          int(self.cfg.train.num_accumulation_steps), self.trainer.autocast,
                                          self.trainer.loss_context)
@@ -548,17 +624,58 @@ class DefaultTrainer:
                                     self.trainer.loss_context)
 
     def test(self) -> dict:
-        """`--eval-only`: evaluate the loaded weights on the valid and test splits."""
+        """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader.
+
+        An evaluator that brings its own data (LAMBADA) runs once instead.
+        """
+        from ..evaluation.model_evaluator import brings_own_data
+
         ev = self.cfg.train.evaluation
-        results = {}
-        for split, loader in (("valid", self.valid_loader), ("test", self.test_loader)):
-            if loader is None:
-                continue
-            evaluator = instantiate(ev.evaluator)
-            res = self._inference(loader, evaluator, int(ev.eval_iter))
-            results.update({f"{split}/{k}": v for k, v in res.items()})
+        evaluator = instantiate(ev.evaluator)
+        if brings_own_data(evaluator):
+            results = self._inference(None, evaluator, None)
+        else:
+            results = {}
+            splits = [("valid", self.valid_loader, int(ev.eval_iter)), ("test", self.test_loader, int(ev.eval_iter))]
+            for split, loader, eval_iter in splits + self.build_test_loaders(self.cfg):
+                if loader is None:
+                    continue
+                res = self._inference(loader, instantiate(ev.evaluator), eval_iter)
+                results.update({f"{split}/{k}": v for k, v in res.items()})
         logger.info("Evaluation results: " + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
         return results
+
+    def build_test_loaders(self, cfg) -> list:
+        """`(name, loader, None)` for each LazyCall in `dataloader.test` (LiBai's key), evaluated whole.
+
+        The builder gets whichever of this run's tokenizer, sequence length, batch size and
+        data-parallel layout it takes as arguments and the config leaves unset
+        (`libai_lite.data.jsonl_dataset.build_ppl_eval_loader` takes them all).
+        """
+        nodes = cfg.dataloader.get("test")
+        if not nodes:
+            return []
+        if "_target_" in nodes:
+            nodes = [nodes]
+        seq = try_get_key(cfg, "dataloader.train.seq_length", default=None) or \
+            try_get_key(cfg, "model.cfg.max_seq_length", default=None)
+        runtime = {
+            "tokenizer": self.tokenizer,
+            "seq_length": seq,
+            "micro_batch_size": int(cfg.train.test_micro_batch_size),
+            "data_parallel_rank": self.ctx.dp_rank,
+            "data_parallel_size": self.ctx.data_parallel_size,
+            "vocab_size": self.tokenizer.vocab_size if self.tokenizer is not None else None,
+            # A pipeline schedule evaluates num_accumulation_steps micro-batches at once.
+            "batches_multiple_of": int(cfg.train.num_accumulation_steps) if self.stepper is not None else 1,
+        }
+        out = []
+        for i, node in enumerate(nodes):
+            accepted = inspect.signature(instantiate_target(node)).parameters
+            kwargs = {k: v for k, v in runtime.items() if k in accepted and node.get(k) is None}
+            name = os.path.splitext(os.path.basename(str(node.get("data_path") or node.get("data_prefix") or "")))[0]
+            out.append((name or f"test{i}", instantiate_with(node, **kwargs), None))
+        return out
 
     def train(self) -> None:
         """Train from `start_iter` to `train.train_iter`."""
@@ -595,6 +712,22 @@ def _find_user_error(exc: BaseException | None):
     return specific[0] if specific else (found[0] if found else None)
 
 
+def user_error_message(exc: BaseException) -> str | None:
+    """The one ``error: ...`` line for a user-fixable error anywhere in ``exc``'s cause chain, else None.
+
+    Shared by every command-line tool so bad input reads the same everywhere.
+    """
+    e = _find_user_error(exc)
+    if e is None:
+        return None
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
+        msg = f"{msg}: {e.filename}"
+    if isinstance(e, _instantiation_error()):
+        msg += " (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
+    return f"error: {msg}"
+
+
 def launch(args) -> int:
     """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
 
@@ -617,17 +750,19 @@ def launch(args) -> int:
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
         if os.environ.get("LIBAI_LITE_TRACEBACK"):
             raise
-        e = _find_user_error(e)
-        if e is None:
+        from ..utils.distributed import describe_collective_timeout, is_collective_timeout
+
+        if _find_user_error(e) is None and is_collective_timeout(e):
+            # Rank-local: every rank that gave up says where it was; a stuck rank says nothing.
+            print(f"error: {describe_collective_timeout(e)}", file=sys.stderr, flush=True)
+            os._exit(1)  # a clean exit would wait in destroy_process_group for the stuck rank
+        line = user_error_message(e)
+        if line is None:
             raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
-            msg = f"{msg}: {e.filename}"
         # Every rank hits the same input error; one line from global rank 0 is enough (a rank-local
         # problem still reaches the user through torchrun's failure report).
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {msg} (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
-                  if isinstance(e, _instantiation_error()) else f"error: {msg}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         return 1
     finally:
         destroy()

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..utils.distributed import set_activity
 from ..utils.events import EventStorage
 
 logger = logging.getLogger("libai_lite")
@@ -61,14 +62,18 @@ class TrainerBase:
         self.storage = EventStorage(start_iter)
         try:
             for h in self._hooks:
+                set_activity(f"{type(h).__name__}.before_train")
                 h.before_train()
             for self.iter in range(start_iter, max_iter):
                 self.storage.begin(self.iter)
                 for h in self._hooks:
+                    set_activity(f"{type(h).__name__}.before_step", self.iter)
                     h.before_step()
                 self.run_step()
                 try:
                     for h in self._hooks:
+                        # Named so a collective timeout can say which hook (checkpoint save, evaluation) hung.
+                        set_activity(f"{type(h).__name__}.after_step", self.iter)
                         h.after_step()
                 except StopTraining as stop:
                     logger.info(str(stop))
@@ -77,6 +82,7 @@ class TrainerBase:
                 # After a full run `iter` equals max_iter, so after_train hooks see the end.
                 self.iter += 1
         finally:
+            # No set_activity here: after an exception it must still say where the step failed.
             for h in self._hooks:
                 h.after_train()
 
@@ -183,8 +189,10 @@ class EagerTrainer(TrainerBase):
         lr = self.optimizer.param_groups[0]["lr"]
         self.model.train()
         data_time = time.perf_counter()
+        set_activity("data loading", self.iter)
         batches = [self._next_batch() for _ in range(self.num_accumulation_steps)]
         data_time = time.perf_counter() - data_time
+        set_activity("forward/backward (gradient reduction)", self.iter)
         totals = self.forward_backward(batches)
         total_loss = float(sum(v for k, v in totals.items() if "loss" in k))
         if not math.isfinite(total_loss) and self.grad_scaler is None:
@@ -204,6 +212,7 @@ class EagerTrainer(TrainerBase):
                 f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from the "
                 f"last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
             )
+        set_activity("gradient clipping and optimizer step", self.iter)
         self.before_optimizer_step()
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
@@ -252,10 +261,10 @@ class PipelineTrainer(EagerTrainer):
         self.stepper = stepper
 
     def forward_backward(self, batches: list[dict]) -> dict:
-        input_ids = torch.cat([b["input_ids"] for b in batches])
-        labels = torch.cat([b["labels"] for b in batches])
+        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        inputs, kwargs, labels = self.stepper.split_batch(batch)
         with self.loss_context(), self.autocast():
-            loss = self.stepper.step(input_ids, labels, grad_scaler=self.grad_scaler)
+            loss = self.stepper.step(inputs, labels, grad_scaler=self.grad_scaler, kwargs=kwargs)
         return {"lm_loss": loss.float()}
 
     def clip_gradients(self, max_norm: float) -> float:

@@ -106,7 +106,19 @@ def _init_process_group(timeout_s: float) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's static rendezvous (--master_addr/--master_port) hands a restarted job the
+            # same agent store, still holding the dead workers' gloo addresses under the same keys:
+            # a new worker can read a stale one and fail to connect. A prefix per restart keeps
+            # every attempt's keys apart.
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"/libai_lite/restart_{restart}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     else:
         # A plain `python tools/train_net.py` run is a world of one; initialising a real group
         # keeps one code path (DCP, DeviceMesh, barriers) for every launch.
@@ -188,7 +200,78 @@ def setup_dist(dist_cfg, num_layers: int | None = None) -> DistContext:
     if num_layers is not None:
         stages = layer_stages(num_layers, pp, dist_cfg.get("custom_pipeline_stage_id", None))
     _CTX = DistContext(world_size, rank, local_rank, device, pp, dp, tp, mesh, num_layers, stages)
+    _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None)
     return _CTX
+
+
+# ------------------------------------------------------------------------------ hangs
+
+# What this rank is doing, for the message a collective timeout turns into. A separate gloo
+# group (its own connections, untouched by the timed-out collective) lets rank 0 ask who is missing.
+_ACTIVITY: dict = {"what": "setup", "iteration": None}
+_MONITOR: dict = {"timeout_s": None, "group": None}
+
+
+def set_activity(what: str, iteration: int | None = None) -> None:
+    """Record what this rank is doing now (cheap: two dict writes), for ``describe_collective_timeout``."""
+    _ACTIVITY["what"] = what
+    _ACTIVITY["iteration"] = iteration
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is a collective that gave up waiting for other ranks."""
+    while exc is not None:
+        text = str(exc).lower()
+        if isinstance(exc, getattr(dist, "DistBackendError", ())) or "timed out" in text or "timeout" in text \
+                or "connection closed by peer" in text or "connection reset by peer" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _collective_name(exc: BaseException) -> str:
+    """The torch.distributed function the traceback was in (all_reduce, broadcast, ...), or a description."""
+    import traceback
+
+    name = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if f"{os.sep}distributed{os.sep}" in frame.filename and frame.name not in ("wrapper", "_wrapper"):
+            name = frame.name
+    if name is None:
+        # DDP and FSDP reduce gradients from autograd hooks in C++: no Python frame names them.
+        return "a gradient reduction inside backward" if "backward" in _ACTIVITY["what"] else "a collective"
+    return name
+
+
+def _missing_ranks() -> list[int] | None:
+    """On rank 0: the ranks that do not answer a monitored barrier on the side group (None if unknown)."""
+    group = _MONITOR["group"]
+    if group is None or dist.get_rank() != 0:
+        return None
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(10.0, _MONITOR["timeout_s"] or 10.0)),
+                               wait_all_ranks=True)
+    except Exception as e:  # noqa: BLE001 - its message lists the ranks that did not arrive
+        import re
+
+        m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+        return [int(r) for r in m.group(1).replace(" ", "").split(",") if r] if m else None
+    return []
+
+
+def describe_collective_timeout(exc: BaseException) -> str:
+    """One line naming this rank, the operation and step it gave up in, and the ranks that did not arrive."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    where = _ACTIVITY["what"] + (f" at iteration {_ACTIVITY['iteration']}" if _ACTIVITY["iteration"] is not None else "")
+    timeout = _MONITOR["timeout_s"]
+    missing = _missing_ranks()
+    if missing:
+        who = f"rank(s) {missing} did not arrive (stuck or dead: see their log.txt.rank<N>)"
+    else:
+        who = "another rank stopped responding (stuck or dead: see the other ranks' log.txt.rank<N>)"
+    after = f" after {timeout:g} s" if timeout else ""
+    return (f"rank {rank} timed out{after} in {_collective_name(exc)} during {where}: {who}; "
+            f"if the work is only slow, raise train.dist.timeout")
 
 
 def get_dist() -> DistContext:
@@ -275,5 +358,7 @@ def destroy() -> None:
     """Tear down the process group (end of a run or a test)."""
     global _CTX
     _CTX = None
+    _MONITOR.update(timeout_s=None, group=None)
+    set_activity("setup")
     if dist.is_initialized():
         dist.destroy_process_group()

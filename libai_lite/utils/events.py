@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 from collections import defaultdict
 
 logger = logging.getLogger("libai_lite")
