@@ -237,6 +237,9 @@ def worker(args) -> None:
     if dist.get_rank() == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"device": device.type, "configs": results}, f)
+    # Every rank past its last collective before teardown: tearing gloo down while a peer still
+    # talks to it can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

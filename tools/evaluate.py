@@ -161,7 +161,7 @@ def evaluate(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from libai_lite.engine.default import user_error_message
+    from libai_lite.engine.default import report_cli_error
     from libai_lite.utils.distributed import destroy
 
     args = build_parser().parse_intermixed_args(argv)
@@ -169,14 +169,7 @@ def main(argv=None) -> int:
     try:
         results = evaluate(args)
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
-        if os.environ.get("LIBAI_LITE_TRACEBACK"):
-            raise
-        line = user_error_message(e)
-        if line is None:
-            raise
-        if rank0:
-            print(line, file=sys.stderr, flush=True)
-        return 1
+        return report_cli_error(e)
     finally:
         destroy()
     if rank0:

@@ -359,20 +359,13 @@ def _sync(device) -> None:
 def main(argv=None) -> int:
     """Parse, run, and turn a user error into one ``error:`` line and exit status 1."""
     args = build_parser().parse_intermixed_args(argv)
-    from libai_lite.engine.default import user_error_message
+    from libai_lite.engine.default import report_cli_error
     from libai_lite.utils.distributed import destroy
 
     try:
         return run(args)
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
-        if os.environ.get("LIBAI_LITE_TRACEBACK"):
-            raise
-        line = user_error_message(e)
-        if line is None:
-            raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(line, file=sys.stderr, flush=True)
-        return 1
+        return report_cli_error(e)
     finally:
         destroy()
 

@@ -728,6 +728,29 @@ def user_error_message(exc: BaseException) -> str | None:
     return f"error: {msg}"
 
 
+def report_cli_error(exc: Exception) -> int:
+    """For a command-line tool's ``except`` block: print the one ``error:`` line and return 1, or re-raise.
+
+    A user error is printed by global rank 0 (every rank hits the same one); a collective timeout
+    by every rank that gave up (it is rank-local), which then exits at once rather than wait for
+    the stuck rank in the process group's teardown. Anything else, or ``LIBAI_LITE_TRACEBACK=1``,
+    re-raises with the traceback.
+    """
+    if os.environ.get("LIBAI_LITE_TRACEBACK"):
+        raise exc
+    from ..utils.distributed import describe_collective_timeout, is_collective_timeout
+
+    if _find_user_error(exc) is None and is_collective_timeout(exc):
+        print(f"error: {describe_collective_timeout(exc)}", file=sys.stderr, flush=True)
+        os._exit(1)
+    line = user_error_message(exc)
+    if line is None:
+        raise exc
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    return 1
+
+
 def launch(args) -> int:
     """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
 
@@ -748,21 +771,6 @@ def launch(args) -> int:
             trainer.train()
         return 0
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
-        if os.environ.get("LIBAI_LITE_TRACEBACK"):
-            raise
-        from ..utils.distributed import describe_collective_timeout, is_collective_timeout
-
-        if _find_user_error(e) is None and is_collective_timeout(e):
-            # Rank-local: every rank that gave up says where it was; a stuck rank says nothing.
-            print(f"error: {describe_collective_timeout(e)}", file=sys.stderr, flush=True)
-            os._exit(1)  # a clean exit would wait in destroy_process_group for the stuck rank
-        line = user_error_message(e)
-        if line is None:
-            raise
-        # Every rank hits the same input error; one line from global rank 0 is enough (a rank-local
-        # problem still reaches the user through torchrun's failure report).
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(line, file=sys.stderr, flush=True)
-        return 1
+        return report_cli_error(e)
     finally:
         destroy()
