@@ -224,7 +224,8 @@ def test_index_files_cached_reused_and_named_like_megatron(tmp_path, monkeypatch
     stem = f"{prefix}_train_indexmap_40ns_8sl_3s"
     for kind in ("doc", "sample", "shuffle"):
         assert os.path.isfile(f"{stem}_{kind}_idx.npy")
-    assert isinstance(ds.shuffle_idx, np.memmap)
+    # Memory-mapped, not read into memory: a plain ndarray view whose base is the file's map.
+    assert isinstance(ds.shuffle_idx.base, np.memmap) and not ds.shuffle_idx.flags.owndata
     mtimes = {p: os.stat(p).st_mtime_ns for p in glob.glob(f"{stem}_*")}
 
     def must_not_rebuild(*args, **kwargs):
