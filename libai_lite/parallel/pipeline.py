@@ -275,6 +275,16 @@ def _tied_paths(stage: nn.Module) -> tuple[str, str] | tuple[()]:
     return pipeline_spec(stage).tied or ()
 
 
+def _tied_present(stage_modules: Sequence[nn.Module], which: int) -> list[nn.Parameter]:
+    """The tie's source (``which=0``, the embedding) or copy (1, the LM head) on each stage that has it."""
+    found = []
+    for stage in stage_modules:
+        paths = _tied_paths(stage)
+        if paths and (p := _get_attr_path(stage, paths[which])) is not None:
+            found.append(p)
+    return found
+
+
 def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """The tied embedding/LM-head Parameters present on this rank, each once (resolved now, so
     Parameters swapped in by TP or FSDP are the ones returned)."""
@@ -290,9 +300,8 @@ def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]
 def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """LM-head copies on this rank that are not the embedding's own Parameter: gradient-norm
     computations skip them so the tied weight counts once."""
-    sources = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[0])) is not None]
-    copies = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[1])) is not None]
-    return [p for p in copies if all(p is not q for q in sources)]
+    sources = _tied_present(stage_modules, 0)
+    return [p for p in _tied_present(stage_modules, 1) if all(p is not q for q in sources)]
 
 
 def build_tied_weight_group(mesh, pp_dim: str = "pp"):
@@ -364,7 +373,7 @@ def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
     one from ``build_tied_weight_group`` (None when every copy is on this rank). All ranks call it.
     """
     params = tied_weight_params(stage_modules)
-    sources = [p for s in stage_modules if _tied_paths(s) and (p := _get_attr_path(s, _tied_paths(s)[0])) is not None]
+    sources = _tied_present(stage_modules, 0)
     if sources:
         for p in params:
             if p is not sources[0]:
