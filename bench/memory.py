@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, and activation checkpointing.
+"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, activation checkpointing, fused loss.
 
 One torchrun job (gloo on CPU, nccl on GPU; 4 processes by default) trains a GPT of a few tens
 of millions of parameters for three steps in each configuration, one after another, and every
@@ -39,15 +39,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# name -> (zero_stage, offload, activation checkpointing); "no_zero" is the reference column.
+# name -> (zero_stage, offload, activation checkpointing, fused LM head + loss); "no_zero" is the
+# reference column. Every row but the last fuses the LM head with the loss, as training does;
+# "no_zero_unfused_ce" materialises the logits, to show what the fusion saves.
 CONFIGS = {
-    "no_zero": (0, False, False),
-    "zero1": (1, False, False),
-    "zero2": (2, False, False),
-    "zero3": (3, False, False),
-    "zero3_offload": (3, True, False),
-    "no_zero_ac": (0, False, True),
-    "zero3_ac": (3, False, True),
+    "no_zero": (0, False, False, True),
+    "zero1": (1, False, False, True),
+    "zero2": (2, False, False, True),
+    "zero3": (3, False, False, True),
+    "zero3_offload": (3, True, False, True),
+    "no_zero_ac": (0, False, True, True),
+    "zero3_ac": (3, False, True, True),
+    "no_zero_unfused_ce": (0, False, False, False),
 }
 MODEL_DEFAULTS = dict(layers=6, hidden=512, heads=8, vocab=16384, seq=128, micro_batch=4)
 SMOKE = dict(layers=2, hidden=32, heads=4, vocab=128, seq=16, micro_batch=2)
@@ -148,13 +151,13 @@ def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
     from libai_lite.parallel.data_parallel import apply_data_parallel, build_zero1_optimizer
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
-    stage, offload, ac = CONFIGS[name]
+    stage, offload, ac, fused_ce = CONFIGS[name]
     gc.collect()
     baseline = probe.current()
     torch.manual_seed(0)
     cfg = dict(hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
                num_attention_heads=args.heads, max_seq_length=args.seq, embedding_dropout_prob=0.0,
-               attention_dropout_prob=0.0, output_dropout_prob=0.0)
+               attention_dropout_prob=0.0, output_dropout_prob=0.0, fused_cross_entropy=fused_ce)
     model = GPTForPreTraining(cfg).to(device)
     n_params = model.num_parameters()
     if ac:

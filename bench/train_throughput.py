@@ -4,7 +4,8 @@
 Our side is the real training step: ``GPTForPreTraining`` stepped by
 ``libai_lite.engine.trainer.EagerTrainer.run_step`` (autocast, loss dict, backward, gradient
 clipping, AdamW built from ``configs/common/optim.py`` through
-``get_default_optimizer_params``, lr schedule), fed by an in-memory loader. The reference is
+``get_default_optimizer_params``, lr schedule), fed by an in-memory loader, with the LM head
+fused into the loss as the configs have it (``--unfused-cross-entropy`` materialises the logits). The reference is
 ``transformers.GPT2LMHeadModel`` of the same shape trained by a plain PyTorch loop (AdamW,
 the same clipping, the same autocast). Both see the same tokens, dtype, thread count and
 dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) so background
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused-adamw", action="store_true",
                    help="torch's fused AdamW on both sides (ours through the config's optim.fused=True; "
                         "recent HF Trainers default to it); by default each side uses what it is configured with")
+    p.add_argument("--unfused-cross-entropy", action="store_true",
+                   help="our side materialises the logits and runs the plain cross entropy (model.cfg."
+                        "fused_cross_entropy=False), as HF does; by default it fuses the LM head with the loss")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="a tiny model and two steps: checks the script runs")
     args = p.parse_args(argv)
@@ -91,14 +95,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------- models
-def build_ours(shape: dict, device: torch.device):
+def build_ours(shape: dict, device: torch.device, fused_cross_entropy: bool = True):
     """Our GPTForPreTraining with the demo config's dropout 0 and GPT-2's gelu_tanh."""
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
     cfg = dict(hidden_layers=shape["layers"], vocab_size=shape["vocab"], hidden_size=shape["hidden"],
                ffn_hidden_size=4 * shape["hidden"], num_attention_heads=shape["heads"],
                max_seq_length=shape["seq"], embedding_dropout_prob=0.0, attention_dropout_prob=0.0,
-               output_dropout_prob=0.0, activation="gelu_tanh")
+               output_dropout_prob=0.0, activation="gelu_tanh", fused_cross_entropy=fused_cross_entropy)
     return GPTForPreTraining(cfg).to(device)
 
 
@@ -303,7 +307,7 @@ def main(argv=None) -> dict:
     peak_meter = Peak(device, amp_dtype, args.smoke)
 
     torch.manual_seed(args.seed)
-    ours = build_ours(shape, device)
+    ours = build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
     torch.manual_seed(args.seed)
     hf = build_hf(shape, device)
     gen = torch.Generator().manual_seed(args.seed)
@@ -345,6 +349,7 @@ def main(argv=None) -> dict:
         "hf_attn_implementation": attn_impl,
         "ours_adamw": adamw_impl(steppers["ours"].optimizer),
         "hf_adamw": adamw_impl(steppers["hf"].optimizer),
+        "ours_fused_cross_entropy": not args.unfused_cross_entropy,
         "ours_tokens_per_s": ours_tps,
         "hf_tokens_per_s": hf_tps,
         "ratio": statistics.median(ratios),
@@ -365,7 +370,8 @@ def main(argv=None) -> dict:
     print(f"GPT {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, seq {shape['seq']}, "
           f"vocab {shape['vocab']}, micro batch {args.micro_batch}, {args.dtype}, {result['threads']} threads, "
           f"compile {'on' if args.compile else 'off'}, HF attention '{attn_impl}', AdamW ours "
-          f"{result['ours_adamw']} / HF {result['hf_adamw']}")
+          f"{result['ours_adamw']} / HF {result['hf_adamw']}, our LM head + loss "
+          f"{'fused' if result['ours_fused_cross_entropy'] else 'unfused'}")
     print(f"peak {peak / 1e12:.3f} TFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"{'block':>5} {'ours tok/s':>12} {'HF tok/s':>12} {'ours/HF':>8}")
     for b, (o, h) in enumerate(zip(rates["ours"], rates["hf"])):

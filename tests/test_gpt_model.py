@@ -149,6 +149,27 @@ def test_loss_mask_multiplies():
     torch.testing.assert_close(out["nll_sum"], nll.sum())
 
 
+def test_fused_head_loss_equals_logits_path_with_ignored_and_masked_tokens():
+    fused = GPTForPreTraining(TINY)
+    unfused = GPTForPreTraining({**TINY, "fused_cross_entropy": False})
+    unfused.load_state_dict(fused.state_dict())
+    assert fused.GPT_model.fuses_cross_entropy() and not unfused.GPT_model.fuses_cross_entropy()
+    ids = torch.randint(0, 100, (2, 8))
+    labels = torch.randint(0, 100, (2, 8))
+    labels[1, :2] = -100
+    loss_mask = torch.ones(2, 8)
+    loss_mask[0, 6:] = 0
+    outs = [model(ids, labels=labels, loss_mask=loss_mask) for model in (fused, unfused)]
+    for key in ("lm_loss", "nll_sum", "num_tokens"):
+        torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-6, rtol=1e-6)
+    for out in outs:
+        out["lm_loss"].backward()
+    grads = [dict((n, p.grad) for n, p in model.named_parameters()) for model in (fused, unfused)]
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_batch_with_nothing_to_predict_gives_zero_loss():
     model = GPTForPreTraining(TINY)
     out = model(torch.randint(0, 100, (1, 4)), labels=torch.full((1, 4), -100))

@@ -18,6 +18,7 @@ from libai_lite.layers import (
     TransformerLayer,
     VocabEmbedding,
     init_method_normal,
+    linear_cross_entropy,
     scaled_init_method_normal,
 )
 
@@ -294,6 +295,85 @@ def test_parallel_cross_entropy_matches_torch_and_ignores_index():
     target[0, 1] = 3
     target[target == 3] = 7
     assert loss_fn(logits, target, ignore_index=7)[target == 7].abs().sum() == 0
+
+
+def _head_and_loss(fused, hidden, weight, target, amp):
+    """Per-token loss of ``hidden @ weight.T`` (fused, or the unfused Linear + ParallelCrossEntropyLoss)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        if fused:
+            return linear_cross_entropy(hidden, weight, target)
+        return ParallelCrossEntropyLoss()(F.linear(hidden, weight), target)
+
+
+def _loss_and_grads(fused, hidden, weight, target, token_weights, amp):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss = _head_and_loss(fused, h, w, target, amp)
+    (loss * token_weights).sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_linear_cross_entropy_matches_unfused_head_and_loss(amp):
+    hidden = torch.randn(3, 40, 32)
+    weight = torch.randn(500, 32) * 0.3
+    target = torch.randint(0, 500, (3, 40))
+    target[0, :7] = -100
+    token_weights = torch.rand(3, 40)  # as a loss mask / token-count normalisation would scale them
+    fused = _loss_and_grads(True, hidden, weight, target, token_weights, amp)
+    unfused = _loss_and_grads(False, hidden, weight, target, token_weights, amp)
+    assert fused[0].shape == target.shape and fused[0].dtype == torch.float32
+    assert (fused[0][0, :7] == 0).all()
+    # The loss is an fp32 softmax of the same logits on both paths.
+    torch.testing.assert_close(fused[0], unfused[0], atol=1e-5, rtol=1e-5)
+    if not amp:
+        for got, expected in zip(fused[1:], unfused[1:]):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        return
+    # Under bf16 both paths round different intermediates; measured against the exact gradient
+    # of the same bf16 logits, the fused one must be at least as close as the unfused one.
+    exact = _loss_and_grads(False, hidden.bfloat16().double(), weight.bfloat16().double(), target,
+                            token_weights.double(), False)
+    for got, ref, expected in zip(fused[1:], unfused[1:], exact[1:]):
+        fused_err = (got.double() - expected).norm() / expected.norm()
+        unfused_err = (ref.double() - expected).norm() / expected.norm()
+        assert fused_err < 1e-2 and fused_err <= 1.1 * unfused_err, (fused_err, unfused_err)
+
+
+def test_linear_cross_entropy_exact_when_the_target_probability_underflows():
+    # Logits in the hundreds: the target's softmax probability is 0 in fp32, -log(p) would be inf.
+    hidden = torch.randn(4, 8, dtype=torch.float64) * 100
+    weight = torch.randn(50, 8, dtype=torch.float64)
+    target = torch.tensor([0, 1, 2, 3])
+    expected = F.cross_entropy(hidden @ weight.t(), target, reduction="none")
+    got = linear_cross_entropy(hidden.float(), weight.float(), target)
+    assert torch.isfinite(got).all() and (expected > 100).any()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+def test_linear_cross_entropy_keeps_one_vocab_sized_tensor_for_backward():
+    tokens, vocab = 64, 1000
+    hidden = torch.randn(tokens, 32, requires_grad=True)
+    weight = torch.randn(vocab, 32, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+
+    def vocab_sized_saved(fused, amp):
+        saved = []
+
+        def pack(t):
+            if t.numel() >= tokens * vocab:
+                saved.append(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _head_and_loss(fused, hidden, weight, target, amp)
+        return len(set(saved))
+
+    for amp in (False, True):
+        assert vocab_sized_saved(True, amp) == 1
+        assert vocab_sized_saved(False, amp) >= 1
+    with torch.no_grad():  # evaluation keeps nothing
+        assert linear_cross_entropy(hidden, weight, target).shape == (tokens,)
 
 
 def test_transformer_layer_residual_post_layernorm_option():

@@ -191,6 +191,32 @@ def test_token_acc_on_a_hand_made_example():
     assert MT5Loss()(logits, labels)["token_acc"].item() == pytest.approx(4 / 6)
 
 
+@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+def test_fused_head_loss_equals_logits_path(model_type):
+    """The tied-and-scaled (T5) and untied (mT5) heads through linear_cross_entropy: same loss dict and grads."""
+    fused = MT5ForPreTraining(tiny(model_type))
+    unfused = MT5ForPreTraining(tiny(model_type, fused_cross_entropy=False))
+    unfused.load_state_dict(fused.state_dict())
+    assert fused.mt5_model.fuses_cross_entropy() and not unfused.mt5_model.fuses_cross_entropy()
+    enc, dec, enc_mask, dec_mask = _padded_batch()
+    labels = torch.roll(dec, -1, dims=1)
+    labels[dec_mask == 0] = -100
+    # A few labels set to the argmax so token_acc is neither 0 nor 1.
+    with torch.no_grad():
+        top = unfused(enc, dec, encoder_attn_mask=enc_mask, decoder_attn_mask=dec_mask)["logits"].argmax(-1)
+    labels[0, :4] = top[0, :4]
+    outs = [m(encoder_input_ids=enc, decoder_input_ids=dec, labels=labels, encoder_attn_mask=enc_mask,
+              decoder_attn_mask=dec_mask) for m in (fused, unfused)]
+    assert 0 < outs[1]["token_acc"].item() < 1
+    for key in ("lm_loss", "nll_sum", "num_tokens", "token_acc"):
+        torch.testing.assert_close(outs[0][key], outs[1][key], atol=1e-6, rtol=1e-6, msg=key)
+    for out in outs:
+        out["lm_loss"].backward()
+    grads = [dict((n, p.grad) for n, p in m.named_parameters()) for m in (fused, unfused)]
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_batch_with_nothing_to_predict_gives_zero_loss_and_accuracy():
     model = MT5ForPreTraining(tiny())
     out = model(torch.randint(0, VOCAB, (1, 6)), torch.randint(0, VOCAB, (1, 4)), labels=torch.full((1, 4), -100))

@@ -39,9 +39,13 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 EMB = "GPT_model.embeddings.token_embeddings.weight"
 HEAD = "GPT_model.lm_head.weight"
 
+# A pipeline's last stage computes the loss from logits, so the one-process reference does too:
+# ten AdamW steps at lr 1e-2 turn the fused loss's fp32 reassociation (1e-7) into 1e-5 on
+# weights whose gradient is near zero, which is the tolerance of the final-weights check.
 CFG = dict(
     hidden_layers=4, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
     max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0,
+    fused_cross_entropy=False,
 )
 SEED, ACC, LR, WD, MAX_NORM, STEPS, RESUME_AT, FSDP_STEPS = 1234, 4, 1e-2, 0.01, 0.05, 10, 3, 3
 
@@ -231,7 +235,7 @@ def test_1f1b_pp2_grads_training_and_tied_checkpoints_across_layouts(ref):
     saved = {**trained[0]["params"], **trained[1]["params"]}
     for name, p in model.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(p.detach(), ref["final"][name], rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(p.detach(), ref["final"][name], rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     _, osd = get_state_dict(model, opt, options=FLAT)
     for key in (f"state.{EMB}.exp_avg", f"state.{EMB}.exp_avg_sq", "state.GPT_model.layers.3.mlp.dense_4h_to_h.weight.exp_avg"):
         owner = trained[0]["optim"] if key in trained[0]["optim"] else trained[1]["optim"]

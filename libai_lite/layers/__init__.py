@@ -4,7 +4,7 @@ from .embedding import Embedding, VocabEmbedding
 from .init_methods import init_method_normal, scaled_init_method_normal
 from .layer_norm import LayerNorm, RMSLayerNorm
 from .linear import Linear1D
-from .loss import ParallelCrossEntropyLoss
+from .loss import ParallelCrossEntropyLoss, linear_cross_entropy
 from .mlp import MLP
 from .moe import MoEConfig, MoELayer, collect_moe_outputs
 from .transformer_layer import TransformerLayer
@@ -23,5 +23,6 @@ __all__ = [
     "VocabEmbedding",
     "collect_moe_outputs",
     "init_method_normal",
+    "linear_cross_entropy",
     "scaled_init_method_normal",
 ]

@@ -25,3 +25,113 @@ class ParallelCrossEntropyLoss(nn.Module):
             # ranks, so the local tensor already holds every token's value (no communication).
             loss = loss.to_local()
         return loss.view(target.shape)
+
+
+# Size of the fp32 softmax scratch buffer used when the logits are bf16/fp16. On a CPU it is
+# about 512 KiB, so it stays in cache while a chunk is normalised and copied back; on a GPU,
+# where every chunk costs kernel launches, it is large (256 MiB) and a step takes a few chunks.
+_SCRATCH_ELEMENTS = {"cpu": 1 << 17}
+_SCRATCH_ELEMENTS_ACCELERATOR = 1 << 26
+_MIN_SCRATCH_ROWS = 8
+# Below this target probability, -log(p) loses digits to the fp32 underflow of p (the loss is
+# above ~69 nats); such rows are recomputed exactly from their logits.
+_TINY_PROB = 1e-30
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(hidden @ weight.T, target)`` per token, storing one ``[N, V]`` buffer.
+
+    The unfused path keeps the logits, the fp32 copy autocast makes of them, the log-softmax
+    output, a zero-filled gradient and the log-softmax backward's output: up to five
+    ``[N, V]`` tensors and as many passes over them. Here the logits buffer is overwritten with
+    the softmax and kept for backward, where ``softmax - onehot`` is never formed: the one-hot
+    part and the per-token gradient scale are applied to the small ``[N, H]`` / ``[V, H]``
+    products instead (``d hidden = g * (P @ W - W[target])``, ``d W = P.T @ (g * hidden) -
+    scatter(target, g * hidden)``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, compute_dtype, with_top1):
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            probs = h @ w.t()  # the logits, normalised in place below
+            valid = target != ignore_index
+            safe_target = torch.where(valid, target, 0)
+            if probs.dtype in (torch.float32, torch.float64):
+                # softmax's CPU and CUDA kernels read a row before writing it, so out= may alias.
+                torch.softmax(probs, -1, out=probs)
+                target_prob = probs.gather(1, safe_target[:, None])[:, 0]
+                top_prob = probs.amax(-1) if with_top1 else None
+            else:
+                target_prob = torch.empty(target.shape, dtype=torch.float32, device=probs.device)
+                top_prob = torch.empty_like(target_prob) if with_top1 else None
+                budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
+                rows = max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+                scratch = torch.empty(rows, probs.shape[1], dtype=torch.float32, device=probs.device)
+                for start in range(0, probs.shape[0], rows):
+                    chunk = probs[start:start + rows]
+                    p = scratch[: chunk.shape[0]]
+                    torch.softmax(chunk, -1, dtype=torch.float32, out=p)
+                    target_prob[start:start + rows] = p.gather(1, safe_target[start:start + rows, None])[:, 0]
+                    if with_top1:
+                        top_prob[start:start + rows] = p.amax(-1)
+                    chunk.copy_(p)
+                del scratch
+            loss = target_prob.log().neg_()
+            # Rows whose target probability underflowed (or is NaN): recompute exactly.
+            redo = (~(target_prob >= _TINY_PROB) & valid).nonzero()[:, 0]
+            if redo.numel():
+                logits = (h[redo] @ w.t()).float()
+                loss[redo] = (torch.logsumexp(logits, -1) - logits.gather(1, safe_target[redo, None])[:, 0])
+            loss.masked_fill_(~valid, 0.0)
+            # softmax is monotone, so the target is the top-1 logit iff it has the top probability.
+            is_top1 = (target_prob >= top_prob) & valid if with_top1 else valid.new_zeros(())
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ctx.save_for_backward(h, w, probs, safe_target, valid)
+            ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(is_top1)
+        return loss, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_top1):
+        h, w, probs, safe_target, valid = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        scale = (grad_loss.float() * valid)[:, None]  # ignored tokens have a constant 0 loss
+        grad_hidden = grad_weight = None
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (probs @ w).float().sub_(w[safe_target].float()).mul_(scale).to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                scaled = h.float() * scale
+                grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
+                grad_weight.index_add_(0, safe_target, scaled, alpha=-1.0)
+                grad_weight = grad_weight.to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    return_top1: bool = False,
+):
+    """Per-token cross entropy of the logits ``hidden @ weight.T``, fused with the LM head.
+
+    Same contract as ``ParallelCrossEntropyLoss`` applied to ``F.linear(hidden, weight)``: fp32
+    loss shaped like ``target``, 0 where ``target == ignore_index``, the logits computed in
+    autocast's dtype when autocast is on. It holds one ``[tokens, vocab]`` buffer instead of up
+    to five and makes fewer passes over it; the loss stays exact (fp32 softmax). Both tensors
+    must be local (no DTensor): a vocabulary-parallel head goes through ``loss_parallel``.
+    ``return_top1=True`` also returns whether each target is the arg-max of its logits (bool,
+    False where ignored), for token accuracy from the probabilities already computed.
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    loss, is_top1 = _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), ignore_index, compute_dtype, return_top1
+    )
+    if return_top1:
+        return loss.view(target.shape), is_top1.view(target.shape)
+    return loss.view(target.shape)

@@ -50,6 +50,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, collect_moe_outputs, init_method_normal
 from libai_lite.layers.attention import KVCache
@@ -97,6 +98,8 @@ class MT5Config:
         tie_word_embeddings: None follows ``model_type``; True/False ties (and scales) or not.
         moe: mixture-of-experts feed-forward layers (``libai_lite.layers.MoEConfig`` keys; off
             when None or ``enabled=False``); ``every_n_layers`` counts within each stack.
+        fused_cross_entropy: the training loss computes the LM head and the cross entropy in one
+            step (``libai_lite.layers.linear_cross_entropy``) unless the head is vocabulary-parallel.
     """
 
     vocab_size: int
@@ -115,6 +118,7 @@ class MT5Config:
     model_type: str = "mt5"
     tie_word_embeddings: Optional[bool] = None
     moe: Optional[Any] = None
+    fused_cross_entropy: bool = True
 
     def __post_init__(self):
         if self.model_type not in FEED_FORWARD:
@@ -257,6 +261,7 @@ class MT5Model(nn.Module):
         encoder_attn_mask: Optional[torch.Tensor] = None,
         decoder_attn_mask: Optional[torch.Tensor] = None,
         encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
+        skip_lm_head: bool = False,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """One pipeline stage: what ``PipelineStage`` runs (through ``PipelineForward``).
 
@@ -266,7 +271,8 @@ class MT5Model(nn.Module):
         still needs it (``PipelineStage`` sends tensors only, so an absent bias is an absent
         element, never None). Which stack a carried bias belongs to follows from the stage's
         own layers: a stage holding encoder layers is mid-encoder. Masks come as keyword
-        arguments, which the schedule gives every stage. The last stage returns logits.
+        arguments, which the schedule gives every stage. The last stage returns logits, or with
+        ``skip_lm_head`` the hidden states the head would multiply (normed, and scaled when tied).
         """
         if self.embedding is not None:
             encoder_input_ids, decoder_input_ids = carried
@@ -298,7 +304,7 @@ class MT5Model(nn.Module):
             decoder_hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
             if self.tie_word_embeddings:
                 decoder_hidden = decoder_hidden * self.hidden_size**-0.5
-            return self.lm_head(decoder_hidden)
+            return decoder_hidden if skip_lm_head else self.lm_head(decoder_hidden)
         carried_bias = encoder_bias if encoder_bias is not None else decoder_bias
         # Point-to-point sends need contiguous tensors; the bias is a permuted view of its table lookup.
         carried = (encoder_hidden, decoder_hidden) + ((carried_bias,) if carried_bias is not None else ())
@@ -319,6 +325,7 @@ class MT5Model(nn.Module):
         encoder_attn_mask: Optional[torch.Tensor] = None,
         decoder_attn_mask: Optional[torch.Tensor] = None,
         encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
+        skip_lm_head: bool = False,
     ) -> torch.Tensor:
         """Encode, decode and project to the vocabulary: logits ``[batch, dec_seq, vocab]``.
 
@@ -336,7 +343,13 @@ class MT5Model(nn.Module):
         return self.pipeline_forward(
             encoder_input_ids, decoder_input_ids, encoder_attn_mask=encoder_attn_mask,
             decoder_attn_mask=decoder_attn_mask, encoder_decoder_attn_mask=encoder_decoder_attn_mask,
+            skip_lm_head=skip_lm_head,
         )
+
+    def fuses_cross_entropy(self) -> bool:
+        """Whether the training loss may skip the logits: not with a vocabulary-parallel head."""
+        return (self.cfg.fused_cross_entropy and self.lm_head is not None
+                and not isinstance(self.lm_head.weight, DTensor))
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module, a tied matrix once; global sizes even when sharded.
@@ -511,7 +524,14 @@ class MT5ForPreTraining(nn.Module):
         decoder_attn_mask: Optional[torch.Tensor] = None,
         encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
     ) -> dict:
-        logits = self.mt5_model(
+        model = self.mt5_model
+        if labels is not None and model.fuses_cross_entropy():
+            hidden = model(encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask,
+                           encoder_decoder_attn_mask, skip_lm_head=True)
+            outputs = self.loss_func.from_hidden(hidden, model.lm_head.weight, labels)
+            outputs.update(collect_moe_outputs(model))
+            return outputs
+        logits = model(
             encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask, encoder_decoder_attn_mask
         )
         if labels is None:

@@ -17,6 +17,8 @@ cfg = dict(
     initializer_range=0.02,
     use_scaled_init_for_output_weights=True,
     activation="gelu_tanh",
+    # LM head + loss in one step without the [tokens, vocab] logits tensor (tensor-parallel heads use loss_parallel).
+    fused_cross_entropy=True,
     # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig; README "Mixture of experts").
     moe=dict(
         enabled=False,

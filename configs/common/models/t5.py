@@ -27,6 +27,8 @@ cfg = dict(
     model_type="mt5",
     # mT5 unties the LM head; None would derive it from model_type (tied only for "t5").
     tie_word_embeddings=False,
+    # LM head + loss in one step without the [tokens, vocab] logits tensor (tensor-parallel heads use loss_parallel).
+    fused_cross_entropy=True,
     # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig; README "Mixture of experts").
     moe=dict(
         enabled=False,

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from libai_lite.layers import (
     Embedding,
@@ -19,6 +20,7 @@ from libai_lite.layers import (
     TransformerLayer,
     VocabEmbedding,
     init_method_normal,
+    linear_cross_entropy,
     scaled_init_method_normal,
 )
 from libai_lite.layers.attention import KVCache
@@ -71,6 +73,8 @@ class GPTModel(nn.Module):
     ``activation`` is ``"gelu_tanh"`` for GPT-2 (``gelu_new``) or ``"gelu"``/``"relu"``.
     ``moe`` (``model.cfg.moe``, see ``libai_lite.layers.MoEConfig``) makes every
     ``every_n_layers``-th feed-forward a mixture of experts when ``enabled``.
+    ``fused_cross_entropy`` lets ``GPTForPreTraining`` compute the LM head and the loss in one
+    step (``libai_lite.layers.linear_cross_entropy``) when the head is not vocabulary-parallel.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class GPTModel(nn.Module):
         activation: str = "gelu_tanh",
         pad_token_id: Optional[int] = None,
         moe: Optional[Mapping[str, Any]] = None,
+        fused_cross_entropy: bool = True,
         **ignored_fusion_flags,
     ):
         super().__init__()
@@ -101,6 +106,7 @@ class GPTModel(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.max_seq_length = max_seq_length
+        self.fused_cross_entropy = fused_cross_entropy
 
         moe_cfg = MoEConfig.from_mapping(moe)
         init_method = init_method_normal(initializer_range)
@@ -176,6 +182,7 @@ class GPTModel(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         kv_caches: Optional[Mapping[str, KVCache]] = None,
         logits_to_keep: int = 0,
+        skip_lm_head: bool = False,
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
@@ -184,6 +191,7 @@ class GPTModel(nn.Module):
         ``position_ids`` ``[batch, seq]``, ``kv_caches`` (a ``KVCache`` per key of ``layers``;
         ``input_ids`` are then only the positions after the cached ones) and
         ``logits_to_keep`` (> 0: logits of the last that many positions only).
+        ``skip_lm_head`` returns the final hidden states (after the final layer norm) instead of logits.
         """
         if self.embeddings is not None:
             hidden_states = self.embeddings(input_ids, position_ids)
@@ -196,9 +204,18 @@ class GPTModel(nn.Module):
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not skip_lm_head:
             return self.lm_head(hidden_states)
         return hidden_states
+
+    def fuses_cross_entropy(self) -> bool:
+        """Whether the training loss may skip the logits (``linear_cross_entropy``).
+
+        Not with a vocabulary-parallel head (its DTensor logits go through ``loss_parallel``)
+        nor on a pipeline stage without the head.
+        """
+        return (self.fused_cross_entropy and self.lm_head is not None
+                and not isinstance(self.lm_head.weight, DTensor))
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Count parameters present on this module (the tied embedding/head once).
@@ -311,7 +328,17 @@ class GPTLoss(nn.Module):
         self.cross_entropy = ParallelCrossEntropyLoss()
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
-        per_token = self.cross_entropy(logits, labels, ignore_index=self.ignore_index)
+        """The loss dict from logits ``[batch, seq, vocab]`` (a DTensor under tensor parallelism)."""
+        return self.reduce(self.cross_entropy(logits, labels, ignore_index=self.ignore_index), labels, loss_mask)
+
+    def from_hidden(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+    ) -> dict:
+        """The loss dict of ``logits = hidden @ weight.T`` without materialising the logits."""
+        return self.reduce(linear_cross_entropy(hidden, weight, labels, self.ignore_index), labels, loss_mask)
+
+    def reduce(self, per_token: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
+        """Token-weighted mean of a per-token loss and the sums for perplexity."""
         weights = (labels != self.ignore_index).to(per_token.dtype)
         if loss_mask is not None:
             weights = weights * loss_mask.to(per_token.dtype)
@@ -339,7 +366,13 @@ class GPTForPreTraining(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None
     ) -> dict:
-        logits = self.GPT_model(input_ids)
+        model = self.GPT_model
+        if labels is not None and model.fuses_cross_entropy():
+            hidden = model(input_ids, skip_lm_head=True)
+            outputs = self.loss_func.from_hidden(hidden, model.lm_head.weight, labels, loss_mask)
+            outputs.update(collect_moe_outputs(model))
+            return outputs
+        logits = model(input_ids)
         if labels is None:
             return {"logits": logits}
         outputs = self.loss_func(logits, labels, loss_mask)

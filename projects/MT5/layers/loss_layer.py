@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from libai_lite.layers import ParallelCrossEntropyLoss
+from libai_lite.layers import ParallelCrossEntropyLoss, linear_cross_entropy
 
 
 def label_is_top1(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,20 @@ class MT5Loss(nn.Module):
         self.cross_entropy = ParallelCrossEntropyLoss()
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The loss dict from logits ``[batch, dec_seq, vocab]`` (a DTensor under tensor parallelism)."""
         per_token = self.cross_entropy(logits, labels, ignore_index=self.ignore_index)
+        keep = labels != self.ignore_index
+        with torch.no_grad():
+            correct = label_is_top1(logits.detach(), torch.where(keep, labels, 0)) & keep
+        return self.reduce(per_token, correct, labels)
+
+    def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The loss dict of ``logits = hidden @ weight.T`` without materialising the logits."""
+        per_token, correct = linear_cross_entropy(hidden, weight, labels, self.ignore_index, return_top1=True)
+        return self.reduce(per_token, correct, labels)
+
+    def reduce(self, per_token: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Token-averaged loss, perplexity sums and accuracy from per-token losses and top-1 hits."""
         keep = labels != self.ignore_index
         weights = keep.to(per_token.dtype)
         nll_sum = (per_token * weights).sum()
@@ -56,7 +69,5 @@ class MT5Loss(nn.Module):
         # A batch with nothing to predict yields 0, not NaN.
         denominator = weights.sum().clamp(min=1.0)
         lm_loss = nll_sum / denominator
-        with torch.no_grad():
-            correct = label_is_top1(logits.detach(), torch.where(keep, labels, 0)) & keep
-            token_acc = correct.sum().to(per_token.dtype) / denominator
+        token_acc = correct.sum().to(per_token.dtype) / denominator
         return {"lm_loss": lm_loss, "num_tokens": num_tokens, "nll_sum": nll_sum.detach(), "token_acc": token_acc}
