@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -79,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--unfused-cross-entropy", action="store_true",
                    help="our side materialises the logits and runs the plain cross entropy (model.cfg."
                         "fused_cross_entropy=False), as HF does; by default it fuses the LM head with the loss")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed blocks, profile this many steps of each model (alternating) and print "
+                        "milliseconds per step by kind of work (GEMMs, attention, MLP activation, loss, optimizer "
+                        "and clipping, other)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="a tiny model and two steps: checks the script runs")
     args = p.parse_args(argv)
@@ -224,6 +229,59 @@ def run_blocks(steppers: dict, steps: int, blocks: int, warmup: int, tokens_per_
     return rates
 
 
+# ----------------------------------------------------------------------------------- profile
+PROFILE_KINDS = ("GEMMs", "attention", "MLP activation", "loss (outside GEMMs)", "optimizer + clipping", "other")
+_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+_CLIP_OPS = {"aten::linalg_vector_norm", "aten::_foreach_norm"}
+
+
+def _kind(event, tokens: int, ffn: int, vocab: int) -> str:
+    """Which kind of work one profiled ATen call is, from its name, its first input and its callers.
+
+    Shapes tell the model's pieces apart without hooks inside either model: ``[tokens, ffn]``
+    elementwise work is the MLP activation (HF's ``gelu_new`` is several such calls, ours one),
+    ``[tokens, vocab]`` work outside the GEMMs is the loss.
+    """
+    name = event.name
+    if name in _GEMMS:
+        return "GEMMs"
+    if "scaled_dot_product" in name:
+        return "attention"
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Optimizer."):
+            return "optimizer + clipping"
+        parent = parent.cpu_parent
+    if name in _CLIP_OPS:
+        return "optimizer + clipping"
+    shape = list(event.input_shapes[0]) if event.input_shapes and event.input_shapes[0] else []
+    numel = math.prod(shape) if shape else 0
+    if shape and shape[-1] == vocab and numel == tokens * vocab:
+        return "loss (outside GEMMs)"
+    if shape and shape[-1] == ffn and numel == tokens * ffn and name not in ("aten::copy_", "aten::sum"):
+        return "MLP activation"
+    return "other"
+
+
+def profile_steps(steppers: dict, steps: int, tokens: int, ffn: int, vocab: int) -> dict:
+    """Self CPU milliseconds per step of each stepper by kind of work (``PROFILE_KINDS``), plus ``total``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {name: dict.fromkeys(PROFILE_KINDS + ("total",), 0.0) for name in steppers}
+    names = list(steppers)
+    for i in range(steps):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                steppers[name].step()
+            for event in prof.events():
+                if not event.name.startswith("aten::"):
+                    continue
+                ms = event.self_cpu_time_total / 1e3 / steps
+                out[name][_kind(event, tokens, ffn, vocab)] += ms
+                out[name]["total"] += ms
+    return out
+
+
 # ------------------------------------------------------------------------------------- peaks
 def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     """Best FLOP/s of an ``n x n`` matmul on ``device`` over ``reps`` tries (the practical peak)."""
@@ -330,6 +388,8 @@ def main(argv=None) -> dict:
     tokens_per_step = args.micro_batch * shape["seq"]
     rates = run_blocks(steppers, args.steps, args.blocks, args.warmup, tokens_per_step, device,
                        between=peak_meter.measure)
+    breakdown = (profile_steps(steppers, args.profile, tokens_per_step, 4 * shape["hidden"], shape["vocab"])
+                 if args.profile else None)
     peak, peak_source = peak_meter.flops, peak_meter.source
     ours_tps, hf_tps = statistics.median(rates["ours"]), statistics.median(rates["hf"])
     ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]
@@ -363,6 +423,7 @@ def main(argv=None) -> dict:
         "peak_source": peak_source,
         "mfu_ours": flops_per_token * ours_tps / peak,
         "mfu_hf": flops_per_token * hf_tps / peak,
+        "profile_ms_per_step": breakdown,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "date": datetime.date.today().isoformat(),
@@ -379,6 +440,11 @@ def main(argv=None) -> dict:
     print(f"median: ours {ours_tps:.1f} tok/s (MFU {result['mfu_ours']:.1%}), HF {hf_tps:.1f} tok/s "
           f"(MFU {result['mfu_hf']:.1%}), ours/HF {result['ratio']:.3f} "
           f"(per-block quartiles {result['ratio_p25']:.3f}-{result['ratio_p75']:.3f})")
+    if breakdown:
+        print(f"self CPU ms per step over {args.profile} profiled steps each (torch.profiler; ATen calls only):")
+        print(f"{'kind':<24} {'ours':>9} {'HF':>9}")
+        for kind in PROFILE_KINDS + ("total",):
+            print(f"{kind:<24} {breakdown['ours'][kind]:>9.1f} {breakdown['hf'][kind]:>9.1f}")
     print(json.dumps(result), flush=True)
     return result
 

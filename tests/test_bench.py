@@ -35,8 +35,9 @@ def test_help(script):
 
 
 def test_train_throughput_smoke():
-    res, out = run_bench("train_throughput.py", "--smoke")
+    res, out = run_bench("train_throughput.py", "--smoke", "--profile", "1")
     assert res["benchmark"] == "train_throughput"
+    assert res["ours_fused_cross_entropy"] is True
     for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio", "mfu_ours", "mfu_hf", "peak_flops",
                 "flops_per_token"):
         assert positive(res[key]), key
@@ -50,6 +51,11 @@ def test_train_throughput_smoke():
     L, H, T = res["layers"], res["hidden"], res["seq_length"]
     assert res["flops_per_token"] == 6 * res["params_non_embedding"] + 12 * L * H * T
     assert "ours/HF" in out
+    # The time breakdown covers every ATen call once: its kinds add up to the total.
+    for side in ("ours", "hf"):
+        kinds = res["profile_ms_per_step"][side]
+        assert positive(kinds["GEMMs"]) and positive(kinds["total"])
+        assert sum(v for k, v in kinds.items() if k != "total") == pytest.approx(kinds["total"])
 
 
 def test_preprocess_smoke():
