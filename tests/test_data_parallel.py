@@ -249,3 +249,40 @@ def test_memory_benchmark_smoke():
     assert {"no_zero", "zero1", "zero2", "zero3", "zero3_offload"} <= set(result["configs"])
     for row in result["configs"].values():
         assert row["param_bytes"] > 0 and row["optimizer_bytes"] > 0
+
+
+def _step_with_overflow_on_rank_1(rank: int, world: int, port: int, out: str, plain: bool) -> None:
+    import torch.distributed as dist
+
+    from libai_lite.engine.default import build_loss_scaler
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)  # the same weights on both ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # the configs' optimizer
+    scaler = (torch.amp.GradScaler("cpu", init_scale=256.0) if plain
+              else build_loss_scaler(torch.device("cpu"), 256.0, 1000))
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    if rank == 1:  # e.g. an expert, or a ZeRO shard, that only this rank holds overflowed
+        model.weight.grad[0, 0] = float("inf")
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    torch.save({"stepped": not torch.equal(before, model.weight.detach()), "scale": scaler.get_scale()},
+               os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["build_loss_scaler", "plain-GradScaler"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, plain):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_step_with_overflow_on_rank_1, args=(2, _free_port(), str(tmp_path), plain), nprocs=2)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    if plain:
+        # What the synchronised scaler prevents: rank 0 steps, rank 1 skips, the replicas part ways.
+        assert [r["stepped"] for r in ranks] == [True, False]
+        return
+    assert [r["stepped"] for r in ranks] == [False, False]
+    assert [r["scale"] for r in ranks] == [128.0, 128.0]
