@@ -75,8 +75,18 @@ class Pipeline:
             broadcast_tied_weights(self.stages, self.tied_group)
         self.stepper = PipelineStepper(
             self.stages, self.stage_ids, self.num_stages, ctx.group("pp"), ctx.device, schedule,
-            data["n_microbatches"], model.pipeline_loss_fn, self.tied_group,
+            data["n_microbatches"], model.pipeline_loss_fn, self.tied_group, batch_fn=model.pipeline_batch,
         )
+
+    def step(self, data, **options):
+        """One step on the data's batch, split as the trainer splits a loader batch (labels reach the
+        stages as ``lm_labels`` for the fused head)."""
+        args, kwargs, labels = self.stepper.split_batch({"input_ids": data["input_ids"], "labels": data["labels"]})
+        return self.stepper.step(args, labels, kwargs=kwargs, **options)
+
+    def eval_step(self, data):
+        args, kwargs, labels = self.stepper.split_batch({"input_ids": data["input_ids"], "labels": data["labels"]})
+        return self.stepper.eval_step(args, labels, kwargs=kwargs)
 
     def optimizer(self, data):
         return torch.optim.AdamW(self.view.parameters(), lr=data["lr"], weight_decay=data["weight_decay"])
@@ -92,7 +102,7 @@ def _params(view):
 
 def phase_grads(ctx, data, workdir, schedule, virtual, custom=None, tag="grads"):
     pipe = Pipeline(ctx, data, schedule, virtual, custom)
-    loss = pipe.stepper.step(data["input_ids"], data["labels"])
+    loss = pipe.step(data)
     grads = {n: p.grad.detach().clone() for n, p in pipe.view.named_parameters()}
     norm = pipe.stepper.clip_grad_norm_(float("inf"))
     layers = sorted(int(k) for s in pipe.stages for k in s.layers.keys())
@@ -100,7 +110,7 @@ def phase_grads(ctx, data, workdir, schedule, virtual, custom=None, tag="grads")
     for p in pipe.view.parameters():
         p.grad = None
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    scaled_loss = pipe.stepper.step(data["input_ids"], data["labels"], grad_scaler=scaler)
+    scaled_loss = pipe.step(data, grad_scaler=scaler)
     scaled_grads = {n: p.grad.detach().clone() for n, p in pipe.view.named_parameters()}
     _save(workdir, f"{schedule}_{tag}", ctx.rank,
           {"loss": float(loss), "grads": grads, "norm": float(norm), "stage_ids": pipe.stage_ids, "layers": layers,
@@ -110,7 +120,7 @@ def phase_grads(ctx, data, workdir, schedule, virtual, custom=None, tag="grads")
 def _train(pipe, opt, data, steps):
     losses, norms = [], []
     for _ in range(steps):
-        loss = pipe.stepper.step(data["input_ids"], data["labels"])
+        loss = pipe.step(data)
         norms.append(float(pipe.stepper.clip_grad_norm_(data["max_norm"])))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -122,7 +132,7 @@ def phase_train(ctx, data, workdir, schedule, virtual):
     pipe = Pipeline(ctx, data, schedule, virtual)
     opt = pipe.optimizer(data)
     losses, norms = _train(pipe, opt, data, data["steps"])
-    ev = pipe.stepper.eval_step(data["input_ids"], data["labels"])
+    ev = pipe.eval_step(data)
     model_sd, optim_sd = get_state_dict(pipe.view, opt, options=FLAT)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(workdir, f"ckpt_pp2_{schedule}"))
     state = {k: v.detach().clone() for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}

@@ -11,7 +11,9 @@ How a model takes part (GPTForPreTraining and MT5ForPreTraining do all of this):
   states in, hidden states out); or, when the stage must carry more than one tensor (T5's
   encoder output, decoder states and position bias), it defines ``pipeline_forward``, which
   the stage runs instead of ``forward``.
-- ``model.pipeline_loss_fn(output, labels)`` is the mean token loss of the last stage's output.
+- ``model.pipeline_loss_fn(output, labels)`` is the mean token loss of the last stage's output:
+  logits, or per-token losses when the last stage fuses its LM head with the loss (GPT and MT5
+  get the labels as a stage keyword input, ``lm_labels``, from ``pipeline_batch``).
 - ``model.pipeline_batch(batch)`` (optional; GPT's ``input_ids``/``labels`` when absent) turns
   a loader batch into ``(args, kwargs, labels)``: ``args`` go to the first stage, ``kwargs``
   (masks) to every stage, ``labels`` to the loss.

@@ -52,7 +52,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, collect_moe_outputs, init_method_normal
+from libai_lite.layers import (
+    Linear1D,
+    MoEConfig,
+    RMSLayerNorm,
+    VocabEmbedding,
+    collect_moe_outputs,
+    init_method_normal,
+    linear_cross_entropy,
+)
 from libai_lite.layers.attention import KVCache
 from libai_lite.parallel.pipeline import PipelineSpec
 from libai_lite.utils.errors import UsageError
@@ -262,6 +270,7 @@ class MT5Model(nn.Module):
         decoder_attn_mask: Optional[torch.Tensor] = None,
         encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
         skip_lm_head: bool = False,
+        lm_labels: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """One pipeline stage: what ``PipelineStage`` runs (through ``PipelineForward``).
 
@@ -271,8 +280,9 @@ class MT5Model(nn.Module):
         still needs it (``PipelineStage`` sends tensors only, so an absent bias is an absent
         element, never None). Which stack a carried bias belongs to follows from the stage's
         own layers: a stage holding encoder layers is mid-encoder. Masks come as keyword
-        arguments, which the schedule gives every stage. The last stage returns logits, or with
-        ``skip_lm_head`` the hidden states the head would multiply (normed, and scaled when tied).
+        arguments, which the schedule gives every stage. The last stage returns logits; with
+        ``skip_lm_head`` the hidden states the head would multiply (normed, and scaled when tied);
+        with ``lm_labels`` and a head that can fuse, the per-token loss ``[batch, dec_seq]``.
         """
         if self.embedding is not None:
             encoder_input_ids, decoder_input_ids = carried
@@ -304,7 +314,11 @@ class MT5Model(nn.Module):
             decoder_hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
             if self.tie_word_embeddings:
                 decoder_hidden = decoder_hidden * self.hidden_size**-0.5
-            return decoder_hidden if skip_lm_head else self.lm_head(decoder_hidden)
+            if skip_lm_head:
+                return decoder_hidden
+            if lm_labels is not None and self.fuses_cross_entropy():
+                return linear_cross_entropy(decoder_hidden, self.lm_head.weight, lm_labels)
+            return self.lm_head(decoder_hidden)
         carried_bias = encoder_bias if encoder_bias is not None else decoder_bias
         # Point-to-point sends need contiguous tensors; the bias is a permuted view of its table lookup.
         carried = (encoder_hidden, decoder_hidden) + ((carried_bias,) if carried_bias is not None else ())
@@ -549,15 +563,23 @@ class MT5ForPreTraining(nn.Module):
         """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
         return self.mt5_model
 
-    @staticmethod
-    def pipeline_batch(batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
         """A span-corruption batch as ``(first-stage inputs, masks every stage takes, labels)``."""
         masks = {k: batch[k] for k in ("encoder_attn_mask", "decoder_attn_mask", "encoder_decoder_attn_mask")
                  if batch.get(k) is not None}
+        if self.mt5_model.cfg.fused_cross_entropy:
+            # The last stage then returns per-token losses from the fused head.
+            masks["lm_labels"] = batch["labels"]
         return (batch["encoder_input_ids"], batch["decoder_input_ids"]), masks, batch["labels"]
 
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss (labels of -100 ignored) of the last stage's logits: the schedule's loss_fn."""
+        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
+
+        The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
+        else logits (a tensor-parallel head).
+        """
+        if output.shape == labels.shape:
+            return self.loss_func.reduce(output, None, labels)["lm_loss"]
         return self.loss_func(output, labels)["lm_loss"]
 
     def num_parameters(self, non_embedding: bool = False) -> int:

@@ -182,7 +182,7 @@ class GPTModel(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         kv_caches: Optional[Mapping[str, KVCache]] = None,
         logits_to_keep: int = 0,
-        skip_lm_head: bool = False,
+        lm_labels: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
@@ -191,7 +191,9 @@ class GPTModel(nn.Module):
         ``position_ids`` ``[batch, seq]``, ``kv_caches`` (a ``KVCache`` per key of ``layers``;
         ``input_ids`` are then only the positions after the cached ones) and
         ``logits_to_keep`` (> 0: logits of the last that many positions only).
-        ``skip_lm_head`` returns the final hidden states (after the final layer norm) instead of logits.
+        With ``lm_labels`` (next-token ids, -100 ignored) and a head that can fuse
+        (``fuses_cross_entropy``), the per-token loss ``[batch, seq]`` (fp32) comes out instead of
+        logits: the pretraining loss and a pipeline's last stage never hold the logits.
         """
         if self.embeddings is not None:
             hidden_states = self.embeddings(input_ids, position_ids)
@@ -204,9 +206,11 @@ class GPTModel(nn.Module):
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
-        if self.lm_head is not None and not skip_lm_head:
-            return self.lm_head(hidden_states)
-        return hidden_states
+        if self.lm_head is None:
+            return hidden_states
+        if lm_labels is not None and self.fuses_cross_entropy():
+            return linear_cross_entropy(hidden_states, self.lm_head.weight, lm_labels)
+        return self.lm_head(hidden_states)
 
     def fuses_cross_entropy(self) -> bool:
         """Whether the training loss may skip the logits (``linear_cross_entropy``).
@@ -331,12 +335,6 @@ class GPTLoss(nn.Module):
         """The loss dict from logits ``[batch, seq, vocab]`` (a DTensor under tensor parallelism)."""
         return self.reduce(self.cross_entropy(logits, labels, ignore_index=self.ignore_index), labels, loss_mask)
 
-    def from_hidden(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
-    ) -> dict:
-        """The loss dict of ``logits = hidden @ weight.T`` without materialising the logits."""
-        return self.reduce(linear_cross_entropy(hidden, weight, labels, self.ignore_index), labels, loss_mask)
-
     def reduce(self, per_token: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
         """Token-weighted mean of a per-token loss and the sums for perplexity."""
         weights = (labels != self.ignore_index).to(per_token.dtype)
@@ -368,8 +366,7 @@ class GPTForPreTraining(nn.Module):
     ) -> dict:
         model = self.GPT_model
         if labels is not None and model.fuses_cross_entropy():
-            hidden = model(input_ids, skip_lm_head=True)
-            outputs = self.loss_func.from_hidden(hidden, model.lm_head.weight, labels, loss_mask)
+            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels), labels, loss_mask)
             outputs.update(collect_moe_outputs(model))
             return outputs
         logits = model(input_ids)
@@ -383,8 +380,20 @@ class GPTForPreTraining(nn.Module):
         """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
         return self.GPT_model
 
+    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
+        ``lm_labels``, so the last one returns per-token losses from the fused head."""
+        kwargs = {"lm_labels": batch["labels"]} if self.GPT_model.fused_cross_entropy else {}
+        return (batch["input_ids"],), kwargs, batch["labels"]
+
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss (labels of -100 ignored) of the last pipeline stage's logits: the schedule's loss_fn."""
+        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
+
+        The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
+        else logits (a tensor-parallel head).
+        """
+        if output.shape == labels.shape:
+            return self.loss_func.reduce(output, labels)["lm_loss"]
         return self.loss_func(output, labels)["lm_loss"]
 
     def num_parameters(self, non_embedding: bool = False) -> int:

@@ -1,4 +1,6 @@
 """Seq2seq LM loss with the sums needed for token-weighted perplexity, plus token accuracy."""
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -60,8 +62,8 @@ class MT5Loss(nn.Module):
         per_token, correct = linear_cross_entropy(hidden, weight, labels, self.ignore_index, return_top1=True)
         return self.reduce(per_token, correct, labels)
 
-    def reduce(self, per_token: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor) -> dict:
-        """Token-averaged loss, perplexity sums and accuracy from per-token losses and top-1 hits."""
+    def reduce(self, per_token: torch.Tensor, correct: Optional[torch.Tensor], labels: torch.Tensor) -> dict:
+        """Token-averaged loss, perplexity sums and accuracy from per-token losses and top-1 hits (None: no accuracy)."""
         keep = labels != self.ignore_index
         weights = keep.to(per_token.dtype)
         nll_sum = (per_token * weights).sum()
@@ -69,5 +71,7 @@ class MT5Loss(nn.Module):
         # A batch with nothing to predict yields 0, not NaN.
         denominator = weights.sum().clamp(min=1.0)
         lm_loss = nll_sum / denominator
-        token_acc = correct.sum().to(per_token.dtype) / denominator
-        return {"lm_loss": lm_loss, "num_tokens": num_tokens, "nll_sum": nll_sum.detach(), "token_acc": token_acc}
+        out = {"lm_loss": lm_loss, "num_tokens": num_tokens, "nll_sum": nll_sum.detach()}
+        if correct is not None:
+            out["token_acc"] = correct.sum().to(per_token.dtype) / denominator
+        return out
