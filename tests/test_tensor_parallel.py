@@ -258,3 +258,73 @@ def test_dp2_tp2_matches_one_process_mean_over_batch_halves(tmp_path):
         got = {**r["gpt_sp1"], **mean}
         _assert_matches(got, ref)
     assert ranks[0]["gpt_sp1"]["placements"]["GPT_model.layers.0.mlp.dense_h_to_4h.weight"][1] == "S(0)"
+
+
+def _vocab_parallel_head_loss(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from libai_lite.layers import linear_cross_entropy
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 16, generator=g)
+    weight = torch.randn(40, 16, generator=g) * 0.5  # 40 ids: 20 per rank
+    target = torch.randint(0, 40, (2, 6), generator=g)
+    target[0, :2] = -100
+    token_weights = torch.rand(2, 6, generator=g)
+    results = {}
+    for amp in (False, True):
+        for layout in ("replicated", "sequence"):
+            w = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+            full = hidden.clone().requires_grad_()
+            # Under sequence parallelism the head gets this rank's slice of the sequence.
+            h = full if layout == "replicated" else full.chunk(world, dim=1)[rank]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss, top1 = linear_cross_entropy(h, w, target, return_top1=True)
+            (loss * token_weights).sum().backward()
+            results[(amp, layout)] = {"loss": loss.detach(), "top1": top1, "grad_hidden": full.grad,
+                                      "grad_weight": w.grad.full_tensor()}
+    if rank == 0:
+        torch.save(results, os.path.join(out, "tp.pt"))
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_fused_head_loss_matches_one_process(tmp_path):
+    """The fused head + loss with the vocabulary split over 2 ranks (replicated or sequence-split
+    input, fp32 and bf16 autocast): the one-process loss, top-1 and gradients."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from libai_lite.layers import linear_cross_entropy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_vocab_parallel_head_loss, args=(2, port, str(tmp_path)), nprocs=2)
+    got = torch.load(tmp_path / "tp.pt")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 16, generator=g)
+    weight = torch.randn(40, 16, generator=g) * 0.5
+    target = torch.randint(0, 40, (2, 6), generator=g)
+    target[0, :2] = -100
+    token_weights = torch.rand(2, 6, generator=g)
+    for amp in (False, True):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss, top1 = linear_cross_entropy(h, w, target, return_top1=True)
+        (loss * token_weights).sum().backward()
+        tol = dict(atol=2e-2, rtol=2e-2) if amp else dict(atol=1e-5, rtol=1e-5)
+        for layout in ("replicated", "sequence"):
+            res = got[(amp, layout)]
+            torch.testing.assert_close(res["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
+            assert torch.equal(res["top1"], top1)
+            grad_hidden = h.grad
+            if layout == "sequence":  # rank 0 holds (and gets the gradient of) the first half of the sequence
+                grad_hidden = torch.cat([h.grad[:, :3], torch.zeros_like(h.grad[:, 3:])], dim=1)
+            torch.testing.assert_close(res["grad_hidden"], grad_hidden, **tol, msg=lambda m, k=(amp, layout): f"{k}: {m}")
+            torch.testing.assert_close(res["grad_weight"], w.grad, **tol)

@@ -4,7 +4,7 @@ from .embedding import Embedding, VocabEmbedding
 from .init_methods import init_method_normal, scaled_init_method_normal
 from .layer_norm import LayerNorm, RMSLayerNorm
 from .linear import Linear1D
-from .loss import ParallelCrossEntropyLoss, linear_cross_entropy
+from .loss import ParallelCrossEntropyLoss, fusable_head_weight, linear_cross_entropy
 from .mlp import MLP
 from .moe import MoEConfig, MoELayer, collect_moe_outputs
 from .transformer_layer import TransformerLayer
@@ -22,6 +22,7 @@ __all__ = [
     "TransformerLayer",
     "VocabEmbedding",
     "collect_moe_outputs",
+    "fusable_head_weight",
     "init_method_normal",
     "linear_cross_entropy",
     "scaled_init_method_normal",

@@ -1,8 +1,9 @@
-"""Cross entropy that stays correct when the logits are split over the vocabulary."""
+"""Cross entropy that stays correct when the logits are split over the vocabulary, and the LM head fused with it."""
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 class ParallelCrossEntropyLoss(nn.Module):
@@ -110,6 +111,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+def fusable_head_weight(weight: torch.Tensor) -> bool:
+    """Whether ``linear_cross_entropy`` takes this LM-head weight: a plain tensor, or a DTensor
+    split on the vocabulary (dim 0) over a 1-D mesh (tensor parallelism)."""
+    if not isinstance(weight, DTensor):
+        return True
+    return weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
     return_top1: bool = False,
@@ -120,7 +129,9 @@ def linear_cross_entropy(
     loss shaped like ``target``, 0 where ``target == ignore_index``, the logits computed in
     autocast's dtype when autocast is on. It holds one ``[tokens, vocab]`` buffer instead of up
     to five and makes fewer passes over it; the loss stays exact (fp32 softmax). Both tensors
-    must be local (no DTensor): a vocabulary-parallel head goes through ``loss_parallel``.
+    may be plain tensors, or ``weight`` a DTensor split on the vocabulary over a 1-D mesh (the
+    tensor-parallel head): each rank then forms its slice of the logits only, and ``hidden`` may
+    be replicated or, under sequence parallelism, this rank's slice of the sequence (dim 1).
     ``return_top1=True`` also returns whether each target is the arg-max of its logits (bool,
     False where ignored), for token accuracy from the probabilities already computed.
     """
@@ -129,9 +140,105 @@ def linear_cross_entropy(
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    loss, is_top1 = _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), ignore_index, compute_dtype, return_top1
-    )
+    if isinstance(weight, DTensor):
+        loss, is_top1 = _vocab_parallel(hidden, weight, target, ignore_index, compute_dtype, return_top1)
+    else:
+        loss, is_top1 = _LinearCrossEntropy.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), ignore_index, compute_dtype, return_top1
+        )
     if return_top1:
         return loss.view(target.shape), is_top1.view(target.shape)
     return loss.view(target.shape)
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """``_LinearCrossEntropy`` with the weight's rows (the vocabulary) split over ``group``.
+
+    Megatron's vocabulary-parallel cross entropy fused with the head: each rank forms only
+    its ``[N, V / tp]`` slice of the logits; the row max, the softmax denominator and the target
+    logit are combined with two all-reduces of ``N`` values. ``hidden`` is the whole (gathered)
+    input on every rank; the hidden gradient returned is this rank's partial sum, which the
+    caller reduces over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, compute_dtype, with_top1, group, vocab_start):
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            probs = h @ w.t()  # this rank's logits, turned into its slice of the softmax below
+            valid = target != ignore_index
+            local_target = target - vocab_start
+            owned = valid & (local_target >= 0) & (local_target < probs.shape[1])
+            safe_target = torch.where(owned, local_target, 0)
+            acc = torch.promote_types(probs.dtype, torch.float32)  # row statistics in fp32 (fp64 stays)
+            target_logit = probs.gather(1, safe_target[:, None])[:, 0].to(acc) * owned
+            row_max = probs.amax(-1).to(acc)
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            if probs.dtype == acc:
+                probs.sub_(row_max[:, None]).exp_()
+                denominator = probs.sum(-1)
+            else:
+                denominator = torch.empty_like(row_max)
+                budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
+                rows = max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+                for start in range(0, probs.shape[0], rows):
+                    chunk = probs[start:start + rows]
+                    e = chunk.to(acc).sub_(row_max[start:start + rows, None]).exp_()
+                    denominator[start:start + rows] = e.sum(-1)
+                    chunk.copy_(e)
+            sums = torch.stack([denominator, target_logit])
+            dist.all_reduce(sums, group=group)
+            denominator, target_logit = sums[0], sums[1]
+            probs.div_(denominator[:, None].to(probs.dtype))
+            loss = (denominator.log() + row_max - target_logit).masked_fill_(~valid, 0.0)
+            is_top1 = (target_logit >= row_max) & valid if with_top1 else valid.new_zeros(())
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ctx.save_for_backward(h, w, probs, safe_target, owned, valid)
+            ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(is_top1)
+        return loss, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_top1):
+        h, w, probs, safe_target, owned, valid = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        scale = (grad_loss.float() * valid)[:, None]
+        grad_hidden = grad_weight = None
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                onehot_rows = w[safe_target].float() * owned[:, None]  # only the rank owning a target subtracts it
+                grad_hidden = (probs @ w).float().sub_(onehot_rows).mul_(scale).to(hidden_dtype)
+            if ctx.needs_input_grad[1]:
+                scaled = h.float() * scale
+                grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
+                grad_weight.index_add_(0, safe_target[owned], scaled[owned], alpha=-1.0)
+                grad_weight = grad_weight.to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _vocab_parallel(hidden, weight, target, ignore_index, compute_dtype, return_top1):
+    """Gather ``hidden`` over the weight's mesh (sequence-sharded or replicated), run the split
+    head + loss, and let DTensor's autograd reduce the partial hidden gradients back."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"linear_cross_entropy needs the weight split on the vocabulary over one mesh "
+                         f"dimension, got placements {tuple(weight.placements)} on a {mesh.ndim}-D mesh")
+    tp = mesh.size()
+    if tuple(hidden.shape[:-1]) == tuple(target.shape):
+        layout = Replicate()
+    elif hidden.dim() == 3 and hidden.shape[1] * tp == target.shape[1]:
+        layout = Shard(1)  # sequence parallelism: this rank's slice of the sequence
+    else:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match target {tuple(target.shape)} "
+                         f"(whole, or split on the sequence over {tp} ranks)")
+    # Backward turns the per-rank partial gradients into the input's layout: an all-reduce for a
+    # replicated input, a reduce-scatter for a sequence slice.
+    full = DTensor.from_local(hidden, mesh, [layout], run_check=False).redistribute(mesh, [Replicate()])
+    full = full.to_local(grad_placements=[Partial()])
+    local_weight = weight.to_local()
+    vocab_start = mesh.get_local_rank() * local_weight.shape[0]
+    return _VocabParallelLinearCrossEntropy.apply(
+        full.reshape(-1, full.shape[-1]), local_weight, target.reshape(-1), ignore_index, compute_dtype,
+        return_top1, mesh.get_group(), vocab_start,
+    )

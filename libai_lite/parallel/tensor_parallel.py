@@ -15,6 +15,8 @@ declared intent                             plan entry (tp mesh)
 LM head (a "col" ``Linear1D`` tied to a     ``ColwiseParallel(output_layouts=Shard(-1),
 ``VocabEmbedding`` or named ``lm_head``)    use_local_output=False)``: logits stay a
                                             vocab-sharded DTensor for ``loss_parallel``
+                                            (the training loss skips the module and
+                                            fuses head and loss on its weight shard)
 ``Linear1D(parallel="row")``                ``RowwiseParallel()`` (output ``Shard(1)`` with SP)
 ``nn.Embedding`` with ``parallel="col"``    ``ColwiseParallel()``: the table is split on dim 1.
                                             This is how T5's relative-attention bias

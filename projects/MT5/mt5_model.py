@@ -50,7 +50,6 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from libai_lite.layers import (
     Linear1D,
@@ -58,6 +57,7 @@ from libai_lite.layers import (
     RMSLayerNorm,
     VocabEmbedding,
     collect_moe_outputs,
+    fusable_head_weight,
     init_method_normal,
     linear_cross_entropy,
 )
@@ -107,7 +107,7 @@ class MT5Config:
         moe: mixture-of-experts feed-forward layers (``libai_lite.layers.MoEConfig`` keys; off
             when None or ``enabled=False``); ``every_n_layers`` counts within each stack.
         fused_cross_entropy: the training loss computes the LM head and the cross entropy in one
-            step (``libai_lite.layers.linear_cross_entropy``) unless the head is vocabulary-parallel.
+            step (``libai_lite.layers.linear_cross_entropy``), without the logits.
     """
 
     vocab_size: int
@@ -361,9 +361,8 @@ class MT5Model(nn.Module):
         )
 
     def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits: not with a vocabulary-parallel head."""
-        return (self.cfg.fused_cross_entropy and self.lm_head is not None
-                and not isinstance(self.lm_head.weight, DTensor))
+        """Whether the training loss may skip the logits (``linear_cross_entropy``; see ``GPTModel``)."""
+        return self.cfg.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module, a tied matrix once; global sizes even when sharded.

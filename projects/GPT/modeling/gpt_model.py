@@ -9,7 +9,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from libai_lite.layers import (
     Embedding,
@@ -20,6 +19,7 @@ from libai_lite.layers import (
     TransformerLayer,
     VocabEmbedding,
     init_method_normal,
+    fusable_head_weight,
     linear_cross_entropy,
     scaled_init_method_normal,
 )
@@ -73,8 +73,8 @@ class GPTModel(nn.Module):
     ``activation`` is ``"gelu_tanh"`` for GPT-2 (``gelu_new``) or ``"gelu"``/``"relu"``.
     ``moe`` (``model.cfg.moe``, see ``libai_lite.layers.MoEConfig``) makes every
     ``every_n_layers``-th feed-forward a mixture of experts when ``enabled``.
-    ``fused_cross_entropy`` lets ``GPTForPreTraining`` compute the LM head and the loss in one
-    step (``libai_lite.layers.linear_cross_entropy``) when the head is not vocabulary-parallel.
+    ``fused_cross_entropy`` lets the pretraining loss compute the LM head and the cross entropy in
+    one step (``libai_lite.layers.linear_cross_entropy``), without the logits.
     """
 
     def __init__(
@@ -213,13 +213,9 @@ class GPTModel(nn.Module):
         return self.lm_head(hidden_states)
 
     def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits (``linear_cross_entropy``).
-
-        Not with a vocabulary-parallel head (its DTensor logits go through ``loss_parallel``)
-        nor on a pipeline stage without the head.
-        """
-        return (self.fused_cross_entropy and self.lm_head is not None
-                and not isinstance(self.lm_head.weight, DTensor))
+        """Whether the training loss may skip the logits (``linear_cross_entropy``): configured so, on a
+        stage with the head, and the head plain or split on the vocabulary over the tensor-parallel ranks."""
+        return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Count parameters present on this module (the tied embedding/head once).
