@@ -575,7 +575,7 @@ class MT5ForPreTraining(nn.Module):
         """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
 
         The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
-        else logits (a tensor-parallel head).
+        else logits (``model.cfg.fused_cross_entropy=False``).
         """
         if output.shape == labels.shape:
             return self.loss_func.reduce(output, None, labels)["lm_loss"]

@@ -18,8 +18,8 @@ from libai_lite.layers import (
     ParallelCrossEntropyLoss,
     TransformerLayer,
     VocabEmbedding,
-    init_method_normal,
     fusable_head_weight,
+    init_method_normal,
     linear_cross_entropy,
     scaled_init_method_normal,
 )
@@ -386,7 +386,7 @@ class GPTForPreTraining(nn.Module):
         """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
 
         The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
-        else logits (a tensor-parallel head).
+        else logits (``model.cfg.fused_cross_entropy=False``).
         """
         if output.shape == labels.shape:
             return self.loss_func.reduce(output, labels)["lm_loss"]
