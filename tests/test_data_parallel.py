@@ -271,6 +271,9 @@ def _step_with_overflow_on_rank_1(rank: int, world: int, port: int, out: str, pl
     scaler.update()
     torch.save({"stepped": not torch.equal(before, model.weight.detach()), "scale": scaler.get_scale()},
                os.path.join(out, f"{rank}.pt"))
+    # Every rank past its last collective before teardown: tearing gloo down while a peer still
+    # talks to it can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -289,6 +289,9 @@ def _vocab_parallel_head_loss(rank: int, world: int, port: int, out: str) -> Non
                                       "grad_weight": w.grad.full_tensor()}
     if rank == 0:
         torch.save(results, os.path.join(out, "tp.pt"))
+    # Every rank past its last collective before teardown: tearing gloo down while a peer still
+    # talks to it can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
