@@ -39,6 +39,39 @@ _MIN_SCRATCH_ROWS = 8
 _TINY_PROB = 1e-30
 
 
+def _scratch_rows(probs: torch.Tensor) -> int:
+    """Rows of ``probs`` per fp32 scratch chunk (``_SCRATCH_ELEMENTS`` for its device, at least one)."""
+    budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
+    return max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+
+
+def _save_for_head_backward(ctx, hidden, weight, h, w, probs, safe_target, owned, valid) -> None:
+    """Keep what ``_head_backward`` needs, when an input wants a gradient (nothing in evaluation)."""
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        ctx.save_for_backward(h, w, probs, safe_target, owned, valid)
+        ctx.input_dtypes = (hidden.dtype, weight.dtype)
+
+
+def _head_backward(ctx, grad_loss):
+    """Gradients of ``hidden`` and ``weight`` from the saved softmax ``P``: ``g (P W - W[t])`` and
+    ``P^T (g h) - scatter(t, g h)``, the one-hot terms only for targets in ``owned`` (this rank's
+    vocabulary rows; every valid target without tensor parallelism)."""
+    h, w, probs, safe_target, owned, valid = ctx.saved_tensors
+    hidden_dtype, weight_dtype = ctx.input_dtypes
+    scale = (grad_loss.float() * valid)[:, None]  # ignored tokens have a constant 0 loss
+    grad_hidden = grad_weight = None
+    with torch.autocast(h.device.type, enabled=False):
+        if ctx.needs_input_grad[0]:
+            onehot_rows = w[safe_target].float() * owned[:, None]
+            grad_hidden = (probs @ w).float().sub_(onehot_rows).mul_(scale).to(hidden_dtype)
+        if ctx.needs_input_grad[1]:
+            scaled = h.float() * scale
+            grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
+            grad_weight.index_add_(0, safe_target[owned], scaled[owned], alpha=-1.0)
+            grad_weight = grad_weight.to(weight_dtype)
+    return grad_hidden, grad_weight
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, target)`` per token, storing one ``[N, V]`` buffer.
 
@@ -67,8 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 target_prob = torch.empty(target.shape, dtype=torch.float32, device=probs.device)
                 top_prob = torch.empty_like(target_prob) if with_top1 else None
-                budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
-                rows = max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+                rows = _scratch_rows(probs)
                 scratch = torch.empty(rows, probs.shape[1], dtype=torch.float32, device=probs.device)
                 for start in range(0, probs.shape[0], rows):
                     chunk = probs[start:start + rows]
@@ -88,27 +120,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss.masked_fill_(~valid, 0.0)
             # softmax is monotone, so the target is the top-1 logit iff it has the top probability.
             is_top1 = (target_prob >= top_prob) & valid if with_top1 else valid.new_zeros(())
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            ctx.save_for_backward(h, w, probs, safe_target, valid)
-            ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        _save_for_head_backward(ctx, hidden, weight, h, w, probs, safe_target, valid, valid)
         ctx.mark_non_differentiable(is_top1)
         return loss, is_top1
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_top1):
-        h, w, probs, safe_target, valid = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        scale = (grad_loss.float() * valid)[:, None]  # ignored tokens have a constant 0 loss
-        grad_hidden = grad_weight = None
-        with torch.autocast(h.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                grad_hidden = (probs @ w).float().sub_(w[safe_target].float()).mul_(scale).to(hidden_dtype)
-            if ctx.needs_input_grad[1]:
-                scaled = h.float() * scale
-                grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
-                grad_weight.index_add_(0, safe_target, scaled, alpha=-1.0)
-                grad_weight = grad_weight.to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return (*_head_backward(ctx, grad_loss), None, None, None, None)
 
 
 def fusable_head_weight(weight: torch.Tensor) -> bool:
@@ -180,8 +198,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 denominator = probs.sum(-1)
             else:
                 denominator = torch.empty_like(row_max)
-                budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
-                rows = max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+                rows = _scratch_rows(probs)
                 for start in range(0, probs.shape[0], rows):
                     chunk = probs[start:start + rows]
                     e = chunk.to(acc).sub_(row_max[start:start + rows, None]).exp_()
@@ -193,28 +210,14 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             probs.div_(denominator[:, None].to(probs.dtype))
             loss = (denominator.log() + row_max - target_logit).masked_fill_(~valid, 0.0)
             is_top1 = (target_logit >= row_max) & valid if with_top1 else valid.new_zeros(())
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            ctx.save_for_backward(h, w, probs, safe_target, owned, valid)
-            ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        _save_for_head_backward(ctx, hidden, weight, h, w, probs, safe_target, owned, valid)
         ctx.mark_non_differentiable(is_top1)
         return loss, is_top1
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_top1):
-        h, w, probs, safe_target, owned, valid = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        scale = (grad_loss.float() * valid)[:, None]
-        grad_hidden = grad_weight = None
-        with torch.autocast(h.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                onehot_rows = w[safe_target].float() * owned[:, None]  # only the rank owning a target subtracts it
-                grad_hidden = (probs @ w).float().sub_(onehot_rows).mul_(scale).to(hidden_dtype)
-            if ctx.needs_input_grad[1]:
-                scaled = h.float() * scale
-                grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
-                grad_weight.index_add_(0, safe_target[owned], scaled[owned], alpha=-1.0)
-                grad_weight = grad_weight.to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        # The hidden gradient is this rank's partial sum; _vocab_parallel's DTensor reduces it.
+        return (*_head_backward(ctx, grad_loss), None, None, None, None, None, None)
 
 
 def _vocab_parallel(hidden, weight, target, ignore_index, compute_dtype, return_top1):
