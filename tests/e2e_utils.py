@@ -1,4 +1,5 @@
-"""Running tools/train_net.py and tools/train.sh the way a user does, for the end-to-end tests."""
+"""Running tools/train_net.py and tools/train.sh the way a user does, for the end-to-end tests,
+and spawning in-process rank workers for the multi-process unit tests."""
 import json
 import os
 import socket
@@ -95,3 +96,22 @@ def tree_snapshot(path) -> dict:
     """Relative path -> (size, mtime) of every file under `path`, to show nothing changed."""
     path = Path(path)
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+def _run_then_exit(rank, fn, args):
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: with gloo's worker threads still alive (a DTensor model keeps
+    # its process group referenced after destroy_process_group), tearing the interpreter down can
+    # abort with "terminate called without an active exception" after every check has passed
+    # (pytorch/pytorch#179291, pytorch/gloo#155), failing a test that passed.
+    os._exit(0)
+
+
+def spawn_ranks(fn, nprocs, args=(), start_method="spawn"):
+    """Run `fn(rank, *args)` in `nprocs` processes; a worker that raises fails the caller with its
+    traceback, a worker that returns exits at once without interpreter teardown."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_run_then_exit, args=(fn, tuple(args)), nprocs=nprocs, join=True, start_method=start_method)

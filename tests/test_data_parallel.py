@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dp_worker
+from e2e_utils import spawn_ranks
 from dp_worker import CFG, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
 
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
@@ -279,9 +280,7 @@ def _step_with_overflow_on_rank_1(rank: int, world: int, port: int, out: str, pl
 
 @pytest.mark.parametrize("plain", [False, True], ids=["build_loss_scaler", "plain-GradScaler"])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, plain):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_step_with_overflow_on_rank_1, args=(2, _free_port(), str(tmp_path), plain), nprocs=2)
+    spawn_ranks(_step_with_overflow_on_rank_1, 2, (2, _free_port(), str(tmp_path), plain))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     if plain:
         # What the synchronised scaler prevents: rank 0 steps, rank 1 skips, the replicas part ways.

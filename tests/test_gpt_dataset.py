@@ -29,6 +29,8 @@ from libai_lite.data import (
 )
 from libai_lite.data import gpt_dataset as gd
 
+from e2e_utils import spawn_ranks
+
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "megatron"
 
 
@@ -543,12 +545,9 @@ def _two_rank_worker(rank, world_size, init_file, prefix, out_dir):
 
 
 def test_rank0_builds_and_other_ranks_wait(tmp_path):
-    import torch.multiprocessing as mp
-
     prefix, _ = make_corpus(tmp_path, num_docs=50)
     # fork: the children need no fresh interpreter, which keeps this test at about a second.
-    mp.start_processes(_two_rank_worker, args=(2, str(tmp_path / "init"), prefix, str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    spawn_ranks(_two_rank_worker, 2, (2, str(tmp_path / "init"), prefix, str(tmp_path)), start_method="fork")
     assert (tmp_path / "builds0.txt").read_text() == "train,valid"
     assert (tmp_path / "builds1.txt").read_text() == ""
     np.testing.assert_array_equal(np.load(tmp_path / "shuffle0.npy"), np.load(tmp_path / "shuffle1.npy"))

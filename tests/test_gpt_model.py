@@ -5,11 +5,12 @@ import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from libai_lite.layers import Linear1D, VocabEmbedding
 from projects.GPT.modeling import GPTForPreTraining, GPTModel
 from projects.GPT.modeling.hf_mapping import config_from_hf, state_dict_from_hf
+
+from e2e_utils import spawn_ranks
 
 TINY = dict(
     hidden_layers=2,
@@ -302,5 +303,5 @@ def test_declared_intent_gives_single_process_loss_and_grads_under_tp2():
     head-major qkv and loss_parallel, must reproduce the one-process loss and gradients."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        mp.spawn(_tp_worker, args=(2, os.path.join(tmp, "store"), result), nprocs=2, join=True)
+        spawn_ranks(_tp_worker, 2, (2, os.path.join(tmp, "store"), result))
         assert open(result).read() == "ok"

@@ -7,7 +7,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from libai_lite.layers import Linear1D, VocabEmbedding
@@ -15,6 +14,8 @@ from libai_lite.utils.errors import UsageError
 from projects.MT5 import MT5ForPreTraining, MT5Model
 from projects.MT5.hf_mapping import state_dict_from_hf
 from projects.MT5.layers import MT5Loss, RelativePositionBias, relative_position_bucket
+
+from e2e_utils import spawn_ranks
 
 VOCAB, HIDDEN, LAYERS, HEADS, HEAD_SIZE, FFN = 128, 48, 2, 4, 8, 96  # heads * head_size (32) != hidden (48)
 
@@ -445,5 +446,5 @@ def test_declared_intent_gives_single_process_loss_accuracy_and_grads_under_tp2(
     must reproduce the one-process loss, token accuracy and gradients, for mT5 and tied T5."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
-        mp.spawn(_tp_worker, args=(2, os.path.join(tmp, "store"), result), nprocs=2, join=True)
+        spawn_ranks(_tp_worker, 2, (2, os.path.join(tmp, "store"), result))
         assert open(result).read() == "ok"

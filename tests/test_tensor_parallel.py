@@ -22,6 +22,7 @@ from libai_lite.parallel.tensor_parallel import (
 from libai_lite.utils.errors import UsageError
 
 import tp_worker
+from e2e_utils import spawn_ranks
 from tp_worker import TINY_GPT, TinyT5, build, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,14 +301,12 @@ def test_vocab_parallel_fused_head_loss_matches_one_process(tmp_path):
     input, fp32 and bf16 autocast): the one-process loss, top-1 and gradients."""
     import socket
 
-    import torch.multiprocessing as mp
-
     from libai_lite.layers import linear_cross_entropy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_vocab_parallel_head_loss, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn_ranks(_vocab_parallel_head_loss, 2, (2, port, str(tmp_path)))
     got = torch.load(tmp_path / "tp.pt")
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 6, 16, generator=g)
