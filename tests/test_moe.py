@@ -156,12 +156,11 @@ def test_bad_moe_config_is_one_usage_error(cfg, needle):
 
 
 @pytest.mark.parametrize("layout,needle", [
-    (dict(pp=1, dp=2, tp=1, zero_stage=0, sequence_parallel=False, ep=4),
+    (dict(dp=2, tp=1, zero_stage=0, sequence_parallel=False, ep=4),
      "ep_size=4 does not divide the data-parallel size 2"),
-    (dict(pp=2, dp=2, tp=1, zero_stage=0, sequence_parallel=False, ep=1), "pipeline_parallel_size=1"),
-    (dict(pp=1, dp=2, tp=1, zero_stage=1, sequence_parallel=False, ep=2), "zero_optimization.stage=2"),
-    (dict(pp=1, dp=2, tp=2, zero_stage=0, sequence_parallel=False, ep=2), "with tensor parallelism is not supported"),
-    (dict(pp=1, dp=1, tp=2, zero_stage=0, sequence_parallel=True, ep=1), "sequence_parallel=False"),
+    (dict(dp=2, tp=1, zero_stage=1, sequence_parallel=False, ep=2), "zero_optimization.stage=2"),
+    (dict(dp=2, tp=2, zero_stage=0, sequence_parallel=False, ep=2), "with tensor parallelism is not supported"),
+    (dict(dp=1, tp=2, zero_stage=0, sequence_parallel=True, ep=1), "sequence_parallel=False"),
 ])
 def test_layouts_moe_cannot_run_are_refused(layout, needle):
     moe = MoEConfig(enabled=True, num_experts=4, ep_size=layout.pop("ep"))

@@ -353,8 +353,8 @@ class DefaultTrainer:
         validate_zero_config(self.zero_stage(cfg), self.offload(cfg), self.fsdp_param_dtype(cfg))
         from ..parallel.expert_parallel import check_moe_layout, moe_config
 
-        check_moe_layout(moe_config(cfg.model.cfg), self.ctx.pipeline_parallel_size, self.ctx.data_parallel_size,
-                         self.ctx.tensor_parallel_size, self.zero_stage(cfg), bool(cfg.train.dist.get("sequence_parallel")))
+        check_moe_layout(moe_config(cfg.model.cfg), self.ctx.data_parallel_size, self.ctx.tensor_parallel_size,
+                         self.zero_stage(cfg), bool(cfg.train.dist.get("sequence_parallel")))
         pp = self.ctx.pipeline_parallel_size
         if pp > 1:
             from ..parallel.pipeline import check_schedule

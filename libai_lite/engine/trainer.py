@@ -253,7 +253,7 @@ class PipelineTrainer(EagerTrainer):
 
     The step's `num_accumulation_steps` micro-batches are concatenated and handed to the
     schedule as its micro-batches; only the first stage reads the inputs and only the last
-    the labels. The loss comes back on every rank for logging.
+    the labels. The loss (and MoE statistics) come back on every rank for logging.
     """
 
     def __init__(self, *args, stepper, **kwargs):
@@ -265,7 +265,7 @@ class PipelineTrainer(EagerTrainer):
         inputs, kwargs, labels = self.stepper.split_batch(batch)
         with self.loss_context(), self.autocast():
             loss = self.stepper.step(inputs, labels, grad_scaler=self.grad_scaler, kwargs=kwargs)
-        return {"lm_loss": loss.float()}
+        return {"lm_loss": loss.float(), **self.stepper.step_metrics}
 
     def clip_gradients(self, max_norm: float) -> float:
         # The stepper counts the tied embedding / LM-head weight once across stages.

@@ -24,6 +24,12 @@ and statistics are left on the module after each forward, and ``collect_moe_outp
 them into the pretraining wrapper's output dict (``moe_aux_loss``, back-propagated by the trainer;
 ``moe_dropped_frac`` and ``moe_load_max``, logged).
 
+Under pipeline parallelism a stage's output is the hidden state, so the auxiliary loss cannot join
+the schedule's loss. There (``aux_loss_in_backward``) the layer returns its output through an identity
+whose backward also back-propagates ``aux_loss_weight * aux_loss`` (Megatron-LM's
+``MoEAuxLossAutoScaler``): the gradients are those of language-model loss plus auxiliary loss, and
+each backward records the micro-batch's statistics for ``collect_pipeline_moe_outputs``.
+
 Expert parallelism (``libai_lite.parallel.expert_parallel``) keeps only this rank's experts in
 ``experts`` (a ``ModuleDict`` keyed by the GLOBAL expert index, so checkpoints do not depend on the
 layout) and sets ``ep_group``; tokens then travel to their expert's rank and back by all-to-all.
@@ -210,6 +216,25 @@ class Experts(nn.ModuleDict):
         return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)], dim=0)
 
 
+class _AuxLossInBackward(torch.autograd.Function):
+    """Identity on the layer output; its backward adds the weighted auxiliary loss's gradient and
+    records the micro-batch's statistics on the layer (once per micro-batch: under activation
+    checkpointing the recomputed forward's graph is never back-propagated)."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, layer, stats):
+        ctx.layer, ctx.stats = layer, stats
+        ctx.aux_value = aux_loss.detach()
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        layer = ctx.layer
+        layer.step_records.append(dict(ctx.stats, aux=layer.aux_loss_weight * ctx.aux_value))
+        grad_aux = torch.full_like(ctx.aux_value, layer.aux_loss_weight * layer.aux_grad_scale)
+        return grad_output, grad_aux, None, None
+
+
 class MoELayer(nn.Module):
     """Routed mixture of ``MLP`` experts with the ``MLP`` interface: ``forward(hidden_states) -> hidden_states``.
 
@@ -251,6 +276,12 @@ class MoELayer(nn.Module):
         self.ep_size = 1
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: dict = {}
+        # Pipeline mode (set by PipelineStepper): the auxiliary loss is back-propagated from the
+        # layer itself, scaled by `aux_grad_scale` (the fp16 loss scale), and each backward
+        # appends the micro-batch's statistics to `step_records`.
+        self.aux_loss_in_backward = False
+        self.aux_grad_scale = 1.0
+        self.step_records: list[dict] = []
 
     @property
     def local_expert_ids(self) -> list[int]:
@@ -262,7 +293,7 @@ class MoELayer(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor)
-        self.aux_loss = load_balancing_loss(routing.probs, routing.load)
+        aux_loss = load_balancing_loss(routing.probs, routing.load)
         kept = routing.keep.reshape(-1).nonzero().squeeze(1)
         flat_expert = routing.expert_index.reshape(-1)
         # Kept assignments grouped by expert; within an expert, in token order.
@@ -287,7 +318,12 @@ class MoELayer(nn.Module):
             "dropped": assignments - int(order.numel()),
             "load_max": float(load.max() / load.mean()),
         }
-        return out.view(shape)
+        out = out.view(shape)
+        if not self.aux_loss_in_backward:
+            self.aux_loss = aux_loss
+        elif torch.is_grad_enabled():
+            out = _AuxLossInBackward.apply(out, aux_loss, self, dict(self.stats))
+        return out
 
     def extra_repr(self) -> str:
         cf = "none" if self.capacity_factor is None else f"{self.capacity_factor:g}"
@@ -325,6 +361,40 @@ def collect_moe_outputs(model: nn.Module) -> dict:
         # The graph behind the aux loss is released once the wrapper holds it.
         m.aux_loss = None
     return out
+
+
+def collect_pipeline_moe_outputs(modules, n_microbatches: int, group=None) -> dict:
+    """The MoE entries of a pipeline step's log, from the records its backward left on the MoE layers
+    of this rank's stage ``modules`` (``aux_loss_in_backward``); the records are cleared.
+
+    Collective over the pipeline ``group``: every pipeline rank calls it, with or without MoE layers
+    of its own. Per micro-batch the statistics of all stages are combined as ``collect_moe_outputs``
+    combines one model's layers, then averaged over the micro-batches, as the trainer averages them
+    without pipelining.
+    """
+    import torch.distributed as dist
+
+    layers = [m for module in modules for m in moe_layers(module)]
+    device = next((p.device for module in modules for p in module.parameters()), torch.device("cpu"))
+    sums = torch.zeros(n_microbatches, 3, dtype=torch.float64, device=device)  # weighted aux, assignments, dropped
+    load_max = torch.zeros(n_microbatches, dtype=torch.float64, device=device)
+    for m in layers:
+        # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
+        # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
+        for i, r in enumerate(m.step_records[-n_microbatches:]):
+            sums[i, 0] += r["aux"].double()
+            sums[i, 1] += r["assignments"]
+            sums[i, 2] += r["dropped"]
+            load_max[i] = max(float(load_max[i]), r["load_max"])
+        m.step_records = []
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=group)
+    return {
+        "moe_aux_loss": sums[:, 0].mean().float(),
+        "moe_dropped_frac": (sums[:, 2] / sums[:, 1].clamp(min=1)).mean().float(),
+        "moe_load_max": load_max.mean().float(),
+    }
 
 
 def inactive_expert_parameters(model: nn.Module) -> int:

@@ -50,7 +50,7 @@ def moe_config(model_cfg) -> MoEConfig | None:
     return cfg if cfg.enabled else None
 
 
-def check_moe_layout(moe: MoEConfig | None, pp: int, dp: int, tp: int, zero_stage: int,
+def check_moe_layout(moe: MoEConfig | None, dp: int, tp: int, zero_stage: int,
                      sequence_parallel: bool) -> None:
     """Refuse, with one line, layouts MoE layers cannot run under."""
     if moe is None:
@@ -60,11 +60,6 @@ def check_moe_layout(moe: MoEConfig | None, pp: int, dp: int, tp: int, zero_stag
         raise UsageError(
             f"model.cfg.moe.ep_size={ep} does not divide the data-parallel size {dp}: experts are spread over "
             f"data-parallel ranks; use an ep_size that divides {dp} or launch a multiple of {ep} data-parallel ranks"
-        )
-    if pp > 1:
-        raise UsageError(
-            "MoE layers are not supported with pipeline parallelism (the auxiliary loss would not reach the "
-            "schedule's loss); set train.dist.pipeline_parallel_size=1 and use data/expert and tensor parallelism"
         )
     if sequence_parallel:
         raise UsageError(

@@ -42,6 +42,7 @@ state-dict FQNs are those of the unsplit model, whatever the number of local sta
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -51,7 +52,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from ..layers.moe import collect_pipeline_moe_outputs, moe_layers
 from ..utils.errors import UsageError
+from .expert_parallel import expert_norm_group
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -513,7 +516,8 @@ def build_pipeline_schedule(
 
 def _norm_of(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Per-group norms as plain tensors: DTensor grads are grouped by mesh and placements and
-    their norm made full (`get_total_norm` on DTensors returns a partial DTensor)."""
+    their norm made full (`get_total_norm` on DTensors returns a partial DTensor); an expert group's
+    norm also covers the experts on the other ranks of its expert-parallel group."""
     plain = [g for g in grads if not isinstance(g, DTensor)]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -522,9 +526,17 @@ def _norm_of(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     norms = []
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain, norm_type))
-    for group in groups.values():
+    for (mesh, _), group in groups.items():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        ep_group = expert_norm_group(mesh)
+        if ep_group is not None:
+            # Expert parallelism: the stage's other experts live on the other ranks of the ep group.
+            inf = math.isinf(norm_type)
+            norm = norm.float() if inf else norm.float().pow(norm_type)
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ep_group)
+            norm = norm if inf else norm.pow(1.0 / norm_type)
+        norms.append(norm)
     return norms
 
 
@@ -565,7 +577,17 @@ def clip_grad_norm_pipeline(
     if not inf:
         total = total.pow(1.0 / norm_type)
     if max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # On local shards: one scalar is right for any placement, and gradients of different meshes
+        # (experts on the expert-data-parallel mesh, the rest on the data-parallel one) cannot
+        # share one DTensor foreach call.
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        by_device: dict = {}
+        for p in params:
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                by_device.setdefault(g.device, []).append(g)
+        for device_grads in by_device.values():
+            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
     return total
 
 
@@ -610,6 +632,15 @@ class PipelineStepper:
         self._last_rank = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._grad_scaler = None
         self._losses: list[torch.Tensor] = []
+        # A stage returns hidden states, not the auxiliary loss: MoE layers back-propagate it themselves.
+        self._moe_layers = [m for module in self.stage_modules for m in moe_layers(module)]
+        for m in self._moe_layers:
+            m.aux_loss_in_backward = True
+        has_moe = torch.tensor([len(self._moe_layers)], device=self.device)
+        if dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(has_moe, group=pp_group)
+        self._has_moe = bool(has_moe.item())
+        self.step_metrics: dict = {}
         self.schedule = build_pipeline_schedule(
             self.stage_modules, self.stage_ids, num_stages, pp_group, self.device, schedule,
             self.n_microbatches, self._loss,
@@ -680,21 +711,28 @@ class PipelineStepper:
 
         The loss is returned on every pipeline rank when ``broadcast_loss`` (for logging), else
         on the last stage only (None elsewhere). With ``grad_scaler`` (fp16) each micro-batch
-        loss is scaled before its backward; the returned loss is unscaled.
+        loss is scaled before its backward; the returned loss is unscaled. With MoE layers,
+        ``step_metrics`` then holds the step's ``moe_aux_loss`` (already in the gradients),
+        ``moe_dropped_frac`` and ``moe_load_max`` on every pipeline rank.
         """
         for m in self.stage_modules:
             m.train()
         self._grad_scaler = grad_scaler
+        loss_scale = float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
+        for m in self._moe_layers:
+            m.aux_grad_scale = loss_scale
+            m.step_records = []
         try:
             self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels, kwargs)
         finally:
             self._grad_scaler = None
         sync_tied_weight_grads(self.stage_modules, self.tied_group)
+        if self._has_moe:
+            self.step_metrics = collect_pipeline_moe_outputs(self.stage_modules, self.n_microbatches, self.pp_group)
         loss = [0.0]
         if self.is_last:
             # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
-            scale = float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
-            loss = [float(torch.stack([l.detach().float() for l in self._losses]).mean()) / scale]
+            loss = [float(torch.stack([l.detach().float() for l in self._losses]).mean()) / loss_scale]
         if broadcast_loss:
             loss = self._broadcast_losses(loss)
         elif not self.is_last:
