@@ -59,8 +59,8 @@ def train_sh(nproc, args, config=CONFIG, timeout=300, **env_extra):
                           cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
-def losses(out) -> dict:
-    """iteration -> total_loss, the last row for each iteration (a resumed run appends)."""
+def losses(out, key="total_loss") -> dict:
+    """iteration -> `key` (total_loss), the last row for each iteration (a resumed run appends)."""
     rows = {}
     path = Path(out) / "metrics.json"
     if not path.exists():
@@ -72,7 +72,7 @@ def losses(out) -> dict:
             except json.JSONDecodeError:  # a line being written while we read
                 continue
             if "total_loss" in row:
-                rows[row["iteration"]] = row["total_loss"]
+                rows[row["iteration"]] = row[key]
     return rows
 
 

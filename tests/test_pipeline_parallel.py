@@ -391,6 +391,12 @@ def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type
     labels[2, 4:] = -100
     batch = dict(encoder_input_ids=enc, decoder_input_ids=dec, encoder_attn_mask=enc_mask,
                  decoder_attn_mask=dec_mask, encoder_decoder_attn_mask=enc_mask, labels=labels)
+    # A few labels set to the argmax so token_acc is neither 0 nor 1.
+    with torch.no_grad():
+        top = whole(**{k: v for k, v in batch.items() if k != "labels"})["logits"].argmax(-1)
+    labels[0, :4] = top[0, :4]
+    acc = whole(**batch)["token_acc"]
+    assert 0 < acc.item() < 1
 
     expected = whole(**batch)["lm_loss"]
     expected.backward()
@@ -414,9 +420,11 @@ def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type
     out = stages[2](*out, **kwargs)
     assert len(out) == 3 and out[2].shape == (1, 2, 6, 6)  # the decoder bias
     per_token = stages[3](*out, **kwargs)
-    assert per_token.shape == target.shape  # the last stage's fused head returns per-token losses
+    # The last stage's fused head returns per-token losses and top-1 hits.
+    assert per_token.shape == (*target.shape, 2)
     loss = whole.pipeline_loss_fn(per_token, target)
     torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(whole.pipeline_metrics(per_token, target)["token_acc"], acc)
     loss.backward()
 
     got = {}

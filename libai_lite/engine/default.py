@@ -442,7 +442,8 @@ class DefaultTrainer:
         self.stepper = pl.PipelineStepper(
             wrapped, ids, num_stages, ctx.group("pp"), ctx.device, str(cfg.train.dist.get("pipeline_schedule", "1f1b")),
             int(cfg.train.num_accumulation_steps), model.pipeline_loss_fn, tied_group,
-            batch_fn=getattr(model, "pipeline_batch", None),
+            batch_fn=getattr(model, "pipeline_batch", None), metrics_fn=getattr(model, "pipeline_metrics", None),
+            metric_names=getattr(model, "pipeline_metric_names", ()),
         )
         logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
         return view

@@ -199,8 +199,10 @@ class PeriodicWriter(HookBase):
         latest = self.trainer.storage.latest()
         window, self._window = self._window, []
         dp_group = get_dist().group("dp")
-        # Loss averaged over data-parallel ranks: each saw different samples.
-        loss_keys = sorted((k for k in latest if "loss" in k and not k.startswith("valid/")),
+        # Losses and the model's other statistics (token accuracy, MoE load) averaged over
+        # data-parallel ranks: each saw different samples.
+        model_keys = getattr(self.trainer, "model_metric_keys", set())
+        loss_keys = sorted((k for k in latest if ("loss" in k or k in model_keys) and not k.startswith("valid/")),
                            key=lambda k: (k != "total_loss", k))
         reduced = all_reduce_mean([latest[k] for k in loss_keys], group=dp_group)
         raw = dict(latest)

@@ -236,6 +236,8 @@ class EagerTrainer(TrainerBase):
         if not skipped:
             self.scheduler.step()
         metrics = {k: float(v) for k, v in totals.items()}
+        # What the model reported over this rank's samples; the log averages them over data-parallel ranks.
+        self.model_metric_keys = set(metrics)
         metrics.update(
             total_loss=total_loss,
             lr=lr,

@@ -14,6 +14,9 @@ How a model takes part (GPTForPreTraining and MT5ForPreTraining do all of this):
 - ``model.pipeline_loss_fn(output, labels)`` is the mean token loss of the last stage's output:
   logits, or per-token losses when the last stage fuses its LM head with the loss (GPT and MT5
   get the labels as a stage keyword input, ``lm_labels``, from ``pipeline_batch``).
+- ``model.pipeline_metrics(output, labels)`` (optional, with ``pipeline_metric_names``): the
+  logged scalars other than the loss (MT5's token accuracy) of one micro-batch's output; the
+  stepper averages them over the micro-batches and sends them to every pipeline rank.
 - ``model.pipeline_batch(batch)`` (optional; GPT's ``input_ids``/``labels`` when absent) turns
   a loader batch into ``(args, kwargs, labels)``: ``args`` go to the first stage, ``kwargs``
   (masks) to every stage, ``labels`` to the loss.
@@ -615,8 +618,13 @@ class PipelineStepper:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         tied_group=None,
         batch_fn: Callable[[dict], tuple[tuple, dict, torch.Tensor]] | None = None,
+        metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
+        metric_names: Sequence[str] = (),
     ):
         self.stage_modules = list(stage_modules)
+        self.metrics_fn = metrics_fn
+        self.metric_names = tuple(metric_names) if metrics_fn is not None else ()
+        self._metric_records: list[list[float]] = []
         self.batch_fn = batch_fn
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
@@ -650,6 +658,9 @@ class PipelineStepper:
         # torch also calls this on placeholder outputs while inferring backward metadata, so
         # the step's losses come from the schedule's `losses` list, not from here.
         loss = self.loss_fn(output, target)
+        if self.metric_names:
+            metrics = self.metrics_fn(output.detach(), target)
+            self._metric_records.append([float(metrics[k]) for k in self.metric_names])
         if self._grad_scaler is not None and torch.is_grad_enabled():
             return self._grad_scaler.scale(loss)
         return loss
@@ -694,6 +705,7 @@ class PipelineStepper:
         for k, v in kwargs.items():
             self._check_batch(v, k)
         self._losses = []
+        self._metric_records = []
         fn(*args, target=target, losses=self._losses, **kwargs)
 
     def _broadcast_losses(self, values: list[float]) -> list[float]:
@@ -713,7 +725,8 @@ class PipelineStepper:
         on the last stage only (None elsewhere). With ``grad_scaler`` (fp16) each micro-batch
         loss is scaled before its backward; the returned loss is unscaled. With MoE layers,
         ``step_metrics`` then holds the step's ``moe_aux_loss`` (already in the gradients),
-        ``moe_dropped_frac`` and ``moe_load_max`` on every pipeline rank.
+        ``moe_dropped_frac`` and ``moe_load_max`` on every pipeline rank; with ``metrics_fn`` (the
+        model's ``pipeline_metrics``), also the micro-batch mean of each of ``metric_names``.
         """
         for m in self.stage_modules:
             m.train()
@@ -727,16 +740,22 @@ class PipelineStepper:
         finally:
             self._grad_scaler = None
         sync_tied_weight_grads(self.stage_modules, self.tied_group)
+        self.step_metrics = {}
         if self._has_moe:
             self.step_metrics = collect_pipeline_moe_outputs(self.stage_modules, self.n_microbatches, self.pp_group)
-        loss = [0.0]
+        loss = [0.0] * (1 + len(self.metric_names))
         if self.is_last:
             # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
-            loss = [float(torch.stack([l.detach().float() for l in self._losses]).mean()) / loss_scale]
+            loss[0] = float(torch.stack([l.detach().float() for l in self._losses]).mean()) / loss_scale
+            # The last n: on its first step torch also calls the loss on placeholder outputs.
+            records = self._metric_records[-self.n_microbatches:]
+            loss[1:] = [sum(col) / len(col) for col in zip(*records)] if records else loss[1:]
         if broadcast_loss:
             loss = self._broadcast_losses(loss)
         elif not self.is_last:
             return None
+        self.step_metrics.update(
+            {k: torch.tensor(v, dtype=torch.float32) for k, v in zip(self.metric_names, loss[1:])})
         return torch.tensor(loss[0], dtype=torch.float64)
 
     @torch.no_grad()

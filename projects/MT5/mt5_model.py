@@ -282,7 +282,9 @@ class MT5Model(nn.Module):
         own layers: a stage holding encoder layers is mid-encoder. Masks come as keyword
         arguments, which the schedule gives every stage. The last stage returns logits; with
         ``skip_lm_head`` the hidden states the head would multiply (normed, and scaled when tied);
-        with ``lm_labels`` and a head that can fuse, the per-token loss ``[batch, dec_seq]``.
+        with ``lm_labels`` and a head that can fuse, ``[batch, dec_seq, 2]``: each token's loss and
+        whether its label was the top-1 prediction (1.0 or 0.0; ``pipeline_metrics`` turns it into
+        the token accuracy).
         """
         if self.embedding is not None:
             encoder_input_ids, decoder_input_ids = carried
@@ -317,7 +319,10 @@ class MT5Model(nn.Module):
             if skip_lm_head:
                 return decoder_hidden
             if lm_labels is not None and self.fuses_cross_entropy():
-                return linear_cross_entropy(decoder_hidden, self.lm_head.weight, lm_labels)
+                per_token, correct = linear_cross_entropy(decoder_hidden, self.lm_head.weight, lm_labels,
+                                                          return_top1=True)
+                # A stage hands the schedule one tensor: the top-1 hits ride along, without gradient.
+                return torch.stack((per_token, correct.to(per_token.dtype)), dim=-1)
             return self.lm_head(decoder_hidden)
         carried_bias = encoder_bias if encoder_bias is not None else decoder_bias
         # Point-to-point sends need contiguous tensors; the bias is a permuted view of its table lookup.
@@ -571,15 +576,27 @@ class MT5ForPreTraining(nn.Module):
             masks["lm_labels"] = batch["labels"]
         return (batch["encoder_input_ids"], batch["decoder_input_ids"]), masks, batch["labels"]
 
+    # What pipeline_metrics returns, known on every pipeline rank (only the last stage computes it).
+    pipeline_metric_names = ("token_acc",)
+
+    def _pipeline_loss_dict(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
+        if output.shape == labels.shape + (2,):  # the fused head's per-token loss and top-1 hits
+            return self.loss_func.reduce(output[..., 0], output[..., 1] > 0.5, labels)
+        return self.loss_func(output, labels)
+
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
 
-        The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
-        else logits (``model.cfg.fused_cross_entropy=False``).
+        The output is the per-token loss and top-1 hits (``[*labels.shape, 2]``) when the stage
+        fused its head, else logits (``model.cfg.fused_cross_entropy=False``).
         """
-        if output.shape == labels.shape:
-            return self.loss_func.reduce(output, None, labels)["lm_loss"]
-        return self.loss_func(output, labels)["lm_loss"]
+        return self._pipeline_loss_dict(output, labels)["lm_loss"]
+
+    @torch.no_grad()
+    def pipeline_metrics(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The logged scalars other than the loss (``pipeline_metric_names``) of the last stage's output."""
+        out = self._pipeline_loss_dict(output, labels)
+        return {k: out[k] for k in self.pipeline_metric_names}
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """See ``MT5Model.num_parameters``."""
