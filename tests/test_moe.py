@@ -3,7 +3,8 @@
 Routing, capacity and the load-balancing loss are checked on hand-made router logits; a one-expert
 MoE model against the dense model it generalises (exactly); expert parallelism (ep=2, ep=4 with
 data parallelism and ZeRO) against ep=1 under torchrun (tests/moe_worker.py); checkpoints across
-expert-parallel sizes; and the demo configs through the launcher.
+expert-parallel sizes; the auxiliary loss back-propagated by the layers themselves under pipeline
+parallelism (pp=2, pp=2 x ep=2) against one process; and the demo configs through the launcher.
 """
 from __future__ import annotations
 
