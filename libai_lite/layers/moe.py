@@ -322,7 +322,7 @@ class MoELayer(nn.Module):
         if not self.aux_loss_in_backward:
             self.aux_loss = aux_loss
         elif torch.is_grad_enabled():
-            out = _AuxLossInBackward.apply(out, aux_loss, self, dict(self.stats))
+            out = _AuxLossInBackward.apply(out, aux_loss, self, self.stats)
         return out
 
     def extra_repr(self) -> str:
@@ -376,17 +376,20 @@ def collect_pipeline_moe_outputs(modules, n_microbatches: int, group=None) -> di
 
     layers = [m for module in modules for m in moe_layers(module)]
     device = next((p.device for module in modules for p in module.parameters()), torch.device("cpu"))
-    sums = torch.zeros(n_microbatches, 3, dtype=torch.float64, device=device)  # weighted aux, assignments, dropped
-    load_max = torch.zeros(n_microbatches, dtype=torch.float64, device=device)
+    aux = torch.zeros(n_microbatches, dtype=torch.float64, device=device)
+    counts = [[0.0, 0.0] for _ in range(n_microbatches)]  # assignments, dropped
+    load_max = [0.0] * n_microbatches
     for m in layers:
         # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
         # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
         for i, r in enumerate(m.step_records[-n_microbatches:]):
-            sums[i, 0] += r["aux"].double()
-            sums[i, 1] += r["assignments"]
-            sums[i, 2] += r["dropped"]
-            load_max[i] = max(float(load_max[i]), r["load_max"])
+            aux[i] += r["aux"].double()
+            counts[i][0] += r["assignments"]
+            counts[i][1] += r["dropped"]
+            load_max[i] = max(load_max[i], r["load_max"])
         m.step_records = []
+    sums = torch.cat([aux[:, None], torch.tensor(counts, dtype=torch.float64, device=device)], dim=1)
+    load_max = torch.tensor(load_max, dtype=torch.float64, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=group)

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
-from .expert_parallel import expert_norm_group
+from .expert_parallel import reduce_expert_norm
 
 logger = logging.getLogger("libai_lite")
 
@@ -332,16 +332,8 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        ep_group = expert_norm_group(mesh)
-        if ep_group is not None:
-            # Expert parallelism: the other experts' gradients live on the other ranks of the ep group.
-            norm = norm.float()
-            if math.isinf(norm_type):
-                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=ep_group)
-            else:
-                norm = norm.pow(norm_type)
-                dist.all_reduce(norm, group=ep_group)
-                norm = norm.pow(1.0 / norm_type)
+        # Expert parallelism: the other experts' gradients live on the other ranks of the ep group.
+        norm = reduce_expert_norm(norm, mesh, norm_type)
         norms.append(norm.float().cpu())
     if norms:
         stacked = torch.stack(norms)
@@ -362,11 +354,21 @@ def clip_grad_norm_(
     if math.isfinite(float(max_norm)) and params:
         coef = min(float(max_norm) / (total_norm + 1e-6), 1.0)
         if coef < 1.0:
-            # Scaling every local shard by one scalar is correct for any placement (Shard, Replicate, Partial).
-            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-            by_device: dict = {}
-            for g in local:
-                by_device.setdefault(g.device, []).append(g)
-            for grads in by_device.values():
-                torch._foreach_mul_(grads, coef)
+            scale_grads_(params, coef)
     return total_norm
+
+
+def scale_grads_(params: Iterable[torch.Tensor], coef: float | torch.Tensor) -> None:
+    """Multiply every gradient by ``coef`` (a float or a 0-d tensor) in place, shard by shard.
+
+    One scalar is correct for any placement (Shard, Replicate, Partial), and working on local
+    shards lets gradients of different meshes (experts on the expert-data-parallel mesh, the rest
+    on the data-parallel one) go through together, which one DTensor foreach call refuses.
+    """
+    by_device: dict = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device) if torch.is_tensor(coef) else coef)

@@ -25,6 +25,7 @@ data-parallel parameters.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,21 @@ def expert_norm_group(mesh: DeviceMesh | None):
         if edp == mesh:
             return group
     return None
+
+
+def reduce_expert_norm(norm: torch.Tensor, mesh: DeviceMesh | None, norm_type: float) -> torch.Tensor:
+    """``norm`` of the gradients on ``mesh``, extended over the other experts of its ep group (fp32);
+    unchanged when ``mesh`` is not an expert-data-parallel mesh. Collective over that group."""
+    ep_group = expert_norm_group(mesh)
+    if ep_group is None:
+        return norm
+    if math.isinf(norm_type):
+        norm = norm.float()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=ep_group)
+        return norm
+    norm = norm.float().pow(norm_type)
+    dist.all_reduce(norm, group=ep_group)
+    return norm.pow(1.0 / norm_type)
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:

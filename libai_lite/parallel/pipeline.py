@@ -45,7 +45,6 @@ state-dict FQNs are those of the unsplit model, whatever the number of local sta
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -57,7 +56,8 @@ from torch.distributed.tensor import DTensor
 
 from ..layers.moe import collect_pipeline_moe_outputs, moe_layers
 from ..utils.errors import UsageError
-from .expert_parallel import expert_norm_group
+from .data_parallel import scale_grads_
+from .expert_parallel import reduce_expert_norm
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -532,14 +532,7 @@ def _norm_of(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     for (mesh, _), group in groups.items():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        ep_group = expert_norm_group(mesh)
-        if ep_group is not None:
-            # Expert parallelism: the stage's other experts live on the other ranks of the ep group.
-            inf = math.isinf(norm_type)
-            norm = norm.float() if inf else norm.float().pow(norm_type)
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ep_group)
-            norm = norm if inf else norm.pow(1.0 / norm_type)
-        norms.append(norm)
+        norms.append(reduce_expert_norm(norm, mesh, norm_type))
     return norms
 
 
@@ -580,17 +573,7 @@ def clip_grad_norm_pipeline(
     if not inf:
         total = total.pow(1.0 / norm_type)
     if max_norm != float("inf"):
-        # On local shards: one scalar is right for any placement, and gradients of different meshes
-        # (experts on the expert-data-parallel mesh, the rest on the data-parallel one) cannot
-        # share one DTensor foreach call.
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        by_device: dict = {}
-        for p in params:
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                by_device.setdefault(g.device, []).append(g)
-        for device_grads in by_device.values():
-            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+        scale_grads_(params, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
     return total
 
 
@@ -624,7 +607,7 @@ class PipelineStepper:
         self.stage_modules = list(stage_modules)
         self.metrics_fn = metrics_fn
         self.metric_names = tuple(metric_names) if metrics_fn is not None else ()
-        self._metric_records: list[list[float]] = []
+        self._metric_records: list[torch.Tensor] = []
         self.batch_fn = batch_fn
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
@@ -660,7 +643,7 @@ class PipelineStepper:
         loss = self.loss_fn(output, target)
         if self.metric_names:
             metrics = self.metrics_fn(output.detach(), target)
-            self._metric_records.append([float(metrics[k]) for k in self.metric_names])
+            self._metric_records.append(torch.stack([metrics[k].float() for k in self.metric_names]))
         if self._grad_scaler is not None and torch.is_grad_enabled():
             return self._grad_scaler.scale(loss)
         return loss
@@ -747,9 +730,9 @@ class PipelineStepper:
         if self.is_last:
             # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
             loss[0] = float(torch.stack([l.detach().float() for l in self._losses]).mean()) / loss_scale
-            # The last n: on its first step torch also calls the loss on placeholder outputs.
-            records = self._metric_records[-self.n_microbatches:]
-            loss[1:] = [sum(col) / len(col) for col in zip(*records)] if records else loss[1:]
+            if self.metric_names:
+                # The last n: on its first step torch also calls the loss on placeholder outputs.
+                loss[1:] = torch.stack(self._metric_records[-self.n_microbatches:]).mean(0).tolist()
         if broadcast_loss:
             loss = self._broadcast_losses(loss)
         elif not self.is_last:
