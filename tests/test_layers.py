@@ -21,6 +21,7 @@ from libai_lite.layers import (
     linear_cross_entropy,
     scaled_init_method_normal,
 )
+from libai_lite.parallel.sbp import broadcast, placements, split
 
 
 @pytest.fixture(autouse=True)
@@ -80,11 +81,11 @@ def test_init_methods():
     assert abs(w.std().item() - 0.02 / 4) < 1e-3
 
 
-@pytest.mark.parametrize("parallel,sbp", [("col", "split(0)"), ("row", "split(1)"), ("data", "broadcast")])
+@pytest.mark.parametrize("parallel,sbp", [("col", split(0)), ("row", split(1)), ("data", broadcast)])
 def test_linear1d_records_intent(parallel, sbp):
     lin = Linear1D(8, 12, parallel=parallel, layer_idx=3, init_method=init_method_normal(0.02))
     assert isinstance(lin, nn.Linear)
-    assert lin.parallel == parallel and lin.layer_idx == 3 and lin.weight_sbp == sbp
+    assert lin.parallel == parallel and lin.layer_idx == 3 and placements(lin.sbp.weight) == (sbp,)
     assert lin.weight.shape == (12, 8)
     assert torch.count_nonzero(lin.bias) == 0, "init_method path zeroes the bias"
     assert lin(torch.randn(2, 5, 8)).shape == (2, 5, 12)

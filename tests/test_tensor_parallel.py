@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism from declared intent: refusals, the plan, and numerics under torchrun."""
+"""Tensor and sequence parallelism from the declared SBP: refusals, the plan, and numerics under torchrun."""
 import os
 import socket
 import subprocess
@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from libai_lite.layers import Linear1D
+from libai_lite.parallel.sbp import broadcast, declare, split
 from libai_lite.parallel.tensor_parallel import (
     GatherSequence,
     ReplicateParallel,
@@ -144,7 +145,7 @@ def test_data_marked_block_stays_replicated_whole():
             self.down = Linear1D(16, 8, parallel="row")
 
     model = nn.Sequential(Block(), Block())
-    model[1].parallel = "data"
+    model[1].sbp = declare(weight=broadcast)
     plan = tensor_parallel_plan(model)
     assert isinstance(plan["0.up"], ColwiseParallel) and isinstance(plan["0.down"], RowwiseParallel)
     assert isinstance(plan["1"], ReplicateParallel)
@@ -160,6 +161,21 @@ def test_undeclared_container_with_own_parameters_is_refused():
 
     with pytest.raises(UsageError, match=r"^scaled \(Scaled\) has its own parameters"):
         tensor_parallel_plan(nn.ModuleDict({"scaled": Scaled()}))
+
+
+def test_plan_follows_declarations_not_layer_classes():
+    col = nn.Linear(8, 16)
+    col.sbp = Linear1D(8, 16, parallel="col").sbp
+    assert isinstance(tensor_parallel_plan(nn.ModuleDict({"col": col}))["col"], ColwiseParallel)
+    plan = tensor_parallel_plan(nn.ModuleDict({"norm": nn.LayerNorm(8)}), sequence_parallel=True)
+    assert isinstance(plan["norm"], SequenceParallel)  # a plain torch norm reads as LayerNorm's declaration
+
+
+def test_a_split_torch_cannot_make_is_refused():
+    bad = nn.Linear(8, 8)
+    bad.sbp = declare(weight=split(1), output=split(-1))
+    with pytest.raises(UsageError, match=r"^bad \(Linear\) declares weight S\(1\), bias None, output S\(-1\)"):
+        tensor_parallel_plan(nn.ModuleDict({"bad": bad}))
 
 
 # ---------------------------------------------------------------- numerics under torchrun

@@ -55,16 +55,16 @@ DP_CASES = [("gpt", True)]
 class RelativeBias(nn.Module):
     """T5's per-head relative position bias, ``[1, heads, q, k]``, from a ``[buckets, heads]`` table.
 
-    The table is declared ``parallel = "col"`` (split over its heads dimension), so under
-    tensor parallelism each rank looks up only the bias of its own heads.
+    The table is declared ``parallel="col"`` (weight ``split(1)``, over its heads dimension), so
+    under tensor parallelism each rank looks up only the bias of its own heads.
     """
 
     def __init__(self, num_buckets: int, num_heads: int, bidirectional: bool):
         super().__init__()
         self.num_buckets = num_buckets
         self.bidirectional = bidirectional
-        self.relative_attention_bias = Embedding(num_buckets, num_heads, init_method=init_method_normal(0.5))
-        self.relative_attention_bias.parallel = "col"
+        self.relative_attention_bias = Embedding(num_buckets, num_heads, init_method=init_method_normal(0.5),
+                                                 parallel="col")
 
     def forward(self, q_len: int, k_len: int, device) -> torch.Tensor:
         rel = torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]

@@ -1,4 +1,9 @@
-"""Parallel-aware building blocks. Layers declare intent (``parallel=``, ``layer_idx``); ``libai_lite.parallel`` acts on it."""
+"""Parallel-aware building blocks.
+
+Layers declare the SBP of their weights and activations (``sbp``, with the vocabulary of
+``libai_lite.parallel.sbp``; ``parallel=`` is the shorthand) and their ``layer_idx``;
+``libai_lite.parallel`` turns those declarations into placements and pipeline stages.
+"""
 from .attention import MultiheadAttention
 from .embedding import Embedding, VocabEmbedding
 from .init_methods import init_method_normal, scaled_init_method_normal

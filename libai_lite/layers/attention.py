@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.sbp import broadcast, declare, hidden
 from .init_methods import InitMethod
 from .linear import Linear1D
 
@@ -72,6 +73,10 @@ class MultiheadAttention(nn.Module):
     column-parallel ``query`` over the decoder states and a fused ``key_value`` laid out
     ``[num_heads, 2, head_size]`` over ``encoder_states``.
 
+    SBP: the projections are split in whole heads (``split_unit``); the block itself needs
+    ``hidden_states`` and ``encoder_states`` whole (``broadcast``), since a column-parallel
+    projection reads every position, and gives hidden states once ``dense`` is summed.
+
     Args:
         hidden_size: model width (input and output features).
         num_attention_heads: heads in the unsplit model.
@@ -88,6 +93,8 @@ class MultiheadAttention(nn.Module):
             (T5 decouples it, e.g. mT5-small has 6 heads of 64 on a 512 model).
         softmax_scale: score scale; defaults to ``1/sqrt(head_size)`` (T5 uses 1.0).
     """
+
+    sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
 
     def __init__(
         self,
@@ -129,17 +136,15 @@ class MultiheadAttention(nn.Module):
         self.layer_idx = layer_idx
 
         inner = num_attention_heads * head_size
+        proj = dict(bias=bias, init_method=init_method, layer_idx=layer_idx)
         if is_cross_attention:
-            self.query = Linear1D(hidden_size, inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx)
-            self.key_value = Linear1D(
-                hidden_size, 2 * inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
-            )
+            self.query = Linear1D(hidden_size, inner, parallel="col", split_unit=head_size, **proj)
+            self.key_value = Linear1D(hidden_size, 2 * inner, parallel="col", split_unit=2 * head_size, **proj)
         else:
-            self.query_key_value = Linear1D(
-                hidden_size, 3 * inner, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
-            )
+            self.query_key_value = Linear1D(hidden_size, 3 * inner, parallel="col", split_unit=3 * head_size, **proj)
         self.dense = Linear1D(
-            inner, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx
+            inner, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx,
+            split_unit=head_size,
         )
         self.output_dropout = nn.Dropout(output_dropout_prob)
 

@@ -1,15 +1,27 @@
-"""Embeddings that declare their tensor-parallel intent."""
+"""Embeddings that declare the SBP of their table and of what they look up."""
 from typing import Optional
 
 from torch import nn
 
+from ..parallel.sbp import LayerSBP, broadcast, declare, hidden, partial_sum, shorthand, split
 from .init_methods import InitMethod
 
+# The table is [num_embeddings, embedding_dim] and the ids are whole on every rank.
+# "vocab" splits the rows: a rank looks up only its own ids and the partial lookups are
+# summed. "col" splits the columns: each rank gets its slice of every vector (T5's
+# relative-attention bias, one column per head). A replicated table's output joins the
+# hidden states, so it takes their layout.
+SBP_SHORTHAND = {
+    "data": declare(weight=broadcast, input=broadcast, output=hidden),
+    "vocab": declare(weight=split(0), input=broadcast, output=partial_sum),
+    "col": declare(weight=split(1), input=broadcast, output=split(-1)),
+}
 
-class _IntentEmbedding(nn.Embedding):
-    """``nn.Embedding`` with a pluggable initialiser and the intent attributes the parallel step reads."""
 
-    parallel = "data"
+class _SBPEmbedding(nn.Embedding):
+    """``nn.Embedding`` with a pluggable initialiser and an SBP declaration (``sbp``) from ``parallel``."""
+
+    default_parallel = "data"
 
     def __init__(
         self,
@@ -18,13 +30,27 @@ class _IntentEmbedding(nn.Embedding):
         padding_idx: Optional[int] = None,
         init_method: Optional[InitMethod] = None,
         layer_idx: int = 0,
+        parallel: Optional[str] = None,
         device=None,
         dtype=None,
     ):
+        parallel = self.default_parallel if parallel is None else parallel
+        shorthand(SBP_SHORTHAND, parallel, type(self).__name__)
         # nn.Embedding.__init__ calls reset_parameters(), which needs init_method already set.
         self.init_method = init_method
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
+        self.parallel = parallel
         self.layer_idx = layer_idx
+
+    @property
+    def parallel(self) -> str:
+        """The shorthand ("data", "vocab" or "col"); assigning it re-declares ``sbp``."""
+        return self._parallel
+
+    @parallel.setter
+    def parallel(self, value: str) -> None:
+        self.sbp: LayerSBP = shorthand(SBP_SHORTHAND, value, type(self).__name__)
+        self._parallel = value
 
     def reset_parameters(self) -> None:
         """(Re)initialise the table; the padding row stays zero as in ``nn.Embedding``."""
@@ -38,18 +64,21 @@ class _IntentEmbedding(nn.Embedding):
         return f"{super().extra_repr()}, parallel={self.parallel}, layer_idx={self.layer_idx}"
 
 
-class VocabEmbedding(_IntentEmbedding):
-    """Token embedding whose table is split over the vocabulary (SBP ``split(0)``) under tensor parallelism.
+class VocabEmbedding(_SBPEmbedding):
+    """Token embedding whose table is split over the vocabulary under tensor parallelism.
 
-    ``parallel = "vocab"`` is read by the parallel step (``RowwiseParallel`` on an
-    embedding masks out-of-shard ids and sums the partial lookups). The module itself
-    is a plain ``nn.Embedding`` and never communicates.
+    ``parallel="vocab"``: weight ``split(0)``, ids ``broadcast``, output ``partial_sum``
+    (each rank looks up the ids in its shard; the plan sums the lookups). The module
+    itself is a plain ``nn.Embedding`` and never communicates.
     """
 
-    parallel = "vocab"
+    default_parallel = "vocab"
 
 
-class Embedding(_IntentEmbedding):
-    """Replicated embedding (SBP ``broadcast``), e.g. learned positions: small tables are not worth splitting."""
+class Embedding(_SBPEmbedding):
+    """Replicated embedding (weight ``broadcast``), e.g. learned positions: small tables are not worth splitting.
 
-    parallel = "data"
+    ``parallel="col"`` splits it over ``embedding_dim`` instead (weight ``split(1)``).
+    """
+
+    default_parallel = "data"

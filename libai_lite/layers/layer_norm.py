@@ -1,14 +1,25 @@
-"""Normalisation layers. Both are replicated under tensor parallelism (``parallel = "data"``)."""
+"""Normalisation layers, replicated under tensor parallelism (parameters ``broadcast``).
+
+They act on each position alone, so they take and give hidden states in whatever layout
+those have (SBP ``hidden``): whole, or this rank's slice of the sequence under sequence
+parallelism.
+"""
 import torch
 from torch import nn
+
+from ..parallel.sbp import broadcast, declare, hidden
+
+_NORM_SBP = declare(weight=broadcast, bias=broadcast, input=hidden, output=hidden)
 
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` that carries ``layer_idx`` for pipeline placement."""
 
+    parallel = "data"
+    sbp = _NORM_SBP
+
     def __init__(self, normalized_shape, eps: float = 1e-5, bias: bool = True, layer_idx: int = 0, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, bias=bias, device=device, dtype=dtype)
-        self.parallel = "data"
         self.layer_idx = layer_idx
 
 
@@ -20,11 +31,13 @@ class RMSLayerNorm(nn.Module):
     dtype when that is half precision, matching Hugging Face's ``T5LayerNorm``.
     """
 
+    parallel = "data"
+    sbp = _NORM_SBP
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
-        self.parallel = "data"
         self.layer_idx = layer_idx
 
     def reset_parameters(self) -> None:

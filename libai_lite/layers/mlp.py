@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.sbp import broadcast, declare, hidden
 from .init_methods import InitMethod
 from .linear import Linear1D
 
@@ -27,7 +28,11 @@ class MLP(nn.Module):
     With ``gated=True`` (T5 v1.1 / mT5 gated-GELU) the hidden activation is
     ``act(dense_h_to_4h(x)) * dense_h_to_4h_linear(x)``; the two up projections are kept
     as separate column-parallel layers so each rank's gate and value slices line up.
+
+    SBP: the block needs ``hidden_states`` whole (``broadcast``) and gives hidden states.
     """
+
+    sbp = declare(input=broadcast, output=hidden, args=("hidden_states",))
 
     def __init__(
         self,

@@ -1,46 +1,41 @@
-"""Tensor (and sequence) parallelism from the layers' declared intent.
+"""Tensor (and sequence) parallelism from the SBP the layers declare.
 
-The layers in ``libai_lite.layers`` never communicate; they only say how they would be
-split (``Linear1D.parallel`` in ``"col" | "row" | "data"``, ``VocabEmbedding.parallel ==
-"vocab"``). This module reads that intent and hands one ``parallelize_module`` plan to
-``torch.distributed.tensor.parallel`` (torchtitan's shape: one small function per job):
+The layers in ``libai_lite.layers`` never communicate; each declares the SBP of its
+parameters and activations (``module.sbp``, a ``libai_lite.parallel.sbp.LayerSBP``, which
+``parallel="col" | "row" | "data" | "vocab"`` is shorthand for). This module turns the tp
+entries of those declarations into one ``parallelize_module`` plan (torchtitan's shape: one
+small function per job):
 
-==========================================  ==================================================
-declared intent                             plan entry (tp mesh)
-==========================================  ==================================================
-``VocabEmbedding``                          ``RowwiseParallel(input_layouts=Replicate())``;
-                                            output ``Replicate()``, or ``Shard(1)`` (sequence)
-                                            with sequence parallelism
-``Linear1D(parallel="col")``                ``ColwiseParallel()``
-LM head (a "col" ``Linear1D`` tied to a     ``ColwiseParallel(output_layouts=Shard(-1),
-``VocabEmbedding`` or named ``lm_head``)    use_local_output=False)``: logits stay a
-                                            vocab-sharded DTensor for ``loss_parallel``
-                                            (the training loss skips the module and
-                                            fuses head and loss on its weight shard)
-``Linear1D(parallel="row")``                ``RowwiseParallel()`` (output ``Shard(1)`` with SP)
-``nn.Embedding`` with ``parallel="col"``    ``ColwiseParallel()``: the table is split on dim 1.
-                                            This is how T5's relative-attention bias
-                                            (``[num_buckets, num_heads]``) hands every rank
-                                            the bias of exactly its own heads
-anything else with parameters (norms,       replicated DTensor parameters; with sequence
-position embeddings, ``parallel="data"``)   parallelism norms and dropouts use
-                                            ``SequenceParallel`` and replicated embeddings
-                                            return their slice of the sequence. A module
-                                            marked ``parallel="data"`` is replicated whole,
-                                            submodules included; under sequence parallelism
-                                            it must be given whole (gathered) activations
-==========================================  ==================================================
+========================================  ====================================================
+declared SBP (tp)                         plan entry (tp mesh)
+========================================  ====================================================
+weight ``split``, output ``partial_sum``  ``RowwiseParallel(input_layouts=<input>)``, summed
+(row ``Linear1D``, ``VocabEmbedding``)    straight into the hidden states' layout (``hidden``)
+weight ``split``, output ``split(-1)``    ``ColwiseParallel(input_layouts=<input>)``; a table
+(col ``Linear1D``, T5's bias table)       split on dim 1 hands each rank its own heads' bias
+the LM head: a col ``nn.Linear`` sharing  ``ColwiseParallel(output_layouts=Shard(-1),
+a vocab-split embedding's weight, or      use_local_output=False)`` on the hidden states:
+named ``lm_head``                         vocab-sharded logits for ``loss_parallel``
+weight ``broadcast``                      replicated DTensor parameters; under sequence
+                                          parallelism a layer taking and giving ``hidden`` (a
+                                          norm) runs on the slice, one giving ``hidden`` from
+                                          whole inputs (positions) returns its slice, and a
+                                          module holding submodules is replicated whole
+a block (``weight`` None) with input      under sequence parallelism its declared ``args``
+``broadcast`` (attention, MLP)            are all-gathered before it runs
+========================================  ====================================================
 
-Every parameter ends up a DTensor on the tp mesh, including the replicated ones: torch's
-``clip_grad_norm_`` refuses a mix of DTensor and plain gradients, and one kind of
-parameter keeps the optimizer and DCP checkpoints uniform.
+A split torch's styles cannot make (each splits an ``nn.Linear`` or ``nn.Embedding`` weight on
+one fixed dimension) is refused; plain torch layers read as their replicated ``libai_lite``
+counterparts. Every parameter ends up a DTensor on the tp mesh, replicated ones included:
+``clip_grad_norm_`` refuses a mix of DTensor and plain gradients, and one kind of parameter
+keeps the optimizer and DCP checkpoints uniform.
 
 Sequence parallelism (Megatron's "Reducing Activation Recomputation") keeps the residual
-stream as this rank's slice of the sequence (a plain ``[batch, seq / tp, hidden]``
-tensor): row-parallel outputs are reduce-scattered onto it, and the blocks that own
-column-parallel layers (attention, MLP) all-gather their inputs first, as torchtitan's
-``PrepareModuleInput`` does. Models must therefore be batch-first with the sequence on
-dim 1, and must take sequence lengths from ``input_ids`` rather than from hidden states.
+stream as this rank's slice of the sequence (a plain ``[batch, seq / tp, hidden]`` tensor):
+row-parallel outputs are reduce-scattered onto it, and blocks all-gather their inputs first,
+as torchtitan's ``PrepareModuleInput`` does. Models must therefore be batch-first with the
+sequence on dim 1 and take sequence lengths from ``input_ids``, not from hidden states.
 """
 from __future__ import annotations
 
@@ -50,7 +45,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -62,10 +57,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
-from ..layers import Linear1D, MultiheadAttention, RMSLayerNorm, VocabEmbedding
+from ..layers.embedding import SBP_SHORTHAND as EMBEDDING_SBP
+from ..layers.layer_norm import LayerNorm
+from ..layers.linear import SBP_SHORTHAND as LINEAR_SBP
 from ..utils.errors import UsageError
+from .sbp import LayerSBP, broadcast, hidden, nd_sbp, placements, split
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "loss_parallel_context"]
+__all__ = ["apply_tensor_parallel", "check_declared_splits", "check_tensor_parallel", "loss_parallel_context"]
 
 # (config keys tried in order, what the number counts) for each size tp must divide. GPT and
 # LiBai's MT5 use the first names, Hugging Face's T5/mT5 the second. T5's per-head width
@@ -77,7 +75,30 @@ _DIVISIBLE = (
     (("vocab_size",), "the padded vocabulary size"),
 )
 
-_NORMS = (nn.LayerNorm, nn.RMSNorm, RMSLayerNorm)
+# Plain torch layers cannot declare SBP; each is read as its replicated libai_lite counterpart.
+_TORCH_LAYERS = (
+    ((nn.LayerNorm, nn.RMSNorm), LayerNorm.sbp),
+    ((nn.Embedding,), EMBEDDING_SBP["data"]),
+    ((nn.Linear,), LINEAR_SBP["data"]),
+)
+
+
+def declared_sbp(module: nn.Module) -> LayerSBP | None:
+    """The SBP ``module`` declares (``module.sbp``), a plain torch layer's default, or None."""
+    sbp = getattr(module, "sbp", None)
+    if isinstance(sbp, LayerSBP):
+        return sbp
+    return next((d for types, d in _TORCH_LAYERS if isinstance(module, types)), None)
+
+
+_VOCAB_HINT = ("; the vocabulary is padded to a multiple of tokenization.make_vocab_size_divisible_by x "
+               "tensor_parallel_size, so set model.cfg.vocab_size from the tokenizer")
+
+
+def _tp_size(tp_size) -> int:
+    if int(tp_size) < 1:
+        raise UsageError(f"tensor_parallel_size={tp_size} must be at least 1")
+    return int(tp_size)
 
 
 def _divisors(n: int) -> str:
@@ -95,9 +116,7 @@ def check_tensor_parallel(
     model does not have are skipped). With ``sequence_parallel`` it must also divide
     ``seq_length`` when given. Raises ``UsageError`` with one line naming the numbers.
     """
-    tp = int(tp_size)
-    if tp < 1:
-        raise UsageError(f"tensor_parallel_size={tp_size} must be at least 1")
+    tp = _tp_size(tp_size)
     for keys, what in _DIVISIBLE:
         key = next((k for k in keys if model_cfg.get(k) is not None), None)
         if key is None:
@@ -105,8 +124,7 @@ def check_tensor_parallel(
         value = int(model_cfg[key])
         if value % tp:
             hint = (
-                "; the vocabulary is padded to a multiple of tokenization.make_vocab_size_divisible_by x "
-                "tensor_parallel_size, so set model.cfg.vocab_size from the tokenizer"
+                _VOCAB_HINT
                 if key == "vocab_size"
                 else f"; use a tensor_parallel_size that divides {what} ({_divisors(value)})"
             )
@@ -116,6 +134,38 @@ def check_tensor_parallel(
             f"tensor_parallel_size={tp} does not divide the sequence length {seq_length}, which sequence "
             f"parallelism splits; use a seq_length that is a multiple of {tp} or turn sequence parallelism off"
         )
+
+
+def check_declared_splits(model: nn.Module, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that does not divide every dimension ``model``'s layers declare split.
+
+    ``model`` may live on the meta device. A split dimension must hold a multiple of
+    ``tp_size`` whole blocks of its declared ``unit`` (an attention head's width). Raises
+    ``UsageError`` with one line naming the parameter, its size and the sizes that work.
+    """
+    tp = _tp_size(tp_size)
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        decl = declared_sbp(m)
+        if decl is None or decl.weight is None:
+            continue
+        for p_name, sbp in (("weight", decl.weight), ("bias", decl.bias)):
+            param, where = m._parameters.get(p_name), _join(name, p_name)
+            s = _tp(sbp, False)
+            if param is None or not isinstance(s, Shard) or id(param) in seen:
+                continue
+            seen.add(id(param))
+            dim = s.dim % param.ndim
+            blocks = param.shape[dim] // decl.unit
+            if blocks % tp == 0:
+                continue
+            what = f"{blocks}" if decl.unit == 1 else f"{blocks} blocks of {decl.unit} (whole heads)"
+            hint = (
+                _VOCAB_HINT
+                if isinstance(m, nn.Embedding) and dim == 0
+                else f"; use a tensor_parallel_size that divides {blocks} ({_divisors(blocks)})"
+            )
+            raise UsageError(f"tensor_parallel_size={tp} does not divide dim {dim} of {where}: {what}{hint}")
 
 
 # ---------------------------------------------------------------------------- styles
@@ -226,25 +276,63 @@ class _BroadcastSequenceParallel(SequenceParallel):
 # ---------------------------------------------------------------------------- the plan
 
 
+def _tp(sbp, sequence_parallel: bool) -> Placement | None:
+    """The tp placement of a declared nd_sbp (None stays None)."""
+    return None if sbp is None else placements(sbp, ("tp",), sequence_parallel)[0]
+
+
+# What each torch style does to a layer's parameters: (torch layer, the declared output's
+# kind) -> (weight SBP, bias SBP). A declaration must agree, since torch cannot split otherwise.
+_STYLES = {
+    (nn.Linear, "col"): (split(0), split(0)),
+    (nn.Linear, "row"): (split(1), broadcast),
+    (nn.Embedding, "col"): (split(1), None),
+    (nn.Embedding, "row"): (split(0), None),
+}
+
+
+def _split_style(name: str, m: nn.Module, decl: LayerSBP, sp: bool, stream: Placement, head: bool) -> ParallelStyle:
+    """The torch style that realises ``m``'s declared split, or a one-line refusal."""
+    weight, out = _tp(decl.weight, sp), _tp(decl.output, sp)
+    bias = _tp(decl.bias, sp) if getattr(m, "bias", None) is not None else None
+    kind = "row" if isinstance(out, Partial) else "col" if isinstance(out, Shard) else None
+    base = next((t for t in (nn.Linear, nn.Embedding) if isinstance(m, t)), None)
+    expected = _STYLES.get((base, kind))
+    if expected is None or expected[0] != weight or (bias is not None and expected[1] != bias):
+        raise UsageError(f"{name} ({type(m).__name__}) declares weight {weight}, bias {bias}, output {out}, a split "
+                         f"torch's styles cannot make; declare it with the shorthand of Linear1D or Embedding instead")
+    if kind == "row":
+        # The partial sums are reduced straight into the hidden states' layout.
+        return RowwiseParallel(input_layouts=_tp(decl.input, sp), output_layouts=stream)
+    if head:
+        return ColwiseParallel(input_layouts=stream, output_layouts=out, use_local_output=False)
+    return ColwiseParallel(input_layouts=_tp(decl.input, sp), output_layouts=out)
+
+
 def _lm_head_names(model: nn.Module) -> set[str]:
-    """Column-parallel Linear1D layers that produce logits: tied to a VocabEmbedding or named ``lm_head``."""
-    vocab_weights = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
-    return {
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, Linear1D)
-        and m.parallel == "col"
-        and (id(m.weight) in vocab_weights or name.rsplit(".", 1)[-1] == "lm_head")
-    }
+    """Column-split ``nn.Linear`` layers that produce logits: sharing a vocab-split embedding's weight, or named ``lm_head``."""
+    def tp(m):  # the (weight, output) tp SBP ``m`` declares
+        d = declared_sbp(m)
+        return (None, None) if d is None or d.weight is None else (_tp(d.weight, False), _tp(d.output, False))
+
+    vocab = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and tp(m)[0] == split(0)}
+    return {name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and tp(m)[0] == split(0) and isinstance(tp(m)[1], Shard)
+            and (id(m.weight) in vocab or name.rsplit(".", 1)[-1] == "lm_head")}
 
 
 def _under(name: str, prefixes: set[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan (module name -> style) that ``model``'s declared intent asks for."""
+    """The ``parallelize_module`` plan (module name -> style) that ``model``'s declared SBP asks for."""
     sp = sequence_parallel
+    stream = _tp(nd_sbp(split(0), hidden), sp)  # where hidden states live between blocks
     heads = _lm_head_names(model)
     plan: dict[str, ParallelStyle] = {}
     owned: set[str] = set()  # modules whose whole subtree's parameters a plan entry distributes
@@ -256,75 +344,76 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
     for name, m in model.named_modules():
         if not name or _under(name, owned):
             continue
-        intent = getattr(m, "parallel", None)
-        if isinstance(m, VocabEmbedding):
-            put(name, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()))
-        elif name in heads:
-            put(name, ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                      output_layouts=Shard(-1), use_local_output=False))
-        elif isinstance(m, nn.Linear) and intent == "col":
-            put(name, ColwiseParallel())
-        elif isinstance(m, nn.Linear) and intent == "row":
-            put(name, RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()))
-        elif isinstance(m, nn.Embedding) and intent == "col":
-            put(name, ColwiseParallel())
+        decl = declared_sbp(m)
+        if decl is None:
+            if any(True for _ in m.parameters(recurse=False)):
+                if any(True for _ in m.children()):
+                    raise UsageError(
+                        f"{name} ({type(m).__name__}) has its own parameters and submodules but declares no SBP; "
+                        f"move the parameters into a leaf layer or set `sbp = declare(weight=broadcast)` "
+                        f"(libai_lite.parallel.sbp) on it to replicate it whole under tensor parallelism"
+                    )
+                put(name, ReplicateParallel())
+            continue
+        if decl.weight is None:
+            continue  # a block: its layers declare their own parameters
+        weight, out = _tp(decl.weight, sp), _tp(decl.output, sp)
+        if isinstance(weight, Shard):
+            put(name, _split_style(name, m, decl, sp, stream, name in heads))
         elif isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] == "relative_attention_bias":
             raise UsageError(
                 f"{name} is a per-head relative attention bias left replicated, but attention under tensor "
                 f"parallelism needs this rank's heads only; set `{name}.parallel = \"col\"` in the model so it "
                 f"is split over heads"
             )
-        elif sp and isinstance(m, _NORMS):
+        elif sp and _tp(decl.input, sp) == stream and out == stream:
             put(name, _BroadcastSequenceParallel(use_local_output=True))
-        elif sp and isinstance(m, nn.Embedding):
-            # Replicated embeddings (positions, token types) are added to the residual
-            # stream, which holds this rank's slice of the sequence: their dim -2.
-            put(name, ReplicateParallel(output_layout=Shard(-2)))
-        elif intent == "data" or isinstance(m, (nn.Linear, nn.Embedding) + _NORMS):
-            put(name, ReplicateParallel())
-        elif any(True for _ in m.parameters(recurse=False)):
-            if any(True for _ in m.children()):
-                raise UsageError(
-                    f"{name} ({type(m).__name__}) has its own parameters and submodules but declares no "
-                    f"parallel intent; move the parameters into a leaf layer or set `parallel = \"data\"` "
-                    f"on it to replicate it whole under tensor parallelism"
-                )
-            put(name, ReplicateParallel())
+        else:
+            # Under sequence parallelism a replicated lookup joining the hidden states (positions)
+            # returns its slice; on -2, since its output may lack the batch dimension.
+            put(name, ReplicateParallel(output_layout=Shard(-2) if sp and out == stream else Replicate()))
 
     if sp:
-        # Activations are sharded on the sequence between blocks: dropouts act on the
-        # slice (DTensor dropout keeps shards' masks independent where torch supports
-        # it), and every block that owns column-parallel layers gathers its inputs once.
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Dropout) and not _under(name, owned):
-                plan[name] = SequenceParallel(use_local_output=True)
-        gathered: set[str] = set()
-        for name, m in model.named_modules():
-            if _under(name, gathered) or _under(name, {n for n in owned if n}):
-                continue
-            owns_col = any(
-                isinstance(c, nn.Linear) and getattr(c, "parallel", None) == "col"
-                and (f"{name}.{cn}" if name else cn) not in heads
-                for cn, c in m.named_children()
-            )
-            if not owns_col:
-                continue
-            if isinstance(m, MultiheadAttention):
-                style = GatherSequence(indices=(0, 2), names=("hidden_states", "encoder_states"))
-            else:
-                style = GatherSequence(indices=(0,), names=("hidden_states",))
-            if not name:
-                raise UsageError(
-                    f"{type(m).__name__} owns column-parallel layers directly; sequence parallelism gathers a "
-                    f"block's inputs, so put them in a submodule (an attention or MLP block)"
-                )
-            plan[name] = style
-            gathered.add(name)
+        _gather_sequence(model, plan, owned, heads)
     return plan
 
 
+def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: set[str], heads: set[str]) -> None:
+    """Sequence-parallel entries: dropouts act on the slice, blocks needing whole inputs gather them."""
+    # DTensor dropout keeps shards' masks independent where torch supports it.
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and not _under(name, owned):
+            plan[name] = SequenceParallel(use_local_output=True)
+    gathered: set[str] = set()
+    for name, m in model.named_modules():
+        if _under(name, gathered) or _under(name, owned):
+            continue
+        decl = declared_sbp(m)
+        if decl is not None and decl.weight is None:
+            needs_whole = _tp(decl.input, True) == broadcast
+            indices, names = decl.arg_positions(m.forward)
+        elif decl is None:
+            # An undeclared block calling column-split linears directly hands them its first input.
+            needs_whole = any(
+                isinstance(c, nn.Linear) and isinstance(plan.get(_join(name, cn)), ColwiseParallel)
+                and _join(name, cn) not in heads
+                for cn, c in m.named_children()
+            )
+            indices, names = (0,), ("hidden_states",)
+        else:
+            continue
+        if needs_whole and not name:
+            raise UsageError(
+                f"{type(m).__name__} owns column-parallel layers directly; sequence parallelism gathers a "
+                f"block's inputs, so put them in a submodule (an attention or MLP block)"
+            )
+        if needs_whole:
+            plan[name] = GatherSequence(indices=indices, names=names)
+            gathered.add(name)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Split ``model`` over the 1-D ``tp_mesh`` as its layers declare, in place, and return it.
+    """Split ``model`` over the 1-D ``tp_mesh`` as its layers' SBP declares, in place, and return it.
 
     Builds the plan of ``tensor_parallel_plan``, applies it with ``parallelize_module``,
     then re-ties shared weights (``tie_weights()`` on every submodule that has it; tied

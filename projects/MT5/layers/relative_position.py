@@ -44,13 +44,10 @@ class RelativePositionBias(Embedding):
 
     It lives in the first layer of the encoder and of the decoder (as in Hugging Face);
     that layer computes ``compute_bias`` once and every later layer of the same stack
-    reuses the result. Under tensor parallelism the table is split over heads (weight
-    SBP ``split(1)``, ``parallel = "col"``: torch's ``ColwiseParallel`` on an
-    ``nn.Embedding`` shards exactly that dimension and, with a local output, hands each
-    rank the bias of its own heads, which is what ``MultiheadAttention`` expects).
+    reuses the result. Under tensor parallelism the table is split over heads
+    (``parallel="col"``: weight SBP ``split(1)``, output ``split(-1)``), so each rank looks up
+    the bias of its own heads, which is what ``MultiheadAttention`` expects.
     """
-
-    parallel = "col"
 
     def __init__(
         self,
@@ -64,7 +61,8 @@ class RelativePositionBias(Embedding):
         dtype=None,
     ):
         super().__init__(
-            num_buckets, num_heads, init_method=init_method, layer_idx=layer_idx, device=device, dtype=dtype
+            num_buckets, num_heads, init_method=init_method, layer_idx=layer_idx, parallel="col", device=device,
+            dtype=dtype,
         )
         self.bidirectional = bidirectional
         self.max_distance = max_distance

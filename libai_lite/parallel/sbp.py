@@ -1,0 +1,146 @@
+"""SBP, LiBai's placement vocabulary, and what a layer declares with it.
+
+Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel``
+turns those words into DTensor placements and a ``parallelize_module`` plan. The words map
+one-to-one onto DTensor placements:
+
+=====================  ==================  ===============================================
+SBP                    DTensor             meaning on one mesh dimension
+=====================  ==================  ===============================================
+``split(d)``           ``Shard(d)``        each rank holds one slice of dimension ``d``
+``broadcast``          ``Replicate()``     every rank holds the whole tensor
+``partial_sum``        ``Partial()``       the tensor is the sum of the ranks' tensors
+``hidden``             ``Shard(1)`` or     the residual stream between blocks: split over
+                       ``Replicate()``     the sequence under sequence parallelism, else whole
+=====================  ==================  ===============================================
+
+An ``nd_sbp(dp, tp)`` is the 2-D SBP ``[dp_sbp, tp_sbp]``: one entry per dimension of the
+``("dp", "tp")`` sub-mesh. Data parallelism replicates parameters and splits activations
+over the batch, so ``declare`` fills the dp entry and a layer writes only its tp SBPs.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..utils.errors import UsageError
+
+__all__ = [
+    "LayerSBP",
+    "broadcast",
+    "declare",
+    "hidden",
+    "nd_sbp",
+    "partial_sum",
+    "placements",
+    "shorthand",
+    "split",
+]
+
+broadcast = Replicate()
+partial_sum = Partial()
+
+
+def split(dim: int) -> Shard:
+    """SBP ``split(dim)``: each rank holds one slice of ``dim`` (negative counts from the end)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise UsageError(f"split() takes a tensor dimension (an int), got {dim!r}")
+    return Shard(dim)
+
+
+class _Hidden:
+    """The SBP of hidden states between blocks, which only the parallel plan can resolve."""
+
+    def __repr__(self) -> str:
+        return "hidden"
+
+    def __reduce__(self):
+        # One instance, kept through deepcopy and pickling (a model copied for pipeline stages).
+        return "hidden"
+
+
+# Layers cannot know whether sequence parallelism is on, so they name the residual stream
+# instead of its placement; ``placements`` resolves it when the plan is built.
+hidden = _Hidden()
+
+# The sequence dimension of batch-first hidden states, split by sequence parallelism.
+_SEQUENCE = Shard(1)
+
+NdSbp = Tuple[object, object]
+ND_DIMS = ("dp", "tp")
+
+
+def nd_sbp(dp, tp) -> NdSbp:
+    """The 2-D SBP ``[dp_sbp, tp_sbp]``: placements on the ``("dp", "tp")`` sub-mesh, in that order."""
+    for which, s in (("dp", dp), ("tp", tp)):
+        if not isinstance(s, (Placement, _Hidden)):
+            raise UsageError(f"nd_sbp's {which} entry must be split(d), broadcast, partial_sum or hidden, got {s!r}")
+    return (dp, tp)
+
+
+def placements(sbp: NdSbp, dims: Sequence[str] = ("tp",), sequence_parallel: bool = False) -> Tuple[Placement, ...]:
+    """DTensor placements of ``sbp`` on a mesh whose dimensions are named ``dims`` (some of ``("dp", "tp")``).
+
+    ``hidden`` becomes ``Shard(1)`` with ``sequence_parallel`` and ``Replicate()`` without.
+    """
+    unknown = [d for d in dims if d not in ND_DIMS]
+    if unknown:
+        raise UsageError(f"an nd_sbp has entries for the mesh dimensions {ND_DIMS}, not {unknown}")
+    out = []
+    for d in dims:
+        s = sbp[ND_DIMS.index(d)]
+        if isinstance(s, _Hidden):
+            s = _SEQUENCE if sequence_parallel else broadcast
+        out.append(s)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LayerSBP:
+    """What a layer declares: the nd_sbp of its parameters and of the activations it takes and gives.
+
+    ``weight`` and ``bias`` are None for a block whose sublayers declare their own parameters;
+    on a module that holds submodules, a ``weight`` SBP covers every parameter under it.
+    ``input`` is the layout the layer needs its ``args`` in (forward argument names; empty:
+    the first argument) and ``output`` the layout it gives, before any reduction (a
+    ``partial_sum`` output is summed by the plan). ``unit`` says a split dimension is cut in
+    whole blocks of that many elements, e.g. an attention projection split by heads.
+    """
+
+    weight: Optional[NdSbp]
+    bias: Optional[NdSbp]
+    input: NdSbp
+    output: NdSbp
+    args: Tuple[str, ...] = ()
+    unit: int = 1
+
+    def arg_positions(self, forward) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+        """Positional indices and names under which ``forward`` takes the declared ``args``."""
+        params = list(inspect.signature(forward).parameters)
+        names = self.args or tuple(params[:1])
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise UsageError(f"the declared SBP names inputs {missing} that {forward.__qualname__} does not take")
+        return tuple(params.index(n) for n in names), names
+
+
+def declare(
+    weight=None, bias=None, input=broadcast, output=broadcast, args: Sequence[str] = (), unit: int = 1
+) -> LayerSBP:
+    """A ``LayerSBP`` from tp SBPs: parameters are broadcast over dp, activations split over the batch."""
+    param = (lambda s: None if s is None else nd_sbp(broadcast, s))
+    return LayerSBP(param(weight), param(bias), nd_sbp(split(0), input), nd_sbp(split(0), output), tuple(args), unit)
+
+
+def shorthand(table: Mapping[str, LayerSBP], parallel: str, layer: str) -> LayerSBP:
+    """The declaration ``parallel`` stands for in ``layer``'s ``table``; an unknown word is refused in one line."""
+    if parallel not in table:
+        words = [repr(k) for k in table]
+        raise UsageError(
+            f"{layer} parallel must be {', '.join(words[:-1])} or {words[-1]}, got {parallel!r}"
+        )
+    return table[parallel]
