@@ -21,7 +21,8 @@ from e2e_utils import spawn_ranks
 from dp_worker import CFG, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
 
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
-from libai_lite.parallel.data_parallel import apply_data_parallel, clip_grad_norm_, no_sync_context, validate_zero_config
+from libai_lite.parallel.clip_grad import clip_grad_norm_
+from libai_lite.parallel.data_parallel import apply_data_parallel, no_sync_context, validate_zero_config
 from libai_lite.utils.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -255,7 +256,7 @@ def test_memory_benchmark_smoke():
 def _step_with_overflow_on_rank_1(rank: int, world: int, port: int, out: str, plain: bool) -> None:
     import torch.distributed as dist
 
-    from libai_lite.engine.default import build_loss_scaler
+    from libai_lite.engine.amp import build_loss_scaler
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)

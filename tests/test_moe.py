@@ -241,7 +241,8 @@ def test_aux_loss_back_propagated_by_the_layers_gives_the_trainers_gradients_and
 
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
-    from libai_lite.layers.moe import collect_pipeline_moe_outputs, moe_layers
+    from libai_lite.layers.moe import moe_layers
+    from libai_lite.parallel.expert_parallel import PipelineMoE
     from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(0)
@@ -249,7 +250,7 @@ def test_aux_loss_back_propagated_by_the_layers_gives_the_trainers_gradients_and
     model = copy.deepcopy(reference)
     apply_activation_checkpointing(model)
     for layer in moe_layers(model):
-        layer.aux_loss_in_backward = True
+        layer.backprop_aux_loss(1.0)
     g = torch.Generator().manual_seed(5)
     micro = [torch.randint(0, 128, (4, 17), generator=g) for _ in range(3)]
     want = {}
@@ -263,7 +264,7 @@ def test_aux_loss_back_propagated_by_the_layers_gives_the_trainers_gradients_and
         assert "moe_aux_loss" not in got  # it is in the gradients already
         got["lm_loss"].backward()  # the schedule divides the summed gradients by the micro-batch count
     assert [len(m.step_records) for m in moe_layers(model)] == [3, 3]
-    logged = collect_pipeline_moe_outputs([model], len(micro))
+    logged = PipelineMoE([model], None, len(micro), torch.device("cpu")).step_metrics()
     for k, v in want.items():
         assert float(logged[k]) == pytest.approx(v, rel=1e-6), k
     assert [m.step_records for m in moe_layers(model)] == [[], []]
@@ -361,7 +362,7 @@ def test_checkpoint_saved_at_ep2_resumes_at_other_expert_parallel_sizes(expert_r
         assert losses[0][0] == pytest.approx(saved_then[0][0], abs=1e-5)
     # One process, ep=1, the ep=2 run's two data-parallel halves as two accumulated micro-batches.
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.parallel.data_parallel import clip_grad_norm_
+    from libai_lite.parallel.clip_grad import clip_grad_norm_
 
     model = moe_worker.build("gpt")
     opt = torch.optim.AdamW(model.parameters(), lr=moe_worker.LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

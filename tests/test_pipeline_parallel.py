@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from libai_lite.parallel.pipeline import (
+from libai_lite.parallel.clip_grad import clip_grad_norm_
+from libai_lite.parallel.pipeline import check_schedule
+from libai_lite.parallel.pipeline_split import (
     alias_state_dict_keys,
     build_stage_modules,
-    check_schedule,
-    clip_grad_norm_pipeline,
     local_stage_ids,
     materialize_stage,
     pipeline_model_view,
@@ -31,7 +31,7 @@ from libai_lite.parallel.pipeline import (
 )
 from libai_lite.utils.distributed import layer_stages
 from libai_lite.utils.errors import UsageError
-from projects.GPT.modeling.gpt_model import GPTForPreTraining
+from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTModel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "pp_worker.py"
@@ -285,7 +285,7 @@ def test_split_keeps_owned_pieces_with_unsplit_fqns():
     torch.testing.assert_close(s1.lm_head.weight, s0.embeddings.token_embeddings.weight, rtol=0, atol=0)
     copies = tied_weight_copies([s1])
     assert len(copies) == 1 and copies[0] is s1.lm_head.weight and tied_weight_copies([s0]) == []
-    assert tied_checkpoint_aliases(last) == {HEAD: EMB} and tied_checkpoint_aliases(first) == {}
+    assert tied_checkpoint_aliases(last, GPTModel.pipeline_tied) == {HEAD: EMB} and tied_checkpoint_aliases(first, GPTModel.pipeline_tied) == {}
     # On one stage the tie is one Parameter and nothing is a copy.
     whole = split_pipeline_stage(_model(), 0, 1, layer_stages(4, 1))
     assert whole.lm_head.weight is whole.embeddings.token_embeddings.weight and tied_weight_copies([whole]) == []
@@ -308,7 +308,7 @@ def test_virtual_stages_view_and_meta_materialisation():
     assert not any(p.is_meta for p in view.parameters())
     # The view holds the stage modules' own Parameters, so an optimizer over it steps the stages.
     assert {id(p) for p in view.parameters()} == {id(p) for s in stages for p in s.parameters()}
-    assert tied_checkpoint_aliases(view) == {HEAD: EMB}
+    assert tied_checkpoint_aliases(view, GPTModel.pipeline_tied) == {HEAD: EMB}
     assert 0.01 < float(stages[1].lm_head.weight.detach().std()) < 0.03
 
 
@@ -327,11 +327,11 @@ def test_clip_counts_excluded_copies_once_and_scales_them():
     copy_of_a = torch.nn.Parameter(torch.zeros(3))
     b = torch.nn.Parameter(torch.zeros(4))
     a.grad, copy_of_a.grad, b.grad = torch.full((3,), 2.0), torch.full((3,), 2.0), torch.full((4,), 1.0)
-    norm = clip_grad_norm_pipeline([a, copy_of_a, b], 1.0, 2.0, exclude_from_norm=[copy_of_a])
+    norm = clip_grad_norm_([a, copy_of_a, b], 1.0, 2.0, exclude_from_norm=[copy_of_a])
     assert float(norm) == pytest.approx((3 * 4 + 4) ** 0.5)
     torch.testing.assert_close(a.grad, copy_of_a.grad)
     assert float(a.grad[0]) == pytest.approx(2.0 / 4.0, rel=1e-5)
-    assert float(clip_grad_norm_pipeline([b], float("inf"), float("inf"))) == pytest.approx(0.25, rel=1e-5)
+    assert float(clip_grad_norm_([b], float("inf"), float("inf"))) == pytest.approx(0.25, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -371,9 +371,9 @@ def test_more_stages_than_layers_is_a_usage_error():
 
 @pytest.mark.parametrize("model_type", ["t5", "mt5"])
 def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type):
-    """Stages cut by the generic splitter from T5's pipeline_spec, run through pipeline_forward with
+    """Stages cut by the generic splitter by the layer_idx of T5's pieces, run through pipeline_forward with
     what each stage returns handed to the next, give the whole model's logits and gradients."""
-    from libai_lite.parallel.pipeline import PipelineForward, pipeline_spec
+    from libai_lite.parallel.pipeline_split import PipelineForward, pipeline_tied
     from projects.MT5 import MT5ForPreTraining
 
     cfg = dict(vocab_size=64, hidden_size=32, hidden_layers=3, num_attention_heads=2, head_size=8,
@@ -410,7 +410,7 @@ def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type
     stages, models = build_stage_modules(model, [0, 1, 2, 3], 4, stage_of_layer)
     assert all(isinstance(s, PipelineForward) for s in stages)
     assert stages[1].stage.encoder_final_layernorm is not None and stages[2].stage.encoder_final_layernorm is None
-    assert pipeline_spec(stages[3]).tied == (("embedding.weight", "lm_head.weight") if model_type == "t5" else None)
+    assert pipeline_tied(stages[3]) == (("embedding.weight", "lm_head.weight") if model_type == "t5" else None)
 
     args, kwargs, target = whole.pipeline_batch(batch)
     out = stages[0](*args, **kwargs)

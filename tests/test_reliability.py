@@ -166,7 +166,8 @@ def test_diverging_loss_stops_with_the_iteration_and_no_checkpoint_over_good_one
 
 
 def test_nonfinite_batches_are_skipped_up_to_the_limit():
-    from libai_lite.engine.trainer import EagerTrainer
+    from libai_lite.engine.trainer import Trainer
+    from libai_lite.model import LOSS
     from libai_lite.utils.events import EventStorage
 
     class Model(torch.nn.Module):
@@ -182,7 +183,7 @@ def test_nonfinite_batches_are_skipped_up_to_the_limit():
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    trainer = EagerTrainer(model, batches, opt, sched, max_skipped_nonfinite=1)
+    trainer = Trainer(model, batches, opt, sched, metrics={"loss": LOSS}, max_skipped_nonfinite=1)
     trainer.storage = EventStorage()
     for i in range(3):
         trainer.iter = i

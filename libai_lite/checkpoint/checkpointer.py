@@ -101,7 +101,7 @@ class Checkpointer:
         self.aliases = dict(aliases or {})
 
     def _dcp_load(self, state: dict, path: str) -> dict:
-        from ..parallel.pipeline import alias_state_dict_keys
+        from ..parallel.pipeline_split import alias_state_dict_keys
 
         state = alias_state_dict_keys(state, self.aliases)
         dcp.load(state, checkpoint_id=path)

@@ -337,3 +337,7 @@ def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int) ->
         first, last = int(ds.doc_idx[split[0]]), int(ds.doc_idx[split[1]])
         total += max(int(ds.sizes[first:last].sum()) - 1, 0) // seq_length
     return total
+
+
+# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch).
+build_gpt_train_valid_test_loaders.samples_per_epoch = train_samples_per_epoch

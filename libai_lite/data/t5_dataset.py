@@ -415,3 +415,7 @@ def t5_train_samples_per_epoch(data_prefix, splits_string="949,50,1", max_seq_le
     """T5 samples in one epoch of the train split: its tokens // the raw window length."""
     raw_length, _ = random_spans_helper(max_seq_length, masked_lm_prob, mean_span_length)
     return train_samples_per_epoch(data_prefix, splits_string, raw_length)
+
+
+# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch).
+build_t5_train_valid_test_loaders.samples_per_epoch = t5_train_samples_per_epoch

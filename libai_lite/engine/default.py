@@ -1,32 +1,33 @@
-"""`default_setup` and `DefaultTrainer`: from a resolved config to a running training job."""
+"""``DefaultTrainer``: from a resolved config and its ``Layout`` to a running training job.
+
+Each ``build_*`` method returns what it builds from its arguments alone, so a subclass that
+overrides any one of them (LiBai's extension point) still trains.
+"""
 from __future__ import annotations
 
 import inspect
 import logging
 import math
 import os
-import random
-import sys
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf, open_dict
 
 from ..checkpoint import Checkpointer, resolve_resume
-from ..config import LazyConfig, instantiate, try_get_key
+from ..config import LazyConfig, instantiate, locate
 from ..evaluation import inference_on_dataset, inference_on_pipeline
+from ..model import max_seq_length, sample_throughput
+from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
-from ..utils.distributed import get_dist, setup_dist
+from ..utils.distributed import Layout
 from ..utils.errors import UsageError
 from ..utils.flops import device_peak_flops
-from ..utils.logger import attach_log_file, setup_logger
+from ..utils.logger import attach_log_file
 from . import hooks
-from .trainer import EagerTrainer, PipelineTrainer
+from .amp import amp_dtype, build_loss_scaler
+from .trainer import Trainer
 
 logger = logging.getLogger("libai_lite")
-
-_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def instantiate_with(node, **kwargs):
@@ -53,148 +54,21 @@ def instantiate_with(node, **kwargs):
 
 def instantiate_target(node):
     """The class or function a LazyCall node would call, without calling it."""
-    from ..config import locate
-
     target = node._target_
     return locate(target) if isinstance(target, str) else target
 
 
-def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
-    """Make global = micro x dp x accumulation hold, filling in whichever one is left out."""
-    micro = train_cfg.get("train_micro_batch_size")
-    glob = train_cfg.get("global_batch_size")
-    acc = train_cfg.get("num_accumulation_steps")
-    if micro is None and glob is None:
-        raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
-    if micro is None:
-        acc = acc or 1
-        if glob % (dp_size * acc):
-            raise UsageError(
-                f"train.global_batch_size={glob} is not divisible by data_parallel_size({dp_size}) x "
-                f"num_accumulation_steps({acc}); pick sizes with global = micro x dp x accumulation"
-            )
-        micro = glob // (dp_size * acc)
-    elif glob is None:
-        acc = acc or 1
-        glob = micro * dp_size * acc
-    elif acc is None:
-        if glob % (micro * dp_size):
-            raise UsageError(
-                f"train.global_batch_size={glob} is not divisible by train_micro_batch_size({micro}) x "
-                f"data_parallel_size({dp_size}); pick sizes with global = micro x dp x accumulation"
-            )
-        acc = glob // (micro * dp_size)
-    if micro * dp_size * acc != glob:
-        raise UsageError(
-            f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
-            f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
-        )
-    if micro < 1 or acc < 1:
-        raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
-    train_cfg.train_micro_batch_size = int(micro)
-    train_cfg.global_batch_size = int(glob)
-    train_cfg.num_accumulation_steps = int(acc)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def model_pipeline_layers(cfg) -> int | None:
-    """Layers a pipeline places for `cfg.model`: hidden_layers, or both stacks of a T5 (None if unknown)."""
-    num_layers = try_get_key(cfg, "model.cfg.hidden_layers", default=None)
-    # Encoder-decoder models pipeline both stacks: their layer_idx runs over 2 x hidden_layers.
-    if num_layers is not None and try_get_key(cfg, "model.cfg.model_type", default=None) in ("t5", "mt5"):
-        return 2 * int(num_layers)
-    return None if num_layers is None else int(num_layers)
-
-
-def default_setup(cfg, args) -> None:
-    """Mesh, seeds, logger and batch sizes for a run; nothing is written to disk yet.
-
-    `DefaultTrainer` creates the output directory (and writes `config.yaml`) only once every
-    input has been checked, so a run refused for bad input leaves no trace.
-    """
-    if getattr(args, "fast_dev_run", False):
-        cfg.train.train_epoch = 0
-        cfg.train.train_iter = 20
-        cfg.train.log_period = 1
-        cfg.train.evaluation.eval_period = 10
-        cfg.train.evaluation.eval_iter = 2
-        cfg.train.checkpointer.period = 10
-    num_layers = model_pipeline_layers(cfg)
-    with open_dict(cfg):
-        if cfg.train.dist.get("pipeline_num_layers") is None and num_layers is not None:
-            cfg.train.dist.pipeline_num_layers = int(num_layers)
-    ctx = setup_dist(cfg.train.dist, cfg.train.dist.get("pipeline_num_layers"))
-    with open_dict(cfg):
-        cfg.train.dist.data_parallel_size = ctx.data_parallel_size
-    setup_logger(ctx.rank)
-    resolve_batch_sizes(cfg.train, ctx.data_parallel_size)
-    # Every rank seeds alike so model init is identical; data order comes from the sampler.
-    _seed_all(int(cfg.train.seed))
-    logger.info(f"Rank {ctx.rank} of {ctx.world_size}; layout pp={ctx.pipeline_parallel_size} "
-                f"dp={ctx.data_parallel_size} tp={ctx.tensor_parallel_size} on {ctx.device}")
-    logger.info(f"Command line: {' '.join(sys.argv)}")
-    logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-
-
-class SyncedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose "found inf" flags are summed over a process group.
-
-    torch's own ``ShardedGradScaler`` does the same but keeps the flag as a ``[1]`` tensor, which
-    the fused AdamW kernel (our default optimizer) refuses ("output with shape [] doesn't match
-    the broadcast shape [1]"); this keeps GradScaler's ``[]`` flags and reduces them in place.
-    """
-
-    def __init__(self, device: str, process_group=None, **kwargs):
-        super().__init__(device, **kwargs)
-        self.process_group = process_group
-
-    def _sync(self, found_inf_per_device: dict) -> dict:
-        for found_inf in found_inf_per_device.values():
-            dist.all_reduce(found_inf, group=self.process_group)
-        return found_inf_per_device
-
-    def unscale_(self, optimizer) -> None:
-        """Unscale this rank's gradients, then agree with every rank on whether any overflowed."""
-        super().unscale_(optimizer)
-        if self._enabled:
-            self._sync(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
-
-    def _check_inf_per_device(self, optimizer):
-        # step() without unscale_() (fused optimizers) checks through here.
-        return self._sync(super()._check_inf_per_device(optimizer))
-
-
-def build_loss_scaler(device: torch.device, initial_scale: float, growth_interval: int):
-    """fp16 dynamic loss scaling whose overflow check agrees on every rank.
-
-    ``torch.amp.GradScaler`` decides from the gradients a rank holds. Ranks hold different
-    gradients under ZeRO-2/3, tensor parallelism and expert parallelism (an expert lives on one
-    rank), so one rank could skip a step another takes, and the replicas would drift apart for
-    good. In a multi-process job the "found inf" flag is therefore summed over all ranks before
-    the step (``SyncedGradScaler``, one scalar all-reduce per step).
-    """
-    kwargs = dict(init_scale=initial_scale, growth_interval=growth_interval)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return SyncedGradScaler(device.type, process_group=dist.group.WORLD, **kwargs)
-    return torch.amp.GradScaler(device.type, **kwargs)
-
 
 class DefaultTrainer:
-    """Builds tokenizer, data, model, optimizer, scheduler and hooks from `cfg`, then trains.
+    """Builds tokenizer, data, model, optimizer, scheduler, checkpointer, trainer and hooks from ``cfg``, then trains.
 
-    Subclass and override a `build_*` method to change one piece, LiBai style.
+    Subclass and override a ``build_*`` method to change one piece, LiBai style.
     """
 
-    def __init__(self, cfg, resume: bool = False, eval_only: bool = False):
+    def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False):
         self.cfg = cfg
+        self.layout = layout
         self.eval_only = eval_only
-        ctx = get_dist()
-        self.ctx = ctx
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
         self.check_layout(cfg)
@@ -211,13 +85,7 @@ class DefaultTrainer:
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.grad_scaler = self.build_grad_scaler(cfg)
-        from ..parallel.pipeline import pipeline_module, pipeline_spec, tied_checkpoint_aliases
-
-        self.checkpointer = Checkpointer(
-            self.model_parts, self.optimizer, self.output_dir, max_to_keep=cfg.train.checkpointer.get("max_to_keep"),
-            aliases=tied_checkpoint_aliases(self.model_parts[0], pipeline_spec(pipeline_module(self.raw_model)))
-            if self.stepper is not None else None,
-        )
+        self.checkpointer = self.build_checkpointer(cfg, self.model, self.optimizer)
         if self.resume_path is not None:
             self.checkpointer.load(self.resume_path)
             self._restore_trainer_state(trainer_state)
@@ -230,7 +98,8 @@ class DefaultTrainer:
             raise UsageError("--eval-only needs weights: set train.load_weight=CHECKPOINT_DIR or add --resume")
         self.start_iter = start_iter
         self._setup_output()
-        self.trainer = self.build_trainer()
+        self.trainer = self.build_trainer(cfg, self.model, self.train_loader, self.optimizer, self.scheduler,
+                                          self.grad_scaler)
         self.trainer.register_hooks(self.build_hooks())
 
     # ------------------------------------------------------------ building
@@ -261,6 +130,11 @@ class DefaultTrainer:
             model = instantiate(cfg.model)
         check_checkpoint_shapes(path, model.state_dict())
 
+    def build_meta_model(self, cfg) -> torch.nn.Module:
+        """``cfg.model`` on the meta device (no memory, no init): what the checks ask the model."""
+        with torch.device("meta"):
+            return instantiate(cfg.model)
+
     def build_tokenizer(self, cfg):
         """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
         tok_cfg = cfg.get("tokenization")
@@ -268,7 +142,7 @@ class DefaultTrainer:
             return None
         tokenizer = instantiate(tok_cfg.tokenizer)
         padded = pad_vocab_size(
-            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.ctx.tensor_parallel_size
+            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.layout.tensor_parallel_size
         )
         with open_dict(cfg):
             cfg.model.cfg.vocab_size = padded
@@ -279,14 +153,14 @@ class DefaultTrainer:
         ev = cfg.train.evaluation
         if not ev.get("enabled", False) and not self.eval_only:
             return 0
-        return int(ev.eval_iter) * int(cfg.train.test_micro_batch_size) * self.ctx.data_parallel_size
+        return int(ev.eval_iter) * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
 
     def build_loaders(self, cfg):
-        """Train/valid/test loaders sized for the run; also resolves `train.train_iter` from `train_epoch`."""
+        """Train/valid/test loaders sized for the run; also resolves ``train.train_iter`` from ``train_epoch``."""
         glob = cfg.train.global_batch_size
         loader_cfg = cfg.dataloader.train
         if cfg.train.get("train_epoch", 0):
-            samples_per_epoch = self._train_samples_per_epoch(cfg)
+            samples_per_epoch = self._train_samples_per_epoch(loader_cfg)
             by_epoch = math.ceil(cfg.train.train_epoch * samples_per_epoch / glob)
             cfg.train.train_iter = max(int(cfg.train.train_iter or 0), by_epoch)
             logger.info(f"train.train_epoch={cfg.train.train_epoch}: {samples_per_epoch} samples per epoch, "
@@ -294,202 +168,83 @@ class DefaultTrainer:
         if not cfg.train.train_iter or cfg.train.train_iter < 1:
             raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
         num_samples = [int(cfg.train.train_iter) * glob, self._eval_samples(cfg), self._eval_samples(cfg)]
-        loaders = instantiate_with(
+        return instantiate_with(
             loader_cfg,
             train_valid_test_num_samples=num_samples,
             micro_batch_size=int(cfg.train.train_micro_batch_size),
             eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
             consumed_samples=self.consumed_samples,
-            data_parallel_rank=self.ctx.dp_rank,
-            data_parallel_size=self.ctx.data_parallel_size,
+            data_parallel_rank=self.layout.dp_rank,
+            data_parallel_size=self.layout.data_parallel_size,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
         )
-        return loaders
-
-    def _train_samples_per_epoch(self, cfg) -> int:
-        c = cfg.dataloader.train
-        if "seq_length" in c:
-            from ..data.build import train_samples_per_epoch
-
-            return train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.seq_length))
-        from ..data.t5_dataset import t5_train_samples_per_epoch
-
-        return t5_train_samples_per_epoch(c.data_prefix, c.get("splits_string", "949,50,1"), int(c.max_seq_length),
-                                          float(c.get("masked_lm_prob", 0.15)), float(c.get("mean_span_length", 3.0)))
-
-    def flops_per_sample(self, cfg) -> float | None:
-        """Training FLOPs of one sample (forward and backward) from the model's own count, if it has one."""
-        if not hasattr(self.raw_model, "flops_per_token"):
-            return None
-        c = cfg.dataloader.train
-        if "seq_length" in c:
-            return float(self.raw_model.flops_per_token(int(c.seq_length))) * int(c.seq_length)
-        enc = int(c.max_seq_length)
-        dec = self.tokens_per_sample(cfg) - enc
-        # The T5 models count per encoder token, with the decoder's length given separately.
-        return float(self.raw_model.flops_per_token(enc, decoder_seq_length=dec)) * enc
 
     @staticmethod
-    def tokens_per_sample(cfg) -> int:
-        """Tokens one sample feeds the model: the GPT sequence, or T5's encoder plus decoder lengths."""
-        c = cfg.dataloader.train
-        if "seq_length" in c:
-            return int(c.seq_length)
-        dec = c.get("max_seq_length_dec")
-        if dec is None:
-            from ..data.t5_dataset import random_spans_helper
-
-            dec = random_spans_helper(int(c.max_seq_length), float(c.get("masked_lm_prob", 0.15)),
-                                      float(c.get("mean_span_length", 3.0)))[1]
-        return int(c.max_seq_length) + int(dec)
+    def _train_samples_per_epoch(loader_cfg) -> int:
+        """Samples in one epoch of the train split, from the loader builder's ``samples_per_epoch``."""
+        target = instantiate_target(loader_cfg)
+        count = getattr(target, "samples_per_epoch", None)
+        if not callable(count):
+            raise UsageError(f"{loader_cfg._target_} cannot count an epoch (it has no samples_per_epoch); "
+                             f"set train.train_iter instead of train.train_epoch")
+        accepted = inspect.signature(count).parameters
+        return int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
 
     def check_layout(self, cfg) -> None:
         """Refuse, before any work, parallel settings the model or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(cfg.model.cfg, self.ctx.tensor_parallel_size, bool(cfg.train.dist.get("sequence_parallel")),
-                              self.tokens_per_sample(cfg) if "seq_length" in cfg.dataloader.train else None)
-        validate_zero_config(self.zero_stage(cfg), self.offload(cfg), self.fsdp_param_dtype(cfg))
-        from ..parallel.expert_parallel import check_moe_layout, moe_config
-
-        check_moe_layout(moe_config(cfg.model.cfg), self.ctx.data_parallel_size, self.ctx.tensor_parallel_size,
-                         self.zero_stage(cfg), bool(cfg.train.dist.get("sequence_parallel")))
-        pp = self.ctx.pipeline_parallel_size
-        if pp > 1:
-            from ..parallel.pipeline import check_schedule
-
-            expected = model_pipeline_layers(cfg)
-            given = cfg.train.dist.get("pipeline_num_layers")
-            if expected is not None and given is not None and int(given) != expected:
-                raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place "
-                                 f"(T5 counts both stacks: 2 x model.cfg.hidden_layers); set it to {expected} or "
-                                 f"leave it unset (null) to derive it")
-            num_stages, stage_of_layer = self.pipeline_layout(cfg)
-            check_schedule(str(cfg.train.dist.get("pipeline_schedule", "1f1b")), num_stages, pp,
-                           int(cfg.train.num_accumulation_steps))
-            if self.zero_stage(cfg) == 1 and self.ctx.data_parallel_size > 1:
-                raise UsageError("ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) cannot run under pipeline parallelism; "
-                                 "use train.zero_optimization.stage=2, which also shards optimizer state")
-            if cfg.train.amp.get("enabled") and str(cfg.train.amp.get("dtype", "bf16")) in ("fp16", "float16"):
-                raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; "
-                                 "use train.amp.dtype=bf16")
-            if not hasattr(instantiate_target(cfg.model), "pipeline_module"):
-                raise UsageError(f"{cfg.model._target_} does not support pipeline parallelism (no pipeline_module()); "
-                                 f"set train.dist.pipeline_parallel_size=1")
+        layout = self.layout
+        check_tensor_parallel(cfg.model.cfg, layout.tensor_parallel_size)
+        validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
+        model = self.build_meta_model(cfg)
+        given = cfg.train.dist.get("pipeline_num_layers")
+        expected = getattr(model, "pipeline_num_layers", None)
+        if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:
+            raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
+                             f"set it to {expected} or leave it unset (null) to derive it")
+        check_model_layout(model, layout, int(cfg.train.num_accumulation_steps),
+                           amp_dtype(cfg.train.amp) is torch.float16)
+        if layout.stage_of_layer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
-                cfg.train.dist.stage_of_layer = stage_of_layer
+                cfg.train.dist.stage_of_layer = list(layout.stage_of_layer)
 
     @staticmethod
-    def zero_stage(cfg) -> int:
-        z = cfg.train.zero_optimization
-        return int(z.get("stage", 1)) if z.get("enabled", False) else 0
-
-    @staticmethod
-    def offload(cfg) -> bool:
-        return bool(cfg.train.zero_optimization.get("offload", False))
-
-    def fsdp_param_dtype(self, cfg):
+    def fsdp_param_dtype(cfg, layout: Layout):
         """Under FSDP (ZeRO-2/3) mixed precision is FSDP's policy: parameters gathered in the amp dtype."""
-        amp = cfg.train.amp
-        if self.zero_stage(cfg) < 2 or not amp.get("enabled", False):
-            return None
-        return _AMP_DTYPES.get(str(amp.get("dtype", "bf16")))
+        return amp_dtype(cfg.train.amp) if layout.zero_stage >= 2 else None
 
-    def build_model(self, cfg):
-        """Instantiate `cfg.model` on this rank's device and parallelize it as `train.dist` says.
-
-        Order (torchtitan's): pipeline split, then on each stage tensor parallel, activation
-        checkpointing and data parallel / ZeRO. Returns the module the trainer calls (a view
-        with the unsplit model's parameter names under pipeline parallelism, whose steps go
-        through `self.stepper`); `self.model_parts` holds the unwrapped module(s) whose
-        parameters this rank trains and checkpoints.
-        """
-        model = instantiate(cfg.model).to(self.ctx.device)
+    def build_model(self, cfg) -> ParallelModel:
+        """``cfg.model`` on this rank's device, parallelized as the layout says (``parallelize_model``)."""
+        model = instantiate(cfg.model).to(self.layout.device)
         n = sum(p.numel() for p in model.parameters())
         logger.info(f"Model {type(model).__name__} with {n / 1e6:.2f}M parameters")
-        self.raw_model = model
-        # FLOPs are counted on the whole model, before a pipeline split takes pieces away.
-        self._flops_per_sample = self.flops_per_sample(cfg)
-        self.stepper = None
-        if self.ctx.pipeline_parallel_size == 1:
-            self.model_parts = [model]
-            return self.parallelize(model, cfg)
-        return self.build_pipeline(model, cfg)
-
-    def pipeline_layout(self, cfg) -> tuple[int, list[int]]:
-        """(number of stages, stage of each layer) for `train.dist`'s pipeline settings."""
-        from ..utils.distributed import layer_stages
-
-        d = cfg.train.dist
-        num_stages = self.ctx.pipeline_parallel_size * int(d.get("virtual_pipeline_size", 1) or 1)
-        return num_stages, layer_stages(int(d.pipeline_num_layers), num_stages, d.get("custom_pipeline_stage_id"))
-
-    def build_pipeline(self, model, cfg):
-        """Cut `model` into this rank's pipeline stages, parallelize each, and build the schedule."""
-        from ..parallel import pipeline as pl
-
-        ctx = self.ctx
-        num_stages, stage_of_layer = self.pipeline_layout(cfg)
-        ids = pl.local_stage_ids(ctx.pp_rank, ctx.pipeline_parallel_size, num_stages // ctx.pipeline_parallel_size)
-        stages, models = pl.build_stage_modules(model, ids, num_stages, stage_of_layer)
-        wrapped = [self.parallelize(stage, cfg) for stage in stages]
-        # new_group is collective: every rank sees the same spec, so all skip it together for an untied model.
-        tied_group = pl.build_tied_weight_group(ctx.mesh) if pl.pipeline_spec(pl.pipeline_module(model)).tied else None
-        view = pl.pipeline_model_view(models)
-        self.model_parts = [view]
-        self.stepper = pl.PipelineStepper(
-            wrapped, ids, num_stages, ctx.group("pp"), ctx.device, str(cfg.train.dist.get("pipeline_schedule", "1f1b")),
-            int(cfg.train.num_accumulation_steps), model.pipeline_loss_fn, tied_group,
-            batch_fn=getattr(model, "pipeline_batch", None), metrics_fn=getattr(model, "pipeline_metrics", None),
-            metric_names=getattr(model, "pipeline_metric_names", ()),
-        )
-        logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
-        return view
-
-    def parallelize(self, module, cfg):
-        """Expert, tensor parallel, activation checkpointing and data parallel for one model part."""
-        from ..parallel.activation_checkpoint import apply_activation_checkpointing
-        from ..parallel.data_parallel import apply_data_parallel
-        from ..parallel.expert_parallel import apply_expert_parallel, build_expert_mesh, moe_config
-        from ..parallel.tensor_parallel import apply_tensor_parallel
-
-        ctx = self.ctx
-        moe, expert_mesh = moe_config(cfg.model.cfg), None
-        if moe is not None and moe.ep_size > 1:
-            # First, so later steps only touch this rank's experts.
-            mesh = build_expert_mesh(ctx.mesh, moe.ep_size)
-            apply_expert_parallel(module, mesh)
-            expert_mesh = mesh["edp"]
-        tp = ctx.tensor_parallel_size
-        if tp > 1:
-            apply_tensor_parallel(module, ctx.mesh["tp"], bool(cfg.train.dist.get("sequence_parallel")))
         ac = cfg.train.activation_checkpoint
-        if ac.get("enabled", False):
-            apply_activation_checkpointing(module, int(ac.get("every_n_layers", 1) or 1))
-        return apply_data_parallel(module, ctx.mesh["dp"], self.zero_stage(cfg), offload=self.offload(cfg),
-                                   param_dtype=self.fsdp_param_dtype(cfg), tp_enabled=tp > 1,
-                                   pipeline=ctx.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
+        every = int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0
+        return parallelize_model(model, self.layout, int(cfg.train.num_accumulation_steps),
+                                 activation_checkpoint_every=every,
+                                 param_dtype=self.fsdp_param_dtype(cfg, self.layout))
 
-    def build_optimizer(self, cfg, model):
-        """`cfg.optim` for each model part, with `optim.params.model` set to it (LiBai's convention).
+    def build_optimizer(self, cfg, model: ParallelModel):
+        """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
 
         ZeRO-1 shards the optimizer state over the data-parallel group; a rank holding several
-        pipeline stages gets one optimizer per stage behind one `OptimizersContainer`.
+        pipeline stages gets one optimizer per stage behind one ``OptimizersContainer``.
         """
         from ..optim.container import OptimizersContainer
         from ..parallel.data_parallel import build_zero1_optimizer
 
         optimizers = []
-        for part in self.model_parts:
+        for part in model.parts:
             params = instantiate_with(cfg.optim.params, model=part)
             opt = instantiate_with(cfg.optim, params=params)
-            if self.zero_stage(cfg) == 1 and self.ctx.data_parallel_size > 1:
+            if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
                 # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
                 accepted = inspect.signature(type(opt).__init__).parameters
                 kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
-                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.ctx.group("dp"), **kwargs)
+                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.group("dp"), **kwargs)
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 
@@ -500,44 +255,46 @@ class DefaultTrainer:
         return instantiate_with(sched_cfg, optimizer=optimizer, max_iter=int(cfg.train.train_iter), warmup_iter=warmup_iter)
 
     def build_grad_scaler(self, cfg):
+        """fp16's loss scaler (None for fp32 and bf16)."""
+        if amp_dtype(cfg.train.amp) is not torch.float16:
+            return None
         amp = cfg.train.amp
-        if not amp.get("enabled", False):
-            self.amp_dtype = None
-            return None
-        name = str(amp.get("dtype", "bf16"))
-        if name not in _AMP_DTYPES:
-            raise UsageError(f"train.amp.dtype={name!r} is not supported; use 'bf16' or 'fp16'")
-        self.amp_dtype = _AMP_DTYPES[name]
-        if self.amp_dtype is not torch.float16:
-            return None
-        return build_loss_scaler(self.ctx.device, float(amp.get("initial_scale", 2.0**16)),
+        return build_loss_scaler(self.layout.device, float(amp.get("initial_scale", 2.0**16)),
                                  int(amp.get("growth_interval", 1000)))
 
-    def build_trainer(self):
-        optim = self.cfg.optim.get("params", {})
+    def build_checkpointer(self, cfg, model: ParallelModel, optimizer) -> Checkpointer:
+        """DCP checkpoints of the model parts and optimizer in ``train.output_dir``."""
+        return Checkpointer(model.parts, optimizer, cfg.train.output_dir,
+                            max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases)
+
+    def build_trainer(self, cfg, model: ParallelModel, train_loader, optimizer, scheduler, grad_scaler) -> Trainer:
+        """The step runner: eager, or through the pipeline schedule when the model is pipelined."""
         from ..parallel.tensor_parallel import loss_parallel_context
 
-        tp = self.ctx.tensor_parallel_size > 1
-        cls, extra = EagerTrainer, {}
-        if self.stepper is not None:
-            cls, extra = PipelineTrainer, {"stepper": self.stepper}
-        return cls(
-            self.model,
-            self.train_loader,
-            self.optimizer,
-            self.scheduler,
-            num_accumulation_steps=int(self.cfg.train.num_accumulation_steps),
-            device=self.ctx.device,
-            amp_dtype=self.amp_dtype,
-            grad_scaler=self.grad_scaler,
+        optim = cfg.optim.get("params", {})
+        tp = self.layout.tensor_parallel_size > 1
+        return Trainer(
+            model.module, train_loader, optimizer, scheduler,
+            metrics=model.metrics,
+            num_accumulation_steps=int(cfg.train.num_accumulation_steps),
+            device=self.layout.device,
+            amp_dtype=amp_dtype(cfg.train.amp),
+            grad_scaler=grad_scaler,
             clip_grad_max_norm=optim.get("clip_grad_max_norm"),
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
-            max_skipped_nonfinite=int(self.cfg.train.get("max_skipped_nonfinite", 0) or 0),
+            max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
             loss_context=lambda: loss_parallel_context(tp),
-            params=[p for part in self.model_parts for p in part.parameters()],
-            pp_mesh=self.ctx.mesh["pp"] if self.ctx.pipeline_parallel_size > 1 else None,
-            **extra,
+            params=model.parameters(),
+            pipeline=model.pipeline,
+            pp_group=self.layout.group("pp") if self.layout.pipeline_parallel_size > 1 else None,
         )
+
+    def sample_throughput(self) -> tuple[int | None, float | None]:
+        """(tokens, training FLOPs) of one training sample, as the model counts them."""
+        dataset = getattr(self.train_loader, "dataset", None)
+        if dataset is None or len(dataset) == 0:
+            return None, None
+        return sample_throughput(self.model.source, dataset[0])
 
     def build_hooks(self):
         cfg = self.cfg
@@ -550,17 +307,12 @@ class DefaultTrainer:
             if ev.get("eval_metric"):
                 out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
                                                   ev.eval_metric, ev.get("eval_mode", "min")))
-        seq = self.tokens_per_sample(cfg)
-        flops = self._flops_per_sample
+        tokens, flops = self.sample_throughput()
         out.append(
             hooks.PeriodicWriter(
-                self.output_dir,
-                cfg.train.log_period,
-                cfg.train.global_batch_size,
-                seq,
-                flops,
-                device_peak_flops(self.ctx.device, self.amp_dtype is not None),
-                lambda: self.consumed_samples_at(self.trainer.iter + 1),
+                self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
+                device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None),
+                lambda: self.consumed_samples_at(self.trainer.iter + 1), self.layout, self.model.metrics,
             )
         )
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
@@ -578,7 +330,7 @@ class DefaultTrainer:
             "iteration": it,
             "consumed_samples": self.consumed_samples_at(it + 1),
             "global_batch_size": int(self.cfg.train.global_batch_size),
-            "data_parallel_size": self.ctx.data_parallel_size,
+            "data_parallel_size": self.layout.data_parallel_size,
             "scheduler": self.scheduler.state_dict(),
         }
         if self.grad_scaler is not None:
@@ -598,15 +350,15 @@ class DefaultTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if state.get("data_parallel_size") not in (None, self.ctx.data_parallel_size):
+        if state.get("data_parallel_size") not in (None, self.layout.data_parallel_size):
             logger.warning(
-                f"data_parallel_size changed from {state['data_parallel_size']} to {self.ctx.data_parallel_size}: "
+                f"data_parallel_size changed from {state['data_parallel_size']} to {self.layout.data_parallel_size}: "
                 f"the data position is kept as {self.consumed_samples} consumed samples, so every sample is seen once"
             )
 
     def _setup_output(self) -> None:
         self._consumed_at_start = self.consumed_samples
-        if self.ctx.rank == 0:
+        if self.layout.rank == 0:
             try:
                 os.makedirs(self.output_dir, exist_ok=True)
                 probe = os.path.join(self.output_dir, ".write_test")
@@ -620,8 +372,8 @@ class DefaultTrainer:
         from ..utils.distributed import barrier
 
         barrier()
-        attach_log_file(self.output_dir, self.ctx.rank)
-        if self.ctx.rank == 0:
+        attach_log_file(self.output_dir, self.layout.rank)
+        if self.layout.rank == 0:
             self.checkpointer.remove_partial()
             path = os.path.join(self.output_dir, "config.yaml")
             # Interpolations are resolved so config.yaml shows the values this run used.
@@ -641,14 +393,13 @@ class DefaultTrainer:
         from ..evaluation.model_evaluator import EvalContext
 
         cfg = self.cfg
-        max_len = try_get_key(cfg, "model.cfg.max_seq_length", default=None) or \
-            try_get_key(cfg, "dataloader.train.seq_length", default=None)
+        max_len = max_seq_length(self.model.source)
         return EvalContext(
-            tokenizer=self.tokenizer, device=self.ctx.device, dp_rank=self.ctx.dp_rank,
-            dp_size=self.ctx.data_parallel_size, dp_group=self.ctx.group("dp"),
-            tensor_parallel_size=self.ctx.tensor_parallel_size, micro_batch_size=int(cfg.train.test_micro_batch_size),
+            tokenizer=self.tokenizer, device=self.layout.device, dp_rank=self.layout.dp_rank,
+            dp_size=self.layout.data_parallel_size, dp_group=self.layout.group("dp"),
+            tensor_parallel_size=self.layout.tensor_parallel_size, micro_batch_size=int(cfg.train.test_micro_batch_size),
             max_seq_length=int(max_len) if max_len else None, autocast=self.trainer.autocast,
-            loss_context=self.trainer.loss_context, pipeline=self.stepper is not None,
+            loss_context=self.trainer.loss_context, pipeline=self.model.pipeline is not None,
         )
 
     def _inference(self, loader, evaluator, eval_iter: int | None) -> dict:
@@ -656,14 +407,15 @@ class DefaultTrainer:
         from ..evaluation.model_evaluator import brings_own_data
 
         if brings_own_data(evaluator):
-            return evaluator.evaluate_model(self.model, self.eval_context())
-        if self.stepper is not None:
+            return evaluator.evaluate_model(self.model.module, self.eval_context())
+        dp_group = self.layout.group("dp")
+        if self.model.pipeline is not None:
             eval_iter = len(loader) if eval_iter is None else eval_iter
-            return inference_on_pipeline(self.stepper, loader, evaluator, eval_iter,
+            return inference_on_pipeline(self.model.pipeline, loader, evaluator, eval_iter,
                                          int(self.cfg.train.num_accumulation_steps), self.trainer.autocast,
-                                         self.trainer.loss_context)
-        return inference_on_dataset(self.model, loader, evaluator, eval_iter, self.trainer.autocast,
-                                    self.trainer.loss_context)
+                                         self.trainer.loss_context, dp_group=dp_group)
+        return inference_on_dataset(self.model.module, loader, evaluator, eval_iter, self.trainer.autocast,
+                                    self.trainer.loss_context, device=self.layout.device, dp_group=dp_group)
 
     def test(self) -> dict:
         """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader.
@@ -699,17 +451,16 @@ class DefaultTrainer:
             return []
         if "_target_" in nodes:
             nodes = [nodes]
-        seq = try_get_key(cfg, "dataloader.train.seq_length", default=None) or \
-            try_get_key(cfg, "model.cfg.max_seq_length", default=None)
+        seq = max_seq_length(self.model.source)
         runtime = {
             "tokenizer": self.tokenizer,
             "seq_length": seq,
             "micro_batch_size": int(cfg.train.test_micro_batch_size),
-            "data_parallel_rank": self.ctx.dp_rank,
-            "data_parallel_size": self.ctx.data_parallel_size,
+            "data_parallel_rank": self.layout.dp_rank,
+            "data_parallel_size": self.layout.data_parallel_size,
             "vocab_size": self.tokenizer.vocab_size if self.tokenizer is not None else None,
             # A pipeline schedule evaluates num_accumulation_steps micro-batches at once.
-            "batches_multiple_of": int(cfg.train.num_accumulation_steps) if self.stepper is not None else 1,
+            "batches_multiple_of": int(cfg.train.num_accumulation_steps) if self.model.pipeline is not None else 1,
         }
         out = []
         for i, node in enumerate(nodes):
@@ -724,95 +475,3 @@ class DefaultTrainer:
         max_iter = int(self.cfg.train.train_iter)
         logger.info(f"Starting training from iteration {self.start_iter} to {max_iter}")
         self.trainer.train(self.start_iter, max_iter)
-
-
-def _user_error_types():
-    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError, InstantiationError
-    from ..data.indexed_dataset import IndexedDatasetError
-
-    # InstantiationError: a config-built object refused its arguments (its message names the
-    # target, the key path and the original error), which is a config problem the user fixes.
-    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError,
-            FloatingPointError, InstantiationError)
-
-
-def _instantiation_error():
-    from ..config import InstantiationError
-
-    return InstantiationError
-
-
-def _find_user_error(exc: BaseException | None):
-    """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
-    types = _user_error_types()
-    found = []
-    while exc is not None and len(found) < 10:
-        if isinstance(exc, types):
-            found.append(exc)
-        exc = exc.__cause__
-    specific = [e for e in found if not isinstance(e, _instantiation_error())]
-    return specific[0] if specific else (found[0] if found else None)
-
-
-def user_error_message(exc: BaseException) -> str | None:
-    """The one ``error: ...`` line for a user-fixable error anywhere in ``exc``'s cause chain, else None.
-
-    Shared by every command-line tool so bad input reads the same everywhere.
-    """
-    e = _find_user_error(exc)
-    if e is None:
-        return None
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
-        msg = f"{msg}: {e.filename}"
-    if isinstance(e, _instantiation_error()):
-        msg += " (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
-    return f"error: {msg}"
-
-
-def report_cli_error(exc: Exception) -> int:
-    """For a command-line tool's ``except`` block: print the one ``error:`` line and return 1, or re-raise.
-
-    A user error is printed by global rank 0 (every rank hits the same one); a collective timeout
-    by every rank that gave up (it is rank-local), which then exits at once rather than wait for
-    the stuck rank in the process group's teardown. Anything else, or ``LIBAI_LITE_TRACEBACK=1``,
-    re-raises with the traceback.
-    """
-    if os.environ.get("LIBAI_LITE_TRACEBACK"):
-        raise exc
-    from ..utils.distributed import describe_collective_timeout, is_collective_timeout
-
-    if _find_user_error(exc) is None and is_collective_timeout(exc):
-        print(f"error: {describe_collective_timeout(exc)}", file=sys.stderr, flush=True)
-        os._exit(1)
-    line = user_error_message(exc)
-    if line is None:
-        raise exc
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr, flush=True)
-    return 1
-
-
-def launch(args) -> int:
-    """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
-
-    Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
-    by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
-    """
-    from ..utils.distributed import destroy
-
-    try:
-        cfg = LazyConfig.load(args.config_file)
-        cfg = LazyConfig.apply_overrides(cfg, args.opts)
-        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        default_setup(cfg, args)
-        trainer = DefaultTrainer(cfg, resume=resume, eval_only=args.eval_only)
-        if args.eval_only:
-            trainer.test()
-        else:
-            trainer.train()
-        return 0
-    except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
-        return report_cli_error(e)
-    finally:
-        destroy()

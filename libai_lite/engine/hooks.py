@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..utils.distributed import all_reduce_mean, get_dist, is_main_process
+from ..utils.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, is_main_process
 from ..utils.events import JSONWriter, TensorboardWriter, format_bytes, format_eta
 from .trainer import HookBase, StopTraining
 
@@ -157,11 +157,15 @@ class PeriodicWriter(HookBase):
     values of the logged step itself.
     """
 
-    def __init__(self, output_dir: str, period: int, global_batch_size: int, seq_length: int,
-                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, tensorboard: bool = True):
+    def __init__(self, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
+                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics,
+                 tensorboard: bool = True):
         self.period = max(int(period), 1)
         self.global_batch_size = global_batch_size
-        self.seq_length = seq_length
+        self.tokens_per_sample = tokens_per_sample
+        self.layout = layout
+        # The model's declared outputs (libai_lite.model.Metric), in its order.
+        self.metrics = dict(metrics)
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops
         self.consumed_fn = consumed_fn
@@ -198,37 +202,31 @@ class PeriodicWriter(HookBase):
     def _write(self):
         latest = self.trainer.storage.latest()
         window, self._window = self._window, []
-        dp_group = get_dist().group("dp")
-        # Losses and the model's other statistics (token accuracy, MoE load) averaged over
-        # data-parallel ranks: each saw different samples.
-        model_keys = getattr(self.trainer, "model_metric_keys", set())
-        loss_keys = sorted((k for k in latest if ("loss" in k or k in model_keys) and not k.startswith("valid/")),
-                           key=lambda k: (k != "total_loss", k))
-        reduced = all_reduce_mean([latest[k] for k in loss_keys], group=dp_group)
+        # The model's outputs averaged (or summed, or maxed, as it declares) over data-parallel ranks:
+        # each saw different samples.
+        keys = ["total_loss"] + [k for k in self.metrics if k in latest]
         raw = dict(latest)
-        raw.update(zip(loss_keys, reduced))
+        raw.update(self._reduce_over_dp({k: latest[k] for k in keys}))
         if not self.main:
             return
         it = self.trainer.iter
         step_time = sum(w["time"] for w in window) / len(window)
         data_time = sum(w["data_time"] for w in window) / len(window)
         samples_s = self.global_batch_size / step_time
-        tokens_s = samples_s * self.seq_length
         raw.update(
             consumed_samples=self.consumed_fn(),
             samples_per_sec=self.global_batch_size / raw["time"],
-            tokens_per_sec=self.global_batch_size * self.seq_length / raw["time"],
-            max_mem_bytes=peak_memory_bytes(get_dist().device),
+            max_mem_bytes=peak_memory_bytes(self.layout.device),
         )
+        if self.tokens_per_sample:
+            raw["tokens_per_sec"] = self.global_batch_size * self.tokens_per_sample / raw["time"]
         # The log line averages losses over the interval (this rank's view); metrics.json has the
         # logged step's value averaged over data-parallel ranks.
         parts = [
             f"iteration: {it + 1}/{self.trainer.max_iter}",
             f"consumed_samples: {raw['consumed_samples']}",
         ]
-        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in loss_keys]
-        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}"
-                  for k in sorted(latest) if k.endswith("_acc") or (k.startswith("moe_") and "loss" not in k)]
+        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in keys]
         parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
         if "loss_scale" in raw:
             parts.append(f"loss_scale: {raw['loss_scale']:g}")
@@ -236,10 +234,11 @@ class PeriodicWriter(HookBase):
             f"time: {step_time:.4f} s/it",
             f"data_time: {data_time:.4f} s/it",
             f"samples/s: {samples_s:.2f}",
-            f"tokens/s: {tokens_s:.0f}",
         ]
+        if self.tokens_per_sample:
+            parts.append(f"tokens/s: {samples_s * self.tokens_per_sample:.0f}")
         if self.flops_per_sample:
-            tflops = samples_s * self.flops_per_sample / get_dist().world_size / 1e12
+            tflops = samples_s * self.flops_per_sample / self.layout.world_size / 1e12
             raw["tflops_per_rank"] = tflops
             parts.append(f"TFLOP/s/rank: {tflops:.3f}")
             if self.peak_flops:
@@ -251,6 +250,15 @@ class PeriodicWriter(HookBase):
         self._json.write(it + 1, raw)
         if self._tb is not None:
             self._tb.write(it + 1, {k: v for k, v in raw.items() if k not in ("consumed_samples",)})
+
+    def _reduce_over_dp(self, values: dict) -> dict:
+        group = self.layout.group("dp")
+        out = {}
+        for reduce, fn in (("mean", all_reduce_mean), ("sum", all_reduce_sum), ("max", all_reduce_max)):
+            keys = [k for k in values if (self.metrics[k].reduce if k in self.metrics else "mean") == reduce]
+            if keys:
+                out.update(zip(keys, fn([values[k] for k in keys], group=group)))
+        return out
 
     def after_train(self):
         # Evaluation at the end stores valid/* after the last log line; record it too.

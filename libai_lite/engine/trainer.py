@@ -1,4 +1,4 @@
-"""The training loop: a minimal base whose behaviour is a list of hooks, and the eager step."""
+"""The training loop: a minimal base whose behaviour is a list of hooks, and the one training step."""
 from __future__ import annotations
 
 import logging
@@ -90,13 +90,20 @@ class TrainerBase:
         raise NotImplementedError
 
 
-class EagerTrainer(TrainerBase):
-    """One optimizer step over `num_accumulation_steps` micro-batches, with AMP and gradient clipping.
+def _combine(values: list[torch.Tensor], reduce: str) -> torch.Tensor:
+    """One step's value of a metric from its micro-batches' values."""
+    stacked = torch.stack([v.detach().float() for v in values])
+    return {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.max}[reduce]()
 
-    Works on a plain, DDP, FSDP2 or tensor-parallel model alike: gradient sync is deferred to
-    the last micro-batch (`no_sync_context`), the loss runs under `loss_context` (loss_parallel
-    when the vocabulary is sharded) and clipping takes DTensor gradients and pipeline stages
-    into account.
+
+class Trainer(TrainerBase):
+    """One optimizer step over ``num_accumulation_steps`` micro-batches, with AMP and gradient clipping.
+
+    Forward and backward run eagerly on a plain, DDP, FSDP2 or tensor-parallel model, or, when
+    ``pipeline`` (a ``PipelineStepper``) is given, through its schedule with the micro-batches
+    concatenated; the rest of the step (non-finite checks, one clipper, loss scaling, optimizer
+    and schedule) is the same. ``metrics`` is the model's ``output_metrics()``: the entries
+    back-propagated and how each logged value combines over micro-batches.
     """
 
     def __init__(
@@ -105,6 +112,7 @@ class EagerTrainer(TrainerBase):
         data_loader,
         optimizer,
         scheduler,
+        metrics,
         num_accumulation_steps: int = 1,
         device: torch.device = torch.device("cpu"),
         amp_dtype: torch.dtype | None = None,
@@ -114,7 +122,8 @@ class EagerTrainer(TrainerBase):
         max_skipped_nonfinite: int = 0,
         loss_context=nullcontext,
         params=None,
-        pp_mesh=None,
+        pipeline=None,
+        pp_group=None,
     ):
         super().__init__()
         self.model = model
@@ -122,6 +131,7 @@ class EagerTrainer(TrainerBase):
         self._data_iter = iter(data_loader)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.metrics = dict(metrics)
         self.num_accumulation_steps = num_accumulation_steps
         self.device = device
         self.amp_dtype = amp_dtype
@@ -129,7 +139,8 @@ class EagerTrainer(TrainerBase):
         self.clip_grad_max_norm = clip_grad_max_norm
         self.clip_grad_norm_type = clip_grad_norm_type
         self.loss_context = loss_context
-        self.pp_mesh = pp_mesh
+        self.pipeline = pipeline
+        self.pp_group = pp_group
         params = model.parameters() if params is None else params
         self._params = [p for p in params if p.requires_grad]
         # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
@@ -153,36 +164,46 @@ class EagerTrainer(TrainerBase):
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def forward_backward(self, batches: list[dict]) -> dict:
-        """Forward and backward over the step's micro-batches; returns each loss averaged over them."""
+        """Forward and backward over the step's micro-batches; returns each declared metric's step value."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batches)
         from ..parallel.data_parallel import no_sync_context
 
         acc = len(batches)
-        totals: dict[str, torch.Tensor] = {}
+        seen: dict[str, list[torch.Tensor]] = {}
         for micro, batch in enumerate(batches):
             # Gradients are reduced across data-parallel ranks once per step, on the last micro-batch.
             with no_sync_context(self.model, micro == acc - 1), self.loss_context():
                 with self.autocast():
                     outputs = self.model(**batch)
-                losses = {k: v for k, v in outputs.items() if "loss" in k}
-                # Other scalar outputs (token accuracy, ...) are logged, not back-propagated.
-                losses.update({k: v for k, v in outputs.items() if k not in losses and k != "nll_sum"
-                               and torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()})
-                scaled = sum(v for k, v in losses.items() if "loss" in k) / acc
+                losses = [outputs[k] for k, m in self.metrics.items() if m.backward and k in outputs]
+                scaled = sum(losses) / acc
                 if self.grad_scaler is not None:
                     scaled = self.grad_scaler.scale(scaled)
                 scaled.backward()
-            for k, v in losses.items():
-                totals[k] = totals.get(k, 0.0) + v.detach().float() / acc
-        return totals
+            for k in self.metrics:
+                if k in outputs:
+                    seen.setdefault(k, []).append(outputs[k])
+        return {k: _combine(v, self.metrics[k].reduce) for k, v in seen.items()}
 
-    def before_optimizer_step(self) -> None:
-        """Called after backward, before clipping (pipeline stages sync tied weights here)."""
+    def _pipeline_forward_backward(self, batches: list[dict]) -> dict:
+        from ..model import loss_name
+
+        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        inputs, kwargs, labels = self.pipeline.split_batch(batch)
+        with self.loss_context(), self.autocast():
+            loss = self.pipeline.step(inputs, labels, grad_scaler=self.grad_scaler, kwargs=kwargs)
+        return {loss_name(self.metrics): loss.float(), **self.pipeline.step_metrics}
 
     def clip_gradients(self, max_norm: float) -> float:
-        """Clip to `max_norm` (inf only measures); returns the global gradient norm."""
-        from ..parallel.data_parallel import clip_grad_norm_
+        """Clip to ``max_norm`` (inf only measures); returns the global gradient norm."""
+        from ..parallel.clip_grad import clip_grad_norm_
+        from ..parallel.pipeline_split import tied_weight_copies
 
-        return clip_grad_norm_(self._params, max_norm, self.clip_grad_norm_type, pp_mesh=self.pp_mesh)
+        # A pipelined tied weight is held twice (embedding and head copy): counted once.
+        exclude = tied_weight_copies(self.pipeline.stage_modules) if self.pipeline is not None else ()
+        return clip_grad_norm_(self._params, max_norm, self.clip_grad_norm_type, self.pp_group,
+                               exclude_from_norm=exclude)
 
     def run_step(self) -> None:
         start = time.perf_counter()
@@ -194,7 +215,8 @@ class EagerTrainer(TrainerBase):
         data_time = time.perf_counter() - data_time
         set_activity("forward/backward (gradient reduction)", self.iter)
         totals = self.forward_backward(batches)
-        total_loss = float(sum(v for k, v in totals.items() if "loss" in k))
+        total_loss = float(sum(v for k, v in totals.items() if self.metrics.get(k) is not None
+                               and self.metrics[k].backward))
         if not math.isfinite(total_loss) and self.grad_scaler is None:
             # fp16 runs leave this to the loss scaler, which skips overflowed steps itself.
             if self.skipped_nonfinite < self.max_skipped_nonfinite:
@@ -213,7 +235,6 @@ class EagerTrainer(TrainerBase):
                 f"last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
             )
         set_activity("gradient clipping and optimizer step", self.iter)
-        self.before_optimizer_step()
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         max_norm = self.clip_grad_max_norm if self.clip_grad_max_norm else float("inf")
@@ -236,8 +257,6 @@ class EagerTrainer(TrainerBase):
         if not skipped:
             self.scheduler.step()
         metrics = {k: float(v) for k, v in totals.items()}
-        # What the model reported over this rank's samples; the log averages them over data-parallel ranks.
-        self.model_metric_keys = set(metrics)
         metrics.update(
             total_loss=total_loss,
             lr=lr,
@@ -248,27 +267,3 @@ class EagerTrainer(TrainerBase):
         if self.grad_scaler is not None:
             metrics.update(loss_scale=self.grad_scaler.get_scale(), skipped=float(skipped))
         self.storage.put_scalars(**metrics)
-
-
-class PipelineTrainer(EagerTrainer):
-    """The eager step with forward and backward run by a pipeline schedule.
-
-    The step's `num_accumulation_steps` micro-batches are concatenated and handed to the
-    schedule as its micro-batches; only the first stage reads the inputs and only the last
-    the labels. The loss (and MoE statistics) come back on every rank for logging.
-    """
-
-    def __init__(self, *args, stepper, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stepper = stepper
-
-    def forward_backward(self, batches: list[dict]) -> dict:
-        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-        inputs, kwargs, labels = self.stepper.split_batch(batch)
-        with self.loss_context(), self.autocast():
-            loss = self.stepper.step(inputs, labels, grad_scaler=self.grad_scaler, kwargs=kwargs)
-        return {"lm_loss": loss.float(), **self.stepper.step_metrics}
-
-    def clip_gradients(self, max_norm: float) -> float:
-        # The stepper counts the tied embedding / LM-head weight once across stages.
-        return float(self.stepper.clip_grad_norm_(max_norm, self.clip_grad_norm_type))

@@ -8,13 +8,19 @@ from contextlib import nullcontext
 
 import torch
 
-from ..utils.distributed import all_reduce_sum, get_dist
+from ..utils.distributed import all_reduce_sum
 
 logger = logging.getLogger("libai_lite")
 
 
 class DatasetEvaluator:
-    """Accumulates model outputs over an evaluation set: `reset`, `process` per batch, `evaluate` at the end."""
+    """Accumulates model outputs over an evaluation set: `reset`, `process` per batch, `evaluate` at the end.
+
+    `process_group` (set by the inference loop) is the data-parallel group whose ranks saw the
+    other batches; `evaluate` combines over it.
+    """
+
+    process_group = None
 
     def reset(self) -> None:
         raise NotImplementedError
@@ -45,7 +51,7 @@ class PPLEvaluator(DatasetEvaluator):
         self._tokens += float(outputs["num_tokens"].detach().float().sum())
 
     def evaluate(self) -> dict:
-        nll, tokens = all_reduce_sum([self._nll, self._tokens], group=get_dist().group("dp"))
+        nll, tokens = all_reduce_sum([self._nll, self._tokens], group=self.process_group)
         if tokens == 0:
             logger.warning("Perplexity evaluation saw no tokens; check train.evaluation.eval_iter and the valid split")
             return {}
@@ -54,13 +60,14 @@ class PPLEvaluator(DatasetEvaluator):
 
 
 def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None, autocast=None,
-                         loss_context=None) -> dict:
+                         loss_context=None, device: torch.device | str = "cpu", dp_group=None) -> dict:
     """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
 
     `autocast` and `loss_context` are context factories (the trainer's precision, and
-    loss_parallel when the vocabulary is split over tensor-parallel ranks).
+    loss_parallel when the vocabulary is split over tensor-parallel ranks); `dp_group` the
+    data-parallel group the evaluator combines over.
     """
-    device = get_dist().device
+    evaluator.process_group = dp_group
     evaluator.reset()
     was_training = model.training
     model.eval()
@@ -86,9 +93,10 @@ def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_i
 
 
 def inference_on_pipeline(stepper, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None, group: int,
-                          autocast=None, loss_context=None) -> dict:
+                          autocast=None, loss_context=None, dp_group=None) -> dict:
     """`inference_on_dataset` through a pipeline: `group` micro-batches go through the schedule at once."""
-    device = get_dist().device
+    device = stepper.device
+    evaluator.process_group = dp_group
     evaluator.reset()
     start = time.perf_counter()
     n, pending = 0, []

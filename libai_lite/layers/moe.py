@@ -28,11 +28,12 @@ Under pipeline parallelism a stage's output is the hidden state, so the auxiliar
 the schedule's loss. There (``aux_loss_in_backward``) the layer returns its output through an identity
 whose backward also back-propagates ``aux_loss_weight * aux_loss`` (Megatron-LM's
 ``MoEAuxLossAutoScaler``): the gradients are those of language-model loss plus auxiliary loss, and
-each backward records the micro-batch's statistics for ``collect_pipeline_moe_outputs``.
+each backward records the micro-batch's statistics (``backprop_aux_loss``), which
+``libai_lite.parallel.expert_parallel.PipelineMoE`` combines over the stages.
 
 Expert parallelism (``libai_lite.parallel.expert_parallel``) keeps only this rank's experts in
 ``experts`` (a ``ModuleDict`` keyed by the GLOBAL expert index, so checkpoints do not depend on the
-layout) and sets ``ep_group``; tokens then travel to their expert's rank and back by all-to-all.
+layout) and sets the layer's ``dispatch``; tokens then travel to their expert's rank and back by all-to-all.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model import LOSS, MEAN
 from ..utils.errors import UsageError
 from .init_methods import InitMethod
 from .linear import Linear1D
@@ -258,6 +260,8 @@ class MoELayer(nn.Module):
     ):
         super().__init__()
         moe = MoEConfig.from_mapping(moe)
+        # What the parallel code reads: expert-parallel size and the rest of the layout checks.
+        self.moe_config = moe
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
         self.capacity_factor = None if moe.capacity_factor is None else float(moe.capacity_factor)
@@ -271,17 +275,24 @@ class MoELayer(nn.Module):
                         bias=bias, activation=activation, gated=gated, layer_idx=layer_idx)
             for e in range(moe.num_experts)
         })
-        # Set by libai_lite.parallel.expert_parallel.apply_expert_parallel.
-        self.ep_group = None
+        # How dispatched tokens reach the experts: here, or (set by
+        # libai_lite.parallel.expert_parallel) over the expert-parallel group and back.
+        self.dispatch = _local_experts
         self.ep_size = 1
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: dict = {}
-        # Pipeline mode (set by PipelineStepper): the auxiliary loss is back-propagated from the
-        # layer itself, scaled by `aux_grad_scale` (the fp16 loss scale), and each backward
-        # appends the micro-batch's statistics to `step_records`.
         self.aux_loss_in_backward = False
         self.aux_grad_scale = 1.0
         self.step_records: list[dict] = []
+
+    def backprop_aux_loss(self, grad_scale: float) -> None:
+        """From now on back-propagate the weighted auxiliary loss from this layer's output, its
+        gradient multiplied by ``grad_scale`` (the fp16 loss scale), and append each micro-batch's
+        statistics to ``step_records`` in backward. A pipeline stage needs this: it returns hidden
+        states, so the auxiliary loss cannot join the schedule's loss."""
+        self.aux_loss_in_backward = True
+        self.aux_grad_scale = float(grad_scale)
+        self.step_records = []
 
     @property
     def local_expert_ids(self) -> list[int]:
@@ -301,13 +312,7 @@ class MoELayer(nn.Module):
         token_of = order // self.top_k
         tokens_per_expert = torch.bincount(flat_expert[order], minlength=self.num_experts)
         dispatched = x.index_select(0, token_of)
-        if self.ep_size > 1:
-            from ..parallel.expert_parallel import expert_parallel_forward
-
-            expert_out = expert_parallel_forward(self.experts, dispatched, tokens_per_expert, self.ep_group,
-                                                 self.ep_size)
-        else:
-            expert_out = self.experts(dispatched, tokens_per_expert.tolist())
+        expert_out = self.dispatch(self.experts, dispatched, tokens_per_expert)
         gates = routing.gates.reshape(-1).index_select(0, order).to(expert_out.dtype)
         weighted = (expert_out * gates.unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, weighted)
@@ -331,9 +336,18 @@ class MoELayer(nn.Module):
                 f"local_experts={self.local_expert_ids}, ep_size={self.ep_size}, layer_idx={self.layer_idx}")
 
 
+def _local_experts(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return experts(tokens, tokens_per_expert.tolist())
+
+
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """Every ``MoELayer`` in ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+# How the trainer treats the entries ``collect_moe_outputs`` adds to a model's outputs
+# (``libai_lite.model``): the weighted auxiliary loss is back-propagated, the statistics logged.
+MOE_METRICS = {"moe_aux_loss": LOSS, "moe_dropped_frac": MEAN, "moe_load_max": MEAN}
 
 
 def collect_moe_outputs(model: nn.Module) -> dict:
@@ -361,43 +375,6 @@ def collect_moe_outputs(model: nn.Module) -> dict:
         # The graph behind the aux loss is released once the wrapper holds it.
         m.aux_loss = None
     return out
-
-
-def collect_pipeline_moe_outputs(modules, n_microbatches: int, group=None) -> dict:
-    """The MoE entries of a pipeline step's log, from the records its backward left on the MoE layers
-    of this rank's stage ``modules`` (``aux_loss_in_backward``); the records are cleared.
-
-    Collective over the pipeline ``group``: every pipeline rank calls it, with or without MoE layers
-    of its own. Per micro-batch the statistics of all stages are combined as ``collect_moe_outputs``
-    combines one model's layers, then averaged over the micro-batches, as the trainer averages them
-    without pipelining.
-    """
-    import torch.distributed as dist
-
-    layers = [m for module in modules for m in moe_layers(module)]
-    device = next((p.device for module in modules for p in module.parameters()), torch.device("cpu"))
-    aux = torch.zeros(n_microbatches, dtype=torch.float64, device=device)
-    counts = [[0.0, 0.0] for _ in range(n_microbatches)]  # assignments, dropped
-    load_max = [0.0] * n_microbatches
-    for m in layers:
-        # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
-        # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
-        for i, r in enumerate(m.step_records[-n_microbatches:]):
-            aux[i] += r["aux"].double()
-            counts[i][0] += r["assignments"]
-            counts[i][1] += r["dropped"]
-            load_max[i] = max(load_max[i], r["load_max"])
-        m.step_records = []
-    sums = torch.cat([aux[:, None], torch.tensor(counts, dtype=torch.float64, device=device)], dim=1)
-    load_max = torch.tensor(load_max, dtype=torch.float64, device=device)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=group)
-    return {
-        "moe_aux_loss": sums[:, 0].mean().float(),
-        "moe_dropped_frac": (sums[:, 2] / sums[:, 1].clamp(min=1)).mean().float(),
-        "moe_load_max": load_max.mean().float(),
-    }
 
 
 def inactive_expert_parameters(model: nn.Module) -> int:

@@ -12,21 +12,16 @@ torch.distributed feature that implements it:
 
 `offload=True` (stage 2/3) adds `CPUOffloadPolicy`, `param_dtype` adds `MixedPrecisionPolicy`.
 
-What the trainer has to do differently (see `no_sync_context`, `clip_grad_norm_`):
+What the trainer has to do differently (see `no_sync_context`; clipping is `clip_grad.clip_grad_norm_`):
   - build the optimizer *after* `apply_data_parallel` (FSDP2 replaces the parameters by sharded
     DTensors); for stage 1 build it with `build_zero1_optimizer`;
   - accumulate gradients inside `no_sync_context(model, micro == acc - 1)`, which is
     `model.no_sync()` for DDP and `model.set_requires_gradient_sync(is_last)` for FSDP2;
-  - clip with `clip_grad_norm_` from here: `torch.nn.utils.clip_grad_norm_` fails when the
-    gradients are DTensors on different meshes (FSDP+TP: ("dp","tp") and ("dp",)).
 """
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager, nullcontext
-from typing import Iterable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,7 +34,6 @@ from torch.optim import Optimizer
 
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
-from .expert_parallel import reduce_expert_norm
 
 logger = logging.getLogger("libai_lite")
 
@@ -296,79 +290,3 @@ def no_sync_context(model: nn.Module, is_last_microbatch: bool):
     if isinstance(model, FSDPModule):
         return _fsdp_gradient_sync(model, is_last_microbatch)
     return nullcontext()
-
-
-def _grad_groups(grads: list[torch.Tensor]) -> dict:
-    """Gradients grouped so each group's norm is one DTensor (or plain) reduction: by mesh."""
-    groups: dict = {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    return groups
-
-
-@torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
-    max_norm: float,
-    norm_type: float = 2.0,
-    pp_mesh: DeviceMesh | None = None,
-    error_if_nonfinite: bool = False,
-) -> float:
-    """Clip the gradients' global norm to `max_norm`; returns the norm before clipping as a float.
-
-    Works for plain tensors, DDP (replicated gradients) and FSDP2/TP DTensor gradients: the norm
-    is taken per mesh (torch's `get_total_norm`, then `.full_tensor()` to finish the DTensor
-    reduction) and the per-mesh norms are combined. With pipeline parallelism pass `pp_mesh`:
-    each stage holds different parameters, so the stages' norms are combined across it.
-    `max_norm=inf` only measures.
-    """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-    norms = []
-    for mesh, grads in _grad_groups([p.grad for p in params]).items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        # Expert parallelism: the other experts' gradients live on the other ranks of the ep group.
-        norm = reduce_expert_norm(norm, mesh, norm_type)
-        norms.append(norm.float().cpu())
-    if norms:
-        stacked = torch.stack(norms)
-        total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
-    else:
-        total = torch.zeros(())
-    if pp_mesh is not None and pp_mesh.size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if pp_mesh.device_type == "cuda" else "cpu"
-        t = total.to(device)
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(t, op=op, group=pp_mesh.get_group())
-        total = t.cpu()
-    if not math.isinf(norm_type):
-        total = total.pow(1.0 / norm_type)
-    total_norm = float(total)
-    if error_if_nonfinite and not math.isfinite(total_norm):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total_norm}")
-    if math.isfinite(float(max_norm)) and params:
-        coef = min(float(max_norm) / (total_norm + 1e-6), 1.0)
-        if coef < 1.0:
-            scale_grads_(params, coef)
-    return total_norm
-
-
-def scale_grads_(params: Iterable[torch.Tensor], coef: float | torch.Tensor) -> None:
-    """Multiply every gradient by ``coef`` (a float or a 0-d tensor) in place, shard by shard.
-
-    One scalar is correct for any placement (Shard, Replicate, Partial), and working on local
-    shards lets gradients of different meshes (experts on the expert-data-parallel mesh, the rest
-    on the data-parallel one) go through together, which one DTensor foreach call refuses.
-    """
-    by_device: dict = {}
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            by_device.setdefault(g.device, []).append(g)
-    for device, grads in by_device.items():
-        torch._foreach_mul_(grads, coef.to(device) if torch.is_tensor(coef) else coef)

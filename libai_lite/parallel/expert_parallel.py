@@ -16,7 +16,7 @@ expert-data-parallel group (``"edp"``), over which those experts are replicated 
   the whole data-parallel size (``set_gradient_divide_factor``): an expert's local gradient already
   sums the loss gradients of every token its ep group sent it, so the mean over all ``dp`` ranks'
   losses is the edp sum divided by ``dp``.
-- gradient clipping: ``data_parallel.clip_grad_norm_`` adds the expert gradients' norms across
+- gradient clipping: ``clip_grad.clip_grad_norm_`` adds the expert gradients' norms across
   ``"ep"`` (``expert_norm_group``).
 
 With ``ep_size=1`` none of this runs: every rank holds every expert and they are ordinary
@@ -24,6 +24,7 @@ data-parallel parameters.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -153,7 +154,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
         for key in list(layer.experts.keys()):
             if int(key) not in mine:
                 del layer.experts[key]
-        layer.ep_group = ep_mesh.get_group()
+        layer.dispatch = functools.partial(expert_parallel_forward, group=ep_mesh.get_group(), ep_size=ep_size)
         layer.ep_size = ep_size
     if layers:
         logger.info(f"Expert parallel: ep={ep_size}, this rank holds experts {layers[0].local_expert_ids} "
@@ -161,9 +162,9 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
     return layers
 
 
-def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, group,
+def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, *, group,
                             ep_size: int) -> torch.Tensor:
-    """Send ``tokens`` (sorted by global expert) to their experts' ranks, run the local experts, send results back.
+    """An ``MoELayer.dispatch``: send ``tokens`` (sorted by global expert) to their experts' ranks, run the local experts, send results back.
 
     ``tokens_per_expert`` ``[E]``: rows of ``tokens`` for each global expert. Returns the expert
     outputs in the order of ``tokens``. Differentiable: backward runs the two all-to-alls in reverse.
@@ -222,3 +223,58 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, reshard_
             # which gloo lacks; forcing SUM divides afterwards. (On a one-rank mesh FSDP divides
             # by the factor itself, and forcing SUM would divide a second time.)
             experts.set_force_sum_reduction_for_comms(True)
+
+
+class PipelineMoE:
+    """The MoE layers of this rank's pipeline stages, for a pipeline step's gradients and log.
+
+    A stage returns hidden states, so each MoE layer back-propagates its own auxiliary loss
+    (``MoELayer.backprop_aux_loss``); ``step_metrics`` then combines the records its backward left,
+    per micro-batch over every stage (as ``collect_moe_outputs`` combines one model's layers),
+    averaged over the micro-batches. Collective over the pipeline group: every pipeline rank
+    takes part, with or without MoE layers of its own.
+    """
+
+    def __init__(self, stage_modules, pp_group, n_microbatches: int, device: torch.device):
+        self.layers = [m for module in stage_modules for m in moe_layers(module)]
+        self.pp_group = pp_group
+        self.n_microbatches = int(n_microbatches)
+        self.device = device
+        present = torch.tensor([len(self.layers)], device=device)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(present, group=pp_group)
+        self.enabled = bool(present.item())
+
+    def begin_step(self, loss_scale: float) -> None:
+        """Before a step's schedule runs: the auxiliary losses' gradients scaled like the main loss's."""
+        for m in self.layers:
+            m.backprop_aux_loss(loss_scale)
+
+    def step_metrics(self) -> dict:
+        """``moe_aux_loss`` (already in the gradients), ``moe_dropped_frac``, ``moe_load_max`` of the step
+        on every pipeline rank; ``{}`` for a dense model."""
+        if not self.enabled:
+            return {}
+        n = self.n_microbatches
+        aux = torch.zeros(n, dtype=torch.float64, device=self.device)
+        counts = [[0.0, 0.0] for _ in range(n)]  # assignments, dropped
+        load_max = [0.0] * n
+        for m in self.layers:
+            # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
+            # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
+            for i, r in enumerate(m.step_records[-n:]):
+                aux[i] += r["aux"].double()
+                counts[i][0] += r["assignments"]
+                counts[i][1] += r["dropped"]
+                load_max[i] = max(load_max[i], r["load_max"])
+            m.step_records = []
+        sums = torch.cat([aux[:, None], torch.tensor(counts, dtype=torch.float64, device=self.device)], dim=1)
+        load_max = torch.tensor(load_max, dtype=torch.float64, device=self.device)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(sums, group=self.pp_group)
+            dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return {
+            "moe_aux_loss": sums[:, 0].mean().float(),
+            "moe_dropped_frac": (sums[:, 2] / sums[:, 1].clamp(min=1)).mean().float(),
+            "moe_load_max": load_max.mean().float(),
+        }

@@ -1,8 +1,7 @@
-"""The process group, the ("pp", "dp", "tp") device mesh, SBP vocabulary and rank helpers.
+"""The process group, the ("pp", "dp", "tp") device mesh in one ``Layout``, rank helpers and hang reports.
 
-LiBai's users think in SBP (split / broadcast / partial_sum) and in "which stage owns layer i";
-this module speaks that vocabulary and maps it onto DTensor placements and one DeviceMesh.
-Everything distributed comes from `torch.distributed`.
+Everything distributed comes from ``torch.distributed``. The SBP vocabulary layers declare their
+placements in is ``libai_lite.parallel.sbp``.
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import UsageError
 
@@ -25,27 +23,14 @@ logger = logging.getLogger(__name__)
 MESH_DIMS = ("pp", "dp", "tp")
 
 
-class sbp:
-    """LiBai's SBP names for DTensor placements: `sbp.split(0)`, `sbp.broadcast`, `sbp.partial_sum`."""
-
-    broadcast = Replicate()
-    partial_sum = Partial()
-
-    @staticmethod
-    def split(dim: int) -> Shard:
-        return Shard(dim)
-
-
-def get_nd_sbp(sbp_list: Sequence) -> tuple:
-    """The 2-D SBP `[dp_sbp, tp_sbp]` as DTensor placements on the ("dp", "tp") sub-mesh."""
-    if len(sbp_list) != 2:
-        raise ValueError(f"an nd_sbp has one entry per mesh dimension (dp, tp), got {list(sbp_list)}")
-    return tuple(sbp_list)
-
-
 @dataclass
-class DistContext:
-    """Everything a rank needs to know about the layout it runs in."""
+class Layout:
+    """The parallel layout of a run, built and validated once from ``train.dist`` (``setup_dist``)
+    and passed to whatever needs it (torchtitan's ``ParallelDims``).
+
+    ``stage_of_layer`` is filled by ``place_layers`` once the model says how many layers it has;
+    ``get_layer_placement(i)`` is then the pipeline stage that owns layer ``i`` (LiBai's name).
+    """
 
     world_size: int
     rank: int
@@ -55,7 +40,12 @@ class DistContext:
     data_parallel_size: int
     tensor_parallel_size: int
     mesh: DeviceMesh | None
-    num_layers: int | None = None
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    offload: bool = False
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    custom_pipeline_stage_id: Sequence[int] | None = None
     stage_of_layer: list[int] = field(default_factory=list)
 
     @property
@@ -83,8 +73,24 @@ class DistContext:
     def is_main_process(self) -> bool:
         return self.rank == 0
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ranks x virtual stages per rank."""
+        return self.pipeline_parallel_size * self.virtual_pipeline_size
 
-_CTX: DistContext | None = None
+    def place_layers(self, num_layers: int) -> list[int]:
+        """Assign each of the model's ``num_layers`` layers to a stage (once); returns ``stage_of_layer``."""
+        self.stage_of_layer = layer_stages(num_layers, self.num_stages, self.custom_pipeline_stage_id)
+        return self.stage_of_layer
+
+    def get_layer_placement(self, layer_idx: int) -> int:
+        """The pipeline stage that owns layer ``layer_idx``."""
+        return self.stage_of_layer[layer_idx] if self.stage_of_layer else 0
+
+
+def single_process_layout(device: torch.device | str = "cpu") -> Layout:
+    """A world of one without a process group (tools and tests that run a model on one device)."""
+    return Layout(1, 0, 0, torch.device(device), 1, 1, 1, None)
 
 
 def _free_port() -> int:
@@ -181,27 +187,42 @@ def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | Non
     return stages
 
 
-def setup_dist(dist_cfg, num_layers: int | None = None) -> DistContext:
-    """Initialise the process group and the ("pp", "dp", "tp") mesh from `train.dist`."""
-    global _CTX
+def _zero_settings(zero_cfg) -> tuple[int, bool]:
+    """(ZeRO stage, offload) from ``train.zero_optimization``: stage 0 when disabled (the parallel
+    code validates the pair: ``data_parallel.validate_zero_config``)."""
+    if not zero_cfg or not zero_cfg.get("enabled", False):
+        return 0, False
+    return zero_cfg.get("stage", 1), bool(zero_cfg.get("offload", False))
+
+
+def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
+    """Initialise the process group and the ("pp", "dp", "tp") mesh; returns the run's ``Layout``.
+
+    ``dist_cfg`` is ``train.dist``, ``zero_cfg`` ``train.zero_optimization``.
+    """
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
     _init_process_group(timeout_s)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, dp, tp = resolve_layout(world_size, dist_cfg)
+    zero_stage, offload = _zero_settings(zero_cfg)
+    virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
+    if virtual < 1:
+        raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
-        device_type = "cuda"
     else:
         device = torch.device("cpu")
-        device_type = "cpu"
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-    stages = []
-    if num_layers is not None:
-        stages = layer_stages(num_layers, pp, dist_cfg.get("custom_pipeline_stage_id", None))
-    _CTX = DistContext(world_size, rank, local_rank, device, pp, dp, tp, mesh, num_layers, stages)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    custom = dist_cfg.get("custom_pipeline_stage_id", None)
+    layout = Layout(
+        world_size, rank, local_rank, device, pp, dp, tp, mesh,
+        sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)), zero_stage=zero_stage, offload=offload,
+        pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"), virtual_pipeline_size=virtual,
+        custom_pipeline_stage_id=list(custom) if custom is not None else None,
+    )
     _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None)
-    return _CTX
+    return layout
 
 
 # ------------------------------------------------------------------------------ hangs
@@ -274,48 +295,12 @@ def describe_collective_timeout(exc: BaseException) -> str:
             f"if the work is only slow, raise train.dist.timeout")
 
 
-def get_dist() -> DistContext:
-    """The current layout; a world of one on the CPU before `setup_dist` runs."""
-    if _CTX is None:
-        return DistContext(1, 0, 0, torch.device("cpu"), 1, 1, 1, None)
-    return _CTX
-
-
-def get_layer_placement(layer_idx: int) -> int:
-    """The pipeline stage that owns layer `layer_idx` (LiBai's `get_layer_placement`)."""
-    ctx = get_dist()
-    if not ctx.stage_of_layer:
-        return 0
-    return ctx.stage_of_layer[layer_idx]
-
-
-def get_hidden_sbp() -> tuple:
-    """Placement of hidden states between layers: split on the batch over dp, broadcast over tp."""
-    return (sbp.split(0), sbp.broadcast)
-
-
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def get_data_parallel_rank() -> int:
-    return get_dist().dp_rank
-
-
-def get_data_parallel_size() -> int:
-    return get_dist().data_parallel_size
-
-
-def get_tensor_parallel_size() -> int:
-    return get_dist().tensor_parallel_size
-
-
-def get_pipeline_parallel_size() -> int:
-    return get_dist().pipeline_parallel_size
 
 
 def is_main_process() -> bool:
@@ -327,22 +312,35 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _collective_device(group) -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo takes CPU ones.
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _all_reduce_scalars(values: Sequence[float], group, op) -> torch.Tensor | None:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
 def all_reduce_mean(values: Sequence[float], group=None) -> list[float]:
     """Mean of a few scalars over a process group (all ranks when `group` is None)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=get_dist().device)
-    dist.all_reduce(t, group=group)
-    return (t / dist.get_world_size(group)).tolist()
+    t = _all_reduce_scalars(values, group, dist.ReduceOp.SUM)
+    return [float(v) for v in values] if t is None else (t / dist.get_world_size(group)).tolist()
 
 
 def all_reduce_sum(values: Sequence[float], group=None) -> list[float]:
     """Sum of a few scalars over a process group."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=get_dist().device)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
+    t = _all_reduce_scalars(values, group, dist.ReduceOp.SUM)
+    return [float(v) for v in values] if t is None else t.tolist()
+
+
+def all_reduce_max(values: Sequence[float], group=None) -> list[float]:
+    """Maximum of a few scalars over a process group."""
+    t = _all_reduce_scalars(values, group, dist.ReduceOp.MAX)
+    return [float(v) for v in values] if t is None else t.tolist()
 
 
 def broadcast_object(obj, src: int = 0):
@@ -356,8 +354,6 @@ def broadcast_object(obj, src: int = 0):
 
 def destroy() -> None:
     """Tear down the process group (end of a run or a test)."""
-    global _CTX
-    _CTX = None
     _MONITOR.update(timeout_s=None, group=None)
     set_activity("setup")
     if dist.is_initialized():

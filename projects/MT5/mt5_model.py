@@ -26,12 +26,12 @@ LM head, then the pretraining wrapper that adds the loss. The choices that make 
   the activation and ``wo``; LiBai does not, nor do we.)
 
 Pipeline parallelism. The layers of both stacks form one sequence of ``2 * hidden_layers``
-global indices (encoder ``0..L-1``, decoder ``L..2L-1``, set ``train.dist.pipeline_num_layers``
-to ``pipeline_num_layers``), so a stage is a contiguous range of them. ``pipeline_spec`` tells
-the generic splitter (``libai_lite.parallel.pipeline``) which attributes a stage may set to None
-(``embedding``, ``encoder_final_layernorm``, ``decoder_final_layernorm``, ``lm_head``) or drop
-layers from (``encoder_layers`` / ``decoder_layers`` are keyed by global index, so checkpoint
-names do not depend on the layout); a stage runs ``pipeline_forward``. The first stage (it owns
+global indices (encoder ``0..L-1``, decoder ``L..2L-1``: ``pipeline_num_layers``), so a stage is a
+contiguous range of them. The generic splitter (``libai_lite.parallel.pipeline_split``) keeps on a
+stage the pieces whose ``layer_idx`` it owns (``embedding`` 0, ``encoder_final_layernorm`` L-1,
+``decoder_final_layernorm`` and ``lm_head`` 2L-1) and sets the others to None;
+``encoder_layers`` / ``decoder_layers`` are keyed by global index, so checkpoint names do not
+depend on the layout. A stage runs ``pipeline_forward``. The first stage (it owns
 ``embedding``, layer 0) embeds both the encoder and the decoder ids; encoder stages advance the
 encoder states and pass the embedded decoder input through; the stage owning layer ``L-1``
 applies ``encoder_final_layernorm`` and from then on the encoder states are the encoder output
@@ -62,7 +62,8 @@ from libai_lite.layers import (
     linear_cross_entropy,
 )
 from libai_lite.layers.attention import KVCache
-from libai_lite.parallel.pipeline import PipelineSpec
+from libai_lite.layers.moe import MOE_METRICS, moe_layers
+from libai_lite.model import LOSS, MEAN
 from libai_lite.utils.errors import UsageError
 
 from .layers import FEED_FORWARD, MT5Loss, MT5TransformerLayer, RelativePositionBias
@@ -251,17 +252,9 @@ class MT5Model(nn.Module):
         return 2 * self.cfg.hidden_layers
 
     @property
-    def pipeline_spec(self) -> PipelineSpec:
-        """The pieces a pipeline splitter cuts (see ``libai_lite.parallel.pipeline``): both stacks
-        as one layer sequence, the encoder's final norm with the last encoder layer."""
-        last_encoder_layer = self.cfg.hidden_layers - 1
-        return PipelineSpec(
-            layer_containers=("encoder_layers", "decoder_layers"),
-            first_stage=("embedding",),
-            last_stage=("decoder_final_layernorm", "lm_head"),
-            with_layer=(("encoder_final_layernorm", last_encoder_layer),),
-            tied=("embedding.weight", "lm_head.weight") if self.tie_word_embeddings else None,
-        )
+    def pipeline_tied(self) -> Optional[Tuple[str, str]]:
+        """The weight the first and last pipeline stage share (T5's tied head), or None (mT5)."""
+        return ("embedding.weight", "lm_head.weight") if self.tie_word_embeddings else None
 
     def pipeline_forward(
         self,
@@ -558,6 +551,21 @@ class MT5ForPreTraining(nn.Module):
         outputs.update(collect_moe_outputs(self.mt5_model))
         return outputs
 
+    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
+    def output_metrics(self) -> dict:
+        """``lm_loss`` is back-propagated, ``token_acc`` logged; MoE layers add their loss and statistics."""
+        return {"lm_loss": LOSS, "token_acc": MEAN, **(MOE_METRICS if moe_layers(self.mt5_model) else {})}
+
+    @staticmethod
+    def tokens_per_sample(sample: Mapping) -> int:
+        """Tokens one span-corruption sample feeds the model: encoder plus decoder input."""
+        return len(sample["encoder_input_ids"]) + len(sample["decoder_input_ids"])
+
+    def flops_per_sample(self, sample: Mapping) -> float:
+        """Training FLOPs of one sample (see ``MT5Model.flops_per_token``)."""
+        enc, dec = len(sample["encoder_input_ids"]), len(sample["decoder_input_ids"])
+        return float(self.mt5_model.flops_per_token(enc, decoder_seq_length=dec)) * enc
+
     @property
     def pipeline_num_layers(self) -> int:
         """See ``MT5Model.pipeline_num_layers``."""
@@ -580,7 +588,7 @@ class MT5ForPreTraining(nn.Module):
     pipeline_metric_names = ("token_acc",)
 
     def _pipeline_loss_dict(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
-        if output.shape == labels.shape + (2,):  # the fused head's per-token loss and top-1 hits
+        if self.mt5_model.fuses_cross_entropy():  # the fused head's per-token loss and top-1 hits
             return self.loss_func.reduce(output[..., 0], output[..., 1] > 0.5, labels)
         return self.loss_func(output, labels)
 

@@ -24,7 +24,8 @@ from libai_lite.layers import (
     scaled_init_method_normal,
 )
 from libai_lite.layers.attention import KVCache
-from libai_lite.layers.moe import collect_moe_outputs, inactive_expert_parameters
+from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
+from libai_lite.model import LOSS
 
 # LiBai GPT config keys that name kernel fusions or fp16 tricks with no numerical effect
 # here; accepted so LiBai configs load unchanged.
@@ -158,6 +159,12 @@ class GPTModel(nn.Module):
             device="meta",
         )
         self.tie_weights()
+        # Counted whole, now: a pipeline stage later holds only some of the layers.
+        self.active_parameters = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
+
+    # For the pipeline splitter: the token embedding and the LM head are one weight, held by the
+    # first and the last stage.
+    pipeline_tied = ("embeddings.token_embeddings.weight", "lm_head.weight")
 
     def tie_weights(self) -> None:
         """Point the LM head at the token-embedding Parameter.
@@ -236,10 +243,10 @@ class GPTModel(nn.Module):
         ``N`` is ``num_parameters(non_embedding=True)`` (every weight matmul costs 2
         FLOPs per parameter forward and 4 backward); ``12 L H T`` adds attention's
         score and context matmuls (PaLM appendix B, as in nanoGPT's MFU estimate).
-        With MoE layers ``N`` counts the active parameters: a token runs ``top_k`` experts.
+        With MoE layers ``N`` counts the active parameters: a token runs ``top_k`` experts. Counted
+        at construction, so a pipeline stage still reports the whole model's FLOPs.
         """
-        n = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
-        return 6 * n + 12 * len(self.layers) * self.hidden_size * seq_length
+        return 6 * self.active_parameters + 12 * self.hidden_layers * self.hidden_size * seq_length
 
     @torch.no_grad()
     def generate(
@@ -372,8 +379,33 @@ class GPTForPreTraining(nn.Module):
         outputs.update(collect_moe_outputs(self.GPT_model))
         return outputs
 
+    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
+    def output_metrics(self) -> dict:
+        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
+        return {"lm_loss": LOSS, **(MOE_METRICS if moe_layers(self.GPT_model) else {})}
+
+    @staticmethod
+    def tokens_per_sample(sample: Mapping) -> int:
+        """Tokens one training sample feeds the model: its sequence."""
+        return len(sample["input_ids"])
+
+    def flops_per_sample(self, sample: Mapping) -> float:
+        """Training FLOPs of one sample (see ``GPTModel.flops_per_token``)."""
+        seq = self.tokens_per_sample(sample)
+        return float(self.GPT_model.flops_per_token(seq)) * seq
+
+    @property
+    def max_seq_length(self) -> int:
+        """The longest sequence the position embeddings cover."""
+        return self.GPT_model.max_seq_length
+
+    @property
+    def pipeline_num_layers(self) -> int:
+        """Layers the pipeline places: the transformer layers (embeddings go with 0, the head with the last)."""
+        return self.GPT_model.hidden_layers
+
     def pipeline_module(self) -> nn.Module:
-        """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
+        """The module ``libai_lite.parallel.pipeline_split`` cuts into stages by its pieces' ``layer_idx``."""
         return self.GPT_model
 
     def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
@@ -385,10 +417,11 @@ class GPTForPreTraining(nn.Module):
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
 
-        The output is the per-token loss (shaped like ``labels``) when the stage fused its head,
-        else logits (``model.cfg.fused_cross_entropy=False``).
+        The output is the per-token loss when the stage fuses its head (``pipeline_batch`` then sent
+        it ``lm_labels``), else logits (``model.cfg.fused_cross_entropy=False``, or a head that
+        cannot fuse).
         """
-        if output.shape == labels.shape:
+        if self.GPT_model.fuses_cross_entropy():
             return self.loss_func.reduce(output, labels)["lm_loss"]
         return self.loss_func(output, labels)["lm_loss"]
 

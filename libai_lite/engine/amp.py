@@ -1,0 +1,62 @@
+"""Mixed precision: the run's autocast dtype and fp16 loss scaling that agrees on every rank."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..utils.errors import UsageError
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def amp_dtype(amp_cfg) -> torch.dtype | None:
+    """The autocast dtype ``train.amp`` asks for, or None (fp32)."""
+    if not amp_cfg.get("enabled", False):
+        return None
+    name = str(amp_cfg.get("dtype", "bf16"))
+    if name not in AMP_DTYPES:
+        raise UsageError(f"train.amp.dtype={name!r} is not supported; use 'bf16' or 'fp16'")
+    return AMP_DTYPES[name]
+
+
+class SyncedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose "found inf" flags are summed over a process group.
+
+    torch's own ``ShardedGradScaler`` does the same but keeps the flag as a ``[1]`` tensor, which
+    the fused AdamW kernel (our default optimizer) refuses ("output with shape [] doesn't match
+    the broadcast shape [1]"); this keeps GradScaler's ``[]`` flags and reduces them in place.
+    """
+
+    def __init__(self, device: str, process_group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+    def _sync(self, found_inf_per_device: dict) -> dict:
+        for found_inf in found_inf_per_device.values():
+            dist.all_reduce(found_inf, group=self.process_group)
+        return found_inf_per_device
+
+    def unscale_(self, optimizer) -> None:
+        """Unscale this rank's gradients, then agree with every rank on whether any overflowed."""
+        super().unscale_(optimizer)
+        if self._enabled:
+            self._sync(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer):
+        # step() without unscale_() (fused optimizers) checks through here.
+        return self._sync(super()._check_inf_per_device(optimizer))
+
+
+def build_loss_scaler(device: torch.device, initial_scale: float, growth_interval: int):
+    """fp16 dynamic loss scaling whose overflow check agrees on every rank.
+
+    ``torch.amp.GradScaler`` decides from the gradients a rank holds. Ranks hold different
+    gradients under ZeRO-2/3, tensor parallelism and expert parallelism (an expert lives on one
+    rank), so one rank could skip a step another takes, and the replicas would drift apart for
+    good. In a multi-process job the "found inf" flag is therefore summed over all ranks before
+    the step (``SyncedGradScaler``, one scalar all-reduce per step).
+    """
+    kwargs = dict(init_scale=initial_scale, growth_interval=growth_interval)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return SyncedGradScaler(device.type, process_group=dist.group.WORLD, **kwargs)
+    return torch.amp.GradScaler(device.type, **kwargs)

@@ -1,0 +1,188 @@
+"""From the command line to a running job: ``default_setup``, ``launch`` and the one-line errors every tool shares."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+from omegaconf import open_dict
+
+from ..config import LazyConfig
+from ..utils.distributed import Layout, setup_dist
+from ..utils.errors import UsageError
+from ..utils.logger import setup_logger
+
+logger = logging.getLogger("libai_lite")
+
+
+def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
+    """Make global = micro x dp x accumulation hold, filling in whichever one is left out."""
+    micro = train_cfg.get("train_micro_batch_size")
+    glob = train_cfg.get("global_batch_size")
+    acc = train_cfg.get("num_accumulation_steps")
+    if micro is None and glob is None:
+        raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
+    if micro is None:
+        acc = acc or 1
+        if glob % (dp_size * acc):
+            raise UsageError(
+                f"train.global_batch_size={glob} is not divisible by data_parallel_size({dp_size}) x "
+                f"num_accumulation_steps({acc}); pick sizes with global = micro x dp x accumulation"
+            )
+        micro = glob // (dp_size * acc)
+    elif glob is None:
+        acc = acc or 1
+        glob = micro * dp_size * acc
+    elif acc is None:
+        if glob % (micro * dp_size):
+            raise UsageError(
+                f"train.global_batch_size={glob} is not divisible by train_micro_batch_size({micro}) x "
+                f"data_parallel_size({dp_size}); pick sizes with global = micro x dp x accumulation"
+            )
+        acc = glob // (micro * dp_size)
+    if micro * dp_size * acc != glob:
+        raise UsageError(
+            f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
+            f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
+        )
+    if micro < 1 or acc < 1:
+        raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
+    train_cfg.train_micro_batch_size = int(micro)
+    train_cfg.global_batch_size = int(glob)
+    train_cfg.num_accumulation_steps = int(acc)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def default_setup(cfg, args) -> Layout:
+    """Process group, mesh, seeds, logger and batch sizes for a run; returns its ``Layout``.
+
+    Nothing is written to disk yet: ``DefaultTrainer`` creates the output directory (and writes
+    ``config.yaml``) only once every input has been checked, so a run refused for bad input
+    leaves no trace.
+    """
+    if getattr(args, "fast_dev_run", False):
+        cfg.train.train_epoch = 0
+        cfg.train.train_iter = 20
+        cfg.train.log_period = 1
+        cfg.train.evaluation.eval_period = 10
+        cfg.train.evaluation.eval_iter = 2
+        cfg.train.checkpointer.period = 10
+    layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
+    with open_dict(cfg):
+        cfg.train.dist.data_parallel_size = layout.data_parallel_size
+    setup_logger(layout.rank)
+    resolve_batch_sizes(cfg.train, layout.data_parallel_size)
+    # Every rank seeds alike so model init is identical; data order comes from the sampler.
+    _seed_all(int(cfg.train.seed))
+    logger.info(f"Rank {layout.rank} of {layout.world_size}; layout pp={layout.pipeline_parallel_size} "
+                f"dp={layout.data_parallel_size} tp={layout.tensor_parallel_size} on {layout.device}")
+    logger.info(f"Command line: {' '.join(sys.argv)}")
+    logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    return layout
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _user_error_types():
+    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError, InstantiationError
+    from ..data.indexed_dataset import IndexedDatasetError
+
+    # InstantiationError: a config-built object refused its arguments (its message names the
+    # target, the key path and the original error), which is a config problem the user fixes.
+    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError,
+            FloatingPointError, InstantiationError)
+
+
+def _instantiation_error():
+    from ..config import InstantiationError
+
+    return InstantiationError
+
+
+def _find_user_error(exc: BaseException | None):
+    """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
+    types = _user_error_types()
+    found = []
+    while exc is not None and len(found) < 10:
+        if isinstance(exc, types):
+            found.append(exc)
+        exc = exc.__cause__
+    specific = [e for e in found if not isinstance(e, _instantiation_error())]
+    return specific[0] if specific else (found[0] if found else None)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The one ``error: ...`` line for a user-fixable error anywhere in ``exc``'s cause chain, else None.
+
+    Shared by every command-line tool so bad input reads the same everywhere.
+    """
+    e = _find_user_error(exc)
+    if e is None:
+        return None
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
+        msg = f"{msg}: {e.filename}"
+    if isinstance(e, _instantiation_error()):
+        msg += " (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
+    return f"error: {msg}"
+
+
+def report_cli_error(exc: Exception) -> int:
+    """For a command-line tool's ``except`` block: print the one ``error:`` line and return 1, or re-raise.
+
+    A user error is printed by global rank 0 (every rank hits the same one); a collective timeout
+    by every rank that gave up (it is rank-local), which then exits at once rather than wait for
+    the stuck rank in the process group's teardown. Anything else, or ``LIBAI_LITE_TRACEBACK=1``,
+    re-raises with the traceback.
+    """
+    if os.environ.get("LIBAI_LITE_TRACEBACK"):
+        raise exc
+    from ..utils.distributed import describe_collective_timeout, is_collective_timeout
+
+    if _find_user_error(exc) is None and is_collective_timeout(exc):
+        print(f"error: {describe_collective_timeout(exc)}", file=sys.stderr, flush=True)
+        os._exit(1)
+    line = user_error_message(exc)
+    if line is None:
+        raise exc
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    return 1
+
+
+def launch(args) -> int:
+    """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
+
+    Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
+    by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
+    """
+    from ..utils.distributed import destroy
+    from .default import DefaultTrainer
+
+    try:
+        cfg = LazyConfig.load(args.config_file)
+        cfg = LazyConfig.apply_overrides(cfg, args.opts)
+        resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        layout = default_setup(cfg, args)
+        trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only)
+        if args.eval_only:
+            trainer.test()
+        else:
+            trainer.train()
+        return 0
+    except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
+        return report_cli_error(e)
+    finally:
+        destroy()

@@ -1,0 +1,110 @@
+"""The model protocol: everything the engine, the parallel code and the checkpointer learn from a model.
+
+A model is an ``nn.Module`` a config builds (``LazyCall(MyLMForPreTraining)(cfg=...)``). The core
+never names it, imports its project or reads a config key only it has; it asks the model:
+
+Required
+    ``forward(**batch) -> dict``
+        One micro-batch of the train loader in, a dict out. Entries the trainer uses are the ones
+        ``output_metrics()`` declares; others (``nll_sum``, ``num_tokens`` for perplexity) go to
+        evaluators only.
+    ``output_metrics() -> {name: Metric}``
+        Which outputs are back-propagated (their sum is the step's ``total_loss``) and how each
+        logged value reduces over micro-batches and data-parallel ranks.
+
+Optional (the feature that needs it says so in one line when it is missing)
+    ``tokens_per_sample(sample) -> int`` and ``flops_per_sample(sample) -> float``
+        From one unbatched training sample (``{name: array}``): throughput in tokens/s and MFU.
+        Count FLOPs on the whole model, at construction (a pipeline split removes pieces).
+    ``max_seq_length``
+        The longest sequence the model takes (evaluators that bring their own text, generation).
+    Pipeline parallelism: ``pipeline_module()`` (the module to cut: its pieces carry
+    ``layer_idx``, see ``libai_lite.parallel.pipeline``), ``pipeline_num_layers``, ``pipeline_tied``
+    (``(source, copy)`` parameter paths shared by first and last stage, or None),
+    ``pipeline_batch(batch) -> (first-stage args, every-stage kwargs, labels)``,
+    ``pipeline_loss_fn(output, labels) -> loss`` and optionally ``pipeline_metrics(output, labels)``
+    with ``pipeline_metric_names``.
+    Hugging Face: the project registers its mapping (``libai_lite.checkpoint.hf``) when its
+    modeling package is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from torch import nn
+
+from .utils.errors import UsageError
+
+REDUCTIONS = ("mean", "sum", "max")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How the trainer treats one entry of a model's output dict.
+
+    ``backward``: added to the loss that is back-propagated (divided by the number of
+    micro-batches). ``reduce``: how a step's value is formed from its micro-batches and then from
+    the data-parallel ranks (``mean`` for losses and accuracies, ``sum`` for counts, ``max`` for
+    a worst case such as the busiest expert's load).
+    """
+
+    backward: bool = False
+    reduce: str = "mean"
+
+    def __post_init__(self):
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"Metric reduce={self.reduce!r}; use one of {REDUCTIONS}")
+
+
+LOSS = Metric(backward=True)
+MEAN = Metric()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP keeps the model under `.module`; FSDP2 wraps in place.
+    return getattr(model, "module", model)
+
+
+def output_metrics(model: nn.Module) -> dict[str, Metric]:
+    """The model's declared outputs; one clear error when it declares none."""
+    fn = getattr(_unwrap(model), "output_metrics", None)
+    if not callable(fn):
+        raise UsageError(
+            f"{type(_unwrap(model)).__name__} does not declare its outputs: give it output_metrics() returning "
+            f"{{'lm_loss': libai_lite.model.LOSS, ...}} (see libai_lite/model.py)"
+        )
+    metrics = dict(fn())
+    if not any(m.backward for m in metrics.values()):
+        raise UsageError(f"{type(_unwrap(model)).__name__}.output_metrics() marks no output as a loss "
+                         f"(Metric(backward=True)); the trainer has nothing to back-propagate")
+    return metrics
+
+
+def loss_name(metrics: Mapping[str, Metric]) -> str:
+    """The first back-propagated output: what a pipeline's loss function computes."""
+    return next(name for name, m in metrics.items() if m.backward)
+
+
+def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, float | None]:
+    """``(tokens, training FLOPs)`` of one sample as the model counts them (None where it does not)."""
+    model = _unwrap(model)
+    tokens = model.tokens_per_sample(sample) if callable(getattr(model, "tokens_per_sample", None)) else None
+    flops = model.flops_per_sample(sample) if callable(getattr(model, "flops_per_sample", None)) else None
+    return (int(tokens) if tokens is not None else None), (float(flops) if flops is not None else None)
+
+
+def max_seq_length(model: nn.Module) -> int | None:
+    """The model's longest sequence, if it has one."""
+    value = getattr(_unwrap(model), "max_seq_length", None)
+    return int(value) if value else None
+
+
+def supports_pipeline(model: nn.Module) -> bool:
+    """Whether the model tells the pipeline splitter how to cut it."""
+    return callable(getattr(_unwrap(model), "pipeline_module", None))
+
+
+def pipeline_num_layers(model: nn.Module) -> int:
+    """Layers the pipeline places (one stage id each)."""
+    return int(getattr(_unwrap(model), "pipeline_num_layers"))

@@ -1,0 +1,147 @@
+"""From a built model and the run's ``Layout`` to what this rank trains: torchtitan's order, one job per step.
+
+Pipeline split (by the pieces' ``layer_idx``), then on each stage expert parallel, tensor parallel
+(from the layers' SBP declarations), activation checkpointing and data parallel / ZeRO. Everything
+comes from the layout and from the model itself (``libai_lite.model``); no config key is read.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..layers.moe import MoEConfig, moe_layers
+from ..model import output_metrics, pipeline_num_layers, supports_pipeline
+from ..utils.distributed import Layout
+from ..utils.errors import UsageError
+
+logger = logging.getLogger("libai_lite")
+
+
+@dataclass
+class ParallelModel:
+    """What ``parallelize_model`` returns.
+
+    ``source``: the model as built (a pipeline cuts it in place, but its methods and the counts it
+    made at construction stay: FLOPs, tokens, ``max_seq_length``). ``module``: what the trainer calls (under pipeline parallelism a view with the unsplit model's
+    parameter names, for checkpoints and optimizers only). ``parts``: the modules whose parameters
+    this rank trains and checkpoints, one optimizer each. ``pipeline``: the ``PipelineStepper``
+    that runs a step's forward and backward, or None. ``checkpoint_aliases``: FQNs this rank reads
+    from another's entries (a pipelined tied weight). ``metrics``: the model's declared outputs.
+    """
+
+    source: nn.Module
+    module: nn.Module
+    parts: list[nn.Module]
+    metrics: dict
+    pipeline: object | None = None
+    checkpoint_aliases: dict = field(default_factory=dict)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, each once."""
+        seen, out = set(), []
+        for part in self.parts:
+            for p in part.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
+def model_moe_config(model: nn.Module) -> MoEConfig | None:
+    """The MoE settings the model's MoE layers were built with (None for a dense model)."""
+    layers = moe_layers(model)
+    return layers[0].moe_config if layers else None
+
+
+def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp16: bool) -> None:
+    """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take.
+
+    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect.
+    """
+    from .expert_parallel import check_moe_layout
+
+    check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
+                     layout.zero_stage, layout.sequence_parallel)
+    if layout.pipeline_parallel_size == 1:
+        return
+    from .pipeline import check_schedule
+
+    if not supports_pipeline(model):
+        raise UsageError(f"{type(model).__name__} does not support pipeline parallelism (no pipeline_module()); "
+                         f"set train.dist.pipeline_parallel_size=1")
+    layout.place_layers(pipeline_num_layers(model))
+    check_schedule(layout.pipeline_schedule, layout.num_stages, layout.pipeline_parallel_size, n_microbatches)
+    if layout.zero_stage == 1 and layout.data_parallel_size > 1:
+        raise UsageError("ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) cannot run under pipeline parallelism; "
+                         "use train.zero_optimization.stage=2, which also shards optimizer state")
+    if fp16:
+        raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; use train.amp.dtype=bf16")
+
+
+def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None = None,
+                     activation_checkpoint_every: int = 0, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Expert, tensor parallel, activation checkpointing and data parallel for one model part.
+
+    ``moe``: the whole model's MoE settings (every rank builds the expert mesh, a collective,
+    whether or not its own part holds MoE layers).
+    """
+    from .activation_checkpoint import apply_activation_checkpointing
+    from .data_parallel import apply_data_parallel
+    from .expert_parallel import apply_expert_parallel, build_expert_mesh
+    from .tensor_parallel import apply_tensor_parallel
+
+    expert_mesh = None
+    if moe is not None and moe.ep_size > 1:
+        # First, so later steps only touch this rank's experts.
+        mesh = build_expert_mesh(layout.mesh, moe.ep_size)
+        apply_expert_parallel(module, mesh)
+        expert_mesh = mesh["edp"]
+    tp = layout.tensor_parallel_size
+    if tp > 1:
+        apply_tensor_parallel(module, layout.mesh["tp"], layout.sequence_parallel)
+    if activation_checkpoint_every:
+        apply_activation_checkpointing(module, activation_checkpoint_every)
+    return apply_data_parallel(module, layout.mesh["dp"], layout.zero_stage, offload=layout.offload,
+                               param_dtype=param_dtype, tp_enabled=tp > 1,
+                               pipeline=layout.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
+
+
+def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metrics: dict, **part_options):
+    from . import pipeline_split as ps
+    from .pipeline import PipelineStepper
+
+    num_stages, stage_of_layer = layout.num_stages, layout.stage_of_layer
+    ids = ps.local_stage_ids(layout.pp_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_size)
+    tied = ps.pipeline_tied(ps.pipeline_module(model))
+    stages, models = ps.build_stage_modules(model, ids, num_stages, stage_of_layer)
+    wrapped = [parallelize_part(stage, layout, **part_options) for stage in stages]
+    # new_group is collective: every rank sees the same model, so all skip it together for an untied one.
+    tied_group = ps.build_tied_weight_group(layout.mesh) if tied else None
+    view = ps.pipeline_model_view(models)
+    stepper = PipelineStepper(
+        wrapped, ids, num_stages, layout.group("pp"), layout.device, layout.pipeline_schedule, n_microbatches,
+        model.pipeline_loss_fn, tied_group, batch_fn=getattr(model, "pipeline_batch", None),
+        metrics_fn=getattr(model, "pipeline_metrics", None), metric_names=getattr(model, "pipeline_metric_names", ()),
+    )
+    logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
+    return ParallelModel(model, view, [view], metrics, stepper, ps.tied_checkpoint_aliases(view, tied))
+
+
+def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1, *,
+                      activation_checkpoint_every: int = 0, param_dtype: torch.dtype | None = None) -> ParallelModel:
+    """Make ``model`` (built whole on this rank's device) what this rank trains under ``layout``.
+
+    ``n_microbatches``: the step's micro-batches (a pipeline schedule's). ``activation_checkpoint_every``:
+    recompute every N-th transformer layer (0: off). ``param_dtype``: FSDP's mixed-precision parameters.
+    """
+    metrics = output_metrics(model)
+    options = dict(moe=model_moe_config(model), activation_checkpoint_every=activation_checkpoint_every,
+                   param_dtype=param_dtype)
+    if layout.pipeline_parallel_size == 1:
+        return ParallelModel(model, parallelize_part(model, layout, **options), [model], metrics)
+    if not layout.stage_of_layer:
+        layout.place_layers(pipeline_num_layers(model))
+    return _build_pipeline(model, layout, n_microbatches, metrics, **options)

@@ -1,0 +1,360 @@
+"""Cutting a model into pipeline stages by the ``layer_idx`` its pieces declare, and its tied weights.
+
+A stage keeps the pieces whose layer the layout places on it (LiBai's ``get_layer_placement``):
+``model.pipeline_module()`` is the module to cut; each of its direct children is either a layer
+container (``nn.ModuleDict`` keyed by the global layer index) whose layers go where their index
+is placed, a piece carrying ``layer_idx`` (embeddings on layer 0, a final norm and LM head on the
+last layer, T5's encoder norm on the last encoder layer) that goes with that layer, or a piece
+without parameters (dropout) that every stage keeps. A stage's forward skips the pieces set to
+None (hidden states in, hidden states out), or the module defines ``pipeline_forward`` when a
+stage carries more than one tensor (T5).
+
+Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter
+paths relative to the pipeline module. When first and last stage live on different ranks, the
+copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both copies' gradients
+over the group {first-stage rank, last-stage rank} of each (dp, tp) coordinate, so both take
+identical updates. Each keeps its unsplit FQN; a rank holding the copy without the source reads
+the copy's checkpoint entries from the source's (``tied_checkpoint_aliases``), which every layout
+saves, with the optimizer state flattened (``StateDictOptions(flatten_optimizer_state_dict=True)``).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..utils.errors import UsageError
+
+
+def pipeline_module(model: nn.Module) -> nn.Module:
+    """The inner module a splitter cuts: ``model.pipeline_module()`` when the model has one, else ``model``."""
+    fn = getattr(model, "pipeline_module", None)
+    return fn() if callable(fn) else model
+
+
+def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` owns: ``pp_rank, pp_rank + pp_size, ...`` (torch's loop-style placement)."""
+    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+
+
+class PipelineForward(nn.Module):
+    """Runs a stage through its ``pipeline_forward`` (what ``PipelineStage`` calls is ``forward``).
+
+    Parameter names gain a ``stage.`` prefix here only; checkpoints use the unsplit model's names
+    (``pipeline_model_view``).
+    """
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        return self.stage.pipeline_forward(*args, **kwargs)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # DDP keeps the model under `.module`, PipelineForward under `.stage`; FSDP2 wraps in place.
+    while isinstance(module, (torch.nn.parallel.DistributedDataParallel, PipelineForward)):
+        module = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module.stage
+    return module
+
+
+def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
+    """``(source, copy)`` paths of the weight a pipeline module's first and last stage share, or None."""
+    tied = getattr(_unwrap(module), "pipeline_tied", None)
+    return tuple(tied) if tied else None
+
+
+def _pieces(inner: nn.Module):
+    """``(container or None, name, module)`` for every placeable piece of a pipeline module."""
+    for name, child in list(inner.named_children()):
+        if isinstance(child, nn.ModuleDict) and all(k.isdigit() for k in child.keys()):
+            for key, layer in list(child.items()):
+                yield child, key, layer
+        elif child is not None:
+            yield None, name, child
+
+
+def _layer_of(module: nn.Module, key: str) -> int | None:
+    idx = getattr(module, "layer_idx", None)
+    if idx is None and key.isdigit():
+        idx = int(key)
+    return None if idx is None else int(idx)
+
+
+def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
+    num_layers = len(stage_of_layer)
+    for container, key, module in _pieces(inner):
+        idx = _layer_of(module, key)
+        if idx is None:
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+                raise UsageError(
+                    f"{type(inner).__name__}.{key} has parameters but no layer_idx, so no pipeline stage can own it; "
+                    f"build it with layer_idx=<the layer it goes with> (0 for embeddings, the last layer for a head)"
+                )
+        elif idx >= num_layers:
+            raise UsageError(
+                f"stage_of_layer has {num_layers} entries but the model has layer {idx}; "
+                f"give one stage id per layer (layer_stages(num_layers, num_stages))"
+            )
+    bad = [s for s in stage_of_layer if not 0 <= s < num_stages]
+    if bad:
+        raise UsageError(f"stage_of_layer uses stage ids {sorted(set(bad))} outside 0..{num_stages - 1}; "
+                         f"compute it with layer_stages(num_layers, {num_stages})")
+    for s in stage_ids:
+        if not 0 <= s < num_stages:
+            raise UsageError(f"stage id {s} is outside 0..{num_stages - 1} for a {num_stages}-stage pipeline")
+
+
+def _prune(inner: nn.Module, owned: set[int], stage_of_layer: Sequence[int]) -> None:
+    """Delete from ``inner`` (in place) what none of the stages in ``owned`` keeps."""
+    for container, key, module in _pieces(inner):
+        idx = _layer_of(module, key)
+        if idx is None or stage_of_layer[idx] in owned:
+            continue
+        if container is not None:
+            del container[key]
+        else:
+            setattr(inner, key, None)
+
+
+def split_pipeline_stage(model: nn.Module, stage_id: int, num_stages: int, stage_of_layer: Sequence[int]) -> nn.Module:
+    """Cut ``model`` down, in place, to pipeline stage ``stage_id`` and return the stage module.
+
+    ``model`` still holds the stage module, so its state dict has the unsplit model's FQNs for
+    what this stage owns. Works on a ``meta``-device model (see ``materialize_stage``). A tied
+    head on the last stage keeps the embedding's Parameter object, which becomes its own copy.
+    """
+    inner = pipeline_module(model)
+    _check_split(inner, [stage_id], num_stages, stage_of_layer)
+    _prune(inner, {stage_id}, stage_of_layer)
+    return inner
+
+
+def build_stage_modules(
+    model: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Split ``model`` into this rank's stages: ``(stage_modules, models)``, both in ``stage_ids`` order.
+
+    ``models[i]`` is a copy of ``model`` cut to stage ``stage_ids[i]`` (pass them to
+    ``pipeline_model_view`` for checkpoints). ``model`` is first cut to the union of the local
+    stages, so the copies are no bigger than what this rank keeps; the last reuses ``model``.
+    """
+    stage_ids = list(stage_ids)
+    inner = pipeline_module(model)
+    _check_split(inner, stage_ids, num_stages, stage_of_layer)
+    _prune(inner, set(stage_ids), stage_of_layer)
+    models = [copy.deepcopy(model) for _ in stage_ids[:-1]] + [model]
+    stages = [split_pipeline_stage(m, s, num_stages, stage_of_layer) for m, s in zip(models, stage_ids)]
+    stages = [PipelineForward(s) if callable(getattr(s, "pipeline_forward", None)) else s for s in stages]
+    return stages, models
+
+
+def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device stage on ``device`` and initialise it with each submodule's ``reset_parameters``.
+
+    Values differ from a whole-model init (the RNG is drawn in another order), so the tied copy
+    must then be made equal to the embedding: call ``broadcast_tied_weights``.
+    """
+    stage_module.to_empty(device=device)
+    with torch.no_grad():
+        for module in stage_module.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    # to_empty swaps parameters module by module, so a tie inside one stage comes apart.
+    tie = getattr(_unwrap(stage_module), "tie_weights", None)
+    if callable(tie):
+        tie()
+    return stage_module
+
+
+def _merge_views(mods: list[nn.Module], path: str) -> nn.Module:
+    if len(mods) == 1:
+        return mods[0]
+    for m in mods:
+        own = [n for n, p in m._parameters.items() if p is not None] + [n for n, b in m._buffers.items() if b is not None]
+        if own:
+            raise UsageError(f"two local pipeline stages both own '{path}' ({own}); stage_of_layer assigns each layer once")
+    view = nn.ModuleDict() if all(isinstance(m, nn.ModuleDict) for m in mods) else nn.Module()
+    names: list[str] = []
+    for m in mods:
+        names += [n for n, c in m._modules.items() if c is not None and n not in names]
+    for name in names:
+        children = [m._modules[name] for m in mods if m._modules.get(name) is not None]
+        view.add_module(name, _merge_views(children, f"{path}.{name}" if path else name))
+    return view
+
+
+def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
+    """One module over this rank's stage copies whose FQNs are those of the unsplit model.
+
+    For checkpoints (``get_state_dict``) and optimizer parameter groups; not for forward. With
+    several local stages it is a tree of plain containers holding the very same submodules.
+    """
+    return _merge_views(list(models), "")
+
+
+# ------------------------------------------------------------------------------- tied weights
+
+
+def _get_attr_path(module: nn.Module, path: str):
+    module = _unwrap(module)
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _tied_present(stage_modules: Sequence[nn.Module], which: int) -> list[nn.Parameter]:
+    """The tie's source (``which=0``) or copy (1) on each stage that has it."""
+    found = []
+    for stage in stage_modules:
+        paths = pipeline_tied(stage)
+        if paths and (p := _get_attr_path(stage, paths[which])) is not None:
+            found.append(p)
+    return found
+
+
+def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The tied Parameters present on this rank, each once (resolved now, so Parameters swapped in
+    by TP or FSDP are the ones returned)."""
+    out: list[nn.Parameter] = []
+    for p in _tied_present(stage_modules, 0) + _tied_present(stage_modules, 1):
+        if all(p is not q for q in out):
+            out.append(p)
+    return out
+
+
+def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Copies on this rank that are not the source Parameter itself: a gradient norm skips them so
+    the tied weight counts once."""
+    sources = _tied_present(stage_modules, 0)
+    return [p for p in _tied_present(stage_modules, 1) if all(p is not q for q in sources)]
+
+
+def build_tied_weight_group(mesh, pp_dim: str = "pp"):
+    """This rank's process group {first-stage rank, last-stage rank} for its (dp, tp) coordinate.
+
+    Every rank must call it (``dist.new_group`` is collective), in the same order. None when the
+    pipeline has one rank.
+    """
+    ranks = mesh.mesh
+    pp_index = mesh.mesh_dim_names.index(pp_dim)
+    pp_size = ranks.shape[pp_index]
+    if pp_size == 1:
+        return None
+    columns = ranks.movedim(pp_index, 0).reshape(pp_size, -1)
+    me = dist.get_rank()
+    mine = None
+    for c in range(columns.shape[1]):
+        pair = [int(columns[0, c]), int(columns[-1, c])]
+        group = dist.new_group(pair)
+        if me in pair:
+            mine = group
+    return mine
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Both copies are split alike under TP and FSDP (Shard(0)), so the two ranks' local shards hold the same rows.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def sync_tied_weight_grads(stage_modules: Sequence[nn.Module], group) -> None:
+    """Sum the tied gradients so every copy holds the gradient of the tied weight.
+
+    Local copies are summed first, then the sum is all-reduced over ``group`` (None when every
+    copy is local). Call after the step's backward, before unscaling, clipping and stepping.
+    """
+    params = tied_weight_params(stage_modules)
+    for p in params:
+        # Under TP a gradient can come back replicated or partial while the weight is vocab-sharded.
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad for p in params if p.grad is not None]
+    if len(grads) != len(params):
+        missing = [i for i, p in enumerate(params) if p.grad is None]
+        raise RuntimeError(f"tied weight copies {missing} on this rank have no gradient; run backward first")
+    if group is not None and not grads:
+        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
+    if not grads:
+        return
+    total = _local(grads[0]).clone()
+    for g in grads[1:]:
+        total += _local(g)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for g in grads:
+        _local(g).copy_(total)
+
+
+@torch.no_grad()
+def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
+    """Copy the first stage's source weight into every copy (once, at setup, after ``materialize_stage``)."""
+    params = tied_weight_params(stage_modules)
+    sources = _tied_present(stage_modules, 0)
+    if sources:
+        for p in params:
+            if p is not sources[0]:
+                _local(p).copy_(_local(sources[0]))
+    if group is None:
+        return
+    if not params:
+        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
+    me = dist.get_rank()
+    src = me if sources else next(r for r in dist.get_process_group_ranks(group) if r != me)
+    buf = _local(params[0]).contiguous()
+    dist.broadcast(buf, src=src, group=group)
+    for p in params:
+        _local(p).copy_(buf)
+
+
+def tied_checkpoint_aliases(model_view: nn.Module, tied: tuple[str, str] | None) -> dict[str, str]:
+    """``{copy FQN: source FQN}`` when this rank holds the copy without the source, else ``{}``.
+
+    ``tied`` is the pipeline module's ``pipeline_tied``.
+    """
+    if not tied:
+        return {}
+    tied_source, tied_copy = tied
+    names = {n for n, _ in model_view.named_parameters(remove_duplicate=False)}
+    for name in names:
+        if name == tied_copy or name.endswith("." + tied_copy):
+            source = name[: len(name) - len(tied_copy)] + tied_source
+            if source not in names:
+                return {name: source}
+    return {}
+
+
+def alias_state_dict_keys(state: dict, aliases: dict[str, str]) -> dict:
+    """Rename keys of a model state dict, a flattened optimizer state dict (``state.FQN.x``,
+    ``param_groups.FQN.x``) or a dict of those (``{"model": ..., "optim": ...}``) by ``aliases``.
+
+    Apply before ``dcp.load`` and the inverse afterwards, before ``set_state_dict``: the tensors
+    are the same objects, so what DCP loads under the alias lands in the copy.
+    """
+    if not aliases:
+        return state
+
+    def rename(key: str) -> str:
+        for prefix in ("", "state.", "param_groups."):
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            for old, new in aliases.items():
+                if rest == old or rest.startswith(old + "."):
+                    return prefix + new + rest[len(old):]
+        return key
+
+    out = {}
+    for key, value in state.items():
+        out[rename(key) if isinstance(key, str) else key] = (
+            alias_state_dict_keys(value, aliases) if isinstance(value, dict) and key in ("model", "optim") else value
+        )
+    return out
