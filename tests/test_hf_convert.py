@@ -1,14 +1,18 @@
-"""Hugging Face weights in and out (tools/hf_convert.py, libai_lite/checkpoint/hf.py, the projects' hf_mapping).
+"""Hugging Face weights in and out (tools/hf_convert.py, libai_lite/checkpoint/hf.py and hf_io.py, the
+mappings the projects register).
 
 Tiny randomly initialised transformers models are saved with save_pretrained (safetensors, a
 sharded index, and a pytorch_model.bin), imported, compared logit for logit with transformers on
-batches with padding, exported again and reloaded with transformers' own from_pretrained.
+batches with padding, exported again and reloaded with transformers' own from_pretrained. A copy
+of projects/GPT under another name converts through the copy's own registered mapping.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from libai_lite.checkpoint import Checkpointer
 from libai_lite.checkpoint.hf import (
     checkpoint_vocab_size,
     load_hf_model,
+    mapping_for_model,
     read_hf_state_dict,
     resize_vocab_rows,
     save_hf_model,
@@ -285,7 +290,7 @@ def test_import_fine_tune_under_a_layout_then_export_matches_our_one_process_mod
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"Loaded weights from {out}" in (run / "log.txt").read_text()
     ckpt = run / "model_final"
-    assert checkpoint_vocab_size(str(ckpt), "gpt2") == padded  # for tp2 not 8064, what tp=1 would pad to
+    assert checkpoint_vocab_size(str(ckpt), GPTForPreTraining) == padded  # for tp2 not 8064, what tp=1 would pad to
 
     exp = tmp_path / "exported"
     monkeypatch.chdir(ROOT)  # config.yaml names the tokenizer files relative to where the run started
@@ -318,6 +323,8 @@ def test_import_refuses_bad_input_with_one_line(t5_bin_dir, gpt2_dir, tmp_path, 
     imp = ["import", "--output", str(out)]
     assert "holds a 't5' model (config.json model_type) but --model gpt2 was given; use --model t5" in _error(
         capsys, imp + ["--model", "gpt2", "--hf-dir", str(t5_bin_dir)])
+    assert "model type 'llama' has no registered Hugging Face mapping; use one of gpt2, mt5, t5" in _error(
+        capsys, imp + ["--model", "llama", "--hf-dir", str(gpt2_dir)])
     assert "does not exist" in _error(capsys, imp + ["--model", "gpt2", "--hf-dir", str(tmp_path / "nowhere")])
     (tmp_path / "empty").mkdir()
     assert "has no config.json" in _error(capsys, imp + ["--model", "gpt2", "--hf-dir", str(tmp_path / "empty")])
@@ -344,6 +351,11 @@ def test_export_refuses_a_checkpoint_of_another_shape_and_writes_nothing(gpt2_di
     assert "shape" in msg and "make model.cfg match it" in msg
     assert "missing or incomplete" in _error(capsys, base + ["--checkpoint", str(tmp_path / "nowhere")])
     assert "Unknown config key" in _error(capsys, base + ["--checkpoint", str(out), "model.cfg.hiden_size=32"])
+    unmapped = tmp_path / "unmapped.py"
+    unmapped.write_text("from torch import nn\nfrom libai_lite.config import LazyCall\n"
+                        "model = LazyCall(nn.Identity)(cfg={})\n")
+    msg = _error(capsys, ["export", "--config-file", str(unmapped), "--checkpoint", str(out), "--output", str(exp)])
+    assert "Identity has no Hugging Face mapping (registered: GPTForPreTraining, MT5ForPreTraining)" in msg
     assert not exp.exists() and not (tmp_path / "exported.tmp").exists()
 
 
@@ -360,3 +372,73 @@ def test_load_hf_model_refuses_unknown_architectures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(UsageError, match="model_type='llama'.*converts gpt2, mt5, t5"):
         load_hf_model(str(tmp_path))
+
+
+def test_a_subclass_without_a_mapping_of_its_own_exports_through_its_base_class():
+    class Tweaked(GPTForPreTraining):
+        pass
+
+    assert mapping_for_model(Tweaked) is mapping_for_model(GPTForPreTraining)
+    assert mapping_for_model(Tweaked).model_types == ("gpt2",)
+
+
+# ------------------------------------------------------------------- a project copied elsewhere
+
+
+_COPY_SCRIPT = """
+import sys
+sys.path.insert(0, "tools")
+from hf_convert import main
+
+config, hf_dir, imported, exported = sys.argv[1:]
+assert main(["import", "--config-file", config, "--hf-dir", hf_dir, "--output", imported]) == 0
+assert main(["export", "--config-file", imported + "/config.py", "--checkpoint", imported, "--output", exported]) == 0
+
+from libai_lite.checkpoint.hf import mapping_for_model
+from MyLM.modeling.gpt_model import MyLMForPreTraining
+
+mapping = mapping_for_model(MyLMForPreTraining)
+assert mapping.model_class is MyLMForPreTraining, mapping
+assert mapping.state_dict_to_hf.__module__ == "MyLM.modeling.hf_mapping", mapping.state_dict_to_hf.__module__
+assert "projects.GPT.modeling" not in sys.modules, "the built-in GPT project was imported"
+"""
+
+
+def test_a_copied_project_converts_through_its_own_registered_mapping(tmp_path):
+    """projects/GPT copied to MyLM with its classes renamed: importing MyLMForPreTraining registers the copy's
+    hf_mapping, import (--config-file of a MyLM config) and export go through it, and transformers reloads
+    the export with the original model's logits. In a subprocess: only the copy is registered there."""
+    from transformers import GPT2LMHeadModel
+
+    shutil.copytree(ROOT / "projects" / "GPT", tmp_path / "MyLM", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (tmp_path / "MyLM" / "modeling").glob("*.py"):
+        path.write_text(re.sub(r"\bGPT(Model|ForPreTraining|Embedding|Loss)\b", r"MyLM\1", path.read_text()))
+    hf = _gpt2(vocab=100)
+    hf.save_pretrained(tmp_path / "hf")
+    config = tmp_path / "mylm.py"
+    config.write_text(textwrap.dedent("""\
+        from configs.common.data.gpt_dataset import dataloader, tokenization
+        from configs.common.optim import optim
+        from configs.common.train import train
+        from libai_lite.config import LazyCall
+        from MyLM.modeling.gpt_model import MyLMForPreTraining
+
+        model = LazyCall(MyLMForPreTraining)(cfg=dict(hidden_layers=1, vocab_size=128, hidden_size=16,
+                                                      ffn_hidden_size=32, num_attention_heads=2, max_seq_length=32))
+        """))
+    imported, exported = tmp_path / "imported", tmp_path / "exported"
+    r = subprocess.run([sys.executable, "-c", _COPY_SCRIPT, str(config), str(tmp_path / "hf"), str(imported),
+                        str(exported)], cwd=ROOT, env=env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "(MyLMForPreTraining)" in r.stdout.splitlines()[0]  # the import built the copy's class
+    assert "(MyLMForPreTraining) to" in r.stdout and "as GPT2LMHeadModel" in r.stdout
+    assert str(config) in (imported / "config.py").read_text()  # the fine-tuning config starts from the user's
+
+    back = GPT2LMHeadModel.from_pretrained(exported).eval()
+    assert back.config.vocab_size == 128  # padded on import; no tokenizer in the config to cut it back
+    ids, mask = _right_padded(100)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        got = back(input_ids=ids, attention_mask=mask).logits[..., :100]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

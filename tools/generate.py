@@ -244,13 +244,15 @@ def load_model(args):
             raise UsageError("--checkpoint goes with --config-file; a --hf-dir directory holds its own weights")
         if not os.path.isdir(args.hf_dir):
             raise UsageError(f"--hf-dir {args.hf_dir} is not a directory; give a Hugging Face model directory")
-        from libai_lite.checkpoint.hf import find_hf_tokenizer, load_hf_model
+        import projects.GPT.modeling  # noqa: F401  (the built-in projects register their Hugging Face mappings)
+        import projects.MT5  # noqa: F401
+        from libai_lite.checkpoint.hf import load_hf_model, mapping_for_model
 
         ctx = _setup_dist(_explicit_tp(args.opts))
-        model_type, model_cfg, model = load_hf_model(args.hf_dir, model_type=args.model)
+        _, model_cfg, model = load_hf_model(args.hf_dir, model_type=args.model)
         check_tensor_parallel(dict(model_cfg), ctx.tensor_parallel_size)
         if tokenizer is None:
-            found = find_hf_tokenizer(args.hf_dir, model_type)
+            found = mapping_for_model(model).find_tokenizer(args.hf_dir)
             tokenizer = found.tokenizer if found is not None else None
         model = model.to(_device(args, ctx))
         if ctx.tensor_parallel_size > 1:

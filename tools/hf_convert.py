@@ -9,6 +9,15 @@
     python tools/hf_convert.py export --config-file output/gpt2_pretrain/config.yaml \\
         --checkpoint output/gpt2_pretrain/model_final --output hf/gpt2_demo
 
+The built-in projects (GPT, MT5) register their mappings when imported; a project of your own
+(a copy of projects/GPT with its classes renamed, say) is converted through its own hf_mapping
+module, found from the model of the config you pass:
+
+    python tools/hf_convert.py import --config-file /elsewhere/MyLM/configs/mylm.py --hf-dir gpt2/ \\
+        --output checkpoints/mylm_hf
+    python tools/hf_convert.py export --config-file output/mylm/config.yaml \\
+        --checkpoint output/mylm/model_final --output hf/mylm
+
 Bad input ends with one `error: ...` line and exit status 1; nothing is left half-written (the
 output is assembled in OUTPUT.tmp and renamed at the end).
 """
@@ -20,18 +29,13 @@ import pprint
 import sys
 import warnings
 
-try:
-    import libai_lite  # noqa: F401
-except ImportError:  # run as `python tools/hf_convert.py` from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The project mappings import as `projects.*`, which lives beside libai_lite/ in a checkout.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
+from libai_lite.utils.errors import UsageError
 
-from libai_lite.utils.errors import UsageError  # noqa: E402
 
-MODEL_CHOICES = ("gpt2", "mt5", "t5")
+def register_builtin_projects() -> None:
+    """Import the projects that ship with libai_lite, whose modeling packages register their mappings."""
+    import projects.GPT.modeling  # noqa: F401
+    import projects.MT5  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "DCP checkpoint that train.load_weight=OUTPUT loads, with OUTPUT/config.py ready to train. "
                     "The vocabulary is padded the way the trainer pads it (mean rows for the new ids).",
     )
-    imp.add_argument("--model", required=True, choices=MODEL_CHOICES, help="architecture of the directory")
+    imp.add_argument("--model", metavar="TYPE",
+                     help="Hugging Face model_type of the directory (gpt2, t5, mt5 or one your project registers; "
+                          "default: config.json's)")
+    imp.add_argument("--config-file", metavar="FILE",
+                     help="a training config of your own project: its model class's registered mapping converts "
+                          "the weights and the fine-tuning config starts from it (default: the built-in project "
+                          "that reads the model type)")
     imp.add_argument("--hf-dir", required=True, help="Hugging Face model directory")
     imp.add_argument("--output", required=True, help="checkpoint directory to create")
     imp.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -64,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "size comes from the checkpoint; when the config names a tokenizer, the padded rows are cut "
                     "to its real vocabulary and its files are copied.",
     )
-    exp.add_argument("--config-file", required=True, help="the run's config (its output config.yaml, or the .py)")
+    exp.add_argument("--config-file", required=True,
+                     help="the run's config (its output config.yaml, or the .py); its model class's registered "
+                          "mapping writes the directory")
     exp.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. OUTPUT_DIR/model_final)")
     exp.add_argument("--output", required=True, help="Hugging Face directory to create")
     exp.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
@@ -75,12 +87,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------ import
 
+_BASE_NAMES = ("dataloader", "model", "optim", "tokenization", "train")
 
-def _finetune_config(spec, cfg: dict, tokenizer, tp: int, divisible_by: int, hf_dir: str, output: str) -> str:
-    """Source of OUTPUT/config.py: the project's config with this model's cfg, weights and tokenizer."""
-    names = "dataloader, model, optim, tokenization, train"
+
+def load_model_config(config_file: str, opts=()):
+    """``(cfg, model class)`` of a training config; importing the class registers its project's mapping."""
+    from libai_lite.config import LazyConfig, locate
+
+    try:
+        cfg = LazyConfig.load(config_file)
+    except FileNotFoundError as e:
+        raise UsageError(f"config file {config_file} not found; pass the run's config.yaml or its .py") from e
+    cfg = LazyConfig.apply_overrides(cfg, list(opts))
+    if "model" not in cfg or "_target_" not in cfg.model or "cfg" not in cfg.model:
+        raise UsageError(f"{config_file} has no model = LazyCall(...)(cfg=...); pass a training config")
+    target = cfg.model._target_
+    try:
+        return cfg, locate(target) if isinstance(target, str) else target
+    except ImportError as e:
+        raise UsageError(f"{config_file}: model._target_ {target!r} cannot be imported ({e})") from e
+
+
+def _finetune_config(mapping, cfg: dict, tokenizer, args, output: str) -> str:
+    """Source of OUTPUT/config.py: the base config (--config-file or the project's) with this model's cfg,
+    weights and tokenizer."""
+    tp, divisible_by = args.tensor_parallel_size, args.make_vocab_size_divisible_by
     lines = [
-        f'"""Fine-tune the Hugging Face weights imported from {os.path.abspath(hf_dir)}',
+        f'"""Fine-tune the Hugging Face weights imported from {os.path.abspath(args.hf_dir)}',
         "(written by tools/hf_convert.py import; train.load_weight is this directory).",
         "",
         f"    bash tools/train.sh tools/train_net.py {os.path.join(output, 'config.py')} 1 \\",
@@ -93,12 +126,16 @@ def _finetune_config(spec, cfg: dict, tokenizer, tp: int, divisible_by: int, hf_
         '"""',
         "import os",
         "",
-        "from libai_lite.config import LazyCall  # noqa: F401",
+        "from libai_lite.config import LazyCall, LazyConfig  # noqa: F401",
     ]
     if tokenizer is not None:
         lines.append(tokenizer.import_line)
+    if args.config_file:
+        lines += ["", f"_base = LazyConfig.load({os.path.abspath(args.config_file)!r})",
+                  f"{', '.join(_BASE_NAMES)} = (_base[k] for k in {_BASE_NAMES!r})"]
+    else:
+        lines.append(f"from {mapping.finetune_config} import {', '.join(_BASE_NAMES)}")
     lines += [
-        f"from {spec.finetune_config} import {names}",
         "",
         "_here = os.path.dirname(os.path.abspath(__file__))",
         "",
@@ -112,12 +149,11 @@ def _finetune_config(spec, cfg: dict, tokenizer, tp: int, divisible_by: int, hf_
         lines += ["# The Hugging Face directory had no tokenizer files: set the tokenizer this model was trained with.",
                   "tokenization.tokenizer = None"]
     lines.append(f"tokenization.make_vocab_size_divisible_by = {divisible_by}")
-    if spec.family == "t5":
-        lines.append(f"train.dist.update(data_parallel_size=None, tensor_parallel_size={tp}, pipeline_parallel_size=1, "
-                     f"pipeline_num_layers={2 * int(cfg['hidden_layers'])})")
-    else:
-        lines.append(f"train.dist.update(data_parallel_size=None, tensor_parallel_size={tp}, pipeline_parallel_size=1)")
+    dist = f"data_parallel_size=None, tensor_parallel_size={tp}, pipeline_parallel_size=1"
+    if mapping.pipeline_num_layers is not None:
+        dist += f", pipeline_num_layers={mapping.pipeline_num_layers(cfg)}"
     lines += [
+        f"train.dist.update({dist})",
         "train.load_weight = _here",
         f'train.output_dir = "output/{os.path.basename(os.path.normpath(output))}_finetune"',
         "",
@@ -131,29 +167,43 @@ def cmd_import(args) -> int:
 
     from libai_lite.checkpoint import Checkpointer
     from libai_lite.checkpoint.hf import (
-        check_output_dir,
-        convert_hf_dir,
         detect_model_type,
-        find_hf_tokenizer,
-        hf_spec,
+        load_hf_model,
+        mapping_for_model,
+        mapping_for_type,
         read_hf_config,
-        staged_output_dir,
     )
+    from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
     from libai_lite.tokenizer import pad_vocab_size
 
     for name in ("tensor_parallel_size", "make_vocab_size_divisible_by"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
     check_output_dir(args.output, args.force)
+    mapping = model_class = None
+    if args.config_file:
+        base, model_class = load_model_config(args.config_file)
+        missing = [k for k in _BASE_NAMES if k not in base]
+        if missing:
+            raise UsageError(f"{args.config_file} has no {missing[0]}; pass a training config "
+                             f"(with {', '.join(_BASE_NAMES)}) to start the fine-tuning config from")
+        mapping = mapping_for_model(model_class)
+    else:
+        register_builtin_projects()
+        if args.model is not None:
+            mapping_for_type(args.model)  # an unknown type is refused before the directory is read
     hf_config = read_hf_config(args.hf_dir)
-    model_type = detect_model_type(hf_config, args.model, args.hf_dir)
-    spec = hf_spec(model_type)
-    tokenizer = find_hf_tokenizer(args.hf_dir, model_type)
-    hf_vocab = int(spec.mapping_module().config_from_hf(hf_config)["vocab_size"])
+    model_type, mapping = detect_model_type(hf_config, args.model, args.hf_dir, mapping)
+    if not args.config_file and mapping.finetune_config is None:
+        raise UsageError(f"{mapping.model_class.__name__} names no project config to fine-tune from; "
+                         f"pass --config-file of a training config of it")
+    tokenizer = mapping.find_tokenizer(args.hf_dir)
+    hf_vocab = int(mapping.config_from_hf(hf_config)["vocab_size"])
     tok_vocab = tokenizer.tokenizer.vocab_size if tokenizer is not None else 0
     # What the trainer will build: the tokenizer's size padded for the layout (never fewer rows than the weights).
     padded = pad_vocab_size(max(hf_vocab, tok_vocab), args.make_vocab_size_divisible_by, args.tensor_parallel_size)
-    model_type, cfg, module = convert_hf_dir(args.hf_dir, model_type, vocab_size=padded)
+    model_type, cfg, module = load_hf_model(args.hf_dir, model_type, vocab_size=padded,
+                                            model_class=model_class or mapping.model_class)
 
     output = os.path.abspath(args.output)
     with staged_output_dir(output, args.force, promote="checkpoint") as tmp:
@@ -163,10 +213,9 @@ def cmd_import(args) -> int:
         for name, src in (tokenizer.files.items() if tokenizer is not None else ()):
             shutil.copyfile(src, os.path.join(ckpt, name))
         with open(os.path.join(ckpt, "config.py"), "w", encoding="utf-8") as f:
-            f.write(_finetune_config(spec, cfg, tokenizer, args.tensor_parallel_size,
-                                     args.make_vocab_size_divisible_by, args.hf_dir, output))
+            f.write(_finetune_config(mapping, cfg, tokenizer, args, output))
 
-    print(f"Imported {model_type} weights from {args.hf_dir} into {output}")
+    print(f"Imported {model_type} weights from {args.hf_dir} into {output} ({type(module).__name__})")
     print(f"vocabulary: {hf_vocab} rows in the weights, tokenizer "
           f"{tok_vocab if tokenizer is not None else 'not found'}, padded to {padded}")
     print("model.cfg:")
@@ -180,41 +229,24 @@ def cmd_import(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """DCP checkpoint -> Hugging Face directory."""
+    """DCP checkpoint -> Hugging Face directory, through the mapping of the config's model class."""
     from omegaconf import OmegaConf, open_dict
 
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.hf import (
-        build_model,
-        check_output_dir,
-        checkpoint_vocab_size,
-        save_hf_model,
-        spec_for_model,
-        staged_output_dir,
-    )
-    from libai_lite.config import LazyConfig, instantiate, locate
+    from libai_lite.checkpoint.hf import build_model, checkpoint_vocab_size, mapping_for_model, save_hf_model
+    from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
+    from libai_lite.config import instantiate
 
     check_output_dir(args.output, args.force)
     if not os.path.isdir(args.checkpoint) or not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
         raise UsageError(f"checkpoint {args.checkpoint} is missing or incomplete (no .metadata); point --checkpoint "
                          f"to a complete checkpoint directory such as OUTPUT_DIR/model_final")
-    try:
-        cfg = LazyConfig.load(args.config_file)
-    except FileNotFoundError as e:
-        raise UsageError(f"config file {args.config_file} not found; pass the run's config.yaml or its .py") from e
-    cfg = LazyConfig.apply_overrides(cfg, [o for o in args.opts if o != "--"])
-    if "model" not in cfg or "_target_" not in cfg.model or "cfg" not in cfg.model:
-        raise UsageError(f"{args.config_file} has no model = LazyCall(...)(cfg=...); pass a training config")
-    target = cfg.model._target_
-    try:
-        model_class = locate(target) if isinstance(target, str) else target
-    except ImportError as e:
-        raise UsageError(f"{args.config_file}: model._target_ {target!r} cannot be imported ({e})") from e
-    model_type, spec = spec_for_model(model_class)
+    cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])
+    mapping_for_model(model_class)  # a class without a mapping is refused before the checkpoint is read
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     # The vocabulary the run padded to (a tp=2 run pads to a multiple of 256), not a fresh padding.
-    model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_type)
-    module = build_model(model_type, model_cfg)
+    model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_class)
+    module = build_model(model_class, model_cfg)
     Checkpointer(module).load(args.checkpoint, weights_only=True)
 
     tokenizer = None
@@ -233,7 +265,7 @@ def cmd_export(args) -> int:
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     with staged_output_dir(args.output, args.force) as tmp:
         hf_config, notes = save_hf_model(module, model_cfg, tmp, vocab_size=vocab, tokenizer=tokenizer)
-    print(f"Exported {args.checkpoint} ({spec.model_class.rpartition(':')[2]}) to {os.path.abspath(args.output)} as "
+    print(f"Exported {args.checkpoint} ({model_class.__name__}) to {os.path.abspath(args.output)} as "
           f"{hf_config['architectures'][0]} (model_type {hf_config['model_type']})")
     kept = "cut to the tokenizer's" if vocab is not None else "kept as in the checkpoint (no tokenizer in the config):"
     print(f"vocabulary: {model_cfg['vocab_size']} rows in the checkpoint, {kept} {hf_config['vocab_size']}")

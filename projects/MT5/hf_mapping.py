@@ -17,17 +17,22 @@ decides the scaling from the config (``scale_decoder_outputs``, else ``tie_word_
 ``model_type="t5"``; transformers 5 never scales ``model_type="mt5"``), and whether the head is its
 own matrix from the weights (``lm_head.weight`` present and different from ``shared.weight``).
 An unscaled model whose head is the embedding imports as our untied model with a copy of it.
+
+The module registers these functions for ``MT5ForPreTraining`` on import; the package's
+``__init__.py`` imports it, so importing the model class registers the mapping.
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Mapping
 
 import torch
 
-from libai_lite.checkpoint.hf import StateDictSource
+from libai_lite.checkpoint.hf import HFMapping, HFTokenizer, StateDictSource, register_hf_model
 from libai_lite.utils.errors import UsageError
 
-from .mt5_model import MT5Config
+from .mt5_model import MT5Config, MT5ForPreTraining
 
 HF_MODEL_TYPES = ("t5", "mt5")
 EMBEDDING_KEY = "embedding.weight"
@@ -136,6 +141,30 @@ def special_token_ids(tokenizer) -> dict:
 
     ids = t5_special_ids(tokenizer)
     return {"pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "decoder_start_token_id": ids["decoder_start"]}
+
+
+def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
+    """Our T5-style SentencePieceTokenizer for a directory's ``spiece.model``, or None when it has none."""
+    from libai_lite.tokenizer import SentencePieceTokenizer
+
+    model_file, tok_cfg = os.path.join(hf_dir, "spiece.model"), os.path.join(hf_dir, "tokenizer_config.json")
+    if not os.path.isfile(model_file):
+        return None
+    extra_ids = 100  # transformers' T5Tokenizer default
+    if os.path.isfile(tok_cfg):
+        try:
+            with open(tok_cfg, encoding="utf-8") as f:
+                extra_ids = int(json.load(f).get("extra_ids", extra_ids))
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise UsageError(f"{tok_cfg} cannot be read ({type(e).__name__}); re-download it") from e
+    try:
+        tok = SentencePieceTokenizer(model_file, extra_ids=extra_ids, style="t5")
+    except ValueError as e:
+        raise UsageError(f"the SentencePiece model in {hf_dir} cannot be loaded: {e}") from e
+    return HFTokenizer(tok, {"spiece.model": model_file},
+                       f'LazyCall(SentencePieceTokenizer)(model_file=os.path.join(_here, "spiece.model"), '
+                       f'extra_ids={extra_ids}, style="t5")',
+                       "from libai_lite.tokenizer import SentencePieceTokenizer")
 
 
 def _sizes(cfg: Mapping[str, Any]) -> MT5Config:
@@ -254,3 +283,21 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
         out["lm_head.weight"] = head
     src.check_all_used()
     return {k: v.contiguous() for k, v in out.items()}
+
+
+register_hf_model(HFMapping(
+    model_class=MT5ForPreTraining,
+    model_types=HF_MODEL_TYPES,
+    inner="mt5_model",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    state_dict_from_hf=state_dict_from_hf,
+    state_dict_to_hf=state_dict_to_hf,
+    vocab_keys=VOCAB_KEYS,
+    special_token_ids=special_token_ids,
+    find_tokenizer=find_tokenizer,
+    # Named from this module, so a copy of the project starts from the copy's own config.
+    finetune_config=__name__.rsplit(".", 1)[0] + ".configs.mt5_pretrain",
+    # The pipeline cuts the encoder and the decoder stacks as one list of layers.
+    pipeline_num_layers=lambda cfg: 2 * int(cfg["hidden_layers"]),
+))

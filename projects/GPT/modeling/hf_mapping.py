@@ -12,19 +12,21 @@ State dicts here are ``GPTModel``'s (the ``GPT_model`` attribute of ``GPTForPreT
 
 The LM head is the token embedding in both, so ``lm_head.weight`` is written once (as
 ``transformer.wte.weight``) and an HF ``lm_head.weight`` that differs from it is refused.
-Pure functions on plain tensors: nothing here touches files (see ``libai_lite/checkpoint/hf.py``).
+Pure functions on plain tensors (files are the core's, ``libai_lite/checkpoint/hf_io.py``); the
+module registers them for ``GPTForPreTraining`` on import, and ``modeling/__init__.py`` imports it.
 """
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Mapping
 
 import torch
 
-from libai_lite.checkpoint.hf import StateDictSource
+from libai_lite.checkpoint.hf import HFMapping, HFTokenizer, StateDictSource, register_hf_model
 from libai_lite.utils.errors import UsageError
 
-from .gpt_model import GPTModel
+from .gpt_model import GPTForPreTraining, GPTModel
 
 HF_MODEL_TYPE = "gpt2"
 HF_ARCHITECTURE = "GPT2LMHeadModel"
@@ -136,6 +138,23 @@ def special_token_ids(tokenizer) -> dict:
     return {"bos_token_id": eod, "eos_token_id": eod}
 
 
+def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
+    """Our GPT2Tokenizer for a directory's ``vocab.json`` + ``merges.txt``, or None when it has none."""
+    from libai_lite.tokenizer import GPT2Tokenizer
+
+    vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
+    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
+        return None
+    try:
+        tok = GPT2Tokenizer(vocab, merges)
+    except ValueError as e:
+        raise UsageError(f"the GPT-2 tokenizer files in {hf_dir} cannot be loaded: {e}") from e
+    return HFTokenizer(tok, {"vocab.json": vocab, "merges.txt": merges},
+                       'LazyCall(GPT2Tokenizer)(vocab_file=os.path.join(_here, "vocab.json"), '
+                       'merges_file=os.path.join(_here, "merges.txt"))',
+                       "from libai_lite.tokenizer import GPT2Tokenizer")
+
+
 def _sizes(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
     heads = int(_ours(cfg, "num_attention_heads"))
     return int(_ours(cfg, "hidden_layers")), heads, int(_ours(cfg, "hidden_size")) // heads
@@ -215,3 +234,19 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
                              "cannot be exported as GPT-2")
     src.check_all_used()
     return {k: v.contiguous() for k, v in out.items()}
+
+
+register_hf_model(HFMapping(
+    model_class=GPTForPreTraining,
+    model_types=(HF_MODEL_TYPE,),
+    inner="GPT_model",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    state_dict_from_hf=state_dict_from_hf,
+    state_dict_to_hf=state_dict_to_hf,
+    vocab_keys=VOCAB_KEYS,
+    special_token_ids=special_token_ids,
+    find_tokenizer=find_tokenizer,
+    # Named from this module, so a copy of the project starts from the copy's own config.
+    finetune_config=__name__.rsplit(".", 2)[0] + ".configs.gpt2_pretrain",
+))

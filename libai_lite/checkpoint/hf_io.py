@@ -1,0 +1,219 @@
+"""Hugging Face model directories on disk, for any model: no key or layout of one model is known here.
+
+Reading takes ``config.json`` plus ``model.safetensors``, a sharded ``model.safetensors.index.json``,
+or ``pytorch_model.bin`` (or its index) loaded with ``torch.load(weights_only=True)``, so no pickled
+code runs. Writing gives ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
+files of one of our tokenizers, into a staged folder that becomes the output only when complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+from ..utils.errors import UsageError
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_NAME = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def _check_dir(hf_dir: str) -> None:
+    if not os.path.isdir(hf_dir):
+        raise UsageError(f"Hugging Face directory {hf_dir} does not exist; pass the directory that holds "
+                         f"config.json and the weights (e.g. a save_pretrained or Hub snapshot directory)")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """``config.json`` of a Hugging Face model directory as a dict."""
+    _check_dir(hf_dir)
+    path = os.path.join(hf_dir, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise UsageError(f"{hf_dir} has no {CONFIG_NAME}; pass a Hugging Face model directory "
+                         f"(save_pretrained writes config.json beside the weights)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} cannot be read as JSON ({type(e).__name__}: {e}); re-download or re-save it") from e
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a JSON object; re-download or re-save it")
+    return config
+
+
+def _read_index(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"{path} is not a weight index (no weight_map: {type(e).__name__}); re-download it") from e
+
+
+def _load_safetensors(path: str) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"{path} cannot be read as safetensors ({e}); re-download it") from e
+
+
+def _load_torch(path: str) -> dict:
+    import pickle
+
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UsageError(f"{path} holds objects other than tensors and is not unpickled (weights_only); "
+                         f"convert it to safetensors with the code that made it") from e
+    except (OSError, RuntimeError, EOFError) as e:
+        raise UsageError(f"{path} cannot be read as a PyTorch state dict ({type(e).__name__}); re-download it") from e
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise UsageError(f"{path} is not a state dict of tensors; pass a Hugging Face pytorch_model.bin")
+    return dict(sd)
+
+
+def read_hf_state_dict(hf_dir: str) -> dict:
+    """All weights of a Hugging Face model directory, on the CPU (safetensors first, then ``weights_only`` torch)."""
+    _check_dir(hf_dir)
+    for single, index, load in ((SAFETENSORS_NAME, SAFETENSORS_INDEX, _load_safetensors),
+                                (TORCH_NAME, TORCH_INDEX, _load_torch)):
+        if os.path.isfile(os.path.join(hf_dir, single)):
+            return load(os.path.join(hf_dir, single))
+        index_path = os.path.join(hf_dir, index)
+        if os.path.isfile(index_path):
+            sd: dict = {}
+            for shard in _read_index(index_path):
+                shard_path = os.path.join(hf_dir, shard)
+                if not os.path.isfile(shard_path):
+                    raise UsageError(f"{index_path} names the shard {shard}, which is missing; download every shard")
+                sd.update(load(shard_path))
+            return sd
+    raise UsageError(f"{hf_dir} has no weights ({SAFETENSORS_NAME}, {SAFETENSORS_INDEX}, {TORCH_NAME} or "
+                     f"{TORCH_INDEX}); download the weights, not only the config")
+
+
+# ---------------------------------------------------------------------------------- tokenizers
+
+
+@dataclass
+class HFTokenizer:
+    """A tokenizer found in a Hugging Face directory, as one of ours (a project's mapping finds it).
+
+    ``files`` maps file names to paths in the directory; ``lazy_call`` is the source of the
+    ``LazyCall`` that builds it from those names beside a config file (``_here`` is that folder),
+    and ``import_line`` the import that source needs.
+    """
+
+    tokenizer: object
+    files: dict
+    lazy_call: str
+    import_line: str
+
+
+def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
+    """``({name: source path}, tokenizer_config or None, notes)`` to make an exported directory usable."""
+    from ..tokenizer import BertTokenizer, GPT2Tokenizer, SentencePieceTokenizer
+
+    if isinstance(tokenizer, GPT2Tokenizer):
+        return {"vocab.json": tokenizer.vocab_file, "merges.txt": tokenizer.merges_file}, None, []
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        extra = len(getattr(tokenizer, "additional_special_tokens_ids", []) or [])
+        if getattr(tokenizer, "style", None) == "t5":
+            return {"spiece.model": tokenizer.model_file}, {"tokenizer_class": "T5Tokenizer", "extra_ids": extra}, []
+        return {"spiece.model": tokenizer.model_file}, None, [
+            "the SentencePiece tokenizer uses Megatron's id convention (special tokens appended after the "
+            "pieces), which transformers' T5Tokenizer does not reproduce; tokenize with libai_lite"]
+    if isinstance(tokenizer, BertTokenizer):
+        return {"vocab.txt": tokenizer.vocab_file}, None, [
+            "vocab.txt is copied, but the [BOS]/[EOS]/<extra_id_*> tokens libai_lite appends to a BERT "
+            "vocabulary are not described for transformers; tokenize with libai_lite"]
+    return {}, None, [f"{type(tokenizer).__name__} has no known files; copy the tokenizer files yourself"]
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    out = {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share memory (views of one fused matrix, tied copies).
+        ptr = t.untyped_storage().data_ptr()
+        out[key] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    save_file(out, path, metadata={"format": "pt"})
+
+
+def _write_json(obj, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_hf_dir(output_dir: str, hf_config: Mapping, hf_sd: Mapping[str, torch.Tensor], tokenizer=None) -> list[str]:
+    """Write a Hugging Face directory: config, generation config (its token ids), weights, tokenizer files.
+
+    Returns notes worth printing about the tokenizer.
+    """
+    files, tok_config, notes = tokenizer_files(tokenizer) if tokenizer is not None else ({}, None, [])
+    os.makedirs(output_dir, exist_ok=True)
+    _save_safetensors(hf_sd, os.path.join(output_dir, SAFETENSORS_NAME))
+    _write_json(dict(hf_config), os.path.join(output_dir, CONFIG_NAME))
+    generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+                  if hf_config.get(k) is not None}
+    _write_json(generation, os.path.join(output_dir, "generation_config.json"))
+    for name, src in files.items():
+        shutil.copyfile(src, os.path.join(output_dir, name))
+    if tok_config is not None:
+        _write_json(tok_config, os.path.join(output_dir, "tokenizer_config.json"))
+    return notes
+
+
+# ------------------------------------------------------------------------------ output folders
+
+
+def check_output_dir(output: str, force: bool = False) -> None:
+    """Refuse an output directory that exists and is not empty, unless ``force``."""
+    if os.path.exists(output) and not force and (not os.path.isdir(output) or os.listdir(output)):
+        raise UsageError(f"output {output} exists and is not empty; choose a new --output or add --force to replace it")
+
+
+@contextlib.contextmanager
+def staged_output_dir(output: str, force: bool = False, promote: str | None = None) -> Iterator[str]:
+    """Yield ``OUTPUT.tmp`` to write into; on success it (or its subfolder ``promote``) becomes ``output``.
+
+    On any failure the staging folder is removed, so ``output`` is either complete or untouched.
+    """
+    check_output_dir(output, force)
+    output = os.path.abspath(output)
+    tmp = output + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        source = os.path.join(tmp, promote) if promote else tmp
+        if os.path.isdir(output) and not os.path.islink(output):
+            shutil.rmtree(output)
+        elif os.path.lexists(output):
+            os.remove(output)
+        os.replace(source, output)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
