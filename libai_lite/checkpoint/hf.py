@@ -24,7 +24,7 @@ class HFMapping:
 
     Attributes:
         model_class: the pretraining module, built as ``model_class(model_cfg)``; subclasses share it.
-        model_types: the ``config.json`` ``model_type`` values it reads (T5 and mT5 are one mapping).
+        model_types: the ``config.json`` ``model_type`` values it reads (one mapping may read several).
         inner: attribute of the pretraining module whose state dict the functions below speak.
         config_from_hf / config_to_hf: ``config.json`` dict <-> our ``model.cfg`` dict.
         state_dict_from_hf / state_dict_to_hf: ``(state dict, model.cfg) ->`` the other side's state dict.
