@@ -11,7 +11,11 @@ setup(
     version="0.1.0",
     description="LiBai-style lazy-config toolbox for GPT and T5 pretraining on torch.distributed",
     python_requires=">=3.10",
-    packages=find_packages(include=["libai_lite", "libai_lite.*"]),
+    # configs and projects are installed too: configs import each other and the models as
+    # `configs.*` / `projects.*`, so tools, benchmarks and user configs anywhere need no sys.path edits.
+    packages=find_packages(
+        include=["libai_lite", "libai_lite.*", "configs", "configs.*", "projects", "projects.*"]
+    ),
     install_requires=[
         "torch==2.13.0",
         "numpy>=1.24",

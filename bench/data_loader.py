@@ -26,16 +26,11 @@ import datetime
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -35,10 +35,6 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 # name -> (zero_stage, offload, activation checkpointing, fused LM head + loss); "no_zero" is the
 # reference column. Every row but the last fuses the LM head with the loss, as training does;
 # "no_zero_unfused_ce" materialises the logits, to show what the fusion saves.
@@ -285,7 +281,6 @@ def launch(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "memory.json")
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    # A fixed mmap threshold makes glibc return every large free to the OS at once
                    # (its default adapts upwards and keeps freed tensors resident), so RSS is live memory.
                    MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")

@@ -35,10 +35,6 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 DEFAULTS = dict(layers=4, hidden=256, heads=4, seq=128, vocab=8064, micro_batch=8, experts=8, every_n_layers=2,
                 steps=2, blocks=8, warmup=2)
 SMOKE = dict(layers=2, hidden=32, heads=2, seq=16, vocab=128, micro_batch=2, experts=4, every_n_layers=2,
@@ -214,8 +210,7 @@ def measure(args) -> dict:
         return result
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "moe.json")
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), os.path.abspath(__file__),
                "--worker-out", out, "--capacity-factor", str(args.capacity_factor)]

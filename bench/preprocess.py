@@ -35,12 +35,9 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import numpy as np  # noqa: E402
-
 SOURCE_CORPUS = os.path.join(ROOT, "data_test", "corpus.jsonl")
 TOKENIZERS = {
     "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "data_test/gpt2/vocab.json",

@@ -29,18 +29,12 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
+import torch
 
 # Model shapes: GPT-2's published sizes plus the demo config (projects/GPT/configs/gpt2_pretrain.py).
 # Defaults for steps and micro batch are sized to finish in a few minutes on a 2-core CPU;

@@ -16,8 +16,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 
 from libai_lite.optim.build import get_default_optimizer_params  # noqa: E402

@@ -19,8 +19,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 from projects.MT5.mt5_model import MT5ForPreTraining  # noqa: E402
 

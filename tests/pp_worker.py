@@ -25,8 +25,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from libai_lite.parallel.pipeline import (  # noqa: E402
     PipelineStepper,
     alias_state_dict_keys,

@@ -16,10 +16,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 from libai_lite.layers import (  # noqa: E402
     MLP,
     Embedding,

@@ -17,10 +17,8 @@ import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from libai_lite.engine.default import DefaultTrainer, default_setup  # noqa: E402
-from libai_lite.utils.errors import UsageError  # noqa: E402
+from libai_lite.engine.default import DefaultTrainer, default_setup
+from libai_lite.utils.errors import UsageError
 
 
 class EvalOnlyTrainer(DefaultTrainer):

@@ -29,16 +29,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-try:
-    import libai_lite  # noqa: F401
-except ImportError:  # run as `python tools/preprocess_data.py` from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
-from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 # Lines handed to a worker at once: large enough for the batched encoders to
 # pay off, small enough to keep every worker busy on modest corpora.

@@ -4,13 +4,10 @@
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 train.train_iter=100
     python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py train.train_iter=100
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from libai_lite.engine.default import launch  # noqa: E402
-from libai_lite.config import default_argument_parser  # noqa: E402
+from libai_lite.engine.default import launch
+from libai_lite.config import default_argument_parser
 
 
 def main(argv=None) -> int:

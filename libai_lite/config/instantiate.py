@@ -30,6 +30,7 @@ def locate(path: str) -> Any:
     if not isinstance(path, str) or not path:
         raise ImportError(f"Cannot locate {path!r}: expected a non-empty dotted path string")
     parts = path.split(".")
+    missing = None
     for i in range(len(parts), 0, -1):
         module_name = ".".join(parts[:i])
         try:
@@ -38,6 +39,7 @@ def locate(path: str) -> Any:
             # Only "this prefix is not a module" means try a shorter prefix; a module
             # that exists but misses one of its own dependencies is a real error.
             if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+                missing = e.name
                 continue
             raise
         obj = module
@@ -50,7 +52,11 @@ def locate(path: str) -> Any:
         return obj
     if len(parts) == 1 and hasattr(builtins, path):
         return getattr(builtins, path)
-    raise ImportError(f"Cannot locate {path!r}: no importable module prefix")
+    raise ImportError(
+        f"Cannot locate {path!r}: no module named {missing or parts[0]!r}; install the package that provides it "
+        "or add the folder holding it to PYTHONPATH (a config.yaml saved by LazyConfig lists such folders "
+        "under _import_roots_)"
+    )
 
 
 def target_to_string(target: Any) -> str:

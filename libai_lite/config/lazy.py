@@ -5,12 +5,27 @@ A config is a Python file whose top-level names (``model``, ``train``, ``optim``
 import each other, relatively or as ``configs.*`` / ``projects.<X>.configs.*``;
 every such import is executed afresh for each :meth:`LazyConfig.load`, so one
 config mutating a shared ``train`` can never change what another load sees.
+
+Where imports written in a config go:
+
+* ``configs.*`` and ``projects.*`` resolve in the user's own tree first (the folder
+  holding the config's ``configs/`` or ``projects/``, found from the config's path,
+  ``__init__.py`` files or not), then in the installed packages.
+* Code a config reaches (a relative import out of its ``configs/`` folder, such as
+  ``from ..modeling.gpt_model import GPT``, or ``projects.MyProj.modeling``) is
+  imported once as a real module under a stable name: ``MyLM.modeling.gpt_model``
+  for a project folder copied to ``/elsewhere/MyLM``, ``projects.MyProj.modeling...``
+  in a LiBai-style tree. The folders it came from are listed under
+  ``_import_roots_`` in the loaded config, so a saved ``config.yaml`` builds the
+  same classes in a fresh process started from any directory.
 """
 import builtins
 import contextlib
 import dataclasses
 import difflib
 import errno
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -18,7 +33,7 @@ import types
 import uuid
 from collections import abc
 from pathlib import Path
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode
@@ -32,6 +47,8 @@ __all__ = [
     "ConfigKeyError",
     "ConfigTypeError",
     "ConfigLoadError",
+    "IMPORT_ROOTS_KEY",
+    "add_import_root",
     "try_get_key",
 ]
 
@@ -40,6 +57,12 @@ logger = logging.getLogger(__name__)
 # Config modules get a made-up package under this prefix; the import hook uses it to
 # recognise "a relative import written inside a config file".
 _CFG_PACKAGE_NAME = "libai_lite._cfg_loader"
+# The package names a LiBai tree's absolute imports use; a user's tree serves them before
+# the installed packages do.
+_TREE_PACKAGES = ("configs", "projects")
+# Top-level key of a loaded (and saved) config: the folders its model code imports from,
+# which a later load of the saved YAML, in any process and cwd, puts back on the import path.
+IMPORT_ROOTS_KEY = "_import_roots_"
 
 
 class ConfigKeyError(KeyError, UsageError):
@@ -104,39 +127,146 @@ def _is_config_module_name(name: str) -> bool:
     return parts[0] == "configs" or (len(parts) >= 3 and parts[0] == "projects" and parts[2] == "configs")
 
 
-def _package_repo_root() -> Optional[Path]:
-    import libai_lite
+def _is_config_target(target: Path, importer: Path) -> bool:
+    """Whether a relative import in config ``importer`` reaches another config (else: model code).
 
-    root = Path(libai_lite.__file__).resolve().parents[1]
-    return root if (root / "configs").is_dir() else None
+    Configs live in ``configs/`` folders; what a config in one reaches outside any
+    ``configs/`` folder (``from ..modeling.gpt_model import GPT``) is code.
+    """
+    home = next((p for p in importer.parents if p.name == "configs"), None)
+    if home is None or target == home or home in target.parents:
+        return True
+    shared = len(Path(os.path.commonpath([target, importer])).parts)
+    return "configs" in target.parts[shared:]
 
 
-def _import_roots(config_file: Path) -> List[Path]:
-    """Directories from which ``configs.*`` / ``projects.*`` imports of this file resolve."""
-    roots: List[Path] = []
-    nearest = None
-    for directory in [config_file.parent, *config_file.parent.parents]:
-        if (directory / "configs").is_dir():
-            nearest = nearest or directory
-            # projects/GPT also holds a configs/ folder, but it is a package
-            # (projects.GPT); the import root is the first non-package ancestor.
-            if not (directory / "__init__.py").exists():
-                roots.append(directory)
-                break
-    if not roots and nearest is not None:
-        roots.append(nearest)
-    package_root = _package_repo_root()
-    if package_root is not None and package_root not in roots:
-        roots.append(package_root)
-    return roots
+def _tree_root(config_file: Path) -> Optional[Path]:
+    """The folder whose ``configs/`` and ``projects/`` this config's absolute imports mean.
+
+    That is the LiBai repository root: the nearest ancestor holding a ``configs/`` or
+    ``projects/`` folder that is neither a package, nor itself one of those folders,
+    nor a project folder inside ``projects/``.
+    """
+    for directory in config_file.parents:
+        if (
+            (directory / "__init__.py").exists()
+            or directory.name in _TREE_PACKAGES
+            or directory.parent.name == "projects"
+        ):
+            continue
+        if any((directory / top).is_dir() for top in _TREE_PACKAGES):
+            return directory
+    return None
+
+
+_INSTALLED_DIRS: Dict[str, List[Path]] = {}
+# Folders this process put on sys.path for user trees; never searched as "installed".
+_ADDED_ROOTS: set = set()
+
+
+def _installed_dirs(top: str) -> List[Path]:
+    """Folders of the installed ``configs`` or ``projects`` package, before any user tree joined it."""
+    if top not in _INSTALLED_DIRS:
+        module = sys.modules.get(top)
+        spec = module.__spec__ if module is not None else importlib.util.find_spec(top)
+        locations = (spec.submodule_search_locations if spec is not None else None) or []
+        _INSTALLED_DIRS[top] = [Path(p).resolve() for p in locations]
+    return _INSTALLED_DIRS[top]
+
+
+def _is_installed_root(root: Path) -> bool:
+    return any(root / top in _installed_dirs(top) for top in _TREE_PACKAGES)
+
+
+def add_import_root(root: Union[str, os.PathLike]) -> None:
+    """Make the packages under folder ``root`` importable, as config loads and saved configs need.
+
+    ``root`` goes at the end of ``sys.path`` (it never shadows an installed package); its
+    ``configs/`` and ``projects/`` folders join the installed ``configs`` and ``projects``
+    packages, ahead of them, so ``projects.MyProj.modeling`` in a user's LiBai-style tree
+    imports while ``projects.GPT`` still does.
+    """
+    root = Path(root).resolve()
+    if _is_installed_root(root):
+        return
+    for top in _TREE_PACKAGES:
+        folder = str(root / top)
+        if not (root / top).is_dir() or not _installed_dirs(top):
+            continue
+        # Imported before root joins sys.path, so the installed package is the one pinned.
+        search = importlib.import_module(top).__path__
+        if folder in search:
+            continue
+        if isinstance(search, list):
+            search.insert(0, folder)
+        else:  # a namespace package's path only appends
+            search.append(folder)
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+        _ADDED_ROOTS.add(str(root))
+
+
+def _code_module_name(target: Path, importer: Path) -> Tuple[Path, str]:
+    """(folder to import from, dotted module name) of code a config reaches by a relative import.
+
+    Inside packages (``__init__.py`` files) the name is the one Python gives it from the
+    top package's parent. In a folder without ``__init__.py`` it is named from the parent
+    of the project folder that holds the config's ``configs/``, or from the tree root when
+    that project sits in ``projects/`` (``projects.MyProj.modeling.model``).
+    """
+    top = None
+    directory = target if target.is_dir() else target.parent
+    while (directory / "__init__.py").exists():
+        top, directory = directory, directory.parent
+    if top is not None:
+        root = top.parent
+    else:
+        project = next(p for p in importer.parents if p.name == "configs").parent
+        root = project.parent.parent if project.parent.name == "projects" else project.parent
+    try:
+        parts = target.relative_to(root).parts
+    except ValueError:
+        raise ImportError(f"Cannot import {target} from {importer}: it is outside {root}, the folder it would import from")
+    if not all(part.isidentifier() for part in parts):
+        raise ImportError(
+            f"Cannot import {target} from {importer} as module {'.'.join(parts)!r}: rename its folders "
+            "to Python identifiers (letters, digits, underscores)"
+        )
+    return root, ".".join(parts)
+
+
+def _check_origin(name: str, base: Path, importer: Path) -> None:
+    """ImportError unless module ``name`` was imported from ``base`` (a path without ``.py``)."""
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None)
+    if origin is not None:
+        found = Path(origin).resolve()
+        if found in (base.with_name(base.name + ".py"), base / "__init__.py"):
+            return
+    elif any(Path(p).resolve() == base for p in getattr(module, "__path__", ())):
+        return
+    else:
+        found = list(getattr(module, "__path__", ()))
+    raise ImportError(
+        f"{importer} imports {base} as module {name!r}, but {name!r} is already imported from {found}; "
+        "give the folder a name no other package uses"
+    )
 
 
 class _FreshLoader:
-    """Executes config files as throw-away modules and serves their imports."""
+    """Executes config files as throw-away modules and serves the imports they write."""
 
-    def __init__(self, roots: Sequence[Path]):
-        self.roots = list(roots)
+    def __init__(self, config_file: Path):
+        self.tree_root = _tree_root(config_file)
+        self.roots: List[Path] = []
         self.executed_files: set = set()
+        if self.tree_root is not None:
+            self.add_root(self.tree_root)
+
+    def add_root(self, root: Path) -> None:
+        add_import_root(root)
+        if not _is_installed_root(root) and root not in self.roots:
+            self.roots.append(root)
 
     def exec_file(self, path: Path) -> types.ModuleType:
         package = f"{_CFG_PACKAGE_NAME}{uuid.uuid4().hex[:8]}"
@@ -155,16 +285,22 @@ class _FreshLoader:
         return module
 
     def _find_absolute(self, name: str) -> Optional[Path]:
+        # The user's tree first, then the installed package, then sys.path as Python would.
         parts = name.split(".")
-        search = [*self.roots, *(Path(p or os.getcwd()) for p in sys.path if isinstance(p, str))]
-        for root in search:
-            base = root.joinpath(*parts)
+        search = [self.tree_root.joinpath(*parts)] if self.tree_root is not None else []
+        search += [d.joinpath(*parts[1:]) for d in _installed_dirs(parts[0])]
+        search += [
+            Path(p or os.getcwd()).joinpath(*parts)
+            for p in sys.path
+            if isinstance(p, str) and p not in _ADDED_ROOTS
+        ]
+        for base in search:
             if base.with_name(base.name + ".py").is_file() or base.is_dir():
                 return base
         return None
 
     def import_target(self, base: Path, fromlist: Sequence[str], what: str, importer: Optional[str]):
-        """Module for ``base`` (a path without ``.py``), or None to fall back to normal import."""
+        """Config module for ``base`` (a path without ``.py``), or None to fall back to normal import."""
         py_file = base.with_name(base.name + ".py")
         if py_file.is_file():
             return self.exec_file(py_file)
@@ -185,23 +321,40 @@ class _FreshLoader:
             )
         raise ImportError(f"Cannot import {what!r} in {importer}: {py_file} does not exist")
 
+    def import_code(self, root: Path, name: str, base: Path, importer: Path, fromlist, original_import):
+        """Import ``name`` (the code at ``base``) as a real module, once per process, from ``root``."""
+        self.add_root(root)
+        module = original_import(name, None, None, fromlist, 0)
+        _check_origin(name, base, importer)
+        return module
+
     def hook(self, original_import):
         def new_import(name, globals=None, locals=None, fromlist=(), level=0):
             package = (globals or {}).get("__package__") or ""
-            if level and package.startswith(_CFG_PACKAGE_NAME):
-                importer = globals["__file__"]
-                base = Path(importer).parent
+            if not package.startswith(_CFG_PACKAGE_NAME):
+                # Model code imported by a config imports as Python always does.
+                return original_import(name, globals, locals, fromlist, level)
+            importer = Path(globals["__file__"])
+            if level:
+                base = importer.parent
                 for _ in range(level - 1):
                     base = base.parent
                 if name:
                     base = base.joinpath(*name.split("."))
-                return self.import_target(base, fromlist, "." * level + name, importer)
-            if level == 0 and _is_config_module_name(name):
+                what = "." * level + name
+                exists = base.with_name(base.name + ".py").is_file() or base.is_dir()
+                if exists and not _is_config_target(base, importer):
+                    root, module_name = _code_module_name(base, importer)
+                    return self.import_code(root, module_name, base, importer, fromlist, original_import)
+                return self.import_target(base, fromlist, what, str(importer))
+            if name.partition(".")[0] in _TREE_PACKAGES:
                 base = self._find_absolute(name)
-                if base is not None:
+                if base is not None and _is_config_module_name(name):
                     module = self.import_target(base, fromlist, name, None)
                     if module is not None:
                         return module if fromlist else _module_chain(name, module)
+                elif base is not None and self.tree_root is not None and self.tree_root in base.parents:
+                    return self.import_code(self.tree_root, name, base, importer, fromlist, original_import)
             return original_import(name, globals, locals, fromlist, level)
 
         return new_import
@@ -296,6 +449,8 @@ def _all_key_paths(node: Any, prefix: str = "") -> Iterator[str]:
     if not isinstance(node, DictConfig):
         return
     for key in node.keys():
+        if not prefix and key == IMPORT_ROOTS_KEY:
+            continue  # the loader's bookkeeping, never a key a user meant
         path = f"{prefix}.{key}" if prefix else str(key)
         yield path
         child = node._get_node(key)
@@ -391,6 +546,25 @@ def _delete(cfg: Any, key: str) -> None:
 # ------------------------------------------------------------------------- YAML
 
 
+def _restore_import_roots(roots: Any, path: Path) -> None:
+    """Put a saved config's import folders back, so its ``_target_`` strings import."""
+    if roots is None:
+        return
+    if not isinstance(roots, ListConfig) or not all(isinstance(r, str) for r in roots):
+        raise ConfigLoadError(
+            f"Config file {path}: '{IMPORT_ROOTS_KEY}' must be a list of folder paths, got {_one_line(roots)}; "
+            "fix or delete that key"
+        )
+    for root in roots:
+        if Path(root).is_dir():
+            add_import_root(root)
+        else:
+            logger.warning(
+                "Config file %s imports model code from %s, which does not exist; its targets will not import "
+                "until that folder is restored (or %s is edited).", path, root, IMPORT_ROOTS_KEY,
+            )
+
+
 def _yaml_ready(obj: Any, path: str, problems: List[str]) -> Any:
     """A plain-YAML copy of ``obj``; unserialisable leaves become placeholders listed in ``problems``."""
     if type(obj) in _CONFIG_SCALARS:
@@ -442,8 +616,10 @@ class LazyConfig:
 
         Without ``keys``, returns a ``DictConfig`` of the public top-level names whose
         values are configs, containers or plain scalars (modules, functions, classes
-        and other objects are left out). With ``keys`` (a name or a sequence of
-        names), returns that value or a tuple of them.
+        and other objects are left out), plus ``_import_roots_`` when the config's
+        code came from folders outside the installed packages. With ``keys`` (a name
+        or a sequence of names), returns that value or a tuple of them. Loading a
+        ``.yaml`` puts its ``_import_roots_`` folders back on the import path.
         """
         path = Path(os.fspath(filename)).expanduser()
         if not path.is_file():
@@ -451,12 +627,12 @@ class LazyConfig:
         path = path.resolve()
 
         if path.suffix == ".py":
-            namespace = LazyConfig._exec_config(path)
+            namespace, roots = LazyConfig._exec_config(path)
             if keys is None:
-                return DictConfig(
-                    {k: _cast_to_config(v) for k, v in namespace.items() if _is_config_value(k, v)},
-                    flags={"allow_objects": True},
-                )
+                cfg = {k: _cast_to_config(v) for k, v in namespace.items() if _is_config_value(k, v)}
+                if roots:
+                    cfg[IMPORT_ROOTS_KEY] = [str(r) for r in roots]
+                return DictConfig(cfg, flags={"allow_objects": True})
         elif path.suffix in (".yaml", ".yml"):
             try:
                 data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -465,6 +641,7 @@ class LazyConfig:
                 raise ConfigLoadError(
                     f"Failed to load config file {path}: {type(e).__name__}: {_one_line(e)}"
                 ) from e
+            _restore_import_roots(namespace.get(IMPORT_ROOTS_KEY), path)
             if keys is None:
                 return namespace
         else:
@@ -480,14 +657,9 @@ class LazyConfig:
         return tuple(pick(k) for k in keys)
 
     @staticmethod
-    def _exec_config(path: Path) -> dict:
-        roots = _import_roots(path)
-        for root in roots:
-            # Code the configs reference (``projects.GPT.modeling``) must import from
-            # any cwd. Appended, not prepended, so installed packages are not shadowed.
-            if str(root) not in sys.path:
-                sys.path.append(str(root))
-        loader = _FreshLoader(roots)
+    def _exec_config(path: Path) -> Tuple[dict, List[Path]]:
+        """The config's namespace and the folders its code was imported from."""
+        loader = _FreshLoader(path)
         try:
             with _patch_import(loader):
                 module = loader.exec_file(path)
@@ -498,7 +670,7 @@ class LazyConfig:
             raise ConfigLoadError(
                 f"Failed to load config file {path}: {type(e).__name__}: {_one_line(message)}{at}"
             ) from e
-        return dict(module.__dict__)
+        return dict(module.__dict__), loader.roots
 
     @staticmethod
     def save(cfg: Any, filename: Union[str, os.PathLike]) -> None:
