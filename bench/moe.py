@@ -111,7 +111,7 @@ class Side:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, x, y) -> float:
-        from libai_lite.parallel.data_parallel import clip_grad_norm_
+        from libai_lite.parallel.clip_grad import clip_grad_norm_
 
         out = self.model(x, y)
         loss = sum(v for k, v in out.items() if "loss" in k)

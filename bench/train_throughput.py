@@ -2,7 +2,7 @@
 """Training throughput of our GPT against Hugging Face's GPT-2, side by side in one process.
 
 Our side is the real training step: ``GPTForPreTraining`` stepped by
-``libai_lite.engine.trainer.EagerTrainer.run_step`` (autocast, loss dict, backward, gradient
+``libai_lite.engine.trainer.Trainer.run_step`` (autocast, loss dict, backward, gradient
 clipping, AdamW built from ``configs/common/optim.py`` through
 ``get_default_optimizer_params``, lr schedule), fed by an in-memory loader, with the LM head
 fused into the loss as the configs have it (``--unfused-cross-entropy`` materialises the logits). The reference is
@@ -125,12 +125,13 @@ def hf_attn_implementation(model) -> str:
 
 # -------------------------------------------------------------------------------------- steps
 class OursStepper:
-    """Steps our model through EagerTrainer.run_step, the exact code path of a training run."""
+    """Steps our model through Trainer.run_step, the exact code path of a training run."""
 
     def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
         from configs.common.optim import optim as optim_cfg
         from libai_lite.engine.default import instantiate_with
-        from libai_lite.engine.trainer import EagerTrainer
+        from libai_lite.engine.trainer import Trainer
+        from libai_lite.model import output_metrics
         from libai_lite.scheduler import WarmupDecayLR
         from libai_lite.utils.events import EventStorage
 
@@ -145,8 +146,9 @@ class OursStepper:
         stepped = torch.compile(model) if compile_model else model
         # The trainer moves each batch to the device itself, as it does for a DataLoader.
         loader = [{"input_ids": x, "labels": y} for x, y in batches]
-        self.trainer = EagerTrainer(stepped, loader, optimizer, scheduler, device=device, amp_dtype=amp_dtype,
-                                    clip_grad_max_norm=CLIP, clip_grad_norm_type=2.0)
+        self.trainer = Trainer(stepped, loader, optimizer, scheduler, output_metrics(model), device=device,
+                               amp_dtype=amp_dtype,
+                               clip_grad_max_norm=CLIP, clip_grad_norm_type=2.0)
         self.trainer.storage = EventStorage(0)
 
     def step(self) -> None:

@@ -17,7 +17,8 @@ import logging
 import os
 import sys
 
-from libai_lite.engine.default import DefaultTrainer, default_setup
+from libai_lite.engine.default import DefaultTrainer
+from libai_lite.engine.launch import default_setup
 from libai_lite.utils.errors import UsageError
 
 
@@ -28,9 +29,9 @@ class EvalOnlyTrainer(DefaultTrainer):
     evaluator that reads its own data); the training data of the config is never opened.
     """
 
-    def __init__(self, cfg, data_loader_fn):
+    def __init__(self, cfg, layout, data_loader_fn):
         self._data_loader_fn = data_loader_fn
-        super().__init__(cfg, eval_only=True)
+        super().__init__(cfg, layout, eval_only=True)
 
     def build_tokenizer(self, cfg):
         """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
@@ -150,16 +151,16 @@ def evaluate(args) -> dict:
     # Training's global batch need not fit this layout; evaluation batches are test_micro_batch_size
     # per data-parallel rank (and num_accumulation_steps micro-batches per pipeline schedule).
     cfg.train.global_batch_size = None
-    default_setup(cfg, argparse.Namespace(fast_dev_run=False))
+    layout = default_setup(cfg, argparse.Namespace(fast_dev_run=False))
     if args.task == "lambada":
-        trainer = EvalOnlyTrainer(cfg, lambda trainer: None)
+        trainer = EvalOnlyTrainer(cfg, layout, lambda trainer: None)
         return trainer._inference(None, LambadaEvaluator(args.data, json_key=args.json_key), None)
-    trainer = EvalOnlyTrainer(cfg, ppl_loader_fn(args.data, args.json_key, args.stride, args.split, args.seq_length))
+    trainer = EvalOnlyTrainer(cfg, layout, ppl_loader_fn(args.data, args.json_key, args.stride, args.split, args.seq_length))
     return trainer._inference(trainer.test_loader, PPLEvaluator(), None)
 
 
 def main(argv=None) -> int:
-    from libai_lite.engine.default import report_cli_error
+    from libai_lite.engine.launch import report_cli_error
     from libai_lite.utils.distributed import destroy
 
     args = build_parser().parse_intermixed_args(argv)

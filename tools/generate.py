@@ -359,7 +359,7 @@ def _sync(device) -> None:
 def main(argv=None) -> int:
     """Parse, run, and turn a user error into one ``error:`` line and exit status 1."""
     args = build_parser().parse_intermixed_args(argv)
-    from libai_lite.engine.default import report_cli_error
+    from libai_lite.engine.launch import report_cli_error
     from libai_lite.utils.distributed import destroy
 
     try:

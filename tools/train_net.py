@@ -6,7 +6,7 @@
 """
 import sys
 
-from libai_lite.engine.default import launch
+from libai_lite.engine.launch import launch
 from libai_lite.config import default_argument_parser
 
 
