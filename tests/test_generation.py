@@ -25,6 +25,7 @@ from libai_lite.inference import (
 from libai_lite.layers.attention import KVCache
 from libai_lite.utils.errors import UsageError
 from projects.MT5.layers import RelativePositionBias
+import projects.GPT.modeling  # noqa: F401,E402  (registers the GPT-2 Hugging Face mapping)
 
 VOCAB = 96
 GPT_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [40, 41, 42, 43]]
@@ -212,7 +213,8 @@ def test_t5_greedy_matches_transformers_with_padded_encoder(t5, use_cache):
     got, logits = ours.generate(ids, mask, max_new_tokens=14, eos_token_id=1, pad_token_id=0, use_cache=use_cache,
                                 return_logits=True)
     assert torch.equal(got, expected)
-    torch.testing.assert_close(logits, expected_logits[:, : logits.shape[1]], atol=1e-5, rtol=1e-5)
+    tol = _fp32_logit_tolerance(expected_logits)
+    torch.testing.assert_close(logits, expected_logits[:, : logits.shape[1]], atol=tol, rtol=0)
     assert len(set(got[:, 1:].flatten().tolist())) >= 8  # random T5s like to copy; this one varies enough
     assert not torch.equal(ours.generate(ids, max_new_tokens=14, eos_token_id=1, use_cache=use_cache), got)
 
@@ -222,7 +224,15 @@ def test_t5_cache_and_recomputation_give_the_same_logits(t5):
     ids, mask = pad_prompts(T5_PROMPTS, 0, side="right")
     cached, a = ours.generate(ids, mask, max_new_tokens=20, return_logits=True)
     full, b = ours.generate(ids, mask, max_new_tokens=20, use_cache=False, return_logits=True)
-    assert torch.equal(cached, full) and (a - b).abs().max() <= 1e-5
+    assert torch.equal(cached, full) and (a - b).abs().max() <= _fp32_logit_tolerance(b)
+
+
+def _fp32_logit_tolerance(reference: torch.Tensor) -> float:
+    """How far two fp32 computations of the same logits may differ: the kernels (AVX2 vs AVX-512,
+    cached vs recomputed attention) sum the same terms in other orders, and the rounding of every
+    layer's sums carries to the logits in proportion to their size. 256 ulps of the largest logit
+    bounds it with room (measured: under 64)."""
+    return 256 * torch.finfo(torch.float32).eps * float(reference.abs().max())
 
 
 def test_decoder_bias_for_a_cached_position_is_the_row_of_the_full_bias():

@@ -81,6 +81,7 @@ class DefaultTrainer:
         self.consumed_samples = int(trainer_state.get("consumed_samples", 0))
         start_iter = int(trainer_state.get("iteration", -1)) + 1
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
+        self.check_sequence_parallel(self.train_loader)
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
@@ -193,12 +194,14 @@ class DefaultTrainer:
     def check_layout(self, cfg) -> None:
         """Refuse, before any work, parallel settings the model or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
-        from ..parallel.tensor_parallel import check_tensor_parallel
+        from ..parallel.tensor_parallel import check_declared_splits, check_tensor_parallel
 
         layout = self.layout
         check_tensor_parallel(cfg.model.cfg, layout.tensor_parallel_size)
         validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
         model = self.build_meta_model(cfg)
+        # Whatever the model's config keys: every dimension its layers declare split must divide.
+        check_declared_splits(model, layout.tensor_parallel_size)
         given = cfg.train.dist.get("pipeline_num_layers")
         expected = getattr(model, "pipeline_num_layers", None)
         if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:
@@ -210,6 +213,20 @@ class DefaultTrainer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
                 cfg.train.dist.stage_of_layer = list(layout.stage_of_layer)
+
+    def check_sequence_parallel(self, loader) -> None:
+        """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
+        tp = self.layout.tensor_parallel_size
+        dataset = getattr(loader, "dataset", None)
+        if not self.layout.sequence_parallel or tp == 1 or dataset is None or len(dataset) == 0:
+            return
+        for name, value in dataset[0].items():
+            shape = tuple(getattr(value, "shape", ()))
+            if len(shape) == 1 and shape[0] % tp:
+                raise UsageError(
+                    f"tensor_parallel_size={tp} does not divide the sequence length {shape[0]} ({name}), which "
+                    f"sequence parallelism splits; use a length that is a multiple of {tp} or turn sequence "
+                    f"parallelism off")
 
     @staticmethod
     def fsdp_param_dtype(cfg, layout: Layout):
