@@ -20,10 +20,10 @@ from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 
 from libai_lite.optim.build import get_default_optimizer_params  # noqa: E402
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from libai_lite.parallel.clip_grad import clip_grad_norm_  # noqa: E402
 from libai_lite.parallel.data_parallel import (  # noqa: E402
     apply_data_parallel,
     build_zero1_optimizer,
-    clip_grad_norm_,
     no_sync_context,
 )
 

@@ -23,7 +23,8 @@ from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 from projects.MT5.mt5_model import MT5ForPreTraining  # noqa: E402
 
 from libai_lite.checkpoint import Checkpointer  # noqa: E402
-from libai_lite.parallel.data_parallel import apply_data_parallel, clip_grad_norm_  # noqa: E402
+from libai_lite.parallel.clip_grad import clip_grad_norm_  # noqa: E402
+from libai_lite.parallel.data_parallel import apply_data_parallel  # noqa: E402
 from libai_lite.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh  # noqa: E402
 
 # Capacity high enough that no token is ever dropped, so every layout routes identically.

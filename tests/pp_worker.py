@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from libai_lite.parallel.pipeline import (  # noqa: E402
-    PipelineStepper,
+from libai_lite.parallel.pipeline import PipelineStepper  # noqa: E402
+from libai_lite.parallel.pipeline_split import (  # noqa: E402
     alias_state_dict_keys,
     broadcast_tied_weights,
     build_stage_modules,
@@ -37,7 +37,7 @@ from libai_lite.parallel.pipeline import (  # noqa: E402
     tied_checkpoint_aliases,
 )
 from libai_lite.utils.distributed import destroy, layer_stages, setup_dist  # noqa: E402
-from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
+from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTModel  # noqa: E402
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -147,7 +147,7 @@ def phase_resume(ctx, data, workdir, schedule, virtual):
             if n.endswith(("token_embeddings.weight", "lm_head.weight"))}
     opt = pipe.optimizer(data)
     model_sd, optim_sd = get_state_dict(pipe.view, opt, options=FLAT)
-    aliases = tied_checkpoint_aliases(pipe.view)
+    aliases = tied_checkpoint_aliases(pipe.view, GPTModel.pipeline_tied)
     state = alias_state_dict_keys({"model": model_sd, "optim": optim_sd}, aliases)
     dcp.load(state, checkpoint_id=os.path.join(workdir, "ckpt_pp1"))
     state = alias_state_dict_keys(state, {v: k for k, v in aliases.items()})

@@ -496,7 +496,7 @@ def test_evaluate_errors_are_one_line(trained, capsys, restore_logger):
 def test_eval_only_evaluates_dataloader_test_files(trained, tmp_path, restore_logger, monkeypatch):
     """A JSON-lines file in a config's `dataloader.test` is scored by --eval-only like tools/evaluate.py scores it."""
     from libai_lite.config import default_argument_parser
-    from libai_lite.engine.default import launch
+    from libai_lite.engine.launch import launch
 
     tmp, ckpt, single = trained
     config = tmp_path / "with_test_file.py"
@@ -520,10 +520,11 @@ def test_eval_only_evaluates_dataloader_test_files(trained, tmp_path, restore_lo
 
 def _greedy_tokens_on_split_vocabulary() -> bool:
     """greedy_tokens on logits split over the tp mesh of the last run equals a full-vocabulary argmax."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from libai_lite.evaluation.lambada import greedy_tokens
-    from libai_lite.utils.distributed import get_dist
 
     logits = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))  # 13 real ids, 3 padding
     logits[0, 0, 14] = 100.0  # a padding row would win
@@ -533,7 +534,8 @@ def _greedy_tokens_on_split_vocabulary() -> bool:
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[2, :2] = False
     expected = logits[..., :13].argmax(-1)[mask]
-    got = greedy_tokens(distribute_tensor(logits, get_dist().mesh["tp"], [Shard(2)]), mask, 13)
+    tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    got = greedy_tokens(distribute_tensor(logits, tp_mesh, [Shard(2)]), mask, 13)
     return bool(torch.equal(got, expected))
 
 
