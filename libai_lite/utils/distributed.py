@@ -190,9 +190,11 @@ def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | Non
 def _zero_settings(zero_cfg) -> tuple[int, bool]:
     """(ZeRO stage, offload) from ``train.zero_optimization``: stage 0 when disabled (the parallel
     code validates the pair: ``data_parallel.validate_zero_config``)."""
-    if not zero_cfg or not zero_cfg.get("enabled", False):
+    if not zero_cfg:
         return 0, False
-    return zero_cfg.get("stage", 1), bool(zero_cfg.get("offload", False))
+    # Offload asked without ZeRO is kept, so the parallel code refuses it rather than ignore it.
+    offload = bool(zero_cfg.get("offload", False))
+    return (zero_cfg.get("stage", 1) if zero_cfg.get("enabled", False) else 0), offload
 
 
 def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
