@@ -127,9 +127,7 @@ class DefaultTrainer:
             return
         from ..checkpoint.checkpointer import check_checkpoint_shapes
 
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
-        check_checkpoint_shapes(path, model.state_dict())
+        check_checkpoint_shapes(path, self.build_meta_model(cfg).state_dict())
 
     def build_meta_model(self, cfg) -> torch.nn.Module:
         """``cfg.model`` on the meta device (no memory, no init): what the checks ask the model."""

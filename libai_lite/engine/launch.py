@@ -89,12 +89,6 @@ def default_setup(cfg, args) -> Layout:
     return layout
 
 
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def _user_error_types():
     from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError, InstantiationError
     from ..data.indexed_dataset import IndexedDatasetError

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager, nullcontext
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard

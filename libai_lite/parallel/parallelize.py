@@ -41,13 +41,9 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
-        seen, out = set(), []
-        for part in self.parts:
-            for p in part.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        from .pipeline_split import trainable_parameters
+
+        return trainable_parameters(self.parts)
 
 
 def model_moe_config(model: nn.Module) -> MoEConfig | None:

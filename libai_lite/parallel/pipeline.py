@@ -17,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..utils.errors import UsageError
 from .expert_parallel import PipelineMoE
-from .pipeline_split import local_stage_ids, sync_tied_weight_grads, tied_weight_copies
+from .pipeline_split import local_stage_ids, sync_tied_weight_grads, tied_weight_copies, trainable_parameters
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -169,13 +169,7 @@ class PipelineStepper:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
-        seen, out = set(), []
-        for m in self.stage_modules:
-            for p in m.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return trainable_parameters(self.stage_modules)
 
     def _check_batch(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.shape[0] % self.n_microbatches:

@@ -30,6 +30,17 @@ from torch.distributed.tensor import DTensor
 from ..utils.errors import UsageError
 
 
+def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of ``modules``, each once (a tied weight or a shared view appears twice)."""
+    seen, out = set(), []
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def pipeline_module(model: nn.Module) -> nn.Module:
     """The inner module a splitter cuts: ``model.pipeline_module()`` when the model has one, else ``model``."""
     fn = getattr(model, "pipeline_module", None)
