@@ -25,7 +25,7 @@ TINY = "hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_head
 
 MY_CONFIG = f"""
 from libai_lite.config import LazyCall
-from configs.common.models.gpt import cfg
+from .model import cfg
 from configs.common.train import train
 
 from ..modeling.gpt_model import MyLMForPreTraining
@@ -63,7 +63,7 @@ def my_lm(tmp_path_factory) -> Path:
     """projects/GPT copied outside the repository as MyLM, its model classes renamed."""
     project = tmp_path_factory.mktemp("elsewhere") / "MyLM"
     shutil.copytree(REPO / "projects" / "GPT", project, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (project / "modeling").glob("*.py"):
+    for path in project.rglob("*.py"):
         text = re.sub(r"\bGPT(ForPreTraining|Model|Embedding|Loss)\b", r"MyLM\1", path.read_text())
         path.write_text(text)
     (project / "configs" / "my.py").write_text(textwrap.dedent(MY_CONFIG))

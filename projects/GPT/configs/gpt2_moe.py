@@ -19,7 +19,7 @@ exceeds 2.5. Measured on this config: 2.93 on average over iterations 1-50, 1.48
 tests/test_moe.py checks the bound on a tiny version, and that without the loss
 (aux_loss_weight=0) the load is worse.
 """
-from projects.GPT.configs.gpt2_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
+from .gpt2_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
 
 model.cfg.moe.update(
     enabled=True,

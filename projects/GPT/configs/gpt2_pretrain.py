@@ -3,7 +3,7 @@
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1
 """
 from configs.common.data.gpt_dataset import dataloader, tokenization
-from configs.common.models.gpt import pretrain_model as model
+from .model import pretrain_model as model
 from configs.common.optim import optim
 from configs.common.train import train
 

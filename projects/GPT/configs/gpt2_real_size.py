@@ -1,6 +1,6 @@
 """What the real-size GPT-2 configs share: Megatron-LM's GPT-2 recipe (seq 1024, bf16, cosine to 10%)."""
 from configs.common.data.gpt_dataset import dataloader, tokenization
-from configs.common.models.gpt import pretrain_model as model
+from .model import pretrain_model as model
 from configs.common.optim import optim
 from configs.common.train import train
 

@@ -1,6 +1,10 @@
-"""GPT-2 model settings (117M by default); projects change `model.cfg` keys, never the code."""
+"""The GPT model and its settings (GPT-2 117M by default); recipes change `model.cfg` keys, never the code.
+
+The class is imported relatively, so a copy of this project folder trains its own model.
+"""
 from libai_lite.config import LazyCall
-from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+from ..modeling.gpt_model import GPTForPreTraining
 
 cfg = dict(
     hidden_layers=12,
