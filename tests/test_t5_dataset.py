@@ -13,7 +13,7 @@ from omegaconf import open_dict
 
 from libai_lite.config import LazyCall, LazyConfig
 from libai_lite.data import IGNORE_INDEX, MMapIndexedDatasetBuilder
-from libai_lite.data.t5_dataset import (
+from projects.MT5.data.t5_dataset import (
     T5Dataset,
     build_t5_train_valid_test_datasets,
     build_t5_train_valid_test_loaders,

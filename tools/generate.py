@@ -279,7 +279,7 @@ def special_ids(tokenizer, encoder_decoder: bool) -> dict:
     if tokenizer is None:
         return {"eos": None, "pad": 0, "decoder_start": 0}
     if encoder_decoder:
-        from libai_lite.data.t5_dataset import t5_special_ids
+        from projects.MT5.data.t5_dataset import t5_special_ids
 
         ids = t5_special_ids(tokenizer)
         return {"eos": ids["eos"], "pad": ids["pad"] if ids["pad"] is not None else 0,

@@ -13,7 +13,6 @@ from .build import (
 from .gpt_dataset import IGNORE_INDEX, GPTDataset, check_token_ids
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset, MMapIndexedDatasetBuilder
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
-from .t5_dataset import T5Dataset, build_t5_train_valid_test_datasets, build_t5_train_valid_test_loaders
 
 __all__ = [
     "BlendableDataset",
@@ -25,12 +24,9 @@ __all__ = [
     "MegatronPretrainingSampler",
     "PaddedEvalDataset",
     "SequentialEvalSampler",
-    "T5Dataset",
     "build_blending_indices",
     "build_gpt_train_valid_test_datasets",
     "build_gpt_train_valid_test_loaders",
-    "build_t5_train_valid_test_datasets",
-    "build_t5_train_valid_test_loaders",
     "check_token_ids",
     "get_datasets_weights_and_num_samples",
     "get_train_valid_test_split",

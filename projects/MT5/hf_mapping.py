@@ -137,7 +137,7 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
 
 def special_token_ids(tokenizer) -> dict:
     """``config.json`` token ids for one of our tokenizers, with the decoder start the T5 dataset trains with."""
-    from libai_lite.data.t5_dataset import t5_special_ids
+    from .data.t5_dataset import t5_special_ids
 
     ids = t5_special_ids(tokenizer)
     return {"pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "decoder_start_token_id": ids["decoder_start"]}

@@ -22,7 +22,7 @@ mT5 style (SentencePiece: pad 0, eos 1, <extra_id_0> = the top id; decoder start
     dataloader.train.eod_token_id = 4002
 """
 from libai_lite.config import LazyCall
-from libai_lite.data.t5_dataset import build_t5_train_valid_test_loaders
+from projects.MT5.data.t5_dataset import build_t5_train_valid_test_loaders
 from libai_lite.tokenizer import BertTokenizer
 
 tokenization = dict(

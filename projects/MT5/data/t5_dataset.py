@@ -62,14 +62,14 @@ from collections import abc
 import numpy as np
 import torch
 
-from .build import (
+from libai_lite.data.build import (
     build_gpt_train_valid_test_datasets,
     build_loaders_for_datasets,
     check_num_samples,
     train_samples_per_epoch,
 )
-from .gpt_dataset import IGNORE_INDEX
-from ..utils.errors import UsageError
+from libai_lite.data.gpt_dataset import IGNORE_INDEX
+from libai_lite.utils.errors import UsageError
 
 __all__ = [
     "T5Dataset",
@@ -164,7 +164,7 @@ def random_spans_noise_mask(length: int, noise_density: float, mean_noise_span_l
 def _resolve_tokenizer(tokenizer):
     """A tokenizer object, or a LazyCall/``_target_`` mapping that builds one."""
     if isinstance(tokenizer, abc.Mapping) and "_target_" in tokenizer:
-        from ..config import instantiate
+        from libai_lite.config import instantiate
 
         tokenizer = instantiate(tokenizer)
     if tokenizer is None or not hasattr(tokenizer, "additional_special_tokens_ids"):
