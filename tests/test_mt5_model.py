@@ -378,7 +378,7 @@ def test_cfg_accepts_libai_keys_and_dictconfig_and_refuses_bad_input():
 def test_common_config_builds_mt5_base():
     from libai_lite.config import LazyConfig, instantiate
 
-    cfg = LazyConfig.load("configs/common/models/t5.py")
+    cfg = LazyConfig.load("projects/MT5/configs/model.py")
     assert cfg.pretrain_model.cfg.model_type == "mt5" and cfg.pretrain_model.cfg.vocab_size == 250112
     with torch.device("meta"):
         model = instantiate(cfg.pretrain_model)

@@ -330,7 +330,7 @@ def test_eval_loaders_cover_their_samples_with_ignored_padding(bert_tok, cache):
 def _load_config(tmp_path, overrides=()):
     from libai_lite.engine.default import instantiate_with
 
-    cfg = LazyConfig.load(REPO / "configs" / "common" / "data" / "t5_dataset.py")
+    cfg = LazyConfig.load(REPO / "projects" / "MT5" / "configs" / "t5_dataset.py")
     with open_dict(cfg):
         cfg.train = {"seed": 1234}
     LazyConfig.apply_overrides(cfg, [f"dataloader.train.cache_dir={tmp_path}", "dataloader.train.num_workers=0",

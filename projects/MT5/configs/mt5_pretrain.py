@@ -5,12 +5,13 @@
 
 projects/MT5/README.md has the one-process and 8-process variants and how to scale it down.
 """
-from configs.common.data.t5_dataset import dataloader, tokenization
-from configs.common.models.t5 import pretrain_model as model
 from configs.common.optim import optim
 from configs.common.train import train
 from libai_lite.config import LazyCall
 from libai_lite.scheduler import WarmupExponentialLR
+
+from .model import pretrain_model as model
+from .t5_dataset import dataloader, tokenization
 
 model.cfg.update(
     hidden_size=768,

@@ -18,7 +18,7 @@ same two experts). Load bound: averaged over iterations 100-300 it stays at most
 1.1), with 9% of assignments dropped. Without the loss (aux_loss_weight=0) the router collapses to
 2.0 and drops 27%.
 """
-from projects.MT5.configs.mt5_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
+from .mt5_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
 
 model.cfg.update(
     hidden_size=256,

@@ -6,7 +6,9 @@ with head_size 64): small 512/8/6/1024 (300M), base 768/12/12/2048 (580M), large
 512/6/8/2048. Pipeline layouts count both stacks: pipeline_num_layers = 2 x hidden_layers.
 """
 from libai_lite.config import LazyCall
-from projects.MT5.mt5_model import MT5ForPreTraining, MT5Model
+
+# Imported relatively, so a copy of this project folder trains its own model.
+from ..mt5_model import MT5ForPreTraining, MT5Model
 
 cfg = dict(
     # Replaced at startup by the tokenizer's size padded to make_vocab_size_divisible_by x tp.

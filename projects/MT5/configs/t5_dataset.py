@@ -22,8 +22,9 @@ mT5 style (SentencePiece: pad 0, eos 1, <extra_id_0> = the top id; decoder start
     dataloader.train.eod_token_id = 4002
 """
 from libai_lite.config import LazyCall
-from projects.MT5.data.t5_dataset import build_t5_train_valid_test_loaders
 from libai_lite.tokenizer import BertTokenizer
+
+from ..data.t5_dataset import build_t5_train_valid_test_loaders
 
 tokenization = dict(
     tokenizer=LazyCall(BertTokenizer)(
