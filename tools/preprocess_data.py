@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
-from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer, check_file
 
 # Lines handed to a worker at once: large enough for the batched encoders to
 # pay off, small enough to keep every worker busy on modest corpora.
@@ -261,15 +261,6 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _check_input(path: str) -> None:
-    if not os.path.exists(path):
-        raise InputError(f"input file not found: {path}; pass --input pointing at a JSON-lines file")
-    if os.path.isdir(path):
-        raise InputError(f"--input {path} is a directory; pass a JSON-lines file")
-    if not os.access(path, os.R_OK):
-        raise InputError(f"input file {path} is not readable; check its permissions")
-
-
 def _missing_dirs(path: str) -> list:
     """Directories on ``path`` that do not exist yet, deepest first."""
     missing = []
@@ -293,7 +284,7 @@ def main(argv=None) -> int:
         vocab_extra_ids=args.vocab_extra_ids,
     )
     try:
-        _check_input(args.input)
+        check_file(args.input, "input file", "pass --input pointing at a JSON-lines file")
         tokenizer = build_tokenizer(**tokenizer_kwargs)
     except (InputError, ValueError, OSError) as e:
         return _fail(str(e))

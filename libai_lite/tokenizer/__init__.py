@@ -1,5 +1,5 @@
 """Tokenizers: GPT-2 byte-level BPE, BERT WordPiece, SentencePiece (Megatron and T5 conventions)."""
-from .base import BaseTokenizer, pad_vocab_size
+from .base import BaseTokenizer, check_file, pad_vocab_size
 from .bert import BertTokenizer
 from .build import TOKENIZER_TYPES, build_tokenizer
 from .gpt2 import GPT2Tokenizer
@@ -12,5 +12,6 @@ __all__ = [
     "SentencePieceTokenizer",
     "TOKENIZER_TYPES",
     "build_tokenizer",
+    "check_file",
     "pad_vocab_size",
 ]

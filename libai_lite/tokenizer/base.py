@@ -1,8 +1,8 @@
-"""Shared tokenizer interface, file checks and Megatron's vocabulary padding rule."""
+"""The tokenizer interface, file checks and Megatron's vocabulary padding rule."""
 from __future__ import annotations
 
 import os
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 
 def pad_vocab_size(
@@ -10,9 +10,8 @@ def pad_vocab_size(
 ) -> int:
     """Round ``orig_vocab_size`` up to a multiple of ``make_vocab_size_divisible_by * tensor_parallel_size``.
 
-    This is Megatron-LM's ``_vocab_size_with_padding``: the embedding is split
-    evenly across tensor-parallel ranks and each shard stays a multiple of the
-    divisor, which keeps GEMM shapes friendly.
+    This is Megatron-LM's ``_vocab_size_with_padding``: each tensor-parallel shard of the
+    embedding stays a multiple of the divisor, which keeps GEMM shapes friendly.
     """
     for name, value in (
         ("orig_vocab_size", orig_vocab_size),
@@ -25,7 +24,7 @@ def pad_vocab_size(
     return -(-orig_vocab_size // multiple) * multiple
 
 
-def check_tokenizer_file(path, what: str, fix: str) -> str:
+def check_file(path, what: str, fix: str) -> str:
     """Return ``path`` as a string, or raise a one-line error naming the file and the fix."""
     if path is None or str(path) == "":
         raise ValueError(f"no {what} given; {fix}")
@@ -39,14 +38,27 @@ def check_tokenizer_file(path, what: str, fix: str) -> str:
     return path
 
 
+def first_line(error: Exception) -> str:
+    """The first line of a library's error message (its type when it has none), for one-line errors."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def to_id_list(ids) -> List[int]:
+    """Accept lists, tuples, numpy arrays or tensors of ids and return plain ints."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
 class BaseTokenizer:
     """Interface every libai_lite tokenizer offers.
 
-    Ids are "unpadded": ``vocab_size`` counts the model's own tokens plus any
-    specials the wrapper adds; use :func:`pad_vocab_size` for the embedding size.
+    Ids are "unpadded": ``vocab_size`` counts the model's own tokens plus any specials the
+    wrapper adds; use :func:`pad_vocab_size` for the embedding size. An id attribute left None
+    means the tokenizer has no such token.
     """
 
-    # Filled in by subclasses; None means "this tokenizer has no such token".
+    vocab_size: int
     eod_id: Optional[int] = None
     pad_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
@@ -55,51 +67,64 @@ class BaseTokenizer:
     cls_token_id: Optional[int] = None
     sep_token_id: Optional[int] = None
     mask_token_id: Optional[int] = None
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
+    _sentinels: Sequence[int] = ()
 
     def __len__(self) -> int:
         return self.vocab_size
 
     @property
-    def eod(self) -> Optional[int]:
-        """Megatron's name for :attr:`eod_id`."""
-        return self.eod_id
-
-    @property
     def additional_special_tokens_ids(self) -> List[int]:
         """Ids of the sentinel tokens (``<extra_id_0>``, ...), in sentinel order."""
-        return []
+        return list(self._sentinels)
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text``, with no special tokens added around it."""
         raise NotImplementedError
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        """Token ids of each text; subclasses override this with a batched backend."""
+        """Token ids of each text."""
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text for ``ids``."""
         raise NotImplementedError
 
-    # Megatron's method names, so code ported from Megatron-LM reads the same.
+    # Megatron-LM's names, so code ported from Megatron reads the same.
+    @property
+    def eod(self) -> Optional[int]:
+        return self.eod_id
+
     def tokenize(self, text: str) -> List[int]:
-        """Alias of :meth:`encode` (Megatron-LM's name)."""
         return self.encode(text)
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        """Alias of :meth:`decode` (Megatron-LM's name)."""
         return self.decode(ids)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
 
 
-def to_id_list(ids) -> List[int]:
-    """Accept lists, tuples, numpy arrays or tensors of ids and return plain ints."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    return [int(i) for i in ids]
+class TokenizersBackend(BaseTokenizer):
+    """A tokenizer whose work a Hugging Face ``tokenizers.Tokenizer`` (``self._tok``) does."""
+
+    def encode(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        # encode_batch_fast skips offset tracking, which we never use.
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(to_id_list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        """Id of a vocabulary entry, or None."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, idx: int) -> Optional[str]:
+        """Vocabulary entry for ``idx``, or None when out of range."""
+        return self._tok.id_to_token(int(idx))
+
+    def get_vocab(self) -> Dict[str, int]:
+        """Token -> id mapping."""
+        return self._tok.get_vocab(with_added_tokens=True)

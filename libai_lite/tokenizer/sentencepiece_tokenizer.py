@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import sentencepiece
 
-from .base import BaseTokenizer, check_tokenizer_file, to_id_list
+from .base import BaseTokenizer, check_file, first_line, to_id_list
 
 STYLES = ("megatron", "t5")
 
@@ -38,188 +38,113 @@ class SentencePieceTokenizer(BaseTokenizer):
     def __init__(self, model_file, extra_ids: int = 0, style: str = "megatron"):
         if style not in STYLES:
             raise ValueError(f"unknown SentencePiece style {style!r}; use one of {', '.join(STYLES)}")
-        model_file = check_tokenizer_file(
+        self.model_file = check_file(
             model_file,
             "SentencePiece model",
             "pass a trained .model file (e.g. --tokenizer-model data_test/spm/spiece.model)",
         )
         self.sp = sentencepiece.SentencePieceProcessor()
         try:
-            ok = self.sp.Load(model_file)
+            self.sp.Load(self.model_file)
         except Exception as e:  # sentencepiece raises OSError/RuntimeError on bad protos
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(
-                f"cannot load SentencePiece model {model_file} ({first}); "
+                f"cannot load SentencePiece model {self.model_file} ({first_line(e)}); "
                 "pass a .model file written by sentencepiece training"
             ) from None
-        if ok is False:
-            raise ValueError(
-                f"cannot load SentencePiece model {model_file}; "
-                "pass a .model file written by sentencepiece training"
-            )
-        self.model_file = model_file
         self.style = style
         self.extra_ids = int(extra_ids)
         if self.extra_ids < 0:
             raise ValueError(f"extra_ids must be >= 0, got {extra_ids}")
         # Batched encoding threads; preprocessing workers set 1 to avoid oversubscription.
         self.num_threads = -1
-        n = self.sp.get_piece_size()
-        self._n_pieces = n
+        n = self._n_pieces = self.sp.get_piece_size()
 
         def model_id(i: int) -> Optional[int]:
             return i if 0 <= i < n else None
 
         self.unk_token_id = model_id(self.sp.unk_id())
         if style == "megatron":
-            self._init_megatron(n)
+            vocab = {self.sp.id_to_piece(i): i for i in range(n)}
+            special = {}  # insertion order is the split priority on a tie
+
+            def add(token: str) -> int:
+                special[token] = vocab.setdefault(token, len(vocab))
+                return special[token]
+
+            def piece_or(i: int, default: str) -> str:
+                return self.sp.id_to_piece(i) if model_id(i) is not None else default
+
+            self.cls_token_id, self.sep_token_id, self.eod_id, self.mask_token_id = map(
+                add, ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+            )
+            self.pad_token_id = add(piece_or(self.sp.pad_id(), "<PAD>"))
+            self.bos_token_id = add(piece_or(self.sp.bos_id(), "<BOS>"))
+            self.eos_token_id = add(piece_or(self.sp.eos_id(), "<EOS>"))
+            self._sentinels = [add(f"<extra_id_{i}>") for i in range(self.extra_ids)]
+            self.vocab_size = len(vocab)
+            order = list(special)
         else:
-            self._init_t5(n)
-
-        # Regex alternation reproduces "leftmost match, ties broken by order" when
-        # tokens are listed in priority order.
-        self._split_re = (
-            re.compile("|".join(re.escape(t) for t in self._split_order if t)) if any(self._split_order) else None
-        )
+            self.vocab_size = n + self.extra_ids
+            self._sentinels = [n + self.extra_ids - 1 - i for i in range(self.extra_ids)]
+            special = {f"<extra_id_{i}>": sid for i, sid in enumerate(self._sentinels)}
+            for i in (self.sp.eos_id(), self.sp.pad_id(), self.sp.unk_id()):
+                if model_id(i) is not None:
+                    special[self.sp.id_to_piece(i)] = i
+            self.pad_token_id, self.eos_token_id, self.bos_token_id = (
+                model_id(i) for i in (self.sp.pad_id(), self.sp.eos_id(), self.sp.bos_id())
+            )
+            self.eod_id = self.eos_token_id
+            # HF's added-token trie prefers the longest match (<extra_id_10> over <extra_id_1>).
+            order = sorted(special, key=len, reverse=True)
+        self._special = special
+        self._inv_special = {i: t for t, i in special.items()}
+        # A capturing alternation in priority order: re.split gives [text, special, text, ...] with
+        # "leftmost match, ties broken by order".
+        self._split_re = re.compile("(" + "|".join(map(re.escape, order)) + ")") if order else None
         # Cheap pre-check: most texts contain none of the specials' first characters.
-        self._first_chars = sorted({t[0] for t in self._split_order if t})
+        self._first_chars = {t[0] for t in order}
 
-    def _init_megatron(self, n: int) -> None:
-        vocab: Dict[str, int] = {}
-        for i in range(n):
-            vocab[self.sp.id_to_piece(i)] = i
-        special: Dict[str, int] = {}  # insertion order is the split priority
-
-        def add(token: str) -> int:
-            if token not in vocab:
-                vocab[token] = len(vocab)
-            special[token] = vocab[token]
-            return vocab[token]
-
-        def piece_or(fn, default: str) -> str:
-            i = fn()
-            return self.sp.id_to_piece(i) if 0 <= i < n else default
-
-        self.cls_token_id = add("<CLS>")
-        self.sep_token_id = add("<SEP>")
-        self.eod_id = add("<EOD>")
-        self.mask_token_id = add("<MASK>")
-        self.pad_token_id = add(piece_or(self.sp.pad_id, "<PAD>"))
-        self.bos_token_id = add(piece_or(self.sp.bos_id, "<BOS>"))
-        self.eos_token_id = add(piece_or(self.sp.eos_id, "<EOS>"))
-        self._sentinels = [add(f"<extra_id_{i}>") for i in range(self.extra_ids)]
-
-        self._vocab_size = len(vocab)
-        self._added = {i: t for t, i in vocab.items() if i >= n}
-        self._special = special
-        self._inv_special = {i: t for t, i in special.items()}
-        self._split_order = list(special)
-
-    def _init_t5(self, n: int) -> None:
-        self._vocab_size = n + self.extra_ids
-        self._sentinels = [n + self.extra_ids - 1 - i for i in range(self.extra_ids)]
-        self._added = {sid: f"<extra_id_{i}>" for i, sid in enumerate(self._sentinels)}
-        special = {t: i for i, t in self._added.items()}
-        for fn in (self.sp.eos_id, self.sp.pad_id, self.sp.unk_id):
-            i = fn()
-            if 0 <= i < n:
-                special[self.sp.id_to_piece(i)] = i
-
-        def model_id(i: int) -> Optional[int]:
-            return i if 0 <= i < n else None
-
-        self.pad_token_id = model_id(self.sp.pad_id())
-        self.eos_token_id = model_id(self.sp.eos_id())
-        self.bos_token_id = model_id(self.sp.bos_id())
-        self.eod_id = self.eos_token_id
-        self.cls_token_id = self.sep_token_id = self.mask_token_id = None
-        self._special = special
-        self._inv_special = {i: t for t, i in special.items()}
-        # HF's added-token trie prefers the longest match (<extra_id_10> over <extra_id_1>).
-        self._split_order = sorted(special, key=len, reverse=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def additional_special_tokens_ids(self) -> List[int]:
-        return list(self._sentinels)
-
-    def _plan(self, text: str, segments: List[str]) -> list:
-        """Split ``text`` around special strings; append plain parts to ``segments``.
-
-        Returns a list whose entries are either an index into ``segments``
-        (non-negative) or ``-1 - special_id``.
-        """
+    def _split(self, text: str) -> List[str]:
         if self._split_re is None or not any(c in text for c in self._first_chars):
-            segments.append(text)
-            return [len(segments) - 1]
-        plan, pos = [], 0
-        for m in self._split_re.finditer(text):
-            segments.append(text[pos : m.start()])
-            plan.append(len(segments) - 1)
-            plan.append(-1 - self._special[m.group(0)])
-            pos = m.end()
-        segments.append(text[pos:])
-        plan.append(len(segments) - 1)
-        return plan
+            return [text]
+        return self._split_re.split(text)
 
     def encode(self, text: str) -> List[int]:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        segments: List[str] = []
-        plans = [self._plan(t, segments) for t in texts]
-        encoded = self.sp.encode(segments, out_type=int, num_threads=self.num_threads) if segments else []
+        parts = [self._split(t) for t in texts]
+        plain = [p for split in parts for p in split[::2]]
+        encoded = iter(self.sp.encode(plain, out_type=int, num_threads=self.num_threads) if plain else ())
         out = []
-        for plan in plans:
-            if len(plan) == 1:
-                out.append(encoded[plan[0]])
-                continue
-            ids: List[int] = []
-            for k in plan:
-                if k >= 0:
-                    ids.extend(encoded[k])
-                else:
-                    ids.append(-1 - k)
+        for split in parts:
+            ids = next(encoded)
+            for special in split[1::2]:
+                ids.append(self._special[special])
+                ids.extend(next(encoded))
             out.append(ids)
         return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text for ``ids``; special tokens are written with a space on each side (Megatron's rule)."""
-        ids = to_id_list(ids)
         text, run = "", []
-        for i in ids:
+        for i in to_id_list(ids):
             token = self._inv_special.get(i)
             if token is None:
-                token = self._added.get(i)
-            if token is None:
                 run.append(i)
-                continue
-            if skip_special_tokens:
-                continue
-            text += self.sp.decode_ids(run) + " " + token + " "
-            run = []
+            elif not skip_special_tokens:
+                text += self.sp.decode_ids(run) + " " + token + " "
+                run = []
         return text + self.sp.decode_ids(run)
 
     def token_to_id(self, token: str) -> Optional[int]:
         """Id of a piece or added token, or None."""
         if token in self._special:
             return self._special[token]
-        for i, t in self._added.items():
-            if t == token:
-                return i
         i = self.sp.piece_to_id(token)
-        if i == self.sp.unk_id() and token != self.sp.id_to_piece(i):
-            return None
-        return i
+        return i if self.sp.id_to_piece(i) == token else None
 
     def id_to_token(self, idx: int) -> Optional[str]:
         """Piece or added token for ``idx``, or None when out of range."""
         idx = int(idx)
-        if idx in self._added:
-            return self._added[idx]
-        if 0 <= idx < self._n_pieces:
-            return self.sp.id_to_piece(idx)
-        return None
+        return self.sp.id_to_piece(idx) if 0 <= idx < self._n_pieces else self._inv_special.get(idx)
