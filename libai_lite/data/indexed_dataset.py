@@ -26,113 +26,63 @@ _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")
 
 # Megatron's dtype codes; the code is what lands in the file, so the table must not change.
-DTYPES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_CODES = {np.dtype(t): code for code, t in DTYPES.items()}
+_RERUN = "re-run tools/preprocess_data.py for this prefix"
 
 
 class IndexedDatasetError(UsageError):
     """A `.bin/.idx` pair is missing, truncated or not in Megatron's mmap format."""
 
 
-def _code(dtype) -> int:
-    dtype = np.dtype(dtype)
-    for code, candidate in DTYPES.items():
-        if np.dtype(candidate) == dtype:
-            return code
-    raise ValueError(f"dtype {dtype} has no code in Megatron's indexed-dataset format")
-
-
 def best_fitting_dtype(vocab_size: int | None = None):
     """uint16 when every id fits (Megatron's threshold), int32 otherwise."""
-    if vocab_size is not None and vocab_size < 65500:
-        return np.uint16
-    return np.int32
-
-
-def index_file_path(prefix: str) -> str:
-    return prefix + ".idx"
-
-
-def data_file_path(prefix: str) -> str:
-    return prefix + ".bin"
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
 class MMapIndexedDataset:
     """Reads Megatron-LM's mmap `.bin/.idx` files without loading them into memory."""
 
-    def __init__(self, path_prefix: str, skip_warmup: bool = True):
+    def __init__(self, path_prefix: str):
         self.path_prefix = str(path_prefix)
-        idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise IndexedDatasetError(
-                    f"data file {path} not found: check the data prefix (paths are relative to the "
-                    f"current directory) or create it with tools/preprocess_data.py"
-                )
+                raise IndexedDatasetError(f"data file {path} not found: check the data prefix (paths are relative "
+                                          f"to the current directory) or create it with tools/preprocess_data.py")
         self._read_index(idx_path)
-        expected = 0
-        if len(self.sizes):
-            expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if len(self.sizes) else 0
         actual = os.path.getsize(bin_path)
         if actual < expected:
-            raise IndexedDatasetError(
-                f"{bin_path} is truncated ({actual} bytes, its index needs {expected}): "
-                f"re-run tools/preprocess_data.py for this prefix"
-            )
-        if actual == 0:
-            self._bin = np.zeros(0, dtype=self.dtype)
-        else:
-            # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
-            # sample, which halves the loader's samples/s (bench/data_loader.py).
-            self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r"))
-        if not skip_warmup:
-            # Touch every page once so the first epoch is not dominated by page faults.
-            np.sum(self._bin[:: max(1, 4096 // self.dtype.itemsize)])
+            raise IndexedDatasetError(f"{bin_path} is truncated ({actual} bytes, its index needs {expected}): {_RERUN}")
+        # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
+        # sample, which halves the loader's samples/s (bench/data_loader.py). An empty file cannot be mapped.
+        self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r")) if actual else np.zeros(0, self.dtype)
 
     def _read_index(self, idx_path: str) -> None:
         size = os.path.getsize(idx_path)
         if size < _HEADER.size:
-            raise IndexedDatasetError(
-                f"{idx_path} is truncated ({size} bytes, shorter than the header): "
-                f"re-run tools/preprocess_data.py for this prefix"
-            )
+            raise IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, shorter than the header): {_RERUN}")
         with open(idx_path, "rb") as f:
             magic, version, code, n_seq, n_doc = _HEADER.unpack(f.read(_HEADER.size))
         if magic != _MAGIC:
-            raise IndexedDatasetError(
-                f"{idx_path} is not a Megatron mmap index (magic {magic!r}, expected {_MAGIC!r}): "
-                f"preprocess with tools/preprocess_data.py (Megatron's --dataset-impl mmap)"
-            )
+            raise IndexedDatasetError(f"{idx_path} is not a Megatron mmap index (magic {magic!r}, expected "
+                                      f"{_MAGIC!r}): preprocess with tools/preprocess_data.py (Megatron's "
+                                      f"--dataset-impl mmap)")
         if version != _VERSION:
-            raise IndexedDatasetError(
-                f"{idx_path} has index version {version}; only version {_VERSION} is supported: "
-                f"re-run tools/preprocess_data.py"
-            )
+            raise IndexedDatasetError(f"{idx_path} has index version {version}; only version {_VERSION} is "
+                                      f"supported: re-run tools/preprocess_data.py")
         if code not in DTYPES:
             raise IndexedDatasetError(f"{idx_path} has unknown dtype code {code}: the file is corrupt")
         self.dtype = np.dtype(DTYPES[code])
-        need = _HEADER.size + n_seq * 4 + n_seq * 8 + n_doc * 8
+        need = _HEADER.size + n_seq * 12 + n_doc * 8
         if size < need:
-            raise IndexedDatasetError(
-                f"{idx_path} is truncated ({size} bytes, {need} expected for {n_seq} sequences): "
-                f"re-run tools/preprocess_data.py for this prefix"
-            )
+            raise IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, {need} expected for {n_seq} "
+                                      f"sequences): {_RERUN}")
         buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        off = _HEADER.size
-        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
-        off += n_seq * 4
-        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off)
-        off += n_seq * 8
-        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=off)
-        self._idx_buf = buf
+        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=_HEADER.size)
+        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=_HEADER.size + n_seq * 4)
+        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=_HEADER.size + n_seq * 12)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -144,35 +94,47 @@ class MMapIndexedDataset:
     def __getitem__(self, idx):
         if isinstance(idx, (int, np.integer)):
             return self.get(int(idx))
-        if isinstance(idx, slice):
-            start, stop, step = idx.indices(len(self))
-            if step != 1:
-                raise ValueError("slices into an indexed dataset must be contiguous")
-            if start >= stop:
-                return []
-            total = int(self.sizes[start:stop].sum())
-            flat = self._tokens(int(self.pointers[start]) // self.dtype.itemsize, total)
-            return np.split(flat, np.cumsum(self.sizes[start:stop])[:-1])
-        raise TypeError(f"indexed dataset indices must be int or slice, not {type(idx).__name__}")
+        if not isinstance(idx, slice):
+            raise TypeError(f"indexed dataset indices must be int or slice, not {type(idx).__name__}")
+        start, stop, step = idx.indices(len(self))
+        if step != 1:
+            raise ValueError("slices into an indexed dataset must be contiguous")
+        if start >= stop:
+            return []
+        flat = self._tokens(self.pointers[start], int(self.sizes[start:stop].sum()))
+        return np.split(flat, np.cumsum(self.sizes[start:stop])[:-1])
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of sequence `idx` (the whole sequence by default)."""
-        if idx < 0:
-            idx += len(self)
+        idx = idx + len(self) if idx < 0 else idx
         if not 0 <= idx < len(self):
             raise IndexError(f"sequence {idx} out of range for {len(self)} sequences")
-        size = int(self.sizes[idx])
-        if length is None:
-            length = size - offset
-        start = int(self.pointers[idx]) // self.dtype.itemsize + offset
-        return self._tokens(start, length)
+        return self._tokens(self.pointers[idx], int(self.sizes[idx]) - offset if length is None else length, offset)
 
-    def _tokens(self, start: int, count: int) -> np.ndarray:
-        return np.asarray(self._bin[start : start + count])
+    def _tokens(self, pointer, count: int, offset: int = 0) -> np.ndarray:
+        start = int(pointer) // self.dtype.itemsize + offset
+        return self._bin[start:start + count]
+
+    def document_sizes(self) -> np.ndarray:
+        """Tokens per document: the sequence sizes themselves when each document is one sequence."""
+        if len(self.doc_idx) == len(self.sizes) + 1 and np.array_equal(self.doc_idx, np.arange(len(self.doc_idx))):
+            return self.sizes
+        ends = np.concatenate(([0], np.cumsum(self.sizes, dtype=np.int64)))
+        return ends[self.doc_idx[1:]] - ends[self.doc_idx[:-1]]
+
+    def get_document(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens `[offset, offset + length)` of document `doc`, whatever sequences it is made of.
+
+        Megatron writes a document's sequences back to back, so they are one run of the `.bin`.
+        """
+        first, end = int(self.doc_idx[doc]), int(self.doc_idx[doc + 1])
+        if length is None:
+            length = int(self.sizes[first:end].sum()) - offset
+        return self._tokens(self.pointers[first], length, offset) if first < end else self._bin[:0]
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
-        return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(data_file_path(path_prefix))
+        return os.path.isfile(path_prefix + ".idx") and os.path.isfile(path_prefix + ".bin")
 
 
 class MMapIndexedDatasetBuilder:
@@ -185,9 +147,9 @@ class MMapIndexedDatasetBuilder:
     def __init__(self, out_prefix: str, dtype=np.uint16):
         self.out_prefix = str(out_prefix)
         self.dtype = np.dtype(dtype)
-        _code(self.dtype)
-        self._bin_tmp = data_file_path(self.out_prefix) + ".tmp"
-        self._idx_tmp = index_file_path(self.out_prefix) + ".tmp"
+        if self.dtype not in _CODES:
+            raise ValueError(f"dtype {self.dtype} has no code in Megatron's indexed-dataset format")
+        self._bin_tmp, self._idx_tmp = self.out_prefix + ".bin.tmp", self.out_prefix + ".idx.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(self.out_prefix)), exist_ok=True)
         self._bin = open(self._bin_tmp, "wb")
         self._sizes: list[int] = []
@@ -195,20 +157,21 @@ class MMapIndexedDatasetBuilder:
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one sequence."""
-        arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
-        self._sizes.append(arr.size)
+        self.add_doc(tokens, None)
 
     def end_document(self) -> None:
         """Close the current document (its sequences are those added since the last call)."""
         self._doc_idx.append(len(self._sizes))
 
-    def add_doc(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int]) -> None:
-        """Append one document made of consecutive sequences of the given lengths."""
+    def add_doc(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int] | None) -> None:
+        """Append one document made of consecutive sequences of the given lengths (None: one open sequence)."""
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
-        self._sizes.extend(int(n) for n in lengths)
-        self._doc_idx.append(len(self._sizes))
+        if lengths is None:
+            self._sizes.append(arr.size)
+        else:
+            self._sizes.extend(int(n) for n in lengths)
+            self.end_document()
 
     def finalize(self) -> None:
         """Write the index and move both files into place."""
@@ -217,27 +180,24 @@ class MMapIndexedDatasetBuilder:
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
-        if len(sizes) > 1:
-            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
         with open(self._idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, _code(self.dtype), len(sizes), len(doc_idx)))
-            f.write(sizes.tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(doc_idx.tobytes(order="C"))
+            f.write(_HEADER.pack(_MAGIC, _VERSION, _CODES[self.dtype], len(sizes), len(doc_idx)))
+            for array in (sizes, pointers, doc_idx):
+                f.write(array.tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
         # An older dataset at this prefix loses its .idx first, so a crash between the two
         # renames can never pair the new .bin with the old index.
-        if os.path.exists(index_file_path(self.out_prefix)):
-            os.remove(index_file_path(self.out_prefix))
-        os.replace(self._bin_tmp, data_file_path(self.out_prefix))
-        os.replace(self._idx_tmp, index_file_path(self.out_prefix))
+        if os.path.exists(self.out_prefix + ".idx"):
+            os.remove(self.out_prefix + ".idx")
+        os.replace(self._bin_tmp, self.out_prefix + ".bin")
+        os.replace(self._idx_tmp, self.out_prefix + ".idx")
 
     def abort(self) -> None:
         """Drop everything written so far."""
-        if not self._bin.closed:
-            self._bin.close()
+        self._bin.close()
         for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.remove(path)
