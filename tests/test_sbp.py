@@ -94,7 +94,7 @@ def test_declared_args_are_found_in_the_forward_signature():
 def test_unknown_shorthand_is_refused_in_one_line():
     with pytest.raises(UsageError) as info:
         Linear1D(4, 4, parallel="column")
-    assert _one_line(info) == "Linear1D parallel must be 'col', 'row' or 'data', got 'column'"
+    assert _one_line(info) == "Linear1D parallel must be 'col', 'row', 'vocab' or 'data', got 'column'"
     with pytest.raises(UsageError) as info:
         Embedding(4, 4, parallel="row")
     assert _one_line(info) == "Embedding parallel must be 'data', 'vocab' or 'col', got 'row'"
@@ -123,6 +123,7 @@ def _declared(layer):
     [
         ("col", (split(0), split(0), broadcast, split(-1))),
         ("row", (split(1), broadcast, split(-1), partial_sum)),
+        ("vocab", (split(0), split(0), broadcast, split(-1))),  # input: the hidden states, whole without SP
         ("data", (broadcast, broadcast, broadcast, broadcast)),
     ],
 )

@@ -12,29 +12,34 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from libai_lite.layers import Linear1D
+from libai_lite.layers import Linear1D, MultiheadAttention
 from libai_lite.parallel.sbp import broadcast, declare, split
 from libai_lite.parallel.tensor_parallel import (
     GatherSequence,
     ReplicateParallel,
-    check_tensor_parallel,
+    check_declared_splits,
     tensor_parallel_plan,
 )
 from libai_lite.utils.errors import UsageError
 
 import tp_worker
 from e2e_utils import spawn_ranks
+from projects.GPT.modeling.gpt_model import GPTForPreTraining
 from tp_worker import TINY_GPT, TinyT5, build, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------- check_tensor_parallel
+# ---------------------------------------------------------------- split sizes named by the model's config
 
 
-def _refusal(cfg, tp, **kw) -> str:
+def _refusal(cfg, tp, model=None) -> str:
+    """The one-line refusal of tensor_parallel_size ``tp`` for GPT built (on meta) from ``cfg``."""
+    if model is None:
+        with torch.device("meta"):
+            model = GPTForPreTraining(cfg)
     with pytest.raises(UsageError) as info:
-        check_tensor_parallel(cfg, tp, **kw)
+        check_declared_splits(model, tp, cfg)
     msg = str(info.value)
     assert "\n" not in msg
     return msg
@@ -43,14 +48,13 @@ def _refusal(cfg, tp, **kw) -> str:
 def test_heads_not_divisible_names_numbers_and_fix():
     assert _refusal(TINY_GPT, 3) == (
         "tensor_parallel_size=3 does not divide model.cfg.num_attention_heads=4; "
-        "use a tensor_parallel_size that divides the number of heads (1, 2 or 4)"
+        "use a tensor_parallel_size that divides 4 (1, 2 or 4)"
     )
 
 
 @pytest.mark.parametrize(
     "override,tp,key",
     [
-        (dict(num_attention_heads=8, hidden_size=66), 4, "hidden_size=66"),
         (dict(ffn_hidden_size=250), 4, "ffn_hidden_size=250"),
         (dict(vocab_size=130), 4, "vocab_size=130"),
     ],
@@ -64,25 +68,21 @@ def test_vocab_refusal_points_at_padding():
     assert "make_vocab_size_divisible_by" in _refusal({**TINY_GPT, "vocab_size": 130}, 4)
 
 
-def test_t5_and_mt5_key_names():
-    hf_mt5_small = dict(num_heads=6, d_model=512, d_ff=1024, d_kv=64, vocab_size=250112)
-    check_tensor_parallel(hf_mt5_small, 2)  # heads, not their 64-wide d_kv, are split
-    assert "model.cfg.num_heads=6" in _refusal(hf_mt5_small, 4)
-    libai_mt5 = dict(num_attention_heads=12, hidden_size=768, intermediate_size=2050, vocab_size=250112)
-    assert "model.cfg.intermediate_size=2050" in _refusal(libai_mt5, 4)
+def test_config_keys_the_layers_do_not_count_name_the_parameter():
+    # The layers count their constructor sizes (num_attention_heads, ffn_hidden_size, vocab_size):
+    # a config under other names (Hugging Face T5's d_ff) gets the split parameter named instead.
+    model = TinyT5(ffn=250)
+    msg = _refusal(dict(d_ff=250), 4, model)
+    assert msg.startswith("tensor_parallel_size=4 does not divide dim 0 of enc_mlp.dense_h_to_4h.weight: 250;")
+    check_declared_splits(TinyT5(heads=4, head_size=64), 2)  # heads, not their 64-wide width, are split
 
 
 def test_valid_layouts_pass_and_dictconfig_is_accepted():
-    check_tensor_parallel(OmegaConf.create(TINY_GPT), 4)
-    check_tensor_parallel(TINY_GPT, 1)
-    check_tensor_parallel(TINY_GPT, 2, sequence_parallel=True, seq_length=16)
-
-
-def test_bad_tp_and_sequence_length():
-    assert "must be at least 1" in _refusal(TINY_GPT, 0)
-    msg = _refusal(TINY_GPT, 2, sequence_parallel=True, seq_length=15)
-    assert "sequence length 15" in msg and "multiple of 2" in msg
-    check_tensor_parallel(TINY_GPT, 2, sequence_parallel=False, seq_length=15)
+    with torch.device("meta"):
+        model = GPTForPreTraining(TINY_GPT)
+    check_declared_splits(model, 4, OmegaConf.create(TINY_GPT))
+    check_declared_splits(model, 1)
+    assert "must be at least 1" in _refusal(TINY_GPT, 0, model)
 
 
 # ---------------------------------------------------------------- the plan (no processes needed)
@@ -124,17 +124,17 @@ def test_t5_plan_splits_bias_over_heads_and_gathers_encoder_states():
     for name in ("enc_bias.relative_attention_bias", "dec_bias.relative_attention_bias",
                  "cross_attn.query", "cross_attn.key_value", "enc_mlp.dense_h_to_4h_linear"):
         assert isinstance(plan[name], ColwiseParallel), name
-    assert plan["lm_head"].output_layouts == (Shard(-1),)  # untied, found by its name
+    assert plan["lm_head"].output_layouts == (Shard(-1),)  # untied, declared parallel="vocab"
     cross = plan["cross_attn"]
     assert isinstance(cross, GatherSequence) and 2 in cross.indices and "encoder_states" in cross.names
     assert not any(n.endswith("bias") and isinstance(s, GatherSequence) for n, s in plan.items())
 
 
-def test_replicated_relative_bias_is_refused():
-    model = TinyT5()
-    model.enc_bias.relative_attention_bias.parallel = "data"
-    with pytest.raises(UsageError, match='enc_bias.relative_attention_bias.parallel = "col"'):
-        tensor_parallel_plan(model)
+def test_a_bias_for_other_heads_than_the_attention_holds_is_refused():
+    # What a replicated per-head table gives a rank holding half of the heads under tensor parallelism.
+    attn = MultiheadAttention(16, 2, attn_mask_type="padding")
+    with pytest.raises(ValueError, match=r'holds 4 heads but this attention 2; .*parallel="col"'):
+        attn(torch.randn(1, 3, 16), position_bias=torch.zeros(1, 4, 3, 3))
 
 
 def test_data_marked_block_stays_replicated_whole():

@@ -97,7 +97,7 @@ class TinyT5(nn.Module):
         self.dec_attn = MultiheadAttention(hidden, heads, attn_mask_type="causal", **attn)
         self.cross_attn = MultiheadAttention(hidden, heads, attn_mask_type="padding", is_cross_attention=True, **attn)
         self.dec_mlp = MLP(hidden, ffn, bias=False, activation="gelu_tanh", gated=True, init_method=init)
-        self.lm_head = Linear1D(hidden, vocab, bias=False, parallel="col", init_method=init)
+        self.lm_head = Linear1D(hidden, vocab, bias=False, parallel="vocab", init_method=init)
         self.loss_func = GPTLoss()
 
     def forward(self, input_ids, decoder_input_ids, labels, loss_mask=None):

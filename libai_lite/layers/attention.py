@@ -11,14 +11,12 @@ from .linear import Linear1D
 
 
 class KVCache:
-    """The keys and values one attention layer has computed so far, for incremental decoding.
+    """The keys and values one attention layer has computed so far, ``[batch, local_heads, length, head_size]``
+    (under tensor parallelism a rank caches only its own heads), for incremental decoding.
 
-    Holds ``[batch, local_heads, length, head_size]`` tensors: under tensor parallelism each
-    rank caches only its own heads, since the projections already hand it only those.
-    Self-attention appends every step's keys and values (``update``); cross-attention fills
-    it once from the encoder output and reuses it for every later step. With ``capacity``
-    the buffers are allocated once, at the first update, and written in place, so a step
-    never copies what is already cached; without it they grow by concatenation.
+    With ``capacity`` the buffers are allocated at the first update and written in place, so a step
+    never copies what is already cached; without it they grow by concatenation (cross-attention
+    fills it once from the encoder output).
     """
 
     def __init__(self, capacity: Optional[int] = None):
@@ -31,11 +29,9 @@ class KVCache:
         """Append ``key``/``value`` ``[batch, heads, new, head_size]``; return all keys and values cached so far."""
         end = self.length + key.shape[-2]
         if self.capacity is None:
-            if self._key is None:
-                self._key, self._value = key, value
-            else:
-                self._key = torch.cat([self._key, key], dim=-2)
-                self._value = torch.cat([self._value, value], dim=-2)
+            grow = self._key is not None
+            self._key = torch.cat([self._key, key], dim=-2) if grow else key
+            self._value = torch.cat([self._value, value], dim=-2) if grow else value
         else:
             if end > self.capacity:
                 raise ValueError(f"KVCache holds {self.capacity} positions; {end} were given")
@@ -61,37 +57,21 @@ class KVCache:
 class MultiheadAttention(nn.Module):
     """Self- or cross-attention through ``F.scaled_dot_product_attention``.
 
-    Self-attention uses one fused ``query_key_value`` projection whose output features
-    are laid out head-major, ``[num_heads, 3, head_size]`` flattened (Megatron's layout),
-    so splitting the output dimension evenly over tensor-parallel ranks hands every rank
-    whole heads with their own q, k and v. The forward reshapes with ``-1`` heads and
-    never with ``num_attention_heads``, so the same code runs on a rank that holds only
-    its share of heads. ``dense`` is row-parallel: each rank's partial output is summed
-    by the parallel step, not here.
+    Self-attention uses one fused ``query_key_value`` projection laid out head-major,
+    ``[num_heads, 3, head_size]`` flattened (Megatron's layout), so splitting its output features
+    evenly over tensor-parallel ranks hands every rank whole heads with their own q, k and v; the
+    forward reshapes with ``-1`` heads, so it runs unchanged on a rank holding only its share.
+    ``dense`` is row-parallel (its partial outputs are summed by the plan). Cross-attention
+    (``is_cross_attention=True``) uses a column-parallel ``query`` over the decoder states and a
+    fused ``key_value`` (``[num_heads, 2, head_size]``) over ``encoder_states``.
 
-    Cross-attention (``is_cross_attention=True``, for encoder-decoder models) uses a
-    column-parallel ``query`` over the decoder states and a fused ``key_value`` laid out
-    ``[num_heads, 2, head_size]`` over ``encoder_states``.
+    SBP: projections are split in whole heads; the block needs ``hidden_states`` and
+    ``encoder_states`` whole (a column-parallel projection reads every position) and gives hidden states.
 
-    SBP: the projections are split in whole heads (``split_unit``); the block itself needs
-    ``hidden_states`` and ``encoder_states`` whole (``broadcast``), since a column-parallel
-    projection reads every position, and gives hidden states once ``dense`` is summed.
-
-    Args:
-        hidden_size: model width (input and output features).
-        num_attention_heads: heads in the unsplit model.
-        attention_dropout_prob: dropout on attention probabilities, only while training.
-        output_dropout_prob: dropout after the output projection.
-        init_method: initialiser for the input projections.
-        output_layer_init_method: initialiser for ``dense``; defaults to ``init_method``.
-        layer_idx: transformer layer index, for pipeline placement.
-        attn_mask_type: ``"causal"`` (decoder self-attention; an ``attention_mask`` if
-            given is combined with the causal mask) or ``"padding"`` (only the given mask).
-        bias: whether the projections have biases.
-        is_cross_attention: attend from ``hidden_states`` to ``encoder_states``.
-        head_size: per-head width; defaults to ``hidden_size // num_attention_heads``
-            (T5 decouples it, e.g. mT5-small has 6 heads of 64 on a 512 model).
-        softmax_scale: score scale; defaults to ``1/sqrt(head_size)`` (T5 uses 1.0).
+    ``attn_mask_type``: ``"causal"`` (combined with an ``attention_mask`` if given) or ``"padding"``.
+    ``head_size`` defaults to ``hidden_size // num_attention_heads`` (T5 decouples them);
+    ``softmax_scale`` to ``1/sqrt(head_size)`` (T5 uses 1.0); ``output_layer_init_method`` (for
+    ``dense``) to ``init_method``.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
@@ -136,16 +116,17 @@ class MultiheadAttention(nn.Module):
         self.layer_idx = layer_idx
 
         inner = num_attention_heads * head_size
-        proj = dict(bias=bias, init_method=init_method, layer_idx=layer_idx)
+
+        def proj(n_in, n_out, parallel, per_head, init=init_method):
+            return Linear1D(n_in, n_out, bias=bias, parallel=parallel, init_method=init, layer_idx=layer_idx,
+                            split_unit=per_head * head_size, split_counts="num_attention_heads")
+
         if is_cross_attention:
-            self.query = Linear1D(hidden_size, inner, parallel="col", split_unit=head_size, **proj)
-            self.key_value = Linear1D(hidden_size, 2 * inner, parallel="col", split_unit=2 * head_size, **proj)
+            self.query = proj(hidden_size, inner, "col", 1)
+            self.key_value = proj(hidden_size, 2 * inner, "col", 2)
         else:
-            self.query_key_value = Linear1D(hidden_size, 3 * inner, parallel="col", split_unit=3 * head_size, **proj)
-        self.dense = Linear1D(
-            inner, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx,
-            split_unit=head_size,
-        )
+            self.query_key_value = proj(hidden_size, 3 * inner, "col", 3)
+        self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method)
         self.output_dropout = nn.Dropout(output_dropout_prob)
 
     def forward(
@@ -158,20 +139,13 @@ class MultiheadAttention(nn.Module):
     ) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
-        Args:
-            hidden_states: ``[batch, seq, hidden]``.
-            attention_mask: which keys may be attended: bool or 0/1, True/1 = attend;
-                ``[batch, key_seq]`` or anything broadcastable to
-                ``[batch, heads, query_seq, key_seq]``.
-            encoder_states: ``[batch, key_seq, hidden]``, required for cross-attention.
-            position_bias: additive score bias (T5 relative positions), broadcastable to
-                ``[batch, local_heads, query_seq, key_seq]``; under tensor parallelism it
-                must hold this rank's heads only.
-            kv_cache: incremental decoding. Self-attention appends this call's keys and values
-                to it and attends over everything cached (``hidden_states`` are then the new
-                positions only, the last of the keys; ``attention_mask`` and ``position_bias``
-                must cover all cached keys). Cross-attention projects ``encoder_states`` into
-                an empty cache once and reuses it on later calls.
+        ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
+        (True/1 = attend), ``[batch, key_seq]`` or broadcastable to ``[batch, heads, query_seq,
+        key_seq]``; ``encoder_states`` ``[batch, key_seq, hidden]`` for cross-attention;
+        ``position_bias``: additive score bias (T5), ``[batch or 1, local_heads, query_seq, key_seq]``.
+        ``kv_cache``: self-attention appends this call's keys and values and attends over everything
+        cached (``hidden_states`` are then the new positions only, mask and bias cover all keys);
+        cross-attention projects ``encoder_states`` into an empty cache once and reuses it.
         """
         bsz, q_len, _ = hidden_states.shape
         hd = self.head_size
@@ -216,6 +190,11 @@ class MultiheadAttention(nn.Module):
             if q_len == 1:  # the one new query of a cached decoding step may see every key
                 return None, False
 
+        if position_bias is not None and position_bias.shape[-3] not in (1, query.shape[1]):
+            raise ValueError(
+                f"position_bias holds {position_bias.shape[-3]} heads but this attention {query.shape[1]}; under "
+                f"tensor parallelism give it this rank's heads only: split the table it comes from over heads "
+                f"(Embedding(..., parallel=\"col\"))")
         keep = None
         if causal:
             # The queries are the last q_len of the k_len positions (fewer when keys come from a cache);

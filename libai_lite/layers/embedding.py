@@ -3,82 +3,50 @@ from typing import Optional
 
 from torch import nn
 
-from ..parallel.sbp import LayerSBP, broadcast, declare, hidden, partial_sum, shorthand, split
+from ..parallel.sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
 from .init_methods import InitMethod
 
-# The table is [num_embeddings, embedding_dim] and the ids are whole on every rank.
-# "vocab" splits the rows: a rank looks up only its own ids and the partial lookups are
-# summed. "col" splits the columns: each rank gets its slice of every vector (T5's
-# relative-attention bias, one column per head). A replicated table's output joins the
-# hidden states, so it takes their layout.
+# The table is [num_embeddings, embedding_dim] and the ids are whole on every rank. "vocab" splits
+# the rows: a rank looks up only its own ids and the partial lookups are summed. "col" splits the
+# columns: each rank gets its slice of every vector (a per-head table, one column per head). A
+# replicated table's output joins the hidden states, so it takes their layout.
 SBP_SHORTHAND = {
     "data": declare(weight=broadcast, input=broadcast, output=hidden),
-    "vocab": declare(weight=split(0), input=broadcast, output=partial_sum),
+    "vocab": declare(weight=split(0), input=broadcast, output=partial_sum, counts="vocab_size"),
     "col": declare(weight=split(1), input=broadcast, output=split(-1)),
 }
 
 
-class _SBPEmbedding(nn.Embedding):
+class _SBPEmbedding(Shorthand, nn.Embedding):
     """``nn.Embedding`` with a pluggable initialiser and an SBP declaration (``sbp``) from ``parallel``."""
 
+    SBP_SHORTHAND = SBP_SHORTHAND
     default_parallel = "data"
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        init_method: Optional[InitMethod] = None,
-        layer_idx: int = 0,
-        parallel: Optional[str] = None,
-        device=None,
-        dtype=None,
-    ):
-        parallel = self.default_parallel if parallel is None else parallel
-        shorthand(SBP_SHORTHAND, parallel, type(self).__name__)
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 init_method: Optional[InitMethod] = None, layer_idx: int = 0, parallel: Optional[str] = None,
+                 device=None, dtype=None):
+        self.parallel = self.default_parallel if parallel is None else parallel
         # nn.Embedding.__init__ calls reset_parameters(), which needs init_method already set.
         self.init_method = init_method
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
-        self.parallel = parallel
         self.layer_idx = layer_idx
-
-    @property
-    def parallel(self) -> str:
-        """The shorthand ("data", "vocab" or "col"); assigning it re-declares ``sbp``."""
-        return self._parallel
-
-    @parallel.setter
-    def parallel(self, value: str) -> None:
-        self.sbp: LayerSBP = shorthand(SBP_SHORTHAND, value, type(self).__name__)
-        self._parallel = value
 
     def reset_parameters(self) -> None:
         """(Re)initialise the table; the padding row stays zero as in ``nn.Embedding``."""
         if self.init_method is None:
-            super().reset_parameters()
-            return
+            return super().reset_parameters()
         self.init_method(self.weight)
         self._fill_padding_idx_with_zero()
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, parallel={self.parallel}, layer_idx={self.layer_idx}"
-
 
 class VocabEmbedding(_SBPEmbedding):
-    """Token embedding whose table is split over the vocabulary under tensor parallelism.
-
-    ``parallel="vocab"``: weight ``split(0)``, ids ``broadcast``, output ``partial_sum``
-    (each rank looks up the ids in its shard; the plan sums the lookups). The module
-    itself is a plain ``nn.Embedding`` and never communicates.
-    """
+    """Token embedding whose table is split over the vocabulary under tensor parallelism (``"vocab"``:
+    each rank looks up the ids in its shard and the plan sums the lookups)."""
 
     default_parallel = "vocab"
 
 
 class Embedding(_SBPEmbedding):
-    """Replicated embedding (weight ``broadcast``), e.g. learned positions: small tables are not worth splitting.
-
-    ``parallel="col"`` splits it over ``embedding_dim`` instead (weight ``split(1)``).
-    """
-
-    default_parallel = "data"
+    """Replicated embedding (``"data"``), e.g. learned positions: small tables are not worth splitting.
+    ``parallel="col"`` splits it over ``embedding_dim`` instead (a per-head table)."""

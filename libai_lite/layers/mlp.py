@@ -21,49 +21,32 @@ _ACTIVATIONS = {
 class MLP(nn.Module):
     """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout.
 
-    ``dense_h_to_4h`` is column-parallel and ``dense_4h_to_h`` row-parallel, so under
-    tensor parallelism the activation runs on each rank's slice with no communication
-    in between.
-
-    With ``gated=True`` (T5 v1.1 / mT5 gated-GELU) the hidden activation is
-    ``act(dense_h_to_4h(x)) * dense_h_to_4h_linear(x)``; the two up projections are kept
-    as separate column-parallel layers so each rank's gate and value slices line up.
+    ``dense_h_to_4h`` is column-parallel and ``dense_4h_to_h`` row-parallel, so under tensor
+    parallelism the activation runs on each rank's slice with no communication in between. With
+    ``gated=True`` (T5 v1.1 / mT5 gated-GELU) the hidden activation is ``act(dense_h_to_4h(x)) *
+    dense_h_to_4h_linear(x)``, two column-parallel layers so each rank's gate and value slices line up.
 
     SBP: the block needs ``hidden_states`` whole (``broadcast``) and gives hidden states.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states",))
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        output_dropout_prob: float = 0.0,
-        init_method: Optional[InitMethod] = None,
-        output_layer_init_method: Optional[InitMethod] = None,
-        bias: bool = True,
-        activation: str = "gelu",
-        gated: bool = False,
-        layer_idx: int = 0,
-    ):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, output_dropout_prob: float = 0.0,
+                 init_method: Optional[InitMethod] = None, output_layer_init_method: Optional[InitMethod] = None,
+                 bias: bool = True, activation: str = "gelu", gated: bool = False, layer_idx: int = 0):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-        if output_layer_init_method is None:
-            output_layer_init_method = init_method
         self.activation = activation
         self.layer_idx = layer_idx
-        self.dense_h_to_4h = Linear1D(
-            hidden_size, ffn_hidden_size, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx
-        )
-        self.dense_h_to_4h_linear = (
-            Linear1D(hidden_size, ffn_hidden_size, bias=bias, parallel="col", init_method=init_method, layer_idx=layer_idx)
-            if gated
-            else None
-        )
-        self.dense_4h_to_h = Linear1D(
-            ffn_hidden_size, hidden_size, bias=bias, parallel="row", init_method=output_layer_init_method, layer_idx=layer_idx
-        )
+
+        def linear(n_in, n_out, parallel, init):
+            return Linear1D(n_in, n_out, bias=bias, parallel=parallel, init_method=init, layer_idx=layer_idx,
+                            split_counts="ffn_hidden_size")
+
+        self.dense_h_to_4h = linear(hidden_size, ffn_hidden_size, "col", init_method)
+        self.dense_h_to_4h_linear = linear(hidden_size, ffn_hidden_size, "col", init_method) if gated else None
+        self.dense_4h_to_h = linear(ffn_hidden_size, hidden_size, "row", output_layer_init_method or init_method)
         self.dropout = nn.Dropout(output_dropout_prob)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """SBP, LiBai's placement vocabulary, and what a layer declares with it.
 
-Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel``
-turns those words into DTensor placements and a ``parallelize_module`` plan. The words map
-one-to-one onto DTensor placements:
+Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel`` turns
+them into DTensor placements and a ``parallelize_module`` plan:
 
 =====================  ==================  ===============================================
 SBP                    DTensor             meaning on one mesh dimension
@@ -14,12 +13,13 @@ SBP                    DTensor             meaning on one mesh dimension
                        ``Replicate()``     the sequence under sequence parallelism, else whole
 =====================  ==================  ===============================================
 
-An ``nd_sbp(dp, tp)`` is the 2-D SBP ``[dp_sbp, tp_sbp]``: one entry per dimension of the
-``("dp", "tp")`` sub-mesh. Data parallelism replicates parameters and splits activations
-over the batch, so ``declare`` fills the dp entry and a layer writes only its tp SBPs.
+An ``nd_sbp(dp, tp)`` is the 2-D SBP ``[dp_sbp, tp_sbp]`` on the ``("dp", "tp")`` sub-mesh. Data
+parallelism replicates parameters and splits activations over the batch, so ``declare`` fills the
+dp entry and a layer writes only its tp SBPs.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
@@ -29,17 +29,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..utils.errors import UsageError
 
-__all__ = [
-    "LayerSBP",
-    "broadcast",
-    "declare",
-    "hidden",
-    "nd_sbp",
-    "partial_sum",
-    "placements",
-    "shorthand",
-    "split",
-]
+__all__ = ["LayerSBP", "Shorthand", "broadcast", "declare", "hidden", "nd_sbp", "partial_sum", "placements",
+           "shorthand", "split"]
 
 broadcast = Replicate()
 partial_sum = Partial()
@@ -67,9 +58,6 @@ class _Hidden:
 # instead of its placement; ``placements`` resolves it when the plan is built.
 hidden = _Hidden()
 
-# The sequence dimension of batch-first hidden states, split by sequence parallelism.
-_SEQUENCE = Shard(1)
-
 NdSbp = Tuple[object, object]
 ND_DIMS = ("dp", "tp")
 
@@ -83,32 +71,28 @@ def nd_sbp(dp, tp) -> NdSbp:
 
 
 def placements(sbp: NdSbp, dims: Sequence[str] = ("tp",), sequence_parallel: bool = False) -> Tuple[Placement, ...]:
-    """DTensor placements of ``sbp`` on a mesh whose dimensions are named ``dims`` (some of ``("dp", "tp")``).
-
-    ``hidden`` becomes ``Shard(1)`` with ``sequence_parallel`` and ``Replicate()`` without.
-    """
+    """DTensor placements of ``sbp`` on a mesh whose dimensions are named ``dims`` (some of ``("dp", "tp")``);
+    ``hidden`` is ``Shard(1)`` (the sequence) with ``sequence_parallel``, else ``Replicate()``."""
     unknown = [d for d in dims if d not in ND_DIMS]
     if unknown:
         raise UsageError(f"an nd_sbp has entries for the mesh dimensions {ND_DIMS}, not {unknown}")
-    out = []
-    for d in dims:
-        s = sbp[ND_DIMS.index(d)]
-        if isinstance(s, _Hidden):
-            s = _SEQUENCE if sequence_parallel else broadcast
-        out.append(s)
-    return tuple(out)
+    stream = Shard(1) if sequence_parallel else broadcast
+    return tuple(stream if isinstance(s, _Hidden) else s for s in (sbp[ND_DIMS.index(d)] for d in dims))
 
 
 @dataclass(frozen=True)
 class LayerSBP:
     """What a layer declares: the nd_sbp of its parameters and of the activations it takes and gives.
 
-    ``weight`` and ``bias`` are None for a block whose sublayers declare their own parameters;
-    on a module that holds submodules, a ``weight`` SBP covers every parameter under it.
-    ``input`` is the layout the layer needs its ``args`` in (forward argument names; empty:
-    the first argument) and ``output`` the layout it gives, before any reduction (a
-    ``partial_sum`` output is summed by the plan). ``unit`` says a split dimension is cut in
-    whole blocks of that many elements, e.g. an attention projection split by heads.
+    ``weight`` and ``bias`` are None for a block whose sublayers declare their own parameters; on a
+    module that holds submodules, a ``weight`` SBP covers every parameter under it. ``input`` is the
+    layout the layer needs its ``args`` in (forward argument names; empty: the first argument) and
+    ``output`` the layout it gives (a ``partial_sum`` output is summed by the plan). A column split
+    whose input is ``hidden`` reads the residual stream itself: an LM head, whose vocab-sharded
+    logits stay a DTensor for ``loss_parallel``. ``unit``: a split dimension is cut in whole blocks
+    of that many elements (an attention head's width); ``counts``: the constructor argument that
+    number of blocks comes from (``num_attention_heads``), which a refusal names as
+    ``model.cfg.<counts>`` when the model's config has it.
     """
 
     weight: Optional[NdSbp]
@@ -117,6 +101,7 @@ class LayerSBP:
     output: NdSbp
     args: Tuple[str, ...] = ()
     unit: int = 1
+    counts: Optional[str] = None
 
     def arg_positions(self, forward) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
         """Positional indices and names under which ``forward`` takes the declared ``args``."""
@@ -128,19 +113,42 @@ class LayerSBP:
         return tuple(params.index(n) for n in names), names
 
 
-def declare(
-    weight=None, bias=None, input=broadcast, output=broadcast, args: Sequence[str] = (), unit: int = 1
-) -> LayerSBP:
+def declare(weight=None, bias=None, input=broadcast, output=broadcast, args: Sequence[str] = (), unit: int = 1,
+            counts: Optional[str] = None) -> LayerSBP:
     """A ``LayerSBP`` from tp SBPs: parameters are broadcast over dp, activations split over the batch."""
     param = (lambda s: None if s is None else nd_sbp(broadcast, s))
-    return LayerSBP(param(weight), param(bias), nd_sbp(split(0), input), nd_sbp(split(0), output), tuple(args), unit)
+    return LayerSBP(param(weight), param(bias), nd_sbp(split(0), input), nd_sbp(split(0), output), tuple(args),
+                    unit, counts)
 
 
 def shorthand(table: Mapping[str, LayerSBP], parallel: str, layer: str) -> LayerSBP:
     """The declaration ``parallel`` stands for in ``layer``'s ``table``; an unknown word is refused in one line."""
     if parallel not in table:
         words = [repr(k) for k in table]
-        raise UsageError(
-            f"{layer} parallel must be {', '.join(words[:-1])} or {words[-1]}, got {parallel!r}"
-        )
+        raise UsageError(f"{layer} parallel must be {', '.join(words[:-1])} or {words[-1]}, got {parallel!r}")
     return table[parallel]
+
+
+class Shorthand:
+    """Mixin for a layer whose ``parallel`` word (LiBai's shorthand) stands for its ``sbp`` in ``SBP_SHORTHAND``.
+
+    ``split_unit`` and ``split_counts`` fill the declaration's ``unit`` and ``counts``.
+    """
+
+    SBP_SHORTHAND: Mapping[str, LayerSBP] = {}
+    split_unit: int = 1
+    split_counts: Optional[str] = None
+
+    @property
+    def parallel(self) -> str:
+        """The shorthand word; assigning it re-declares ``sbp``."""
+        return self._parallel
+
+    @parallel.setter
+    def parallel(self, value: str) -> None:
+        decl = shorthand(self.SBP_SHORTHAND, value, type(self).__name__)
+        self.sbp = dataclasses.replace(decl, unit=self.split_unit, counts=self.split_counts or decl.counts)
+        self._parallel = value
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parallel={self.parallel}, layer_idx={self.layer_idx}"

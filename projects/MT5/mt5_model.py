@@ -233,7 +233,7 @@ class MT5Model(nn.Module):
             # Built on meta and replaced by the embedding's Parameter at once (see GPTModel); it
             # gets the embedding's init so reset_parameters() in any module order agrees.
             self.lm_head = Linear1D(
-                cfg.hidden_size, cfg.vocab_size, bias=False, parallel="col",
+                cfg.hidden_size, cfg.vocab_size, bias=False, parallel="vocab",
                 init_method=embedding_init, layer_idx=last, device="meta",
             )
             self.tie_weights()
@@ -242,7 +242,7 @@ class MT5Model(nn.Module):
             # starts mT5 at logits of std sqrt(d_model) and a loss in the tens; d_model^-1/2
             # starts it near log(vocab) like the tied, scaled T5 head.
             self.lm_head = Linear1D(
-                cfg.hidden_size, cfg.vocab_size, bias=False, parallel="col",
+                cfg.hidden_size, cfg.vocab_size, bias=False, parallel="vocab",
                 init_method=init_method_normal(cfg.initializer_range * cfg.hidden_size**-0.5), layer_idx=last,
             )
 

@@ -143,7 +143,7 @@ class GPTModel(nn.Module):
             }
         )
         self.final_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=hidden_layers - 1)
-        # logits = h @ wte.T: a column-parallel (vocab-split) Linear1D sharing the very
+        # logits = h @ wte.T: a vocab-parallel (column-split) Linear1D sharing the very
         # Parameter of the vocab-parallel token embedding. Both are split(0), so one
         # placement serves both, and the head keeps the weight when a pipeline stage
         # drops the embeddings. Its own weight is built on meta (it is replaced at
@@ -153,7 +153,7 @@ class GPTModel(nn.Module):
             hidden_size,
             vocab_size,
             bias=False,
-            parallel="col",
+            parallel="vocab",
             init_method=init_method,
             layer_idx=hidden_layers - 1,
             device="meta",
