@@ -216,7 +216,7 @@ def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = No
         start = time.perf_counter()
         lo, hi = _scan_token_range(indexed_dataset)
         if vocab_size is not None:
-            _refuse_out_of_vocab(data_prefix, lo, hi, vocab_size)
+            check_id_range(data_prefix, lo, hi, vocab_size)
         _atomic_write(path, {**expect, "min_token_id": lo, "max_token_id": hi})
         logger.info(f"scanned {expect['num_tokens']} tokens of {data_prefix} for their id range "
                     f"in {time.perf_counter() - start:.1f}s")
@@ -224,11 +224,12 @@ def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = No
     _build_on_rank0(valid, build, path)
     cached = _load_json(path)
     if vocab_size is not None:
-        _refuse_out_of_vocab(data_prefix, cached["min_token_id"], cached["max_token_id"], vocab_size)
+        check_id_range(data_prefix, cached["min_token_id"], cached["max_token_id"], vocab_size)
     return cached["min_token_id"], cached["max_token_id"]
 
 
-def _refuse_out_of_vocab(data_prefix: str, lo, hi, vocab_size: int) -> None:
+def check_id_range(data_prefix: str, lo, hi, vocab_size: int) -> None:
+    """Refuse token ids ``lo..hi`` of ``data_prefix`` outside ``[0, vocab_size)`` in one line."""
     if hi is not None and (hi >= vocab_size or lo < 0):
         raise UsageError(
             f"{data_prefix} holds token id {hi if hi >= vocab_size else lo}, outside the model's vocabulary of "
@@ -401,4 +402,4 @@ def check_token_ids(dataset, vocab_size: int) -> None:
     for ds in getattr(dataset, "datasets", None) or [dataset]:
         hi, lo = getattr(ds, "max_token_id", None), getattr(ds, "min_token_id", None)
         if hi is not None:
-            _refuse_out_of_vocab(ds.data_prefix, lo if lo is not None else 0, hi, vocab_size)
+            check_id_range(ds.data_prefix, lo if lo is not None else 0, hi, vocab_size)

@@ -3,17 +3,10 @@
 The documents are tokenized with the run's tokenizer, each followed by the end-of-document id
 (as `tools/preprocess_data.py --append-eod` does), concatenated into one token stream and cut
 into windows of `seq_length` input tokens. Every token after the first is predicted exactly
-once:
-
-* chunked (the default, `stride=None`): consecutive non-overlapping windows, Megatron's
-  evaluation samples; each window's first prediction has no context before the window;
-* sliding (`stride < seq_length`): windows start every `stride` tokens and only their last
-  `stride` predictions are scored (the overlap is labelled -100), so every scored token sees at
-  least `seq_length - stride` tokens of context (Hugging Face's "perplexity of fixed-length
-  models" recipe). Smaller strides give lower, fairer perplexity at more compute.
-
-Samples are `{"input_ids", "labels"}` with labels already shifted, exactly what the GPT loader
-yields, so `PPLEvaluator` and `inference_on_dataset` work unchanged.
+once: in consecutive windows (the default, Megatron's evaluation samples), or, with
+`stride < seq_length`, in windows every `stride` tokens that score only their last `stride`
+predictions, so each sees at least `seq_length - stride` tokens of context (Hugging Face's
+"perplexity of fixed-length models"). Samples are the GPT loader's `{"input_ids", "labels"}`.
 
     dataloader.test = [LazyCall(build_ppl_eval_loader)(data_path="held_out.jsonl")]
 
@@ -29,7 +22,8 @@ import os
 import numpy as np
 import torch
 
-from .gpt_dataset import IGNORE_INDEX
+from .build import SPLIT_NAMES, get_train_valid_test_split, open_indexed_dataset
+from .gpt_dataset import IGNORE_INDEX, check_id_range
 from .samplers import PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
 
@@ -100,32 +94,18 @@ def indexed_token_stream(data_prefix, split: str = "all", splits_string: str = "
     `split` is "all" or "train"/"valid"/"test" of `splits_string`, cut the way the GPT dataset
     cuts it (contiguous document ranges), so `test` is the same held-out documents training used.
     """
-    from .build import SPLIT_NAMES, get_train_valid_test_split, open_indexed_dataset
-
     ds = open_indexed_dataset(data_prefix)
-    docs = ds.num_documents
     if split == "all":
-        first, last = 0, docs
+        first, last = 0, ds.num_documents
     elif split in SPLIT_NAMES:
-        bounds = get_train_valid_test_split(splits_string, docs)
         i = SPLIT_NAMES.index(split)
-        first, last = bounds[i], bounds[i + 1]
+        first, last = get_train_valid_test_split(splits_string, ds.num_documents)[i:i + 2]
     else:
         raise UsageError(f"split {split!r} is not one of all, train, valid, test")
     if last <= first:
         raise UsageError(f"the {split} split of {data_prefix} holds no documents (splits {splits_string!r}); "
                          f"choose another split or evaluate the whole file")
-    seqs = ds[int(ds.doc_idx[first]):int(ds.doc_idx[last])]
-    return np.concatenate(seqs).astype(np.int64)
-
-
-def num_windows(num_tokens: int, seq_length: int, stride: int | None = None) -> int:
-    """Windows needed to score every prediction of a `num_tokens` stream (see the module docstring)."""
-    stride = seq_length if stride is None else stride
-    predictions = num_tokens - 1
-    if predictions <= 0:
-        return 0
-    return 1 + -(-max(predictions - seq_length, 0) // stride)
+    return np.concatenate(ds[int(ds.doc_idx[first]):int(ds.doc_idx[last])]).astype(np.int64)
 
 
 class TokenWindowDataset(torch.utils.data.Dataset):
@@ -145,12 +125,10 @@ class TokenWindowDataset(torch.utils.data.Dataset):
             raise UsageError(f"stride={stride} must lie in [1, seq_length={seq_length}]: windows that skip "
                              f"tokens would leave them unscored")
         self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.seq_length = seq_length
-        self.stride = stride
-        self.pad_id = int(pad_id)
-        self.num_windows = num_windows(self.tokens.size, seq_length, stride)
-        if self.num_windows == 0:
+        self.seq_length, self.stride, self.pad_id = seq_length, stride, int(pad_id)
+        if self.tokens.size < 2:
             raise UsageError("the evaluation data holds fewer than two tokens: nothing to predict")
+        self.num_windows = 1 + -(-max(self.num_predictions - seq_length, 0) // stride)
 
     def __len__(self) -> int:
         return self.num_windows
@@ -198,9 +176,8 @@ def build_ppl_eval_dataset(data_path, seq_length: int, tokenizer=None, json_key:
         where = f"{data_path} ({split})"
     pad = getattr(tokenizer, "eod_id", None) or 0
     ds = TokenWindowDataset(tokens, seq_length, stride, pad_id=pad)
-    if vocab_size is not None and (ds.max_token_id >= vocab_size or ds.min_token_id < 0):
-        raise UsageError(f"{data_path} holds token id {ds.max_token_id}, outside the tokenizer's {vocab_size} ids: "
-                         f"preprocess it with this model's tokenizer")
+    if vocab_size is not None:
+        check_id_range(data_path, ds.min_token_id, ds.max_token_id, vocab_size)
     logger.info(f"Perplexity data {where}: {tokens.size} tokens in {len(ds)} windows of {ds.seq_length} "
                 f"(stride {ds.stride})")
     return ds
@@ -223,10 +200,8 @@ def build_ppl_eval_loader(data_path, seq_length: int | None = None, json_key: st
         raise UsageError(f"no sequence length for the perplexity windows of {data_path}; set seq_length")
     ds = build_ppl_eval_dataset(data_path, int(seq_length), tokenizer, json_key, stride, split, splits_string,
                                 vocab_size)
-    per_batch = int(micro_batch_size) * int(data_parallel_size)
-    total = -(-len(ds) // per_batch) * per_batch
-    group = per_batch * max(int(batches_multiple_of), 1)
-    total = -(-total // group) * group
+    group = int(micro_batch_size) * int(data_parallel_size) * max(int(batches_multiple_of), 1)
+    total = -(-len(ds) // group) * group
     padded = PaddedEvalDataset(ds, len(ds))
     sampler = SequentialEvalSampler(total, 0, int(micro_batch_size), int(data_parallel_rank),
                                     int(data_parallel_size), drop_last=False)

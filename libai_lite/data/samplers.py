@@ -17,37 +17,7 @@ from .gpt_dataset import IGNORE_INDEX
 from ..utils.errors import UsageError
 
 
-def _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
-    if total_samples < 0:
-        raise UsageError(f"total_samples must be >= 0, got {total_samples}")
-    if not 0 <= consumed_samples <= total_samples:
-        raise UsageError(f"consumed_samples ({consumed_samples}) must lie in [0, total_samples = "
-                         f"{total_samples}]: the checkpoint consumed more samples than the dataset "
-                         f"holds; raise train_iter-derived sample counts or start a new run")
-    if micro_batch_size < 1:
-        raise UsageError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if data_parallel_size < 1:
-        raise UsageError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise UsageError(f"data_parallel_rank {data_parallel_rank} is not in [0, {data_parallel_size})")
-
-
-class _RankSlicedSampler(Sampler[List[int]]):
-    """Micro-batches of consecutive indices, global batch by global batch, this rank's slice of each."""
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool):
-        _check_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        self.total_samples = int(total_samples)
-        self.consumed_samples = int(consumed_samples)
-        self.micro_batch_size = int(micro_batch_size)
-        self.data_parallel_rank = int(data_parallel_rank)
-        self.data_parallel_size = int(data_parallel_size)
-        self.drop_last = bool(drop_last)
-        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
-
-
-class MegatronPretrainingSampler(_RankSlicedSampler):
+class MegatronPretrainingSampler(Sampler[List[int]]):
     """Megatron's pretraining batch sampler: one pass from ``consumed_samples`` to ``total_samples``.
 
     Yields lists of ``micro_batch_size`` indices for ``data_parallel_rank``. With ``drop_last`` the
@@ -55,31 +25,40 @@ class MegatronPretrainingSampler(_RankSlicedSampler):
     slice of it, and ranks whose slice is empty stop one batch earlier.
     """
 
+    _pad_last = False  # SequentialEvalSampler pads the last global micro-batch instead of cutting it
+
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
-                         drop_last)
+        if total_samples < 0:
+            raise UsageError(f"total_samples must be >= 0, got {total_samples}")
+        if not 0 <= consumed_samples <= total_samples:
+            raise UsageError(f"consumed_samples ({consumed_samples}) must lie in [0, total_samples = "
+                             f"{total_samples}]: the checkpoint consumed more samples than the dataset "
+                             f"holds; raise train_iter-derived sample counts or start a new run")
+        if micro_batch_size < 1:
+            raise UsageError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if data_parallel_size < 1:
+            raise UsageError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise UsageError(f"data_parallel_rank {data_parallel_rank} is not in [0, {data_parallel_size})")
+        self.total_samples, self.consumed_samples = int(total_samples), int(consumed_samples)
+        self.micro_batch_size, self.drop_last = int(micro_batch_size), bool(drop_last)
+        self.data_parallel_rank, self.data_parallel_size = int(data_parallel_rank), int(data_parallel_size)
+        self.global_micro_batch = self.micro_batch_size * self.data_parallel_size
 
     def __len__(self) -> int:
-        remaining = self.total_samples - self.consumed_samples
-        full, rest = divmod(remaining, self.global_micro_batch)
-        partial = not self.drop_last and rest > self.data_parallel_rank * self.micro_batch_size
-        return full + int(partial)
+        full, rest = divmod(self.total_samples - self.consumed_samples, self.global_micro_batch)
+        last_is_empty = rest <= (0 if self._pad_last else self.data_parallel_rank * self.micro_batch_size)
+        return full + int(not (self.drop_last or last_is_empty))
 
     def __iter__(self) -> Iterator[List[int]]:
-        offset = self.data_parallel_rank * self.micro_batch_size
-        start = self.consumed_samples
-        while start + self.global_micro_batch <= self.total_samples:
-            yield list(range(start + offset, start + offset + self.micro_batch_size))
-            start += self.global_micro_batch
-        if not self.drop_last and start < self.total_samples:
-            lo = start + offset
-            hi = min(lo + self.micro_batch_size, self.total_samples)
-            if lo < hi:
-                yield list(range(lo, hi))
+        start = self.consumed_samples + self.data_parallel_rank * self.micro_batch_size
+        for lo in range(start, start + len(self) * self.global_micro_batch, self.global_micro_batch):
+            hi = lo + self.micro_batch_size
+            yield list(range(lo, hi if self._pad_last else min(hi, self.total_samples)))
 
 
-class SequentialEvalSampler(_RankSlicedSampler):
+class SequentialEvalSampler(MegatronPretrainingSampler):
     """In-order batches for validation and test that drop no sample and keep every rank in step.
 
     Same layout and arguments as ``MegatronPretrainingSampler``. Without ``drop_last`` the final
@@ -89,16 +68,12 @@ class SequentialEvalSampler(_RankSlicedSampler):
     which turns padding indices into samples whose labels are all ``IGNORE_INDEX``.
     """
 
+    _pad_last = True
+
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = False):
         super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
                          drop_last)
-
-    def __len__(self) -> int:
-        remaining = self.total_samples - self.consumed_samples
-        if self.drop_last:
-            return remaining // self.global_micro_batch
-        return -(-remaining // self.global_micro_batch)
 
     @property
     def num_padding(self) -> int:
@@ -106,13 +81,6 @@ class SequentialEvalSampler(_RankSlicedSampler):
         if self.drop_last:
             return 0
         return len(self) * self.global_micro_batch - (self.total_samples - self.consumed_samples)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        offset = self.data_parallel_rank * self.micro_batch_size
-        start = self.consumed_samples
-        for _ in range(len(self)):
-            yield list(range(start + offset, start + offset + self.micro_batch_size))
-            start += self.global_micro_batch
 
 
 class PaddedEvalDataset(torch.utils.data.Dataset):
