@@ -25,42 +25,16 @@ Check that everything works with a few iterations:
 
 
 class _FlagsAnywhereParser(argparse.ArgumentParser):
-    """Accepts the flags before or after the ``key=value`` overrides.
-
-    ``opts`` is ``argparse.REMAINDER``, which would swallow a ``--resume`` typed after an
-    override (``... train.train_iter=100 --resume``); flags are moved to the front first.
-    """
-
-    _FLAGS = ("--resume", "--eval-only", "--fast-dev-run")
+    """Accepts the flags before or after the ``key=value`` overrides (``... train.train_iter=100 --resume``)."""
 
     def parse_args(self, args=None, namespace=None):
-        import sys
-
-        argv = list(sys.argv[1:] if args is None else args)
-        flags, rest, i = [], [], 0
-        while i < len(argv):
-            a = argv[i]
-            if a in self._FLAGS or a in ("-h", "--help"):
-                flags.append(a)
-            elif a == "--config-file" and i + 1 < len(argv):
-                flags += [a, argv[i + 1]]
-                i += 1
-            elif a.startswith("--config-file="):
-                flags.append(a)
-            else:
-                rest.append(a)
-            i += 1
-        return super().parse_args(flags + rest, namespace)
+        return self.parse_intermixed_args(args, namespace)
 
 
 def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentParser:
-    """Parser with ``--config-file``, ``--resume``, ``--eval-only``, ``--fast-dev-run`` and ``opts``.
-
-    The flags may come before or after the ``key=value`` overrides.
-    """
+    """Parser with ``--config-file``, ``--resume``, ``--eval-only``, ``--fast-dev-run`` and ``opts``."""
     parser = _FlagsAnywhereParser(
-        epilog=epilog if epilog is not None else _EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=epilog if epilog is not None else _EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--config-file", required=True, metavar="FILE", help="path to config file (.py lazy config or saved .yaml)"
@@ -80,9 +54,8 @@ def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentPa
     )
     parser.add_argument(
         "opts",
+        nargs="*",
         help='Modify config options at the end of the command using "path.key=value" '
         '(Hydra syntax: "a.b=[1,2]", "a.s=\'hello world\'", "a.x=null", "+a.new=1" to add a key).',
-        default=None,
-        nargs=argparse.REMAINDER,
     )
     return parser

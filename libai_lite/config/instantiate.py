@@ -1,12 +1,12 @@
 """Turn lazy configs (``_target_`` + keyword arguments) into live objects.
 
-A much smaller cousin of ``hydra.utils.instantiate`` in the detectron2 style:
-every nested ``_target_`` is built bottom-up, plain mappings and sequences in a
-call's arguments arrive as ``dict``/``list`` (never as omegaconf nodes, which
-cannot hold arbitrary objects reliably), and a failure names the target and the
-key path that was being built.
+A much smaller cousin of ``hydra.utils.instantiate`` in the detectron2 style: nested
+``_target_`` nodes are built bottom-up, plain mappings and sequences in a call's arguments
+arrive as ``dict``/``list`` (omegaconf nodes cannot hold arbitrary objects reliably), and a
+failure names the target and the key path that was being built.
 """
 import builtins
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -34,7 +34,7 @@ def locate(path: str) -> Any:
     for i in range(len(parts), 0, -1):
         module_name = ".".join(parts[:i])
         try:
-            module = importlib.import_module(module_name)
+            obj = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             # Only "this prefix is not a module" means try a shorter prefix; a module
             # that exists but misses one of its own dependencies is a real error.
@@ -42,13 +42,10 @@ def locate(path: str) -> Any:
                 missing = e.name
                 continue
             raise
-        obj = module
         for depth, attr in enumerate(parts[i:], start=i):
-            try:
-                obj = getattr(obj, attr)
-            except AttributeError as e:
-                owner = ".".join(parts[:depth])
-                raise ImportError(f"Cannot locate {path!r}: {owner!r} has no attribute {attr!r}") from e
+            if not hasattr(obj, attr):
+                raise ImportError(f"Cannot locate {path!r}: {'.'.join(parts[:depth])!r} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
         return obj
     if len(parts) == 1 and hasattr(builtins, path):
         return getattr(builtins, path)
@@ -67,85 +64,62 @@ def target_to_string(target: Any) -> str:
     module_parts = module.split(".")
     for k in range(1, len(module_parts)):
         candidate = ".".join(module_parts[:k]) + "." + qualname
-        try:
+        with contextlib.suppress(Exception):
             if locate(candidate) is target:
                 return candidate
-        except Exception:
-            pass
     return f"{module}.{qualname}"
 
 
-def _describe_target(target: Any) -> str:
-    if isinstance(target, str):
-        return target
-    try:
-        return f"{target.__module__}.{target.__qualname__}"
-    except AttributeError:
-        return repr(target)
-
-
-def _join(path: str, key: Any) -> str:
+def join_key(path: str, key: Any) -> str:
+    """The dotted path of ``key`` under ``path`` (``""`` is the root)."""
     return f"{path}.{key}" if path else str(key)
-
-
-def _root_path(cfg: Any) -> str:
-    # A sub-node of a loaded config knows where it lives (``model.cfg``); use that
-    # so ``instantiate(cfg.model)`` reports paths the user can override.
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        try:
-            return cfg._get_full_key(None) or ""
-        except Exception:
-            return ""
-    return ""
 
 
 def instantiate(cfg: Any) -> Any:
     """Recursively build every ``_target_`` in ``cfg``.
 
-    ``_target_`` may be a callable or a dotted import path. ``_recursive_=False``
-    passes the call's arguments through unbuilt (as omegaconf nodes, so the callee
-    can instantiate them later); ``_partial_=True`` returns a ``functools.partial``.
-    Plain ``DictConfig``/``ListConfig`` nodes become ``dict``/``list``; anything
-    else is returned unchanged.
+    ``_target_`` may be a callable or a dotted import path. ``_recursive_=False`` passes the
+    call's arguments through unbuilt (as omegaconf nodes, for the callee to instantiate);
+    ``_partial_=True`` returns a ``functools.partial``. Plain ``DictConfig``/``ListConfig``
+    nodes become ``dict``/``list``; anything else is returned unchanged.
     """
-    return _instantiate(cfg, _root_path(cfg))
+    path = ""
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        # A sub-node of a loaded config knows where it lives (``model.cfg``); use that
+        # so ``instantiate(cfg.model)`` reports paths the user can override.
+        with contextlib.suppress(Exception):
+            path = cfg._get_full_key(None) or ""
+    return _instantiate(cfg, path)
 
 
 def _instantiate(cfg: Any, path: str) -> Any:
     if isinstance(cfg, (ListConfig, list, tuple)):
-        items = [_instantiate(v, _join(path, i)) for i, v in enumerate(cfg)]
+        items = [_instantiate(v, join_key(path, i)) for i, v in enumerate(cfg)]
         return tuple(items) if isinstance(cfg, tuple) else items
-
     if isinstance(cfg, DictConfig) and dataclasses.is_dataclass(cfg._metadata.object_type):
         return OmegaConf.to_object(cfg)
-
     if not isinstance(cfg, abc.Mapping):
         return cfg
-
     if "_target_" not in cfg:
-        return {k: _instantiate(v, _join(path, k)) for k, v in cfg.items()}
+        return {k: _instantiate(v, join_key(path, k)) for k, v in cfg.items()}
 
-    target = cfg["_target_"]
-    recursive = cfg.get("_recursive_", True)
-    partial = cfg.get("_partial_", False)
-    kwargs = {}
-    for key, value in cfg.items():
-        if key in _RESERVED_KEYS:
-            continue
-        kwargs[key] = _instantiate(value, _join(path, key)) if recursive else value
-
+    target, recursive = cfg["_target_"], cfg.get("_recursive_", True)
+    kwargs = {
+        k: _instantiate(v, join_key(path, k)) if recursive else v for k, v in cfg.items() if k not in _RESERVED_KEYS
+    }
     where = path or "<root>"
-    name = _describe_target(target)
+    try:
+        name = target if isinstance(target, str) else f"{target.__module__}.{target.__qualname__}"
+    except AttributeError:
+        name = repr(target)
     if isinstance(target, str):
         try:
             target = locate(target)
         except Exception as e:
-            raise InstantiationError(
-                f"Cannot import _target_ {name!r} at {where!r}: {type(e).__name__}: {e}"
-            ) from e
+            raise InstantiationError(f"Cannot import _target_ {name!r} at {where!r}: {type(e).__name__}: {e}") from e
     if not callable(target):
         raise InstantiationError(f"_target_ {name!r} at {where!r} is not callable")
-    if partial:
+    if cfg.get("_partial_", False):
         return functools.partial(target, **kwargs)
     try:
         return target(**kwargs)
@@ -154,6 +128,4 @@ def _instantiate(cfg: Any, path: str) -> Any:
         raise
     except Exception as e:
         message = " ".join(str(e).split())
-        raise InstantiationError(
-            f"Error instantiating {name!r} at {where!r}: {type(e).__name__}: {message}"
-        ) from e
+        raise InstantiationError(f"Error instantiating {name!r} at {where!r}: {type(e).__name__}: {message}") from e
