@@ -71,15 +71,6 @@ from libai_lite.data.build import (
 from libai_lite.data.gpt_dataset import IGNORE_INDEX
 from libai_lite.utils.errors import UsageError
 
-__all__ = [
-    "T5Dataset",
-    "build_t5_train_valid_test_datasets",
-    "build_t5_train_valid_test_loaders",
-    "random_spans_helper",
-    "random_spans_noise_mask",
-    "t5_train_samples_per_epoch",
-]
-
 
 # ----------------------------------------------------------------------------------------------
 # T5's span arithmetic
