@@ -1,39 +1,21 @@
 """Mixture-of-experts feed-forward layer: a learned router sends each token to its top-k experts.
 
-Switch Transformer (top-1) and GShard (top-2) routing, as DeepSpeed-MoE and Megatron-LM do it:
+Switch Transformer (top-1) and GShard (top-2) routing, as DeepSpeed-MoE and Megatron-LM do it: the
+router is a bias-free ``hidden -> num_experts`` linear layer run in fp32 (optionally with Switch's
+multiplicative jitter on its input while training); top-1 weights the chosen expert's output by its
+probability, top-k > 1 renormalises the k chosen probabilities. Every expert is the model's ordinary
+``MLP``. Each expert takes at most ``ceil(capacity_factor * tokens * k / num_experts)`` assignments
+of a rank's micro-batch, first choices before second choices, earlier tokens before later ones; a
+dropped assignment contributes nothing (``capacity_factor=None`` never drops). The auxiliary
+load-balancing loss (Switch eq. 4, GShard) is ``num_experts * sum_e f_e * P_e``: 1 at perfect balance.
 
-* the router is a bias-free ``hidden -> num_experts`` linear layer computed in fp32 (autocast off),
-  optionally with multiplicative jitter noise on its input while training (Switch's
-  ``router_jitter``); probabilities are its softmax;
-* top-1 weights the chosen expert's output by its probability (so the router gets a gradient
-  from the language-model loss); top-k > 1 renormalises the k chosen probabilities to sum to 1;
-* every expert is the model's ordinary ``MLP`` (same width, activation and gating as the dense
-  layer it replaces), so tensor parallelism splits it as usual;
-* capacity: each expert takes at most ``ceil(capacity_factor * tokens * k / num_experts)``
-  assignments from a rank's micro-batch; first choices are served before second choices, and
-  earlier tokens before later ones. An assignment over capacity is dropped: it contributes
-  nothing, and a token whose every assignment is dropped passes through the residual unchanged.
-  ``capacity_factor=None`` never drops;
-* auxiliary load-balancing loss (Switch eq. 4, GShard): ``num_experts * sum_e f_e * P_e`` with
-  ``f_e`` the fraction of assignments the router made to expert ``e`` (before capacity) and
-  ``P_e`` its mean router probability. It is 1 at perfect balance and grows as load concentrates;
-  ``aux_loss_weight`` multiplies it before it joins the training loss.
-
-The layer is a drop-in for ``MLP``: ``forward(hidden_states) -> hidden_states``. Its auxiliary loss
-and statistics are left on the module after each forward, and ``collect_moe_outputs(model)`` sums
-them into the pretraining wrapper's output dict (``moe_aux_loss``, back-propagated by the trainer;
-``moe_dropped_frac`` and ``moe_load_max``, logged).
-
-Under pipeline parallelism a stage's output is the hidden state, so the auxiliary loss cannot join
-the schedule's loss. There (``aux_loss_in_backward``) the layer returns its output through an identity
-whose backward also back-propagates ``aux_loss_weight * aux_loss`` (Megatron-LM's
-``MoEAuxLossAutoScaler``): the gradients are those of language-model loss plus auxiliary loss, and
-each backward records the micro-batch's statistics (``backprop_aux_loss``), which
-``libai_lite.parallel.expert_parallel.PipelineMoE`` combines over the stages.
-
-Expert parallelism (``libai_lite.parallel.expert_parallel``) keeps only this rank's experts in
-``experts`` (a ``ModuleDict`` keyed by the GLOBAL expert index, so checkpoints do not depend on the
-layout) and sets the layer's ``dispatch``; tokens then travel to their expert's rank and back by all-to-all.
+A drop-in for ``MLP``. Its auxiliary loss and statistics stay on the module after each forward, and
+``collect_moe_outputs(model)`` adds them to the pretraining wrapper's output dict. A pipeline stage
+returns hidden states, so there (``backprop_aux_loss``) the layer back-propagates its own weighted
+auxiliary loss through an identity on its output (Megatron-LM's ``MoEAuxLossAutoScaler``) and records
+each micro-batch's statistics, which ``libai_lite.parallel.expert_parallel.PipelineMoE`` combines.
+Expert parallelism keeps only this rank's experts in ``experts`` (keyed by the GLOBAL expert index)
+and sets the layer's ``dispatch``.
 """
 from __future__ import annotations
 
@@ -57,18 +39,11 @@ from .mlp import MLP
 class MoEConfig:
     """``model.cfg.moe``: which feed-forward layers become mixtures of experts, and how they route.
 
-    Args:
-        enabled: False keeps every layer dense (the model is exactly the dense model).
-        num_experts: experts per MoE layer.
-        top_k: experts each token is sent to (1: Switch, 2: GShard).
-        ep_size: expert-parallel size: the experts of a layer are spread over this many ranks of
-            the data-parallel group (``num_experts`` and the data-parallel size must be multiples).
-        capacity_factor: expert capacity as a multiple of the balanced load ``tokens * k / E``;
-            None never drops a token.
-        aux_loss_weight: weight of the load-balancing loss in the training loss.
-        every_n_layers: the N-th, 2N-th, ... feed-forward layer of each stack is an MoE layer
-            (2: every other layer, as in Switch and GShard; 1: all of them).
-        jitter_noise: router input multiplied by ``U(1 - eps, 1 + eps)`` while training (0: off).
+    ``num_experts`` per MoE layer, each token sent to ``top_k`` (1: Switch, 2: GShard); the experts of a
+    layer spread over ``ep_size`` data-parallel ranks; ``capacity_factor``: expert capacity as a multiple
+    of the balanced load (None: no limit); ``aux_loss_weight`` of the load-balancing loss; the N-th,
+    2N-th, ... feed-forward layer of each stack is an MoE layer (``every_n_layers``); ``jitter_noise``:
+    router input multiplied by ``U(1 - eps, 1 + eps)`` while training (0: off).
     """
 
     enabled: bool = False
@@ -240,27 +215,15 @@ class _AuxLossInBackward(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Routed mixture of ``MLP`` experts with the ``MLP`` interface: ``forward(hidden_states) -> hidden_states``.
 
-    Constructor arguments after ``moe`` are the ``MLP``'s, used for every expert. After each
-    forward, ``aux_loss`` (unweighted), ``aux_loss_weight`` and ``stats`` (assignments, dropped
-    assignments, max/mean expert load; detached) describe it; see ``collect_moe_outputs``.
+    Arguments after ``moe`` are the ``MLP``'s, used for every expert. After each forward,
+    ``aux_loss`` (unweighted), ``aux_loss_weight`` and ``stats`` (assignments, dropped assignments,
+    max/mean expert load; detached) describe it; see ``collect_moe_outputs``.
     """
 
-    def __init__(
-        self,
-        moe: MoEConfig,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        output_dropout_prob: float = 0.0,
-        init_method: Optional[InitMethod] = None,
-        output_layer_init_method: Optional[InitMethod] = None,
-        bias: bool = True,
-        activation: str = "gelu",
-        gated: bool = False,
-        layer_idx: int = 0,
-    ):
+    def __init__(self, moe: MoEConfig, hidden_size: int, ffn_hidden_size: int,
+                 init_method: Optional[InitMethod] = None, layer_idx: int = 0, **mlp_options):
         super().__init__()
         moe = MoEConfig.from_mapping(moe)
-        # What the parallel code reads: expert-parallel size and the rest of the layout checks.
         self.moe_config = moe
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
@@ -270,9 +233,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden_size, moe.num_experts, init_method=init_method,
                              jitter_noise=moe.jitter_noise, layer_idx=layer_idx)
         self.experts = Experts({
-            str(e): MLP(hidden_size, ffn_hidden_size, output_dropout_prob=output_dropout_prob,
-                        init_method=init_method, output_layer_init_method=output_layer_init_method,
-                        bias=bias, activation=activation, gated=gated, layer_idx=layer_idx)
+            str(e): MLP(hidden_size, ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
             for e in range(moe.num_experts)
         })
         # How dispatched tokens reach the experts: here, or (set by

@@ -1,26 +1,15 @@
 """Expert parallelism: the experts of each MoE layer spread over ``ep_size`` ranks of the data-parallel group.
 
-Layout (DeepSpeed-MoE's and torchtitan's): the data-parallel dimension of the ``("pp", "dp", "tp")``
-mesh is unflattened into ``("edp", "ep")`` with ``dp = edp x ep``. Consecutive data-parallel ranks
-form an expert-parallel group (``"ep"``): together they hold all experts of a layer, rank ``i`` of
-the group experts ``[i * E/ep, (i + 1) * E/ep)``. Ranks holding the same experts form the
-expert-data-parallel group (``"edp"``), over which those experts are replicated (or ZeRO-sharded).
-
-- which experts a rank keeps: ``apply_expert_parallel`` deletes the others from each
-  ``MoELayer.experts``; keys stay global expert indices, so checkpoints load under any ``ep_size``.
-- token dispatch and combine: ``expert_parallel_forward``. Counts go by ``all_to_all_single``,
-  tokens by the autograd ``all_to_all_single`` of ``torch.distributed._functional_collectives``
-  (what torch names as the successor of ``torch.distributed.nn.functional.all_to_all_single``).
-- gradient reduction: experts are left out of the dense data-parallel wrapper and reduced over
-  ``"edp"`` by their own FSDP2 ``replicate`` (ZeRO 0) or ``fully_shard`` (ZeRO 2/3), divided by
-  the whole data-parallel size (``set_gradient_divide_factor``): an expert's local gradient already
-  sums the loss gradients of every token its ep group sent it, so the mean over all ``dp`` ranks'
-  losses is the edp sum divided by ``dp``.
-- gradient clipping: ``clip_grad.clip_grad_norm_`` adds the expert gradients' norms across
-  ``"ep"`` (``expert_norm_group``).
-
-With ``ep_size=1`` none of this runs: every rank holds every expert and they are ordinary
-data-parallel parameters.
+Layout (DeepSpeed-MoE's and torchtitan's): the ``"dp"`` dimension of the ``("pp", "dp", "tp")`` mesh
+is unflattened into ``("edp", "ep")``, ``dp = edp x ep``. Consecutive data-parallel ranks form an
+expert-parallel group (``"ep"``) holding all experts of a layer between them, rank ``i`` experts
+``[i * E/ep, (i + 1) * E/ep)``; ranks holding the same experts form the expert-data-parallel group
+(``"edp"``). ``apply_expert_parallel`` deletes the other ranks' experts (keys stay global expert
+indices, so checkpoints load under any ``ep_size``) and routes tokens to their experts by
+all-to-all (``expert_parallel_forward``). Experts are reduced over ``"edp"`` by their own FSDP2
+``replicate`` (ZeRO 0) or ``fully_shard`` (ZeRO 2/3), divided by the whole data-parallel size: an
+expert's local gradient already sums the loss gradients of every token its ep group sent it.
+``clip_grad.clip_grad_norm_`` adds the other experts' norms across ``"ep"`` (``reduce_expert_norm``).
 """
 from __future__ import annotations
 
@@ -35,21 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layers.moe import Experts, MoEConfig, moe_layers
 from ..utils.errors import UsageError
+from .data_parallel import check_zero1
 
 logger = logging.getLogger("libai_lite")
 
 # (edp mesh, ep process group) of every expert layout built in this process, for clip_grad_norm_.
 _EXPERT_MESHES: list[tuple[DeviceMesh, object]] = []
 _MESH_CACHE: dict = {}
-
-
-def moe_config(model_cfg) -> MoEConfig | None:
-    """The validated ``model.cfg.moe`` when MoE is enabled, else None."""
-    raw = model_cfg.get("moe") if hasattr(model_cfg, "get") else getattr(model_cfg, "moe", None)
-    if raw is None:
-        return None
-    cfg = MoEConfig.from_mapping(raw)
-    return cfg if cfg.enabled else None
 
 
 def check_moe_layout(moe: MoEConfig | None, dp: int, tp: int, zero_stage: int,
@@ -74,10 +55,7 @@ def check_moe_layout(moe: MoEConfig | None, dp: int, tp: int, zero_stage: int,
             f"use model.cfg.moe.ep_size=1 with tensor_parallel_size={tp}, or tensor_parallel_size=1"
         )
     if ep > 1 and zero_stage == 1:
-        raise UsageError(
-            "ZeRO stage 1 (ZeroRedundancyOptimizer) would overwrite each rank's experts with another's; "
-            "use train.zero_optimization.stage=2 (it also shards gradients) or 0 with model.cfg.moe.ep_size>1"
-        )
+        check_zero1(expert_parallel=True)
 
 
 def build_expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
@@ -86,43 +64,25 @@ def build_expert_mesh(mesh: DeviceMesh, ep_size: int) -> DeviceMesh:
     Collective: every rank must call it (it creates the process groups). Cached per mesh and size.
     """
     key = (id(mesh), ep_size)
-    if key in _MESH_CACHE:
-        return _MESH_CACHE[key]
-    dp = mesh["dp"].size()
-    if dp % ep_size:
-        raise UsageError(f"model.cfg.moe.ep_size={ep_size} does not divide the data-parallel size {dp}")
-    names = tuple(mesh.mesh_dim_names)
-    sizes = [mesh[n].size() for n in names]
-    # Data-parallel rank r is (edp, ep) = divmod(r, ep_size) in row-major unflattening.
-    shape = []
-    new_names = []
-    for n, s in zip(names, sizes):
-        if n == "dp":
-            shape += [dp // ep_size, ep_size]
-            new_names += ["edp", "ep"]
-        else:
-            shape.append(s)
-            new_names.append(n)
-    expert_mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(new_names))
-    _MESH_CACHE[key] = expert_mesh
-    _EXPERT_MESHES.append((expert_mesh["edp"], expert_mesh["ep"].get_group()))
-    return expert_mesh
-
-
-def expert_norm_group(mesh: DeviceMesh | None):
-    """The ep group whose ranks hold the other experts of gradients on ``mesh`` (an edp mesh), else None."""
-    if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("edp",):
-        return None
-    for edp, group in _EXPERT_MESHES:
-        if edp == mesh:
-            return group
-    return None
+    if key not in _MESH_CACHE:
+        names, shape = list(mesh.mesh_dim_names), list(mesh.mesh.shape)
+        i = names.index("dp")
+        if shape[i] % ep_size:
+            raise UsageError(f"model.cfg.moe.ep_size={ep_size} does not divide the data-parallel size {shape[i]}")
+        # Data-parallel rank r is (edp, ep) = divmod(r, ep_size) in row-major unflattening.
+        names[i:i + 1], shape[i:i + 1] = ["edp", "ep"], [shape[i] // ep_size, ep_size]
+        expert_mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(names))
+        _MESH_CACHE[key] = expert_mesh
+        _EXPERT_MESHES.append((expert_mesh["edp"], expert_mesh["ep"].get_group()))
+    return _MESH_CACHE[key]
 
 
 def reduce_expert_norm(norm: torch.Tensor, mesh: DeviceMesh | None, norm_type: float) -> torch.Tensor:
-    """``norm`` of the gradients on ``mesh``, extended over the other experts of its ep group (fp32);
-    unchanged when ``mesh`` is not an expert-data-parallel mesh. Collective over that group."""
-    ep_group = expert_norm_group(mesh)
+    """``norm`` of the gradients on ``mesh``, extended over the other experts of its ep group (fp32) when
+    ``mesh`` is an expert-data-parallel mesh, else unchanged. Collective over that group."""
+    if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("edp",):
+        return norm
+    ep_group = next((group for edp, group in _EXPERT_MESHES if edp == mesh), None)
     if ep_group is None:
         return norm
     if math.isinf(norm_type):
@@ -143,12 +103,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
     ep_mesh = expert_mesh["ep"]
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     layers = moe_layers(model)
-    for layer in layers:
-        if layer.num_experts % ep_size:
-            raise UsageError(
-                f"model.cfg.moe.ep_size={ep_size} does not divide num_experts={layer.num_experts}; "
-                f"use an ep_size that divides the number of experts"
-            )
+    for layer in layers:  # MoEConfig has checked that ep_size divides num_experts
         per_rank = layer.num_experts // ep_size
         mine = set(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
         for key in list(layer.experts.keys()):
@@ -164,11 +119,9 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
 
 def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, *, group,
                             ep_size: int) -> torch.Tensor:
-    """An ``MoELayer.dispatch``: send ``tokens`` (sorted by global expert) to their experts' ranks, run the local experts, send results back.
-
-    ``tokens_per_expert`` ``[E]``: rows of ``tokens`` for each global expert. Returns the expert
-    outputs in the order of ``tokens``. Differentiable: backward runs the two all-to-alls in reverse.
-    """
+    """An ``MoELayer.dispatch``: send ``tokens`` (sorted by global expert, ``tokens_per_expert`` ``[E]`` rows
+    each) to their experts' ranks, run the local experts, and return their outputs in the order of
+    ``tokens``. Differentiable: backward runs the two all-to-alls in reverse."""
     import torch.distributed._functional_collectives as funcol
 
     num_experts = tokens_per_expert.numel()
@@ -196,10 +149,8 @@ def expert_modules(model: nn.Module) -> list[Experts]:
 
 
 def replicate_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy=None) -> None:
-    """ZeRO 0 with ep > 1: each layer's experts all-reduced over their edp group, averaged over all dp ranks.
-
-    FSDP2's ``replicate`` on each ``Experts`` module; the dense wrapper then leaves them alone.
-    """
+    """ZeRO 0 with ep > 1: FSDP2 ``replicate`` of each layer's experts over their edp group, gradients
+    averaged over all dp ranks; the dense wrapper then leaves them alone."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -229,20 +180,19 @@ class PipelineMoE:
     """The MoE layers of this rank's pipeline stages, for a pipeline step's gradients and log.
 
     A stage returns hidden states, so each MoE layer back-propagates its own auxiliary loss
-    (``MoELayer.backprop_aux_loss``); ``step_metrics`` then combines the records its backward left,
-    per micro-batch over every stage (as ``collect_moe_outputs`` combines one model's layers),
-    averaged over the micro-batches. Collective over the pipeline group: every pipeline rank
-    takes part, with or without MoE layers of its own.
+    (``MoELayer.backprop_aux_loss``); ``step_metrics`` combines the records their backward left, per
+    micro-batch over every stage (as ``collect_moe_outputs`` combines one model's layers), averaged
+    over the micro-batches. Collective over the pipeline group, with or without local MoE layers.
     """
 
     def __init__(self, stage_modules, pp_group, n_microbatches: int, device: torch.device):
         self.layers = [m for module in stage_modules for m in moe_layers(module)]
-        self.pp_group = pp_group
+        self.pp_group = pp_group if pp_group is not None and dist.get_world_size(pp_group) > 1 else None
         self.n_microbatches = int(n_microbatches)
         self.device = device
         present = torch.tensor([len(self.layers)], device=device)
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(present, group=pp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(present, group=self.pp_group)
         self.enabled = bool(present.item())
 
     def begin_step(self, loss_scale: float) -> None:
@@ -256,21 +206,18 @@ class PipelineMoE:
         if not self.enabled:
             return {}
         n = self.n_microbatches
-        aux = torch.zeros(n, dtype=torch.float64, device=self.device)
-        counts = [[0.0, 0.0] for _ in range(n)]  # assignments, dropped
-        load_max = [0.0] * n
+        sums = torch.zeros(n, 3, dtype=torch.float64, device=self.device)  # aux, assignments, dropped
+        load_max = torch.zeros(n, dtype=torch.float64, device=self.device)
         for m in self.layers:
             # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
             # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
             for i, r in enumerate(m.step_records[-n:]):
-                aux[i] += r["aux"].double()
-                counts[i][0] += r["assignments"]
-                counts[i][1] += r["dropped"]
+                sums[i, 0] += r["aux"].double()
+                sums[i, 1] += r["assignments"]
+                sums[i, 2] += r["dropped"]
                 load_max[i] = max(load_max[i], r["load_max"])
             m.step_records = []
-        sums = torch.cat([aux[:, None], torch.tensor(counts, dtype=torch.float64, device=self.device)], dim=1)
-        load_max = torch.tensor(load_max, dtype=torch.float64, device=self.device)
-        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+        if self.pp_group is not None:
             dist.all_reduce(sums, group=self.pp_group)
             dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.pp_group)
         return {

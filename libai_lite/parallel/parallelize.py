@@ -63,6 +63,7 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp
                      layout.zero_stage, layout.sequence_parallel)
     if layout.pipeline_parallel_size == 1:
         return
+    from .data_parallel import check_zero1
     from .pipeline import check_schedule
 
     if not supports_pipeline(model):
@@ -71,8 +72,7 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp
     layout.place_layers(pipeline_num_layers(model))
     check_schedule(layout.pipeline_schedule, layout.num_stages, layout.pipeline_parallel_size, n_microbatches)
     if layout.zero_stage == 1 and layout.data_parallel_size > 1:
-        raise UsageError("ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) cannot run under pipeline parallelism; "
-                         "use train.zero_optimization.stage=2, which also shards optimizer state")
+        check_zero1(pipeline=True)
     if fp16:
         raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; use train.amp.dtype=bf16")
 
