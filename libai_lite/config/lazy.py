@@ -118,8 +118,7 @@ class LazyConfig:
                 return DictConfig(cfg, flags={"allow_objects": True})
         elif path.suffix in (".yaml", ".yml"):
             try:
-                data = yaml.safe_load(path.read_text(encoding="utf-8"))
-                namespace = OmegaConf.create(data if data is not None else {}, flags={"allow_objects": True})
+                namespace = OmegaConf.create(path.read_text(encoding="utf-8"), flags={"allow_objects": True})
             except Exception as e:
                 raise ConfigLoadError(f"Failed to load config file {path}: {type(e).__name__}: {one_line(e)}") from e
             restore_import_roots(namespace.get(IMPORT_ROOTS_KEY), path)
