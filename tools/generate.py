@@ -15,6 +15,7 @@ split tensor-parallel over all processes; rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -143,45 +144,15 @@ def _tokenizer_from_files(vocab_file=None, merges_file=None, spm_model=None):
 
 
 def checkpoint_vocab_size(cfg, path: str) -> int:
-    """Rows of the checkpoint's token embedding, found by building ``cfg.model`` on the meta device."""
-    import torch.distributed.checkpoint as dcp
-
+    """Rows of the checkpoint's token embedding, named by building ``cfg.model`` on the meta device."""
+    from libai_lite.checkpoint.checkpointer import stored_rows
     from libai_lite.config import instantiate
     from libai_lite.layers import VocabEmbedding
 
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
-        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point --checkpoint to a complete "
-                         f"checkpoint directory") from e
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    names = [f"model.{n}.weight" for n, m in model.named_modules() if isinstance(m, VocabEmbedding)]
-    for name in names:
-        if name in meta:
-            return int(meta[name].size[0])
-    raise UsageError(f"checkpoint {path} has no token embedding {names[0] if names else '(none in the model)'}: it was "
-                     f"saved from another model; give the --config-file it was trained with")
-
-
-def _materialise(cfg, device):
-    """``cfg.model`` on ``device`` without drawing a random init the checkpoint overwrites anyway."""
-    from libai_lite.config import instantiate
-
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
-    if any(True for _ in model.buffers()):  # buffers are not in checkpoints: build them for real
-        return instantiate(cfg.model).to(device)
-    model.to_empty(device=device)
-    _retie(model)
-    return model
-
-
-def _retie(model) -> None:
-    for m in model.modules():
-        tie = getattr(m, "tie_weights", None)
-        if callable(tie):
-            tie()
+    names = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, VocabEmbedding)]
+    return stored_rows(path, names, "it was saved from another model; give the --config-file it was trained with")
 
 
 def _explicit_tp(opts) -> int | None:
@@ -214,14 +185,13 @@ def load_model(args):
         from omegaconf import open_dict
 
         from libai_lite.checkpoint import Checkpointer
+        from libai_lite.checkpoint.checkpointer import build_empty, read_metadata
         from libai_lite.config import LazyConfig, instantiate
 
         if not args.checkpoint:
             raise UsageError("--config-file needs --checkpoint DIR (a model_XXXXXXX or model_final directory)")
         path = args.checkpoint
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
-            raise UsageError(f"checkpoint {path} is missing or incomplete (no .metadata); point --checkpoint to a "
-                             f"complete model_XXXXXXX directory")
+        read_metadata(path)  # a missing or corrupt checkpoint is refused before the config is read
         cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), args.opts)
         ctx = _setup_dist(_explicit_tp(args.opts))
         with open_dict(cfg):
@@ -233,7 +203,7 @@ def load_model(args):
             except ValueError as e:
                 raise UsageError(f"tokenization.tokenizer cannot be built: {str(e).splitlines()[0]}") from None
         device = _device(args, ctx)
-        model = _materialise(cfg, device)
+        model = build_empty(lambda: instantiate(cfg.model), device)
         if ctx.tensor_parallel_size > 1:
             apply_tensor_parallel(model, ctx.mesh["tp"])
         Checkpointer(model).load(path, weights_only=True)
@@ -255,9 +225,9 @@ def load_model(args):
         model = model.to(_device(args, ctx))
         if ctx.tensor_parallel_size > 1:
             apply_tensor_parallel(model, ctx.mesh["tp"])
-    from projects.MT5.mt5_model import MT5ForPreTraining
-
-    return model.to(_DTYPES[args.dtype]), tokenizer, isinstance(model, MT5ForPreTraining), ctx
+    # An encoder-decoder model's generate reads encoder inputs (projects/MT5 and copies of it).
+    encoder_decoder = "encoder_input_ids" in inspect.signature(model.generate).parameters
+    return model.to(_DTYPES[args.dtype]), tokenizer, encoder_decoder, ctx
 
 
 def _device(args, ctx) -> torch.device:

@@ -233,20 +233,19 @@ def cmd_export(args) -> int:
     from omegaconf import OmegaConf, open_dict
 
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.hf import build_model, checkpoint_vocab_size, mapping_for_model, save_hf_model
+    from libai_lite.checkpoint.checkpointer import build_empty, read_metadata
+    from libai_lite.checkpoint.hf import checkpoint_vocab_size, mapping_for_model, save_hf_model
     from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
     from libai_lite.config import instantiate
 
     check_output_dir(args.output, args.force)
-    if not os.path.isdir(args.checkpoint) or not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
-        raise UsageError(f"checkpoint {args.checkpoint} is missing or incomplete (no .metadata); point --checkpoint "
-                         f"to a complete checkpoint directory such as OUTPUT_DIR/model_final")
+    read_metadata(args.checkpoint)  # a missing or corrupt checkpoint is refused before the config is read
     cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])
     mapping_for_model(model_class)  # a class without a mapping is refused before the checkpoint is read
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     # The vocabulary the run padded to (a tp=2 run pads to a multiple of 256), not a fresh padding.
     model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_class)
-    module = build_model(model_class, model_cfg)
+    module = build_empty(lambda: model_class(dict(model_cfg)))
     Checkpointer(module).load(args.checkpoint, weights_only=True)
 
     tokenizer = None

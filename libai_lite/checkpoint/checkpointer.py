@@ -16,11 +16,13 @@ import os
 import random
 import re
 import shutil
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -78,6 +80,57 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, TRAINER_STATE))
 
 
+def _read_marker(save_dir: str) -> str | None:
+    """The checkpoint name written in ``save_dir/last_checkpoint``; None when there is no such file."""
+    marker = os.path.join(save_dir, LAST_CHECKPOINT)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        return f.read().strip()
+
+
+def read_metadata(path: str) -> dict:
+    """The DCP metadata of checkpoint ``path`` by key; a one-line UsageError when it is missing or unreadable."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UsageError(f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
+                         f"checkpoint directory (model_XXXXXXX or model_final)")
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
+        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
+                         f"point to a complete checkpoint directory") from e
+
+
+def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
+    """First dimension of the first of ``names`` (model parameter names) in checkpoint ``path``.
+
+    For the token embedding: the vocabulary the run padded to (a tp=2 run pads to a multiple of 256).
+    """
+    meta = read_metadata(path)
+    for name in names:
+        if f"model.{name}" in meta:
+            return int(meta[f"model.{name}"].size[0])
+    raise UsageError(f"checkpoint {path} has no '{names[0] if names else 'token embedding'}': {hint}")
+
+
+def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
+    """``build()`` on ``device`` without drawing the random init a checkpoint overwrites anyway.
+
+    Built on the meta device, then given empty storage; a module with buffers (which checkpoints
+    do not hold) is built for real instead.
+    """
+    with torch.device("meta"):
+        model = build()
+    if any(True for _ in model.buffers()):
+        return build().to(device)
+    model.to_empty(device=device)
+    # to_empty swaps parameters one module at a time, which unties a shared LM head.
+    for m in model.modules():
+        if callable(getattr(m, "tie_weights", None)):
+            m.tie_weights()
+    return model
+
+
 # Optimizer state flattened to one key per parameter name ("state.<fqn>.exp_avg"), so the
 # state of several model parts (pipeline stages) merges and splits by name, whatever the layout.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -119,12 +172,10 @@ class Checkpointer:
         tmp = final + ".tmp"
         rank = get_rank()
         if rank == 0:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         barrier()
-        ok = True
-        error = ""
+        ok, error = True, ""
         try:
             model_sd, optim_sd = self._state_dicts()
             state = {"model": model_sd}
@@ -151,30 +202,24 @@ class Checkpointer:
                 f": free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
             )
         if rank == 0:
-            if os.path.exists(final):
-                shutil.rmtree(final)
+            shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _write_text_atomic(os.path.join(self.save_dir, LAST_CHECKPOINT), name)
             self._prune(keep=name)
         barrier()
         return final
 
-    def _state_dicts(self):
+    def _state_dicts(self, with_optim: bool = True):
+        """``(model state, optimizer state or None)`` of every part, merged by name."""
         model_sd, optim_sd = {}, {}
         for part, optim in zip(self.parts, self._optims):
-            if optim is None:
+            if optim is None or not with_optim:
                 model_sd.update(get_model_state_dict(part))
             else:
                 m, o = get_state_dict(part, optim, options=_FLAT)
                 model_sd.update(m)
                 optim_sd.update(o)
-        return model_sd, (optim_sd if self.optimizer is not None else None)
-
-    def _model_state_dict(self) -> dict:
-        sd = {}
-        for part in self.parts:
-            sd.update(get_model_state_dict(part))
-        return sd
+        return model_sd, (optim_sd if self.optimizer is not None and with_optim else None)
 
     def _prune(self, keep: str) -> None:
         if not self.max_to_keep or self.max_to_keep <= 0:
@@ -192,11 +237,7 @@ class Checkpointer:
     # --------------------------------------------------------------- loading
     def last_checkpoint(self) -> str | None:
         """Path of the checkpoint named in `last_checkpoint`, or None."""
-        marker = os.path.join(self.save_dir, LAST_CHECKPOINT)
-        if not os.path.isfile(marker):
-            return None
-        with open(marker) as f:
-            name = f.read().strip()
+        name = _read_marker(self.save_dir)
         return os.path.join(self.save_dir, name) if name else None
 
     def remove_partial(self) -> None:
@@ -211,18 +252,13 @@ class Checkpointer:
 
     def check_shapes(self, path: str) -> None:
         """Refuse a checkpoint whose parameter names or shapes differ from this model's."""
-        check_checkpoint_shapes(path, self._model_state_dict(), self.aliases)
+        check_checkpoint_shapes(path, self._state_dicts(with_optim=False)[0], self.aliases)
 
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
-        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
-            raise UsageError(
-                f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
-                f"model_XXXXXXX directory, or remove it to start fresh"
-            )
         self.check_shapes(path)
         if weights_only or self.optimizer is None:
-            state = self._dcp_load({"model": self._model_state_dict()}, path)
+            state = self._dcp_load({"model": self._state_dicts(with_optim=False)[0]}, path)
             for part in self.parts:
                 own = get_model_state_dict(part)
                 set_model_state_dict(part, {k: state["model"][k] for k in own}, options=StateDictOptions(strict=True))
@@ -257,17 +293,8 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
     ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model built on the meta
     device checks a checkpoint before any data or weights are touched).
     """
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
-        raise UsageError(
-            f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
-            f"model_XXXXXXX directory, or remove it to start fresh"
-        )
+    meta = read_metadata(path)
     aliases = aliases or {}
-    reader = dcp.FileSystemReader(path)
-    try:
-        meta = reader.read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
-        raise UsageError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); point to a complete checkpoint directory") from e
     for key, tensor in model_state.items():
         stored = meta.get(f"model.{aliases.get(key, key)}")
         if stored is None:
@@ -292,11 +319,9 @@ def resolve_resume(save_dir: str) -> str | None:
     """
     verdict: tuple[str | None, str | None] = (None, None)
     if get_rank() == 0:
-        marker = os.path.join(save_dir, LAST_CHECKPOINT)
-        if os.path.isfile(marker):
-            with open(marker) as f:
-                name = f.read().strip()
-            path = os.path.join(save_dir, name)
+        name = _read_marker(save_dir)
+        if name is not None:
+            marker, path = os.path.join(save_dir, LAST_CHECKPOINT), os.path.join(save_dir, name)
             if is_complete(path):
                 verdict = (path, None)
             else:

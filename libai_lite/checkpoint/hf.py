@@ -1,11 +1,9 @@
 """Hugging Face weights in and out of libai_lite models, through the mapping each project registers.
 
-The core knows no model. A project's ``hf_mapping`` module describes its conversion as an
-``HFMapping`` (its pretraining class, the Hugging Face ``model_type`` values it reads, pure
-functions between Hugging Face config/state dicts and ours) and calls ``register_hf_model``; the
-project's modeling package imports that module, so importing the model class registers it. Export
-finds the mapping through the model's class (walking its MRO), import through the directory's
-``model_type``. Files are read and written by ``hf_io``; ``tools/hf_convert.py`` is the command line.
+A project's ``hf_mapping`` module describes its conversion as an ``HFMapping`` and calls
+``register_hf_model``; its modeling package imports that module, so importing the model class
+registers it. Export finds the mapping through the model's class (walking its MRO), import
+through the directory's ``model_type``. Files are ``hf_io``'s; ``tools/hf_convert.py`` is the command line.
 """
 from __future__ import annotations
 
@@ -16,7 +14,9 @@ import torch
 from torch import nn
 
 from ..utils.errors import UsageError
+from .checkpointer import build_empty, stored_rows
 from .hf_io import HFTokenizer, read_hf_config, read_hf_state_dict, write_hf_dir
+
 
 @dataclass(frozen=True)
 class HFMapping:
@@ -136,22 +136,6 @@ class StateDictSource:
 # ------------------------------------------------------------------------------ our models
 
 
-def build_model(model_class: type, model_cfg: Mapping) -> nn.Module:
-    """``model_class(model_cfg)`` (a class with a registered mapping), on the CPU, not initialised.
-
-    Built on the meta device, so a billion-parameter model costs no random initialisation.
-    """
-    mapping = mapping_for_model(model_class)
-    with torch.device("meta"):
-        module = model_class(dict(model_cfg))
-    module.to_empty(device="cpu")
-    # to_empty swaps parameters one module at a time, which unties a shared LM head.
-    tie = getattr(getattr(module, mapping.inner), "tie_weights", None)
-    if callable(tie):
-        tie()
-    return module
-
-
 def _load_converted(inner: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     """Copy a mapping's state dict into the inner model, refusing any key or shape mismatch."""
     own = inner.state_dict()
@@ -214,26 +198,16 @@ def load_hf_model(hf_dir: str, model_type: str | None = None, vocab_size: int | 
             raise UsageError(f"vocabulary size {vocab_size} is smaller than the model's {cfg['vocab_size']}")
         sd = resize_vocab_rows(sd, mapping.vocab_keys, vocab_size)
         cfg["vocab_size"] = int(vocab_size)
-    module = build_model(model_class or mapping.model_class, cfg)
+    module = build_empty(lambda: (model_class or mapping.model_class)(dict(cfg)))
     _load_converted(getattr(module, mapping.inner), sd)
     return model_type, cfg, module.eval()
 
 
 def checkpoint_vocab_size(checkpoint_dir: str, model_class: type) -> int:
     """Rows of the token embedding in a DCP checkpoint of ``model_class``: the vocabulary the run padded to."""
-    import torch.distributed.checkpoint as dcp
-
     mapping = mapping_for_model(model_class)
-    try:
-        meta = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
-        raise UsageError(f"checkpoint {checkpoint_dir} cannot be read ({type(e).__name__}: {e}); "
-                         f"point --checkpoint to a complete checkpoint directory") from e
-    key = f"model.{mapping.inner}.{mapping.vocab_keys[0]}"
-    if key not in meta:
-        raise UsageError(f"checkpoint {checkpoint_dir} has no '{key[len('model.'):]}': it was not saved from a "
-                         f"{mapping.model_class.__name__}; check --config-file")
-    return int(meta[key].size[0])
+    return stored_rows(checkpoint_dir, [f"{mapping.inner}.{mapping.vocab_keys[0]}"],
+                       f"it was not saved from a {mapping.model_class.__name__}; check --config-file")
 
 
 def save_hf_model(module: nn.Module, model_cfg: Mapping, output_dir: str, vocab_size: int | None = None,
