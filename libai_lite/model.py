@@ -61,22 +61,24 @@ LOSS = Metric(backward=True)
 MEAN = Metric()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP keeps the model under `.module`; FSDP2 wraps in place.
-    return getattr(model, "module", model)
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP's or a pipeline stage's wrapper (``.module``); FSDP2 wraps in place."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
 
 
 def output_metrics(model: nn.Module) -> dict[str, Metric]:
     """The model's declared outputs; one clear error when it declares none."""
-    fn = getattr(_unwrap(model), "output_metrics", None)
+    fn = getattr(unwrap(model), "output_metrics", None)
     if not callable(fn):
         raise UsageError(
-            f"{type(_unwrap(model)).__name__} does not declare its outputs: give it output_metrics() returning "
+            f"{type(unwrap(model)).__name__} does not declare its outputs: give it output_metrics() returning "
             f"{{'lm_loss': libai_lite.model.LOSS, ...}} (see libai_lite/model.py)"
         )
     metrics = dict(fn())
     if not any(m.backward for m in metrics.values()):
-        raise UsageError(f"{type(_unwrap(model)).__name__}.output_metrics() marks no output as a loss "
+        raise UsageError(f"{type(unwrap(model)).__name__}.output_metrics() marks no output as a loss "
                          f"(Metric(backward=True)); the trainer has nothing to back-propagate")
     return metrics
 
@@ -88,7 +90,7 @@ def loss_name(metrics: Mapping[str, Metric]) -> str:
 
 def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, float | None]:
     """``(tokens, training FLOPs)`` of one sample as the model counts them (None where it does not)."""
-    model = _unwrap(model)
+    model = unwrap(model)
     tokens = model.tokens_per_sample(sample) if callable(getattr(model, "tokens_per_sample", None)) else None
     flops = model.flops_per_sample(sample) if callable(getattr(model, "flops_per_sample", None)) else None
     return (int(tokens) if tokens is not None else None), (float(flops) if flops is not None else None)
@@ -96,15 +98,15 @@ def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, fl
 
 def max_seq_length(model: nn.Module) -> int | None:
     """The model's longest sequence, if it has one."""
-    value = getattr(_unwrap(model), "max_seq_length", None)
+    value = getattr(unwrap(model), "max_seq_length", None)
     return int(value) if value else None
 
 
 def supports_pipeline(model: nn.Module) -> bool:
     """Whether the model tells the pipeline splitter how to cut it."""
-    return callable(getattr(_unwrap(model), "pipeline_module", None))
+    return callable(getattr(unwrap(model), "pipeline_module", None))
 
 
 def pipeline_num_layers(model: nn.Module) -> int:
     """Layers the pipeline places (one stage id each)."""
-    return int(getattr(_unwrap(model), "pipeline_num_layers"))
+    return int(getattr(unwrap(model), "pipeline_num_layers"))

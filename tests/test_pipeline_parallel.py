@@ -409,7 +409,7 @@ def test_mt5_stages_compose_to_the_whole_model_with_the_carried_state(model_type
     model.zero_grad()
     stages, models = build_stage_modules(model, [0, 1, 2, 3], 4, stage_of_layer)
     assert all(isinstance(s, PipelineForward) for s in stages)
-    assert stages[1].stage.encoder_final_layernorm is not None and stages[2].stage.encoder_final_layernorm is None
+    assert stages[1].module.encoder_final_layernorm is not None and stages[2].module.encoder_final_layernorm is None
     assert pipeline_tied(stages[3]) == (("embedding.weight", "lm_head.weight") if model_type == "t5" else None)
 
     args, kwargs, target = whole.pipeline_batch(batch)

@@ -1,21 +1,17 @@
 """Cutting a model into pipeline stages by the ``layer_idx`` its pieces declare, and its tied weights.
 
-A stage keeps the pieces whose layer the layout places on it (LiBai's ``get_layer_placement``):
-``model.pipeline_module()`` is the module to cut; each of its direct children is either a layer
-container (``nn.ModuleDict`` keyed by the global layer index) whose layers go where their index
-is placed, a piece carrying ``layer_idx`` (embeddings on layer 0, a final norm and LM head on the
-last layer, T5's encoder norm on the last encoder layer) that goes with that layer, or a piece
-without parameters (dropout) that every stage keeps. A stage's forward skips the pieces set to
-None (hidden states in, hidden states out), or the module defines ``pipeline_forward`` when a
-stage carries more than one tensor (T5).
+A stage keeps the pieces whose layer the layout places on it (LiBai's ``get_layer_placement``).
+``model.pipeline_module()`` is the module to cut; each direct child is a layer container
+(``nn.ModuleDict`` keyed by the global layer index), a piece carrying ``layer_idx`` that goes with that
+layer (embeddings on 0, a final norm and LM head on the last), or a piece without parameters (dropout)
+every stage keeps. A stage's forward skips the pieces set to None, or the module defines
+``pipeline_forward`` when a stage carries more than one tensor (T5).
 
-Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter
-paths relative to the pipeline module. When first and last stage live on different ranks, the
-copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both copies' gradients
-over the group {first-stage rank, last-stage rank} of each (dp, tp) coordinate, so both take
-identical updates. Each keeps its unsplit FQN; a rank holding the copy without the source reads
-the copy's checkpoint entries from the source's (``tied_checkpoint_aliases``), which every layout
-saves, with the optimizer state flattened (``StateDictOptions(flatten_optimizer_state_dict=True)``).
+Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter paths.
+On different ranks the copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both
+copies' gradients over {first-stage rank, last-stage rank} of each (dp, tp) coordinate, so both take
+identical updates. A rank holding the copy without the source reads its checkpoint entries from the
+source's (``tied_checkpoint_aliases``), with the optimizer state flattened.
 """
 from __future__ import annotations
 
@@ -27,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..model import unwrap
 from ..utils.errors import UsageError
 
 
@@ -53,30 +50,20 @@ def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list
 
 
 class PipelineForward(nn.Module):
-    """Runs a stage through its ``pipeline_forward`` (what ``PipelineStage`` calls is ``forward``).
-
-    Parameter names gain a ``stage.`` prefix here only; checkpoints use the unsplit model's names
-    (``pipeline_model_view``).
-    """
+    """Runs a stage through its ``pipeline_forward`` (what ``PipelineStage`` calls is ``forward``); parameter
+    names gain a ``module.`` prefix here only (checkpoints use ``pipeline_model_view``)."""
 
     def __init__(self, stage: nn.Module):
         super().__init__()
-        self.stage = stage
+        self.module = stage
 
     def forward(self, *args, **kwargs):
-        return self.stage.pipeline_forward(*args, **kwargs)
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    # DDP keeps the model under `.module`, PipelineForward under `.stage`; FSDP2 wraps in place.
-    while isinstance(module, (torch.nn.parallel.DistributedDataParallel, PipelineForward)):
-        module = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module.stage
-    return module
+        return self.module.pipeline_forward(*args, **kwargs)
 
 
 def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
     """``(source, copy)`` paths of the weight a pipeline module's first and last stage share, or None."""
-    tied = getattr(_unwrap(module), "pipeline_tied", None)
+    tied = getattr(unwrap(module), "pipeline_tied", None)
     return tuple(tied) if tied else None
 
 
@@ -92,9 +79,7 @@ def _pieces(inner: nn.Module):
 
 def _layer_of(module: nn.Module, key: str) -> int | None:
     idx = getattr(module, "layer_idx", None)
-    if idx is None and key.isdigit():
-        idx = int(key)
-    return None if idx is None else int(idx)
+    return int(idx) if idx is not None else int(key) if key.isdigit() else None
 
 
 def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
@@ -174,12 +159,10 @@ def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn
     stage_module.to_empty(device=device)
     with torch.no_grad():
         for module in stage_module.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
+            if callable(reset := getattr(module, "reset_parameters", None)):
                 reset()
     # to_empty swaps parameters module by module, so a tie inside one stage comes apart.
-    tie = getattr(_unwrap(stage_module), "tie_weights", None)
-    if callable(tie):
+    if callable(tie := getattr(unwrap(stage_module), "tie_weights", None)):
         tie()
     return stage_module
 
@@ -188,9 +171,10 @@ def _merge_views(mods: list[nn.Module], path: str) -> nn.Module:
     if len(mods) == 1:
         return mods[0]
     for m in mods:
-        own = [n for n, p in m._parameters.items() if p is not None] + [n for n, b in m._buffers.items() if b is not None]
+        own = [n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None]
         if own:
-            raise UsageError(f"two local pipeline stages both own '{path}' ({own}); stage_of_layer assigns each layer once")
+            raise UsageError(f"two local pipeline stages both own '{path}' ({own}); "
+                             f"stage_of_layer assigns each layer once")
     view = nn.ModuleDict() if all(isinstance(m, nn.ModuleDict) for m in mods) else nn.Module()
     names: list[str] = []
     for m in mods:
@@ -214,7 +198,7 @@ def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
 
 
 def _get_attr_path(module: nn.Module, path: str):
-    module = _unwrap(module)
+    module = unwrap(module)
     for part in path.split("."):
         module = getattr(module, part, None)
         if module is None:
