@@ -48,30 +48,17 @@ class Layout:
     custom_pipeline_stage_id: Sequence[int] | None = None
     stage_of_layer: list[int] = field(default_factory=list)
 
-    @property
-    def pp_rank(self) -> int:
-        return self._coord("pp")
-
-    @property
-    def dp_rank(self) -> int:
-        return self._coord("dp")
-
-    @property
-    def tp_rank(self) -> int:
-        return self._coord("tp")
+    # Coordinates on the mesh (0 without one).
+    pp_rank = property(lambda self: self._coord("pp"))
+    dp_rank = property(lambda self: self._coord("dp"))
+    tp_rank = property(lambda self: self._coord("tp"))
 
     def _coord(self, name: str) -> int:
-        if self.mesh is None:
-            return 0
-        return self.mesh.get_local_rank(name)
+        return 0 if self.mesh is None else self.mesh.get_local_rank(name)
 
     def group(self, name: str):
         """The process group of one mesh dimension (None when there is no mesh)."""
         return None if self.mesh is None else self.mesh.get_group(name)
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.rank == 0
 
     @property
     def num_stages(self) -> int:
@@ -86,11 +73,6 @@ class Layout:
     def get_layer_placement(self, layer_idx: int) -> int:
         """The pipeline stage that owns layer ``layer_idx``."""
         return self.stage_of_layer[layer_idx] if self.stage_of_layer else 0
-
-
-def single_process_layout(device: torch.device | str = "cpu") -> Layout:
-    """A world of one without a process group (tools and tests that run a model on one device)."""
-    return Layout(1, 0, 0, torch.device(device), 1, 1, 1, None)
 
 
 def _free_port() -> int:
@@ -128,37 +110,28 @@ def _init_process_group(timeout_s: float) -> None:
     else:
         # A plain `python tools/train_net.py` run is a world of one; initialising a real group
         # keeps one code path (DCP, DeviceMesh, barriers) for every launch.
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
-            world_size=1,
-            rank=0,
-            timeout=timeout,
-        )
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0,
+                                timeout=timeout)
 
 
 def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int]:
     """(pp, dp, tp) from `train.dist`, inferring dp when left out; raises UsageError if they don't fit."""
     pp = int(dist_cfg.get("pipeline_parallel_size", 1) or 1)
     tp = int(dist_cfg.get("tensor_parallel_size", 1) or 1)
-    dp = dist_cfg.get("data_parallel_size", None)
     for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp)):
         if value < 1:
             raise UsageError(f"train.dist.{name}={value} must be at least 1")
-    if dp is None:
-        if world_size % (pp * tp):
-            raise UsageError(
-                f"world size {world_size} is not divisible by pipeline_parallel_size({pp}) x "
-                f"tensor_parallel_size({tp}); launch a multiple of {pp * tp} processes or change train.dist"
-            )
-        dp = world_size // (pp * tp)
-    dp = int(dp)
+    fits = world_size % (pp * tp) == 0
+    dp = dist_cfg.get("data_parallel_size", None)
+    if dp is None and not fits:
+        raise UsageError(f"world size {world_size} is not divisible by pipeline_parallel_size({pp}) x "
+                         f"tensor_parallel_size({tp}); launch a multiple of {pp * tp} processes or change train.dist")
+    dp = world_size // (pp * tp) if dp is None else int(dp)
     if dp * pp * tp != world_size:
-        raise UsageError(
-            f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
-            f"pipeline_parallel_size({pp}) = {dp * tp * pp} does not match the world size {world_size}; "
-            f"launch {dp * tp * pp} processes or set train.dist.data_parallel_size={world_size // (pp * tp) if world_size % (pp * tp) == 0 else 'null'}"
-        )
+        fix = world_size // (pp * tp) if fits else "null"
+        raise UsageError(f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
+                         f"pipeline_parallel_size({pp}) = {dp * tp * pp} does not match the world size {world_size}; "
+                         f"launch {dp * tp * pp} processes or set train.dist.data_parallel_size={fix}")
     return pp, dp, tp
 
 
@@ -167,24 +140,17 @@ def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | Non
     if custom_stage_ids is not None:
         ids = [int(s) for s in custom_stage_ids]
         if len(ids) != num_layers:
-            raise UsageError(
-                f"train.dist.custom_pipeline_stage_id has {len(ids)} entries for {num_layers} layers; give one stage id per layer"
-            )
+            raise UsageError(f"train.dist.custom_pipeline_stage_id has {len(ids)} entries for {num_layers} layers; "
+                             f"give one stage id per layer")
         if ids != sorted(ids) or set(ids) != set(range(pp)):
-            raise UsageError(
-                f"train.dist.custom_pipeline_stage_id={ids} must be non-decreasing and use every stage 0..{pp - 1}"
-            )
+            raise UsageError(f"train.dist.custom_pipeline_stage_id={ids} must be non-decreasing and use every "
+                             f"stage 0..{pp - 1}")
         return ids
     if num_layers < pp:
-        raise UsageError(
-            f"pipeline_parallel_size={pp} is more stages than the model's {num_layers} layers; "
-            f"use at most {num_layers} pipeline stages"
-        )
+        raise UsageError(f"pipeline_parallel_size={pp} is more stages than the model's {num_layers} layers; "
+                         f"use at most {num_layers} pipeline stages")
     base, extra = divmod(num_layers, pp)
-    stages = []
-    for s in range(pp):
-        stages += [s] * (base + (1 if s < extra else 0))
-    return stages
+    return [s for s in range(pp) for _ in range(base + (s < extra))]
 
 
 def _zero_settings(zero_cfg) -> tuple[int, bool]:
@@ -211,10 +177,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
     if virtual < 1:
         raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     custom = dist_cfg.get("custom_pipeline_stage_id", None)
     layout = Layout(
@@ -256,14 +219,12 @@ def _collective_name(exc: BaseException) -> str:
     """The torch.distributed function the traceback was in (all_reduce, broadcast, ...), or a description."""
     import traceback
 
-    name = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if f"{os.sep}distributed{os.sep}" in frame.filename and frame.name not in ("wrapper", "_wrapper"):
-            name = frame.name
-    if name is None:
-        # DDP and FSDP reduce gradients from autograd hooks in C++: no Python frame names them.
-        return "a gradient reduction inside backward" if "backward" in _ACTIVITY["what"] else "a collective"
-    return name
+    names = [frame.name for frame in traceback.extract_tb(exc.__traceback__)
+             if f"{os.sep}distributed{os.sep}" in frame.filename and frame.name not in ("wrapper", "_wrapper")]
+    if names:
+        return names[-1]
+    # DDP and FSDP reduce gradients from autograd hooks in C++: no Python frame names them.
+    return "a gradient reduction inside backward" if "backward" in _ACTIVITY["what"] else "a collective"
 
 
 def _missing_ranks() -> list[int] | None:
@@ -285,7 +246,8 @@ def _missing_ranks() -> list[int] | None:
 def describe_collective_timeout(exc: BaseException) -> str:
     """One line naming this rank, the operation and step it gave up in, and the ranks that did not arrive."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    where = _ACTIVITY["what"] + (f" at iteration {_ACTIVITY['iteration']}" if _ACTIVITY["iteration"] is not None else "")
+    it = _ACTIVITY["iteration"]
+    where = _ACTIVITY["what"] + (f" at iteration {it}" if it is not None else "")
     timeout = _MONITOR["timeout_s"]
     missing = _missing_ranks()
     if missing:
@@ -316,33 +278,32 @@ def barrier() -> None:
 
 def _collective_device(group) -> torch.device:
     # NCCL reduces CUDA tensors only; gloo takes CPU ones.
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def _all_reduce_scalars(values: Sequence[float], group, op) -> torch.Tensor | None:
+def _all_reduce_scalars(values: Sequence[float], group, op, mean: bool = False) -> list[float]:
+    values = [float(v) for v in values]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return None
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device(group))
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(t, op=op, group=group)
-    return t
+    return (t / dist.get_world_size(group) if mean else t).tolist()
 
 
 def all_reduce_mean(values: Sequence[float], group=None) -> list[float]:
     """Mean of a few scalars over a process group (all ranks when `group` is None)."""
-    t = _all_reduce_scalars(values, group, dist.ReduceOp.SUM)
-    return [float(v) for v in values] if t is None else (t / dist.get_world_size(group)).tolist()
+    return _all_reduce_scalars(values, group, dist.ReduceOp.SUM, mean=True)
 
 
 def all_reduce_sum(values: Sequence[float], group=None) -> list[float]:
     """Sum of a few scalars over a process group."""
-    t = _all_reduce_scalars(values, group, dist.ReduceOp.SUM)
-    return [float(v) for v in values] if t is None else t.tolist()
+    return _all_reduce_scalars(values, group, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: Sequence[float], group=None) -> list[float]:
     """Maximum of a few scalars over a process group."""
-    t = _all_reduce_scalars(values, group, dist.ReduceOp.MAX)
-    return [float(v) for v in values] if t is None else t.tolist()
+    return _all_reduce_scalars(values, group, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj, src: int = 0):
