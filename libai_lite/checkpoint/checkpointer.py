@@ -20,7 +20,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..optim.container import optimizer_parts
-from ..utils.distributed import barrier, broadcast_object, get_rank
+from ..utils.distributed import all_reduce_max, barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
 
 logger = logging.getLogger("libai_lite")
@@ -40,15 +39,17 @@ logger = logging.getLogger("libai_lite")
 LAST_CHECKPOINT = "last_checkpoint"
 TRAINER_STATE = "trainer_state.json"
 _PERIODIC = re.compile(r"^model_(\d{7})$")
+# Optimizer state flattened to one key per parameter name ("state.<fqn>.exp_avg"), so the
+# state of several model parts (pipeline stages) merges and splits by name, whatever the layout.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _write_text_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(path + ".tmp", "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(path + ".tmp", path)
 
 
 def rng_state() -> dict:
@@ -102,7 +103,7 @@ def read_metadata(path: str) -> dict:
 
 
 def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
-    """First dimension of the first of ``names`` (model parameter names) in checkpoint ``path``.
+    """First dimension of the first of ``names`` (model parameter names) stored in checkpoint ``path``.
 
     For the token embedding: the vocabulary the run padded to (a tp=2 run pads to a multiple of 256).
     """
@@ -131,9 +132,25 @@ def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
     return model
 
 
-# Optimizer state flattened to one key per parameter name ("state.<fqn>.exp_avg"), so the
-# state of several model parts (pipeline stages) merges and splits by name, whatever the layout.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None) -> None:
+    """Refuse (UsageError) a checkpoint that is unreadable or lacks a tensor of ``model_state`` at its global shape.
+
+    ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model built on the meta
+    device checks a checkpoint before any data or weights are touched).
+    """
+    meta = read_metadata(path)
+    for key, tensor in model_state.items():
+        stored = meta.get(f"model.{(aliases or {}).get(key, key)}")
+        if stored is None:
+            raise UsageError(f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
+                             f"check train.load_weight and model.cfg")
+        # A DTensor's shape is the global one.
+        shape, full = tuple(getattr(stored, "size", ())), tuple(tensor.shape)
+        if shape != full:
+            raise UsageError(
+                f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
+                f"the checkpoint is of another model shape; make model.cfg match it"
+            )
 
 
 class Checkpointer:
@@ -153,19 +170,21 @@ class Checkpointer:
         # weight reads the embedding's entries, which every layout saves.
         self.aliases = dict(aliases or {})
 
-    def _dcp_load(self, state: dict, path: str) -> dict:
-        from ..parallel.pipeline_split import alias_state_dict_keys
+    def _part_states(self, with_optim: bool) -> list:
+        """``(part, optimizer or None, model state, optimizer state or None)`` for each part."""
+        optims = optimizer_parts(self.optimizer) if with_optim else []
+        if not optims:
+            return [(part, None, get_model_state_dict(part), None) for part in self.parts]
+        return [(part, optim, *get_state_dict(part, optim, options=_FLAT)) for part, optim in zip(self.parts, optims)]
 
-        state = alias_state_dict_keys(state, self.aliases)
-        dcp.load(state, checkpoint_id=path)
-        return alias_state_dict_keys(state, {v: k for k, v in self.aliases.items()})
+    @staticmethod
+    def _merged(part_states: list) -> dict:
+        """``{"model": ..., "optim": ...}`` of all parts, merged by name (no "optim" without an optimizer)."""
+        state = {"model": {k: v for s in part_states for k, v in s[2].items()}}
+        if part_states and part_states[0][3] is not None:
+            state["optim"] = {k: v for s in part_states for k, v in s[3].items()}
+        return state
 
-    @property
-    def _optims(self) -> list:
-        parts = optimizer_parts(self.optimizer)
-        return parts if parts else [None] * len(self.parts)
-
-    # ---------------------------------------------------------------- saving
     def save(self, name: str, trainer_state: dict) -> str:
         """Write checkpoint `name` with the given trainer state; returns its final path."""
         final = os.path.join(self.save_dir, name)
@@ -175,24 +194,16 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         barrier()
-        ok, error = True, ""
+        error = ""
         try:
-            model_sd, optim_sd = self._state_dicts()
-            state = {"model": model_sd}
-            if optim_sd is not None:
-                state["optim"] = optim_sd
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(self._merged(self._part_states(with_optim=True)), checkpoint_id=tmp)
             torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
             if rank == 0:
                 _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
         except OSError as e:
-            ok, error = False, f"{type(e).__name__}: {e}"
-        oks = [ok]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            oks = [None] * dist.get_world_size()
-            dist.all_gather_object(oks, ok)
-        if not all(oks):
-            if rank == 0 and os.path.exists(tmp):
+            error = f"{type(e).__name__}: {e}"
+        if all_reduce_max([float(bool(error))])[0]:
+            if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier()
             previous = self.last_checkpoint()
@@ -209,18 +220,6 @@ class Checkpointer:
         barrier()
         return final
 
-    def _state_dicts(self, with_optim: bool = True):
-        """``(model state, optimizer state or None)`` of every part, merged by name."""
-        model_sd, optim_sd = {}, {}
-        for part, optim in zip(self.parts, self._optims):
-            if optim is None or not with_optim:
-                model_sd.update(get_model_state_dict(part))
-            else:
-                m, o = get_state_dict(part, optim, options=_FLAT)
-                model_sd.update(m)
-                optim_sd.update(o)
-        return model_sd, (optim_sd if self.optimizer is not None and with_optim else None)
-
     def _prune(self, keep: str) -> None:
         if not self.max_to_keep or self.max_to_keep <= 0:
             return
@@ -234,7 +233,6 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.save_dir, d), ignore_errors=True)
             logger.info(f"Removed old checkpoint {d} (train.checkpointer.max_to_keep={self.max_to_keep})")
 
-    # --------------------------------------------------------------- loading
     def last_checkpoint(self) -> str | None:
         """Path of the checkpoint named in `last_checkpoint`, or None."""
         name = _read_marker(self.save_dir)
@@ -252,63 +250,42 @@ class Checkpointer:
 
     def check_shapes(self, path: str) -> None:
         """Refuse a checkpoint whose parameter names or shapes differ from this model's."""
-        check_checkpoint_shapes(path, self._state_dicts(with_optim=False)[0], self.aliases)
+        check_checkpoint_shapes(path, self._merged(self._part_states(with_optim=False))["model"], self.aliases)
 
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
+        from ..parallel.pipeline_split import alias_state_dict_keys
+
         self.check_shapes(path)
-        if weights_only or self.optimizer is None:
-            state = self._dcp_load({"model": self._state_dicts(with_optim=False)[0]}, path)
-            for part in self.parts:
-                own = get_model_state_dict(part)
-                set_model_state_dict(part, {k: state["model"][k] for k in own}, options=StateDictOptions(strict=True))
-            return {}
-        state_path = os.path.join(path, TRAINER_STATE)
-        if not os.path.isfile(state_path):
-            raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; remove it to resume from an earlier one")
-        with open(state_path) as f:
-            trainer_state = json.load(f)
-        model_sd, optim_sd = self._state_dicts()
-        state = self._dcp_load({"model": model_sd, "optim": optim_sd}, path)
-        for part, optim in zip(self.parts, self._optims):
-            own_model, own_optim = get_state_dict(part, optim, options=_FLAT)
-            set_state_dict(
-                part,
-                optim,
-                model_state_dict={k: state["model"][k] for k in own_model},
-                optim_state_dict={k: state["optim"][k] for k in own_optim},
-                options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),
-            )
-        rng_path = os.path.join(path, f"rng_state_{get_rank()}.pt")
-        if os.path.isfile(rng_path):
-            set_rng_state(torch.load(rng_path, weights_only=True))
-        else:
-            logger.warning(f"{rng_path} not found (the checkpoint was saved with fewer ranks): RNG streams start fresh")
+        full = not weights_only and self.optimizer is not None
+        trainer_state = {}
+        if full:
+            if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+                raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; "
+                                 f"remove it to resume from an earlier one")
+            with open(os.path.join(path, TRAINER_STATE)) as f:
+                trainer_state = json.load(f)
+        part_states = self._part_states(with_optim=full)
+        state = alias_state_dict_keys(self._merged(part_states), self.aliases)
+        dcp.load(state, checkpoint_id=path)
+        # Non-tensor entries are replaced, not loaded in place: take every part's keys from the loaded dict.
+        state = alias_state_dict_keys(state, {v: k for k, v in self.aliases.items()})
+        strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+        for part, optim, own_model, own_optim in part_states:
+            model_sd = {k: state["model"][k] for k in own_model}
+            if own_optim is None:
+                set_model_state_dict(part, model_sd, options=strict)
+            else:
+                set_state_dict(part, optim, model_state_dict=model_sd,
+                               optim_state_dict={k: state["optim"][k] for k in own_optim}, options=strict)
+        if full:
+            rng_path = os.path.join(path, f"rng_state_{get_rank()}.pt")
+            if os.path.isfile(rng_path):
+                set_rng_state(torch.load(rng_path, weights_only=True))
+            else:
+                logger.warning(f"{rng_path} not found (the checkpoint was saved with fewer ranks): "
+                               f"RNG streams start fresh")
         return trainer_state
-
-
-def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None) -> None:
-    """Refuse (UsageError) a checkpoint that is unreadable or lacks a tensor of ``model_state`` at its global shape.
-
-    ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model built on the meta
-    device checks a checkpoint before any data or weights are touched).
-    """
-    meta = read_metadata(path)
-    aliases = aliases or {}
-    for key, tensor in model_state.items():
-        stored = meta.get(f"model.{aliases.get(key, key)}")
-        if stored is None:
-            raise UsageError(
-                f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
-                f"check train.load_weight and model.cfg"
-            )
-        shape = tuple(getattr(stored, "size", ()))
-        full = tuple(tensor.shape) if not hasattr(tensor, "full_tensor") else tuple(tensor.size())
-        if shape != full:
-            raise UsageError(
-                f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
-                f"the checkpoint is of another model shape; make model.cfg match it"
-            )
 
 
 def resolve_resume(save_dir: str) -> str | None:
@@ -318,18 +295,14 @@ def resolve_resume(save_dir: str) -> str | None:
     all ranks with the same message instead of leaving the others waiting.
     """
     verdict: tuple[str | None, str | None] = (None, None)
-    if get_rank() == 0:
-        name = _read_marker(save_dir)
-        if name is not None:
-            marker, path = os.path.join(save_dir, LAST_CHECKPOINT), os.path.join(save_dir, name)
-            if is_complete(path):
-                verdict = (path, None)
-            else:
-                verdict = (None, (
-                    f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; "
-                    f"write the name of an earlier complete model_XXXXXXX directory into {marker}, "
-                    f"or start without --resume"
-                ))
+    name = _read_marker(save_dir) if get_rank() == 0 else None
+    if name is not None:
+        marker, path = os.path.join(save_dir, LAST_CHECKPOINT), os.path.join(save_dir, name)
+        verdict = (path, None) if is_complete(path) else (None, (
+            f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; "
+            f"write the name of an earlier complete model_XXXXXXX directory into {marker}, "
+            f"or start without --resume"
+        ))
     path, error = broadcast_object(verdict)
     if error:
         raise UsageError(error)
