@@ -6,6 +6,7 @@ overrides any one of them (LiBai's extension point) still trains.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -14,49 +15,21 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from ..checkpoint import Checkpointer, resolve_resume
-from ..config import LazyConfig, instantiate, locate
-from ..evaluation import inference_on_dataset, inference_on_pipeline
-from ..model import max_seq_length, sample_throughput
+from ..checkpoint.checkpointer import check_checkpoint_shapes
+from ..config import LazyConfig, instantiate
+from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
+from ..model import sample_throughput
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
-from ..utils.distributed import Layout
+from ..utils.distributed import Layout, barrier
 from ..utils.errors import UsageError
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
-from . import hooks
+from . import hooks, instantiate_target, instantiate_with
 from .amp import amp_dtype, build_loss_scaler
 from .trainer import Trainer
 
 logger = logging.getLogger("libai_lite")
-
-
-def instantiate_with(node, **kwargs):
-    """Instantiate a LazyCall node with some arguments supplied at run time (objects a config can't hold).
-
-    The node stays attached to its config, so `${...}` interpolations still resolve.
-    """
-    # Run-time arguments may replace nested LazyCalls (optim.params), which must not be built
-    # here; they are taken out for the call and put back so the saved config is unchanged.
-    stashed = {k: node[k] for k in kwargs if k in node}
-    with open_dict(node):
-        for key in stashed:
-            del node[key]
-        node._partial_ = True
-    try:
-        fn = instantiate(node)
-    finally:
-        with open_dict(node):
-            del node["_partial_"]
-            for key, value in stashed.items():
-                node[key] = value
-    return fn(**kwargs)
-
-
-def instantiate_target(node):
-    """The class or function a LazyCall node would call, without calling it."""
-    target = node._target_
-    return locate(target) if isinstance(target, str) else target
-
 
 
 class DefaultTrainer:
@@ -66,9 +39,7 @@ class DefaultTrainer:
     """
 
     def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False):
-        self.cfg = cfg
-        self.layout = layout
-        self.eval_only = eval_only
+        self.cfg, self.layout, self.eval_only = cfg, layout, eval_only
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
         self.check_layout(cfg)
@@ -76,10 +47,15 @@ class DefaultTrainer:
         if resume and self.resume_path is None:
             logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
         self.precheck_output_dir(self.output_dir)
-        self.precheck_checkpoint(cfg, self.resume_path or cfg.train.get("load_weight"))
-        trainer_state = self._peek_trainer_state(self.resume_path)
-        self.consumed_samples = int(trainer_state.get("consumed_samples", 0))
-        start_iter = int(trainer_state.get("iteration", -1)) + 1
+        if self.resume_path or cfg.train.get("load_weight"):
+            # On the meta device: a wrong --resume or load_weight is refused in a second, before anything is written.
+            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, self.build_meta_model(cfg).state_dict())
+        trainer_state = {}
+        if self.resume_path is not None:
+            with open(os.path.join(self.resume_path, "trainer_state.json")) as f:
+                trainer_state = json.load(f)
+        self.consumed_samples = self._consumed_at_start = int(trainer_state.get("consumed_samples", 0))
+        self.start_iter = int(trainer_state.get("iteration", -1)) + 1
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
         self.check_sequence_parallel(self.train_loader)
         self.model = self.build_model(cfg)
@@ -90,104 +66,28 @@ class DefaultTrainer:
         if self.resume_path is not None:
             self.checkpointer.load(self.resume_path)
             self._restore_trainer_state(trainer_state)
-            logger.info(f"Resumed from {self.resume_path} at iteration {start_iter}, "
+            logger.info(f"Resumed from {self.resume_path} at iteration {self.start_iter}, "
                         f"{self.consumed_samples} samples consumed")
         elif cfg.train.get("load_weight"):
             self.checkpointer.load(cfg.train.load_weight, weights_only=True)
             logger.info(f"Loaded weights from {cfg.train.load_weight}")
         elif eval_only:
             raise UsageError("--eval-only needs weights: set train.load_weight=CHECKPOINT_DIR or add --resume")
-        self.start_iter = start_iter
         self._setup_output()
         self.trainer = self.build_trainer(cfg, self.model, self.train_loader, self.optimizer, self.scheduler,
                                           self.grad_scaler)
         self.trainer.register_hooks(self.build_hooks())
 
-    # ------------------------------------------------------------ building
+    # ------------------------------------------------------------ checks
     @staticmethod
     def precheck_output_dir(output_dir: str) -> None:
         """Refuse an output directory that cannot be created or written, before anything is written anywhere."""
         path = os.path.abspath(output_dir)
-        while not os.path.exists(path):
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path = parent
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
         if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
             what = "is a file" if os.path.exists(path) and not os.path.isdir(path) else "is not writable"
             raise UsageError(f"train.output_dir={output_dir} is not writable ({path} {what}); choose another directory")
-
-    def precheck_checkpoint(self, cfg, path) -> None:
-        """Refuse an unreadable checkpoint, or one of another model shape, before data or weights are touched.
-
-        The model is built on the meta device (no memory, no init), so a wrong ``--resume`` or
-        ``train.load_weight`` costs a second, and nothing (index caches, output dir) is written.
-        """
-        if not path:
-            return
-        from ..checkpoint.checkpointer import check_checkpoint_shapes
-
-        check_checkpoint_shapes(path, self.build_meta_model(cfg).state_dict())
-
-    def build_meta_model(self, cfg) -> torch.nn.Module:
-        """``cfg.model`` on the meta device (no memory, no init): what the checks ask the model."""
-        with torch.device("meta"):
-            return instantiate(cfg.model)
-
-    def build_tokenizer(self, cfg):
-        """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
-        tok_cfg = cfg.get("tokenization")
-        if tok_cfg is None or tok_cfg.get("tokenizer") is None:
-            return None
-        tokenizer = instantiate(tok_cfg.tokenizer)
-        padded = pad_vocab_size(
-            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.layout.tensor_parallel_size
-        )
-        with open_dict(cfg):
-            cfg.model.cfg.vocab_size = padded
-        logger.info(f"Tokenizer with {tokenizer.vocab_size} ids; vocab padded to {padded}")
-        return tokenizer
-
-    def _eval_samples(self, cfg) -> int:
-        ev = cfg.train.evaluation
-        if not ev.get("enabled", False) and not self.eval_only:
-            return 0
-        return int(ev.eval_iter) * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
-
-    def build_loaders(self, cfg):
-        """Train/valid/test loaders sized for the run; also resolves ``train.train_iter`` from ``train_epoch``."""
-        glob = cfg.train.global_batch_size
-        loader_cfg = cfg.dataloader.train
-        if cfg.train.get("train_epoch", 0):
-            samples_per_epoch = self._train_samples_per_epoch(loader_cfg)
-            by_epoch = math.ceil(cfg.train.train_epoch * samples_per_epoch / glob)
-            cfg.train.train_iter = max(int(cfg.train.train_iter or 0), by_epoch)
-            logger.info(f"train.train_epoch={cfg.train.train_epoch}: {samples_per_epoch} samples per epoch, "
-                        f"train.train_iter set to {cfg.train.train_iter}")
-        if not cfg.train.train_iter or cfg.train.train_iter < 1:
-            raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
-        num_samples = [int(cfg.train.train_iter) * glob, self._eval_samples(cfg), self._eval_samples(cfg)]
-        return instantiate_with(
-            loader_cfg,
-            train_valid_test_num_samples=num_samples,
-            micro_batch_size=int(cfg.train.train_micro_batch_size),
-            eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
-            consumed_samples=self.consumed_samples,
-            data_parallel_rank=self.layout.dp_rank,
-            data_parallel_size=self.layout.data_parallel_size,
-            vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
-        )
-
-    @staticmethod
-    def _train_samples_per_epoch(loader_cfg) -> int:
-        """Samples in one epoch of the train split, from the loader builder's ``samples_per_epoch``."""
-        target = instantiate_target(loader_cfg)
-        count = getattr(target, "samples_per_epoch", None)
-        if not callable(count):
-            raise UsageError(f"{loader_cfg._target_} cannot count an epoch (it has no samples_per_epoch); "
-                             f"set train.train_iter instead of train.train_epoch")
-        accepted = inspect.signature(count).parameters
-        return int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
 
     def check_layout(self, cfg) -> None:
         """Refuse, before any work, parallel settings the model or the world cannot take."""
@@ -226,6 +126,60 @@ class DefaultTrainer:
                     f"sequence parallelism splits; use a length that is a multiple of {tp} or turn sequence "
                     f"parallelism off")
 
+    # ------------------------------------------------------------ building
+    def build_meta_model(self, cfg) -> torch.nn.Module:
+        """``cfg.model`` on the meta device (no memory, no init): what the checks ask the model."""
+        with torch.device("meta"):
+            return instantiate(cfg.model)
+
+    def build_tokenizer(self, cfg):
+        """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
+        tok_cfg = cfg.get("tokenization")
+        if tok_cfg is None or tok_cfg.get("tokenizer") is None:
+            return None
+        tokenizer = instantiate(tok_cfg.tokenizer)
+        padded = pad_vocab_size(
+            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.layout.tensor_parallel_size
+        )
+        with open_dict(cfg):
+            cfg.model.cfg.vocab_size = padded
+        logger.info(f"Tokenizer with {tokenizer.vocab_size} ids; vocab padded to {padded}")
+        return tokenizer
+
+    def build_loaders(self, cfg):
+        """Train/valid/test loaders sized for the run; also resolves ``train.train_iter`` from ``train_epoch``."""
+        glob = cfg.train.global_batch_size
+        loader_cfg = cfg.dataloader.train
+        if cfg.train.get("train_epoch", 0):
+            count = getattr(instantiate_target(loader_cfg), "samples_per_epoch", None)
+            if not callable(count):
+                raise UsageError(f"{loader_cfg._target_} cannot count an epoch (it has no samples_per_epoch); "
+                                 f"set train.train_iter instead of train.train_epoch")
+            accepted = inspect.signature(count).parameters
+            per_epoch = int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
+            by_epoch = math.ceil(cfg.train.train_epoch * per_epoch / glob)
+            cfg.train.train_iter = max(int(cfg.train.train_iter or 0), by_epoch)
+            logger.info(f"train.train_epoch={cfg.train.train_epoch}: {per_epoch} samples per epoch, "
+                        f"train.train_iter set to {cfg.train.train_iter}")
+        if not cfg.train.train_iter or cfg.train.train_iter < 1:
+            raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
+        eval_samples = 0
+        if cfg.train.evaluation.get("enabled", False) or self.eval_only:
+            # A pipeline schedule evaluates num_accumulation_steps batches at once: whole schedules.
+            group = int(cfg.train.num_accumulation_steps) if self.layout.pipeline_parallel_size > 1 else 1
+            eval_batches = -(-int(cfg.train.evaluation.eval_iter) // group) * group
+            eval_samples = eval_batches * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
+        return instantiate_with(
+            loader_cfg,
+            train_valid_test_num_samples=[int(cfg.train.train_iter) * glob, eval_samples, eval_samples],
+            micro_batch_size=int(cfg.train.train_micro_batch_size),
+            eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
+            consumed_samples=self.consumed_samples,
+            data_parallel_rank=self.layout.dp_rank,
+            data_parallel_size=self.layout.data_parallel_size,
+            vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
+        )
+
     @staticmethod
     def fsdp_param_dtype(cfg, layout: Layout):
         """Under FSDP (ZeRO-2/3) mixed precision is FSDP's policy: parameters gathered in the amp dtype."""
@@ -234,8 +188,8 @@ class DefaultTrainer:
     def build_model(self, cfg) -> ParallelModel:
         """``cfg.model`` on this rank's device, parallelized as the layout says (``parallelize_model``)."""
         model = instantiate(cfg.model).to(self.layout.device)
-        n = sum(p.numel() for p in model.parameters())
-        logger.info(f"Model {type(model).__name__} with {n / 1e6:.2f}M parameters")
+        logger.info(f"Model {type(model).__name__} with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+                    f"parameters")
         ac = cfg.train.activation_checkpoint
         every = int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0
         return parallelize_model(model, self.layout, int(cfg.train.num_accumulation_steps),
@@ -253,8 +207,7 @@ class DefaultTrainer:
 
         optimizers = []
         for part in model.parts:
-            params = instantiate_with(cfg.optim.params, model=part)
-            opt = instantiate_with(cfg.optim, params=params)
+            opt = instantiate_with(cfg.optim, params=instantiate_with(cfg.optim.params, model=part))
             if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
                 # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
                 accepted = inspect.signature(type(opt).__init__).parameters
@@ -265,9 +218,9 @@ class DefaultTrainer:
 
     def build_lr_scheduler(self, cfg, optimizer):
         """Instantiate `train.scheduler` with `max_iter` and `warmup_iter` filled in."""
-        sched_cfg = cfg.train.scheduler
         warmup_iter = int(cfg.train.train_iter * float(cfg.train.get("warmup_ratio", 0) or 0))
-        return instantiate_with(sched_cfg, optimizer=optimizer, max_iter=int(cfg.train.train_iter), warmup_iter=warmup_iter)
+        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=int(cfg.train.train_iter),
+                                warmup_iter=warmup_iter)
 
     def build_grad_scaler(self, cfg):
         """fp16's loss scaler (None for fp32 and bf16)."""
@@ -289,8 +242,7 @@ class DefaultTrainer:
         optim = cfg.optim.get("params", {})
         tp = self.layout.tensor_parallel_size > 1
         return Trainer(
-            model.module, train_loader, optimizer, scheduler,
-            metrics=model.metrics,
+            model.module, train_loader, optimizer, scheduler, model.metrics,
             num_accumulation_steps=int(cfg.train.num_accumulation_steps),
             device=self.layout.device,
             amp_dtype=amp_dtype(cfg.train.amp),
@@ -299,17 +251,8 @@ class DefaultTrainer:
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
             max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
             loss_context=lambda: loss_parallel_context(tp),
-            params=model.parameters(),
             pipeline=model.pipeline,
-            pp_group=self.layout.group("pp") if self.layout.pipeline_parallel_size > 1 else None,
         )
-
-    def sample_throughput(self) -> tuple[int | None, float | None]:
-        """(tokens, training FLOPs) of one training sample, as the model counts them."""
-        dataset = getattr(self.train_loader, "dataset", None)
-        if dataset is None or len(dataset) == 0:
-            return None, None
-        return sample_throughput(self.model.source, dataset[0])
 
     def build_hooks(self):
         cfg = self.cfg
@@ -317,12 +260,11 @@ class DefaultTrainer:
         out = [hooks.IterationTimer(), periodic]
         ev = cfg.train.evaluation
         if ev.get("enabled", False) and self.valid_loader is not None:
-            eval_hook = hooks.EvalHook(ev.eval_period, self.evaluate)
-            out.append(eval_hook)
-            if ev.get("eval_metric"):
-                out.append(hooks.BestCheckpointer(eval_hook, self.checkpointer, self.trainer_state,
-                                                  ev.eval_metric, ev.get("eval_mode", "min")))
-        tokens, flops = self.sample_throughput()
+            metric = ev.get("eval_metric")
+            out.append(hooks.EvalHook(ev.eval_period, self.evaluate, periodic.save if metric else None, metric,
+                                      ev.get("eval_mode", "min")))
+        dataset = getattr(self.train_loader, "dataset", None)
+        tokens, flops = sample_throughput(self.model.source, dataset[0]) if dataset else (None, None)
         out.append(
             hooks.PeriodicWriter(
                 self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
@@ -352,15 +294,6 @@ class DefaultTrainer:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
-    @staticmethod
-    def _peek_trainer_state(path) -> dict:
-        if path is None:
-            return {}
-        import json
-
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            return json.load(f)
-
     def _restore_trainer_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.grad_scaler is not None and "grad_scaler" in state:
@@ -372,20 +305,13 @@ class DefaultTrainer:
             )
 
     def _setup_output(self) -> None:
-        self._consumed_at_start = self.consumed_samples
         if self.layout.rank == 0:
             try:
                 os.makedirs(self.output_dir, exist_ok=True)
-                probe = os.path.join(self.output_dir, ".write_test")
-                with open(probe, "w"):
-                    pass
-                os.remove(probe)
             except OSError as e:
                 raise UsageError(
                     f"train.output_dir={self.output_dir} is not writable ({e.strerror}); choose another directory"
                 ) from e
-        from ..utils.distributed import barrier
-
         barrier()
         attach_log_file(self.output_dir, self.layout.rank)
         if self.layout.rank == 0:
@@ -397,93 +323,24 @@ class DefaultTrainer:
             logger.info(f"Full config saved to {path}")
 
     # ---------------------------------------------------------------- run
+    def eval_context(self):
+        """What evaluators get from this run (``libai_lite.evaluation.runner.eval_context``)."""
+        return eval_context(self.cfg, self.layout, self.model, self.tokenizer, self.trainer)
+
+    def _inference(self, loader, evaluator, eval_iter: int | None = None) -> dict:
+        """`evaluator` over at most `eval_iter` batches of `loader` (all when None), or over its own data."""
+        return run_evaluator(evaluator, self.model, loader, self.eval_context(), eval_iter)
+
     def evaluate(self) -> dict:
         """Run `train.evaluation.evaluator`: on the valid split for `eval_iter` batches, or on its own data."""
         ev = self.cfg.train.evaluation
-        evaluator = instantiate(ev.evaluator)
-        return self._inference(self.valid_loader, evaluator, int(ev.eval_iter))
-
-    def eval_context(self):
-        """What an evaluator that brings its own data (`evaluate_model`, e.g. LAMBADA) gets from this run."""
-        from ..evaluation.model_evaluator import EvalContext
-
-        cfg = self.cfg
-        max_len = max_seq_length(self.model.source)
-        return EvalContext(
-            tokenizer=self.tokenizer, device=self.layout.device, dp_rank=self.layout.dp_rank,
-            dp_size=self.layout.data_parallel_size, dp_group=self.layout.group("dp"),
-            tensor_parallel_size=self.layout.tensor_parallel_size, micro_batch_size=int(cfg.train.test_micro_batch_size),
-            max_seq_length=int(max_len) if max_len else None, autocast=self.trainer.autocast,
-            loss_context=self.trainer.loss_context, pipeline=self.model.pipeline is not None,
-        )
-
-    def _inference(self, loader, evaluator, eval_iter: int | None) -> dict:
-        """`evaluator` over at most `eval_iter` batches of `loader` (all when None), or over its own data."""
-        from ..evaluation.model_evaluator import brings_own_data
-
-        if brings_own_data(evaluator):
-            return evaluator.evaluate_model(self.model.module, self.eval_context())
-        dp_group = self.layout.group("dp")
-        if self.model.pipeline is not None:
-            eval_iter = len(loader) if eval_iter is None else eval_iter
-            return inference_on_pipeline(self.model.pipeline, loader, evaluator, eval_iter,
-                                         int(self.cfg.train.num_accumulation_steps), self.trainer.autocast,
-                                         self.trainer.loss_context, dp_group=dp_group)
-        return inference_on_dataset(self.model.module, loader, evaluator, eval_iter, self.trainer.autocast,
-                                    self.trainer.loss_context, device=self.layout.device, dp_group=dp_group)
+        return self._inference(self.valid_loader, instantiate(ev.evaluator), int(ev.eval_iter))
 
     def test(self) -> dict:
-        """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader.
-
-        An evaluator that brings its own data (LAMBADA) runs once instead.
-        """
-        from ..evaluation.model_evaluator import brings_own_data
-
-        ev = self.cfg.train.evaluation
-        evaluator = instantiate(ev.evaluator)
-        if brings_own_data(evaluator):
-            results = self._inference(None, evaluator, None)
-        else:
-            results = {}
-            splits = [("valid", self.valid_loader, int(ev.eval_iter)), ("test", self.test_loader, int(ev.eval_iter))]
-            for split, loader, eval_iter in splits + self.build_test_loaders(self.cfg):
-                if loader is None:
-                    continue
-                res = self._inference(loader, instantiate(ev.evaluator), eval_iter)
-                results.update({f"{split}/{k}": v for k, v in res.items()})
-        logger.info("Evaluation results: " + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
-        return results
-
-    def build_test_loaders(self, cfg) -> list:
-        """`(name, loader, None)` for each LazyCall in `dataloader.test` (LiBai's key), evaluated whole.
-
-        The builder gets whichever of this run's tokenizer, sequence length, batch size and
-        data-parallel layout it takes as arguments and the config leaves unset
-        (`libai_lite.data.jsonl_dataset.build_ppl_eval_loader` takes them all).
-        """
-        nodes = cfg.dataloader.get("test")
-        if not nodes:
-            return []
-        if "_target_" in nodes:
-            nodes = [nodes]
-        seq = max_seq_length(self.model.source)
-        runtime = {
-            "tokenizer": self.tokenizer,
-            "seq_length": seq,
-            "micro_batch_size": int(cfg.train.test_micro_batch_size),
-            "data_parallel_rank": self.layout.dp_rank,
-            "data_parallel_size": self.layout.data_parallel_size,
-            "vocab_size": self.tokenizer.vocab_size if self.tokenizer is not None else None,
-            # A pipeline schedule evaluates num_accumulation_steps micro-batches at once.
-            "batches_multiple_of": int(cfg.train.num_accumulation_steps) if self.model.pipeline is not None else 1,
-        }
-        out = []
-        for i, node in enumerate(nodes):
-            accepted = inspect.signature(instantiate_target(node)).parameters
-            kwargs = {k: v for k, v in runtime.items() if k in accepted and node.get(k) is None}
-            name = os.path.splitext(os.path.basename(str(node.get("data_path") or node.get("data_prefix") or "")))[0]
-            out.append((name or f"test{i}", instantiate_with(node, **kwargs), None))
-        return out
+        """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader."""
+        eval_iter = int(self.cfg.train.evaluation.eval_iter)
+        splits = [("valid", self.valid_loader, eval_iter), ("test", self.test_loader, eval_iter)]
+        return evaluate_splits(self.cfg, self.model, splits, self.eval_context())
 
     def train(self) -> None:
         """Train from `start_iter` to `train.train_iter`."""

@@ -1,6 +1,7 @@
 """Hooks that make up the trainer's behaviour: timing, checkpoints, evaluation, signals, writers."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -11,7 +12,8 @@ import time
 import torch
 
 from ..utils.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, is_main_process
-from ..utils.events import JSONWriter, TensorboardWriter, format_bytes, format_eta
+from ..utils.errors import UsageError
+from ..utils.events import format_bytes, format_eta
 from .trainer import HookBase, StopTraining
 
 logger = logging.getLogger("libai_lite")
@@ -68,8 +70,7 @@ class SignalCheckpointer(HookBase):
 
     def after_step(self):
         # Every rank must agree, or one would enter the save's collectives alone.
-        got = all_reduce_mean([1.0 if self._signal is not None else 0.0])[0] > 0
-        if got:
+        if all_reduce_mean([1.0 if self._signal is not None else 0.0])[0] > 0:
             it = self.trainer.iter
             self.periodic.save(f"model_{it:07d}")
             name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
@@ -81,18 +82,31 @@ class SignalCheckpointer(HookBase):
 
 
 class EvalHook(HookBase):
-    """Runs `eval_fn` every `eval_period` iterations and after the last one; stores the results."""
+    """Runs `eval_fn` every `eval_period` iterations and after the last one, storing its results as `valid/*`.
 
-    def __init__(self, eval_period: int, eval_fn):
+    With `save_best` (a function taking a checkpoint name), saves `model_best` whenever `metric`
+    improves (`mode` "min" or "max").
+    """
+
+    def __init__(self, eval_period: int, eval_fn, save_best=None, metric: str = "PPL", mode: str = "min"):
+        if mode not in ("min", "max"):
+            raise UsageError(f"train.evaluation.eval_mode must be 'min' or 'max', not {mode!r}")
         self.period = int(eval_period)
         self.eval_fn = eval_fn
-        self.last_results: dict = {}
+        self.save_best, self.metric, self.mode = save_best, metric, mode
+        self.best: float | None = None
 
     def _run(self):
         results = self.eval_fn()
-        self.last_results = results
         for k, v in results.items():
             self.trainer.storage.put_scalar(f"valid/{k}", v)
+        value = results.get(self.metric)
+        if self.save_best is None or value is None or not math.isfinite(value):
+            return
+        if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
+            self.best = value
+            self.save_best("model_best")
+            logger.info(f"New best {self.metric} {value:.4f}: saved model_best")
 
     def after_step(self):
         it = self.trainer.iter + 1
@@ -102,39 +116,6 @@ class EvalHook(HookBase):
     def after_train(self):
         if self.trainer.iter >= self.trainer.max_iter:
             self._run()
-
-
-class BestCheckpointer(HookBase):
-    """Saves `model_best` whenever the evaluation metric improves."""
-
-    def __init__(self, eval_hook: EvalHook, checkpointer, trainer_state_fn, metric: str = "PPL", mode: str = "min"):
-        if mode not in ("min", "max"):
-            raise ValueError(f"train.evaluation.eval_mode must be 'min' or 'max', not {mode!r}")
-        self.eval_hook = eval_hook
-        self.checkpointer = checkpointer
-        self.trainer_state_fn = trainer_state_fn
-        self.metric = metric
-        self.mode = mode
-        self.best: float | None = None
-        self._seen = None
-
-    def _check(self):
-        results = self.eval_hook.last_results
-        if not results or results is self._seen or self.metric not in results:
-            return
-        self._seen = results
-        value = results[self.metric]
-        better = self.best is None or (value < self.best if self.mode == "min" else value > self.best)
-        if better and math.isfinite(value):
-            self.best = value
-            self.checkpointer.save("model_best", self.trainer_state_fn())
-            logger.info(f"New best {self.metric} {value:.4f}: saved model_best")
-
-    def after_step(self):
-        self._check()
-
-    def after_train(self):
-        self._check()
 
 
 class IterationTimer(HookBase):
@@ -153,28 +134,27 @@ class IterationTimer(HookBase):
 class PeriodicWriter(HookBase):
     """Every `period` iterations: the log line, a `metrics.json` row and TensorBoard scalars (rank 0).
 
-    The log line shows means over the interval since the last log; `metrics.json` holds the raw
-    values of the logged step itself.
+    The log line shows this rank's means over the interval since the last log; `metrics.json`
+    holds the logged step's values, the model's outputs reduced over data-parallel ranks as it
+    declares (`metrics`, its `output_metrics()`).
     """
 
     def __init__(self, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
-                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics,
-                 tensorboard: bool = True):
+                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics):
         self.period = max(int(period), 1)
         self.global_batch_size = global_batch_size
-        self.tokens_per_sample = tokens_per_sample
-        self.layout = layout
-        # The model's declared outputs (libai_lite.model.Metric), in its order.
-        self.metrics = dict(metrics)
-        self.flops_per_sample = flops_per_sample
-        self.peak_flops = peak_flops
+        self.tokens_per_sample, self.flops_per_sample, self.peak_flops = tokens_per_sample, flops_per_sample, peak_flops
         self.consumed_fn = consumed_fn
+        self.layout = layout
+        self.metrics = dict(metrics)
         self.main = is_main_process()
-        self._json = JSONWriter(os.path.join(output_dir, "metrics.json")) if self.main else None
+        self._json = open(os.path.join(output_dir, "metrics.json"), "a") if self.main else None
         self._tb = None
-        if self.main and tensorboard:
+        if self.main:
             try:
-                self._tb = TensorboardWriter(output_dir)
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(output_dir)
             except ImportError:
                 logger.warning("tensorboard is not installed: no event files will be written")
         self._window: list[dict] = []
@@ -184,7 +164,23 @@ class PeriodicWriter(HookBase):
         if self.main and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.trainer.max_iter, initial=self.trainer.start_iter, unit="it", dynamic_ncols=True)
+            self._bar = tqdm(total=self.trainer.max_iter, initial=self.trainer.start_iter, unit="it",
+                             dynamic_ncols=True)
+
+    def _record(self, iteration: int, scalars: dict) -> None:
+        self._json.write(json.dumps({"iteration": iteration, **scalars}, sort_keys=True) + "\n")
+        self._json.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                if k != "consumed_samples":
+                    self._tb.add_scalar(k, v, iteration)
+            self._tb.flush()
+
+    def _record_valid(self, iteration: int) -> None:
+        """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
+        valid = {k: v for k, v in self.trainer.storage.latest().items() if k.startswith("valid/")}
+        if self.main and valid:
+            self._record(iteration, valid)
 
     def after_step(self):
         self._window.append(self.trainer.storage.latest())
@@ -193,85 +189,53 @@ class PeriodicWriter(HookBase):
         it = self.trainer.iter
         if (it + 1) % self.period == 0 or it + 1 == self.trainer.max_iter:
             self._write()
-        elif self.main:
-            # Evaluation results of a step that is not logged still go to metrics.json.
-            valid = {k: v for k, v in self.trainer.storage.latest().items() if k.startswith("valid/")}
-            if valid:
-                self._json.write(it + 1, valid)
+        else:
+            self._record_valid(it + 1)
 
     def _write(self):
         latest = self.trainer.storage.latest()
         window, self._window = self._window, []
-        # The model's outputs averaged (or summed, or maxed, as it declares) over data-parallel ranks:
-        # each saw different samples.
         keys = ["total_loss"] + [k for k in self.metrics if k in latest]
-        raw = dict(latest)
-        raw.update(self._reduce_over_dp({k: latest[k] for k in keys}))
+        raw = {**latest, **self._reduce_over_dp({k: latest[k] for k in keys})}
         if not self.main:
             return
-        it = self.trainer.iter
-        step_time = sum(w["time"] for w in window) / len(window)
-        data_time = sum(w["data_time"] for w in window) / len(window)
-        samples_s = self.global_batch_size / step_time
-        raw.update(
-            consumed_samples=self.consumed_fn(),
-            samples_per_sec=self.global_batch_size / raw["time"],
-            max_mem_bytes=peak_memory_bytes(self.layout.device),
-        )
-        if self.tokens_per_sample:
-            raw["tokens_per_sec"] = self.global_batch_size * self.tokens_per_sample / raw["time"]
-        # The log line averages losses over the interval (this rank's view); metrics.json has the
-        # logged step's value averaged over data-parallel ranks.
-        parts = [
-            f"iteration: {it + 1}/{self.trainer.max_iter}",
-            f"consumed_samples: {raw['consumed_samples']}",
-        ]
-        parts += [f"{k}: {sum(w.get(k, 0.0) for w in window) / len(window):.4f}" for k in keys]
+        it, batch = self.trainer.iter, self.global_batch_size
+        mean = {k: sum(w.get(k, 0.0) for w in window) / len(window) for k in keys + ["time", "data_time"]}
+        samples_s = batch / mean["time"]
+        raw.update(consumed_samples=self.consumed_fn(), samples_per_sec=batch / raw["time"],
+                   max_mem_bytes=peak_memory_bytes(self.layout.device))
+        parts = [f"iteration: {it + 1}/{self.trainer.max_iter}", f"consumed_samples: {raw['consumed_samples']}"]
+        parts += [f"{k}: {mean[k]:.4f}" for k in keys]
         parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
         if "loss_scale" in raw:
             parts.append(f"loss_scale: {raw['loss_scale']:g}")
-        parts += [
-            f"time: {step_time:.4f} s/it",
-            f"data_time: {data_time:.4f} s/it",
-            f"samples/s: {samples_s:.2f}",
-        ]
+        parts += [f"time: {mean['time']:.4f} s/it", f"data_time: {mean['data_time']:.4f} s/it",
+                  f"samples/s: {samples_s:.2f}"]
         if self.tokens_per_sample:
+            raw["tokens_per_sec"] = batch * self.tokens_per_sample / raw["time"]
             parts.append(f"tokens/s: {samples_s * self.tokens_per_sample:.0f}")
         if self.flops_per_sample:
-            tflops = samples_s * self.flops_per_sample / self.layout.world_size / 1e12
-            raw["tflops_per_rank"] = tflops
+            raw["tflops_per_rank"] = tflops = samples_s * self.flops_per_sample / self.layout.world_size / 1e12
             parts.append(f"TFLOP/s/rank: {tflops:.3f}")
             if self.peak_flops:
                 raw["mfu"] = tflops * 1e12 / self.peak_flops
                 parts.append(f"MFU: {100 * raw['mfu']:.1f}%")
         parts.append(f"max_mem: {format_bytes(raw['max_mem_bytes'])}")
-        parts.append(f"eta: {format_eta(step_time * (self.trainer.max_iter - it - 1))}")
+        parts.append(f"eta: {format_eta(mean['time'] * (self.trainer.max_iter - it - 1))}")
         logger.info("  ".join(parts))
-        self._json.write(it + 1, raw)
-        if self._tb is not None:
-            self._tb.write(it + 1, {k: v for k, v in raw.items() if k not in ("consumed_samples",)})
+        self._record(it + 1, raw)
 
     def _reduce_over_dp(self, values: dict) -> dict:
-        group = self.layout.group("dp")
         out = {}
         for reduce, fn in (("mean", all_reduce_mean), ("sum", all_reduce_sum), ("max", all_reduce_max)):
             keys = [k for k in values if (self.metrics[k].reduce if k in self.metrics else "mean") == reduce]
             if keys:
-                out.update(zip(keys, fn([values[k] for k in keys], group=group)))
+                out.update(zip(keys, fn([values[k] for k in keys], group=self.layout.group("dp"))))
         return out
 
     def after_train(self):
         # Evaluation at the end stores valid/* after the last log line; record it too.
-        if self.main:
-            latest = self.trainer.storage.latest()
-            valid = {k: v for k, v in latest.items() if k.startswith("valid/")}
-            if valid and self._json is not None:
-                self._json.write(self.trainer.iter, valid)
-                if self._tb is not None:
-                    self._tb.write(self.trainer.iter, valid)
-        if self._bar is not None:
-            self._bar.close()
-        if self._json is not None:
-            self._json.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._record_valid(self.trainer.iter)
+        for closing in (self._bar, self._json, self._tb):
+            if closing is not None:
+                closing.close()

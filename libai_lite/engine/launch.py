@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from omegaconf import open_dict
 
-from ..config import LazyConfig
-from ..utils.distributed import Layout, setup_dist
+from ..config import InstantiationError, LazyConfig
+from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
 
@@ -25,24 +25,21 @@ def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
     acc = train_cfg.get("num_accumulation_steps")
     if micro is None and glob is None:
         raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
+
+    def divide_global(by: int, what: str) -> int:
+        if glob % by:
+            raise UsageError(f"train.global_batch_size={glob} is not divisible by {what}; pick sizes with "
+                             f"global = micro x dp x accumulation")
+        return glob // by
+
     if micro is None:
         acc = acc or 1
-        if glob % (dp_size * acc):
-            raise UsageError(
-                f"train.global_batch_size={glob} is not divisible by data_parallel_size({dp_size}) x "
-                f"num_accumulation_steps({acc}); pick sizes with global = micro x dp x accumulation"
-            )
-        micro = glob // (dp_size * acc)
+        micro = divide_global(dp_size * acc, f"data_parallel_size({dp_size}) x num_accumulation_steps({acc})")
     elif glob is None:
         acc = acc or 1
         glob = micro * dp_size * acc
     elif acc is None:
-        if glob % (micro * dp_size):
-            raise UsageError(
-                f"train.global_batch_size={glob} is not divisible by train_micro_batch_size({micro}) x "
-                f"data_parallel_size({dp_size}); pick sizes with global = micro x dp x accumulation"
-            )
-        acc = glob // (micro * dp_size)
+        acc = divide_global(micro * dp_size, f"train_micro_batch_size({micro}) x data_parallel_size({dp_size})")
     if micro * dp_size * acc != glob:
         raise UsageError(
             f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
@@ -53,12 +50,6 @@ def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
     train_cfg.train_micro_batch_size = int(micro)
     train_cfg.global_batch_size = int(glob)
     train_cfg.num_accumulation_steps = int(acc)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def default_setup(cfg, args) -> Layout:
@@ -81,7 +72,10 @@ def default_setup(cfg, args) -> Layout:
     setup_logger(layout.rank)
     resolve_batch_sizes(cfg.train, layout.data_parallel_size)
     # Every rank seeds alike so model init is identical; data order comes from the sampler.
-    _seed_all(int(cfg.train.seed))
+    seed = int(cfg.train.seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
     logger.info(f"Rank {layout.rank} of {layout.world_size}; layout pp={layout.pipeline_parallel_size} "
                 f"dp={layout.data_parallel_size} tp={layout.tensor_parallel_size} on {layout.device}")
     logger.info(f"Command line: {' '.join(sys.argv)}")
@@ -89,48 +83,17 @@ def default_setup(cfg, args) -> Layout:
     return layout
 
 
-def _user_error_types():
-    from ..config import ConfigKeyError, ConfigLoadError, ConfigTypeError, InstantiationError
-    from ..data.indexed_dataset import IndexedDatasetError
-
-    # InstantiationError: a config-built object refused its arguments (its message names the
-    # target, the key path and the original error), which is a config problem the user fixes.
-    return (UsageError, ConfigKeyError, ConfigLoadError, ConfigTypeError, IndexedDatasetError, FileNotFoundError,
-            FloatingPointError, InstantiationError)
-
-
-def _instantiation_error():
-    from ..config import InstantiationError
-
-    return InstantiationError
-
-
 def _find_user_error(exc: BaseException | None):
     """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
-    types = _user_error_types()
+    # An InstantiationError is a config-built object refusing its arguments (the message names the
+    # target, key path and original error): a config problem the user fixes.
     found = []
     while exc is not None and len(found) < 10:
-        if isinstance(exc, types):
+        if isinstance(exc, (UsageError, FileNotFoundError, FloatingPointError, InstantiationError)):
             found.append(exc)
         exc = exc.__cause__
-    specific = [e for e in found if not isinstance(e, _instantiation_error())]
-    return specific[0] if specific else (found[0] if found else None)
-
-
-def user_error_message(exc: BaseException) -> str | None:
-    """The one ``error: ...`` line for a user-fixable error anywhere in ``exc``'s cause chain, else None.
-
-    Shared by every command-line tool so bad input reads the same everywhere.
-    """
-    e = _find_user_error(exc)
-    if e is None:
-        return None
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
-        msg = f"{msg}: {e.filename}"
-    if isinstance(e, _instantiation_error()):
-        msg += " (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
-    return f"error: {msg}"
+    specific = [e for e in found if not isinstance(e, InstantiationError)]
+    return (specific or found or [None])[0]
 
 
 def report_cli_error(exc: Exception) -> int:
@@ -143,16 +106,19 @@ def report_cli_error(exc: Exception) -> int:
     """
     if os.environ.get("LIBAI_LITE_TRACEBACK"):
         raise exc
-    from ..utils.distributed import describe_collective_timeout, is_collective_timeout
-
-    if _find_user_error(exc) is None and is_collective_timeout(exc):
+    e = _find_user_error(exc)
+    if e is None and is_collective_timeout(exc):
         print(f"error: {describe_collective_timeout(exc)}", file=sys.stderr, flush=True)
         os._exit(1)
-    line = user_error_message(exc)
-    if line is None:
+    if e is None:
         raise exc
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in msg:
+        msg = f"{msg}: {e.filename}"
+    if isinstance(e, InstantiationError):
+        msg += " (LIBAI_LITE_TRACEBACK=1 shows the traceback)"
     if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr, flush=True)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -162,7 +128,6 @@ def launch(args) -> int:
     Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
     by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
     """
-    from ..utils.distributed import destroy
     from .default import DefaultTrainer
 
     try:

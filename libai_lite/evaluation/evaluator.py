@@ -1,14 +1,15 @@
-"""Evaluation loop and the perplexity evaluator."""
+"""Evaluators fed a loader's batches, the perplexity evaluator, and the loop that feeds them."""
 from __future__ import annotations
 
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 
 from ..utils.distributed import all_reduce_sum
+from .model_evaluator import EvalContext, brings_own_data
 
 logger = logging.getLogger("libai_lite")
 
@@ -59,63 +60,61 @@ class PPLEvaluator(DatasetEvaluator):
         return {"PPL": math.exp(min(mean, 80.0)), "lm_loss": mean, "tokens": tokens}
 
 
-def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None, autocast=None,
-                         loss_context=None, device: torch.device | str = "cpu", dp_group=None) -> dict:
-    """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
+def format_results(results: dict) -> str:
+    return "  ".join(f"{k}: {v:.4f}" for k, v in results.items())
 
-    `autocast` and `loss_context` are context factories (the trainer's precision, and
-    loss_parallel when the vocabulary is split over tensor-parallel ranks); `dp_group` the
-    data-parallel group the evaluator combines over.
-    """
-    evaluator.process_group = dp_group
-    evaluator.reset()
+
+@contextmanager
+def eval_mode(model):
+    """`model` in eval mode without autograd; its mode is restored after."""
     was_training = model.training
     model.eval()
-    start = time.perf_counter()
-    n = 0
     try:
         with torch.no_grad():
-            for batch in data_loader:
-                if eval_iter is not None and n >= eval_iter:
-                    break
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                with autocast() if autocast is not None else nullcontext(), \
-                        loss_context() if loss_context is not None else nullcontext():
-                    outputs = model(**batch)
-                evaluator.process(batch, outputs)
-                n += 1
+            yield
     finally:
         model.train(was_training)
-    results = evaluator.evaluate()
-    logger.info(f"Evaluated {n} batches in {time.perf_counter() - start:.1f}s: "
-                + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
-    return results
 
 
-def inference_on_pipeline(stepper, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None, group: int,
-                          autocast=None, loss_context=None, dp_group=None) -> dict:
-    """`inference_on_dataset` through a pipeline: `group` micro-batches go through the schedule at once."""
-    device = stepper.device
-    evaluator.process_group = dp_group
+def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None,
+                         context: EvalContext | None = None, pipeline=None) -> dict:
+    """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
+
+    `context` gives the device, the precision and loss contexts and the data-parallel group the
+    evaluator combines over. With `pipeline` (a ``PipelineStepper``) its micro-batches per step
+    go through the schedule at once, so `eval_iter` is rounded up to whole steps.
+    """
+    context = context or EvalContext()
+    group = pipeline.n_microbatches if pipeline is not None else 1
+    limit = None if eval_iter is None else -(-eval_iter // group) * group
+    evaluator.process_group = context.dp_group
     evaluator.reset()
     start = time.perf_counter()
     n, pending = 0, []
-    with torch.no_grad():
+    with eval_mode(model):
         for batch in data_loader:
-            if eval_iter is not None and n >= max(eval_iter, group):
+            if limit is not None and n + len(pending) >= limit:
                 break
-            pending.append({k: v.to(device) for k, v in batch.items()})
-            n += 1
+            pending.append({k: v.to(context.device, non_blocking=True) for k, v in batch.items()})
             if len(pending) < group:
                 continue
-            inputs = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
-            pending = []
-            with autocast() if autocast is not None else nullcontext(), \
-                    loss_context() if loss_context is not None else nullcontext():
-                args, kwargs, labels = stepper.split_batch(inputs)
-                outputs = stepper.eval_step(args, labels, kwargs)
+            inputs = pending[0] if group == 1 else {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
+            n, pending = n + len(pending), []
+            with context.autocast(), context.loss_context():
+                if pipeline is None:
+                    outputs = model(**inputs)
+                else:
+                    args, kwargs, labels = pipeline.split_batch(inputs)
+                    outputs = pipeline.eval_step(args, labels, kwargs)
             evaluator.process(inputs, outputs)
     results = evaluator.evaluate()
-    logger.info(f"Evaluated {n - len(pending)} batches through the pipeline in {time.perf_counter() - start:.1f}s: "
-                + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+    where = " through the pipeline" if pipeline is not None else ""
+    logger.info(f"Evaluated {n} batches{where} in {time.perf_counter() - start:.1f}s: {format_results(results)}")
     return results
+
+
+def run_evaluator(evaluator, model, loader, context: EvalContext, eval_iter: int | None = None) -> dict:
+    """`evaluator` on `model` (a ``ParallelModel``): over at most `eval_iter` batches of `loader`, or its own data."""
+    if brings_own_data(evaluator):
+        return evaluator.evaluate_model(model.module, context)
+    return inference_on_dataset(model.module, loader, evaluator, eval_iter, context, model.pipeline)

@@ -1,16 +1,10 @@
 """LAMBADA cloze evaluation: can the model produce the last word of a passage?
 
-The data is JSON lines with a `text` field whose last whitespace-separated word is the target
-(the format of the public LAMBADA test file, `lambada_test.jsonl`). The context is everything
-before that word; the target is tokenized with the space in front of it (GPT-2's BPE convention:
-`" word"` is what the model would emit after the context). A passage counts as correct when the
-greedy prediction at every target position is the target token. Reported over the whole file:
-
-* `lambada_acc`: the fraction of passages whose whole last word is predicted,
-* `lambada_ppl`: exp of the mean NLL over all target tokens,
-* `lambada_examples`, `lambada_target_tokens`: the counts behind them.
-
-Use it during training or with `--eval-only` as `train.evaluation.evaluator`, or through
+JSON lines with a `text` field (the public `lambada_test.jsonl` format) whose last word is the
+target; the context is everything before it, and the target is tokenized with the space in front
+(`" word"`, GPT-2's BPE convention). A passage is right when the greedy prediction at every target
+position is the target token. Reports `lambada_acc`, `lambada_ppl` (exp of the mean NLL over
+target tokens) and the counts behind them; used as `train.evaluation.evaluator` or through
 `tools/evaluate.py --task lambada`.
 """
 from __future__ import annotations
@@ -29,6 +23,7 @@ from ..data.gpt_dataset import IGNORE_INDEX
 from ..data.jsonl_dataset import read_jsonl
 from ..utils.distributed import all_reduce_sum
 from ..utils.errors import UsageError
+from .evaluator import eval_mode, format_results
 from .model_evaluator import EvalContext, ModelEvaluator
 
 logger = logging.getLogger("libai_lite")
@@ -86,16 +81,10 @@ def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[Lambad
     return examples, cut
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP keeps the model in `.module`; FSDP2 and tensor parallelism keep the class.
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
 def check_decoder_only(model: nn.Module) -> None:
     """Refuse a model that cannot be called as `model(input_ids=...)` (an encoder-decoder, ...)."""
-    inner = _unwrap(model)
+    # DDP keeps the model in `.module`; FSDP2 and tensor parallelism keep the class.
+    inner = getattr(model, "module", model)
     params = inspect.signature(inner.forward).parameters
     required = {n for n, p in params.items() if p.default is p.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -182,7 +171,7 @@ class LambadaEvaluator(ModelEvaluator):
             "lambada_target_tokens": tokens,
         }
         logger.info(f"LAMBADA on {self.data_path}: {int(correct)}/{int(count)} passages right in "
-                    f"{time.perf_counter() - start:.1f}s: " + "  ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+                    f"{time.perf_counter() - start:.1f}s: {format_results(results)}")
         return results
 
     @staticmethod
@@ -207,44 +196,34 @@ class LambadaEvaluator(ModelEvaluator):
         pad = getattr(context.tokenizer, "eod_id", None) or 0
         multiple = max(int(context.tensor_parallel_size), 1)
         cross_entropy = ParallelCrossEntropyLoss()
-        device = context.device
         totals = torch.zeros(4, dtype=torch.float64)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for b in range(0, len(order), batch_size):
-                    idx = order[b:b + batch_size]
-                    batch = [examples[max(i, 0)] for i in idx]
-                    weight = torch.tensor([1.0 if i >= 0 else 0.0 for i in idx], dtype=torch.float64)
-                    # Sequence parallelism splits the sequence over tp ranks: keep it divisible.
-                    length = min(-(-max(len(e.ids) - 1 for e in batch) // multiple) * multiple, max_len)
-                    input_ids = torch.full((len(batch), length), pad, dtype=torch.long)
-                    labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
-                    for row, ex in enumerate(batch):
-                        n = len(ex.ids) - 1
-                        input_ids[row, :n] = torch.tensor(ex.ids[:-1])
-                        labels[row, n - ex.num_target:n] = torch.tensor(ex.ids[-ex.num_target:])
-                    input_ids, labels = input_ids.to(device), labels.to(device)
-                    mask = labels != IGNORE_INDEX
-                    with context.loss_context():
-                        with context.autocast():
-                            outputs = model(input_ids=input_ids)
-                        logits = outputs["logits"] if isinstance(outputs, dict) else outputs
-                        nll = cross_entropy(logits, labels)
-                        # Teacher forcing over the target span equals greedy generation of the whole
-                        # word: while every earlier target token is predicted right, the model's
-                        # greedy prefix is exactly the target prefix fed here, and the first miss
-                        # makes the passage wrong either way.
-                        hits = greedy_tokens(logits, mask, vocab) == labels[mask]
-                    rows = mask.nonzero()[:, 0]
-                    misses = torch.zeros(len(batch), device=device).index_add_(0, rows, (~hits).float())
-                    totals += torch.stack([
-                        ((misses == 0).double().cpu() * weight).sum(),
-                        (nll.double().sum(-1).cpu() * weight).sum(),
-                        (mask.sum(-1).double().cpu() * weight).sum(),
-                        weight.sum(),
-                    ])
-        finally:
-            model.train(was_training)
+        with eval_mode(model):
+            for b in range(0, len(order), batch_size):
+                idx = order[b:b + batch_size]
+                batch = [examples[max(i, 0)] for i in idx]
+                weight = torch.tensor([1.0 if i >= 0 else 0.0 for i in idx], dtype=torch.float64)
+                # Sequence parallelism splits the sequence over tp ranks: keep it divisible.
+                length = min(-(-max(len(e.ids) - 1 for e in batch) // multiple) * multiple, max_len)
+                input_ids = torch.full((len(batch), length), pad, dtype=torch.long)
+                labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
+                for row, ex in enumerate(batch):
+                    n = len(ex.ids) - 1
+                    input_ids[row, :n] = torch.tensor(ex.ids[:-1])
+                    labels[row, n - ex.num_target:n] = torch.tensor(ex.ids[-ex.num_target:])
+                input_ids, labels = input_ids.to(context.device), labels.to(context.device)
+                mask = labels != IGNORE_INDEX
+                with context.loss_context():
+                    with context.autocast():
+                        outputs = model(input_ids=input_ids)
+                    logits = outputs["logits"] if isinstance(outputs, dict) else outputs
+                    nll = cross_entropy(logits, labels)
+                    # Teacher forcing over the target span equals greedy generation of the whole
+                    # word: while every earlier target token is predicted right, the model's
+                    # greedy prefix is exactly the target prefix fed here, and the first miss
+                    # makes the passage wrong either way.
+                    hits = greedy_tokens(logits, mask, vocab) == labels[mask]
+                misses = torch.zeros(len(batch), device=context.device).index_add_(0, mask.nonzero()[:, 0],
+                                                                                  (~hits).float())
+                rows = torch.stack([(misses == 0).double(), nll.double().sum(-1), mask.sum(-1).double()]).cpu()
+                totals += torch.cat([(rows * weight).sum(-1), weight.sum()[None]])
         return totals.tolist()

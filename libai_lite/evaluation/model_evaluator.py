@@ -2,8 +2,8 @@
 
 A `DatasetEvaluator` is fed the batches of a loader the trainer built. An evaluator with an
 `evaluate_model(model, context)` method instead reads and batches its own data; the trainer
-(`DefaultTrainer.evaluate`, `--eval-only`, `tools/evaluate.py`) calls that method with the model
-it runs and an `EvalContext`, and logs the returned dict like any evaluation result.
+(periodic evaluation, `--eval-only`, `tools/evaluate.py`) calls it with the model it runs and an
+`EvalContext`, and logs the returned dict like any evaluation result.
 """
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import torch
 
 @dataclass
 class EvalContext:
-    """The run's pieces an evaluator with its own data needs.
+    """The run's pieces an evaluator needs.
 
-    `autocast` and `loss_context` are context factories (the run's precision, and
-    `loss_parallel` when the vocabulary is split over tensor-parallel ranks); `dp_group` is the
-    data-parallel process group results are summed over; inputs' sequence length should be a
-multiple of `tensor_parallel_size` (sequence parallelism splits it); `pipeline` is True when the model runs
-    as pipeline stages (then `model` is not callable as one module).
+    `autocast` and `loss_context` are context factories (the run's precision, and `loss_parallel`
+    when the vocabulary is split over tensor-parallel ranks); `dp_group` is the data-parallel
+    process group results are summed over; inputs' sequence length should be a multiple of
+    `tensor_parallel_size` (sequence parallelism splits it); `pipeline` is True when the model
+    runs as pipeline stages (then `model` is not callable as one module).
     """
 
-    tokenizer: Any
+    tokenizer: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dp_rank: int = 0
     dp_size: int = 1

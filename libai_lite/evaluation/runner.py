@@ -1,0 +1,69 @@
+"""Evaluating a built run: the periodic evaluation, `--eval-only` over every split, `tools/evaluate.py`."""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+from ..config import instantiate
+from ..engine import instantiate_target, instantiate_with
+from ..model import max_seq_length
+from .evaluator import format_results, run_evaluator
+from .model_evaluator import EvalContext, brings_own_data
+
+logger = logging.getLogger("libai_lite")
+
+
+def eval_context(cfg, layout, model, tokenizer, trainer) -> EvalContext:
+    """What evaluators get from a run: its `layout`, `model` (a ``ParallelModel``) and `trainer`'s precision."""
+    return EvalContext(
+        tokenizer=tokenizer, device=layout.device, dp_rank=layout.dp_rank, dp_size=layout.data_parallel_size,
+        dp_group=layout.group("dp"), tensor_parallel_size=layout.tensor_parallel_size,
+        micro_batch_size=int(cfg.train.test_micro_batch_size), max_seq_length=max_seq_length(model.source),
+        autocast=trainer.autocast, loss_context=trainer.loss_context, pipeline=model.pipeline is not None,
+    )
+
+
+def build_test_loaders(nodes, model, context: EvalContext) -> list:
+    """`(name, loader, None)` for each LazyCall in `dataloader.test` (LiBai's key), evaluated whole.
+
+    The builder gets whichever of the run's tokenizer, sequence length, batch size and
+    data-parallel layout it takes as arguments and the config leaves unset
+    (`libai_lite.data.jsonl_dataset.build_ppl_eval_loader` takes them all).
+    """
+    if not nodes:
+        return []
+    tokenizer = context.tokenizer
+    runtime = {
+        "tokenizer": tokenizer,
+        "seq_length": context.max_seq_length,
+        "micro_batch_size": context.micro_batch_size,
+        "data_parallel_rank": context.dp_rank,
+        "data_parallel_size": context.dp_size,
+        "vocab_size": tokenizer.vocab_size if tokenizer is not None else None,
+        # A pipeline schedule evaluates all its micro-batches at once.
+        "batches_multiple_of": model.pipeline.n_microbatches if model.pipeline is not None else 1,
+    }
+    out = []
+    for i, node in enumerate([nodes] if "_target_" in nodes else nodes):
+        accepted = inspect.signature(instantiate_target(node)).parameters
+        kwargs = {k: v for k, v in runtime.items() if k in accepted and node.get(k) is None}
+        name = os.path.splitext(os.path.basename(str(node.get("data_path") or node.get("data_prefix") or "")))[0]
+        out.append((name or f"test{i}", instantiate_with(node, **kwargs), None))
+    return out
+
+
+def evaluate_splits(cfg, model, splits, context: EvalContext) -> dict:
+    """`--eval-only`: `train.evaluation.evaluator` on each `(name, loader, eval_iter)` of `splits` and
+    each `dataloader.test` loader, as `name/metric`; an evaluator that brings its own data runs once."""
+    evaluator = instantiate(cfg.train.evaluation.evaluator)
+    if brings_own_data(evaluator):
+        results = run_evaluator(evaluator, model, None, context)
+    else:
+        results = {}
+        for split, loader, eval_iter in splits + build_test_loaders(cfg.dataloader.get("test"), model, context):
+            if loader is not None:
+                res = run_evaluator(evaluator, model, loader, context, eval_iter)
+                results.update({f"{split}/{k}": v for k, v in res.items()})
+    logger.info(f"Evaluation results: {format_results(results)}")
+    return results
