@@ -14,21 +14,6 @@ from .mlp import MLP
 from .moe import MoEConfig, MoELayer, collect_moe_outputs
 from .transformer_layer import TransformerLayer
 
-__all__ = [
-    "Embedding",
-    "LayerNorm",
-    "Linear1D",
-    "MLP",
-    "MoEConfig",
-    "MoELayer",
-    "MultiheadAttention",
-    "ParallelCrossEntropyLoss",
-    "RMSLayerNorm",
-    "TransformerLayer",
-    "VocabEmbedding",
-    "collect_moe_outputs",
-    "fusable_head_weight",
-    "init_method_normal",
-    "linear_cross_entropy",
-    "scaled_init_method_normal",
-]
+__all__ = ["Embedding", "LayerNorm", "Linear1D", "MLP", "MoEConfig", "MoELayer", "MultiheadAttention",
+           "ParallelCrossEntropyLoss", "RMSLayerNorm", "TransformerLayer", "VocabEmbedding", "collect_moe_outputs",
+           "fusable_head_weight", "init_method_normal", "linear_cross_entropy", "scaled_init_method_normal"]

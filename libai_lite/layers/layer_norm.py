@@ -18,7 +18,8 @@ class LayerNorm(nn.LayerNorm):
     parallel = "data"
     sbp = _NORM_SBP
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, bias: bool = True, layer_idx: int = 0, device=None, dtype=None):
+    def __init__(self, normalized_shape, eps: float = 1e-5, bias: bool = True, layer_idx: int = 0, device=None,
+                 dtype=None):
         super().__init__(normalized_shape, eps=eps, bias=bias, device=device, dtype=dtype)
         self.layer_idx = layer_idx
 

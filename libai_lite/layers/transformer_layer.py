@@ -21,58 +21,26 @@ class TransformerLayer(nn.Module):
     With ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_attention_heads: int,
-        attention_dropout_prob: float = 0.0,
-        output_dropout_prob: float = 0.0,
-        layernorm_epsilon: float = 1e-5,
-        init_method: Optional[InitMethod] = None,
-        output_layer_init_method: Optional[InitMethod] = None,
-        bias: bool = True,
-        activation: str = "gelu_tanh",
-        attn_mask_type: str = "causal",
-        apply_residual_post_layernorm: bool = False,
-        layer_idx: int = 0,
-        moe: Optional[MoEConfig] = None,
-    ):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                 attention_dropout_prob: float = 0.0, output_dropout_prob: float = 0.0, layernorm_epsilon: float = 1e-5,
+                 init_method: Optional[InitMethod] = None, output_layer_init_method: Optional[InitMethod] = None,
+                 bias: bool = True, activation: str = "gelu_tanh", attn_mask_type: str = "causal",
+                 apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.apply_residual_post_layernorm = apply_residual_post_layernorm
+        common = dict(output_dropout_prob=output_dropout_prob, init_method=init_method,
+                      output_layer_init_method=output_layer_init_method, bias=bias, layer_idx=layer_idx)
         self.input_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
-        self.self_attention = MultiheadAttention(
-            hidden_size,
-            num_attention_heads,
-            attention_dropout_prob=attention_dropout_prob,
-            output_dropout_prob=output_dropout_prob,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            layer_idx=layer_idx,
-            attn_mask_type=attn_mask_type,
-            bias=bias,
-        )
+        self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=attn_mask_type,
+                                                 attention_dropout_prob=attention_dropout_prob, **common)
         self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
-        self.mlp = feed_forward(
-            hidden_size,
-            ffn_hidden_size,
-            output_dropout_prob=output_dropout_prob,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            bias=bias,
-            activation=activation,
-            layer_idx=layer_idx,
-        )
+        self.mlp = feed_forward(hidden_size, ffn_hidden_size, activation=activation, **common)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        kv_cache: Optional[KVCache] = None,
-    ) -> torch.Tensor:
-        """``hidden_states``: ``[batch, seq, hidden]``; ``attention_mask``, ``kv_cache`` as in ``MultiheadAttention``."""
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """``hidden_states`` ``[batch, seq, hidden]``; mask and cache as in ``MultiheadAttention``."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
         hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache)

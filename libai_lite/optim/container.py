@@ -21,12 +21,9 @@ class OptimizersContainer(torch.optim.Optimizer):
             raise ValueError("OptimizersContainer needs at least one optimizer")
         self.defaults = self.optimizers[0].defaults
         self.state = {}
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
 
     @property
     def param_groups(self):

@@ -1,11 +1,10 @@
 """One gradient clipper for every layout: plain, DDP, FSDP2/ZeRO, tensor, pipeline and expert parallel.
 
-``torch.nn.utils.clip_grad_norm_`` fails when gradients are DTensors on different meshes (FSDP+TP:
-``("dp", "tp")`` and ``("dp",)``; experts on the expert-data-parallel mesh), and knows nothing of
-pipeline stages (each holds other parameters) or of a tied weight held twice. Here the norm is
-taken per mesh (torch's ``get_total_norm``, then ``full_tensor()`` to finish a DTensor reduction),
-the experts on the other ranks of an expert-parallel group are added, the stages' norms are
-combined over the pipeline group (as torchtitan does), and scaling works shard by shard.
+``torch.nn.utils.clip_grad_norm_`` fails on DTensor gradients of different meshes (FSDP+TP, experts on
+their own mesh) and knows nothing of pipeline stages or of a tied weight held twice. Here the norm is
+taken per mesh (torch's ``get_total_norm``, ``full_tensor()`` finishing a DTensor reduction), the other
+ranks' experts are added, the stages' norms combined over the pipeline group (as torchtitan does),
+and scaling works shard by shard.
 """
 from __future__ import annotations
 
@@ -20,11 +19,8 @@ from .expert_parallel import reduce_expert_norm
 
 
 def scale_grads_(params: Iterable[torch.Tensor], coef: float | torch.Tensor) -> None:
-    """Multiply every gradient by ``coef`` in place, shard by shard.
-
-    One scalar is correct for any placement (Shard, Replicate, Partial), and local shards let
-    gradients of different meshes go through together, which one DTensor foreach call refuses.
-    """
+    """Multiply every gradient by ``coef`` in place, shard by shard: one scalar is right for any placement,
+    and local shards let gradients of different meshes go through together (one DTensor foreach refuses)."""
     by_device: dict = {}
     for p in params:
         if p.grad is not None:
@@ -32,10 +28,6 @@ def scale_grads_(params: Iterable[torch.Tensor], coef: float | torch.Tensor) -> 
             by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(device) if torch.is_tensor(coef) else coef)
-
-
-def _local_device(t: torch.Tensor) -> torch.device:
-    return (t.to_local() if isinstance(t, DTensor) else t).device
 
 
 def _mesh_norms(grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool) -> list[torch.Tensor]:
@@ -75,14 +67,11 @@ def clip_grad_norm_(
     skip = {id(p) for p in exclude_from_norm}
     norm_type = float(norm_type)
     grads = [p.grad for p in params if id(p) not in skip]
-    device = _local_device(grads[0]) if grads else torch.device("cpu")
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device if grads else "cpu"
     norms = [n.to(device=device, dtype=torch.float32) for n in _mesh_norms(grads, norm_type, error_if_nonfinite)]
     inf = math.isinf(norm_type)
-    if not norms:
-        total = torch.zeros((), device=device)
-    else:
-        stacked = torch.stack(norms)
-        total = stacked.max() if inf else stacked.pow(norm_type).sum()
+    stacked = torch.stack(norms) if norms else torch.zeros(1, device=device)
+    total = stacked.max() if inf else stacked.pow(norm_type).sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if dist.get_backend(pp_group) == "nccl" and total.device.type != "cuda":
             total = total.cuda()
@@ -92,8 +81,7 @@ def clip_grad_norm_(
     total_norm = float(total)
     if error_if_nonfinite and not math.isfinite(total_norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total_norm}")
-    if math.isfinite(float(max_norm)) and params:
-        coef = min(float(max_norm) / (total_norm + 1e-6), 1.0)
-        if coef < 1.0:
-            scale_grads_(params, coef)
+    coef = float(max_norm) / (total_norm + 1e-6)
+    if coef < 1.0 and params:
+        scale_grads_(params, coef)
     return total_norm

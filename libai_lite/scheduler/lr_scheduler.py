@@ -78,22 +78,20 @@ def WarmupLinearLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, min_
     return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "linear", min_lr_ratio)
 
 
-def WarmupPolynomialLR(
-    optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, end_learning_rate=0.0, power=1.0, warmup_method="linear"
-):
+def WarmupPolynomialLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, end_learning_rate=0.0, power=1.0,
+                       warmup_method="linear"):
     """Polynomial decay to `end_learning_rate` (an absolute lr, as in LiBai)."""
     base = optimizer.param_groups[0]["lr"]
     ratio = end_learning_rate / base if base else 0.0
-    return WarmupDecayLR(
-        optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "polynomial", ratio, power=power
-    )
+    return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "polynomial", ratio,
+                         power=power)
 
 
-def WarmupExponentialLR(optimizer, max_iter, gamma=0.999, warmup_factor=0.001, warmup_iter=0, min_lr_ratio=0.0, warmup_method="linear"):
+def WarmupExponentialLR(optimizer, max_iter, gamma=0.999, warmup_factor=0.001, warmup_iter=0, min_lr_ratio=0.0,
+                        warmup_method="linear"):
     """lr x gamma per iteration after warmup, never below `min_lr_ratio` x base lr."""
-    return WarmupDecayLR(
-        optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "exponential", min_lr_ratio, gamma=gamma
-    )
+    return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "exponential", min_lr_ratio,
+                         gamma=gamma)
 
 
 def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, warmup_method="linear"):
