@@ -199,7 +199,8 @@ class Checkpointer:
             dcp.save(self._merged(self._part_states(with_optim=True)), checkpoint_id=tmp)
             torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
             if rank == 0:
-                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
+                text = json.dumps(trainer_state, indent=1, sort_keys=True)
+                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), text)
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
         if all_reduce_max([float(bool(error))])[0]:
@@ -207,10 +208,10 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier()
             previous = self.last_checkpoint()
+            kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
             raise UsageError(
                 f"saving checkpoint {final} failed ({error or 'on another rank'}); the partial files were removed "
-                f"and {('the previous checkpoint ' + previous + ' is kept') if previous else 'no earlier checkpoint exists'}"
-                f": free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
+                f"and {kept}: free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
             )
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)

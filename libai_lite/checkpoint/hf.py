@@ -22,18 +22,15 @@ from .hf_io import HFTokenizer, read_hf_config, read_hf_state_dict, write_hf_dir
 class HFMapping:
     """How one project's pretraining module converts to and from Hugging Face directories.
 
-    Attributes:
-        model_class: the pretraining module, built as ``model_class(model_cfg)``; subclasses share it.
-        model_types: the ``config.json`` ``model_type`` values it reads (one mapping may read several).
-        inner: attribute of the pretraining module whose state dict the functions below speak.
-        config_from_hf / config_to_hf: ``config.json`` dict <-> our ``model.cfg`` dict.
-        state_dict_from_hf / state_dict_to_hf: ``(state dict, model.cfg) ->`` the other side's state dict.
-        vocab_keys: our keys whose first dimension is the vocabulary, the token embedding first
-            (padded on import, cut to the tokenizer on export).
-        special_token_ids: ``config.json`` token ids for one of our tokenizers.
-        find_tokenizer: ``hf_dir -> HFTokenizer`` for the tokenizer files of such a directory, or None.
-        finetune_config: import path of the project config a fine-tuning config of an import starts from.
-        pipeline_num_layers: ``model.cfg -> train.dist.pipeline_num_layers`` when it is not ``hidden_layers``.
+    ``model_class(model_cfg)`` builds the module (its subclasses share the mapping); ``model_types`` are
+    the ``config.json`` ``model_type`` values it reads; the functions speak the state dict of the
+    module's attribute ``inner``: ``config_from_hf``/``config_to_hf`` (``config.json`` <-> ``model.cfg``),
+    ``state_dict_from_hf``/``state_dict_to_hf`` (``(state dict, model.cfg)`` -> the other side's).
+    ``vocab_keys``: our keys whose rows are the vocabulary, the token embedding first (padded on
+    import, cut to the tokenizer on export). ``special_token_ids``: ``config.json`` ids for one of
+    our tokenizers; ``find_tokenizer``: ``hf_dir -> HFTokenizer`` or None; ``finetune_config``: the
+    project config an import's fine-tuning config starts from; ``pipeline_num_layers``: ``model.cfg ->
+    train.dist.pipeline_num_layers`` when it is not ``hidden_layers``.
     """
 
     model_class: type
@@ -133,22 +130,18 @@ class StateDictSource:
                              f"the weights belong to another architecture than the config describes")
 
 
-# ------------------------------------------------------------------------------ our models
-
-
 def _load_converted(inner: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     """Copy a mapping's state dict into the inner model, refusing any key or shape mismatch."""
     own = inner.state_dict()
-    missing = [k for k in own if k not in sd]
+    missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
     if missing:
         raise UsageError(f"the converted weights lack '{missing[0]}'; the mapping and the model disagree")
-    unexpected = [k for k in sd if k not in own]
     if unexpected:
         raise UsageError(f"the converted weights hold '{unexpected[0]}', which the model does not have")
-    for key, tensor in own.items():
-        if tuple(sd[key].shape) != tuple(tensor.shape):
-            raise UsageError(f"weight '{key}' has shape {list(sd[key].shape)} but config.json builds "
-                             f"{list(tensor.shape)}: the config does not describe these weights")
+    key = next((k for k, t in own.items() if sd[k].shape != t.shape), None)
+    if key is not None:
+        raise UsageError(f"weight '{key}' has shape {list(sd[key].shape)} but config.json builds "
+                         f"{list(own[key].shape)}: the config does not describe these weights")
     with torch.no_grad():
         inner.load_state_dict(dict(sd), strict=True)
 
@@ -180,13 +173,10 @@ def resize_vocab_rows(sd: Mapping[str, torch.Tensor], keys, vocab_size: int) -> 
 
 def load_hf_model(hf_dir: str, model_type: str | None = None, vocab_size: int | None = None,
                   model_class: type | None = None) -> tuple[str, dict, nn.Module]:
-    """Load a Hugging Face directory as our pretraining module, through a registered mapping.
+    """``(model_type, model.cfg dict, module)`` for a Hugging Face directory: the module in eval mode on the CPU.
 
-    Returns ``(model_type, model_cfg, module)``: ``model_type`` if given (it must be read by the
-    same mapping as the directory's), else ``config.json``'s; our ``model.cfg`` dict; and the module
-    with the weights, in eval mode, on the CPU. ``model_class`` (a user's class) picks its mapping
-    and is what is built; otherwise the mapping that reads the model type does. ``vocab_size`` (at
-    least the directory's) pads the vocabulary rows (``resize_vocab_rows``) as the trainer pads them.
+    ``model_type`` (default ``config.json``'s) must be read by the directory's mapping; ``model_class``
+    (a user's class) is built through its own mapping. ``vocab_size`` pads the vocabulary as the trainer does.
     """
     hf_config = read_hf_config(hf_dir)
     chosen = mapping_for_model(model_class) if model_class is not None else None
@@ -212,13 +202,10 @@ def checkpoint_vocab_size(checkpoint_dir: str, model_class: type) -> int:
 
 def save_hf_model(module: nn.Module, model_cfg: Mapping, output_dir: str, vocab_size: int | None = None,
                   tokenizer=None) -> tuple[dict, list[str]]:
-    """Write ``module`` (a pretraining module with a mapping, whole, on one process) as a Hugging Face directory.
+    """Write ``module`` (whole, on one process) as a Hugging Face directory; returns its config and notes to print.
 
-    ``output_dir`` gets ``config.json``, ``generation_config.json`` and ``model.safetensors``
-    (float32, as trained); the vocabulary is the module's rows, cut to ``vocab_size`` when given
-    (the tokenizer's real size: padded rows are never produced by it). With ``tokenizer`` (one of
-    ours) its files are copied and the special token ids go into the configs. Returns the HF config
-    and notes worth printing.
+    Weights are float32; the vocabulary rows are cut to ``vocab_size`` (the tokenizer's real size) when
+    given. A ``tokenizer`` of ours gets its files copied and its special token ids into the configs.
     """
     mapping = mapping_for_model(module)
     # One tensor per Parameter, so a tied pair stays one tensor under two names.

@@ -1,9 +1,7 @@
 """Hugging Face model directories on disk, for any model: no key or layout of one model is known here.
 
-Reading takes ``config.json`` plus ``model.safetensors``, a sharded ``model.safetensors.index.json``,
-or ``pytorch_model.bin`` (or its index) loaded with ``torch.load(weights_only=True)``, so no pickled
-code runs. Writing gives ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
-files of one of our tokenizers, into a staged folder that becomes the output only when complete.
+Weights are read from ``model.safetensors`` or ``pytorch_model.bin`` (``torch.load(weights_only=True)``,
+so no pickled code runs), either one sharded by its index; output is staged and appears only when complete.
 """
 from __future__ import annotations
 
@@ -23,9 +21,6 @@ SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_NAME = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
-
-
-# ------------------------------------------------------------------------------------- reading
 
 
 def _check_dir(hf_dir: str) -> None:
@@ -49,15 +44,6 @@ def read_hf_config(hf_dir: str) -> dict:
     if not isinstance(config, dict):
         raise UsageError(f"{path} is not a JSON object; re-download or re-save it")
     return config
-
-
-def _read_index(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"{path} is not a weight index (no weight_map: {type(e).__name__}); re-download it") from e
 
 
 def _load_safetensors(path: str) -> dict:
@@ -93,28 +79,26 @@ def read_hf_state_dict(hf_dir: str) -> dict:
         if os.path.isfile(os.path.join(hf_dir, single)):
             return load(os.path.join(hf_dir, single))
         index_path = os.path.join(hf_dir, index)
-        if os.path.isfile(index_path):
-            sd: dict = {}
-            for shard in _read_index(index_path):
-                shard_path = os.path.join(hf_dir, shard)
-                if not os.path.isfile(shard_path):
-                    raise UsageError(f"{index_path} names the shard {shard}, which is missing; download every shard")
-                sd.update(load(shard_path))
-            return sd
+        if not os.path.isfile(index_path):
+            continue
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"{index_path} is not a weight index (no weight_map: {type(e).__name__}); "
+                             f"re-download it") from e
+        missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+        if missing:
+            raise UsageError(f"{index_path} names the shard {missing[0]}, which is missing; download every shard")
+        return {k: v for s in shards for k, v in load(os.path.join(hf_dir, s)).items()}
     raise UsageError(f"{hf_dir} has no weights ({SAFETENSORS_NAME}, {SAFETENSORS_INDEX}, {TORCH_NAME} or "
                      f"{TORCH_INDEX}); download the weights, not only the config")
 
 
-# ---------------------------------------------------------------------------------- tokenizers
-
-
 @dataclass
 class HFTokenizer:
-    """A tokenizer found in a Hugging Face directory, as one of ours (a project's mapping finds it).
-
-    ``files`` maps file names to paths in the directory; ``lazy_call`` is the source of the
-    ``LazyCall`` that builds it from those names beside a config file (``_here`` is that folder),
-    and ``import_line`` the import that source needs.
+    """One of our tokenizers found in a Hugging Face directory by a project's mapping: ``files`` ({name: path}),
+    and the source of a ``LazyCall`` building it from those names in the folder ``_here`` with its import line.
     """
 
     tokenizer: object
@@ -141,9 +125,6 @@ def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
             "vocab.txt is copied, but the [BOS]/[EOS]/<extra_id_*> tokens libai_lite appends to a BERT "
             "vocabulary are not described for transformers; tokenize with libai_lite"]
     return {}, None, [f"{type(tokenizer).__name__} has no known files; copy the tokenizer files yourself"]
-
-
-# ------------------------------------------------------------------------------------- writing
 
 
 def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
@@ -183,9 +164,6 @@ def write_hf_dir(output_dir: str, hf_config: Mapping, hf_sd: Mapping[str, torch.
     if tok_config is not None:
         _write_json(tok_config, os.path.join(output_dir, "tokenizer_config.json"))
     return notes
-
-
-# ------------------------------------------------------------------------------ output folders
 
 
 def check_output_dir(output: str, force: bool = False) -> None:

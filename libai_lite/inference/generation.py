@@ -1,16 +1,13 @@
 """Autoregressive decoding shared by decoder-only and encoder-decoder models, and its logits processors.
 
-A model's ``generate`` supplies one function, ``step(tokens) -> logits``: it feeds the tokens
-the model has not seen yet (the prompt on the first call, then the one token each row just
-chose) and returns the next-token logits ``[batch, vocab]``. The model keeps its own key/value
-cache between calls, or re-reads the whole sequence without one. ``decode`` owns everything
-else: restricting logits to the real vocabulary, the processors, greedy or seeded sampling,
-EOS per row and padding of finished rows.
+A model's ``generate`` supplies ``step(tokens) -> logits``: it feeds the tokens the model has not
+seen yet (the prompt, then the token each row just chose) and returns the next-token logits
+``[batch, vocab]``, keeping its own key/value cache or re-reading the sequence. ``decode`` owns the
+rest: the real vocabulary, the processors, greedy or seeded sampling, EOS and padding per row.
 
-The processors follow Hugging Face's ``LogitsProcessor`` semantics (``tests/test_generation.py``
-checks them against transformers' own classes): ``processor(input_ids, scores) -> scores`` on
-``[batch, vocab]`` float scores, applied in the order repetition penalty, temperature, top-k,
-top-p (LiBai keeps the same pieces in ``libai/inference``).
+The processors follow Hugging Face's ``LogitsProcessor`` semantics (``processor(input_ids, scores)
+-> scores``, tested against transformers' classes), applied in the order repetition penalty,
+temperature, top-k, top-p, as LiBai's ``libai/inference`` does.
 """
 from __future__ import annotations
 
@@ -20,30 +17,18 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..utils.errors import UsageError
 
-__all__ = [
-    "LogitsProcessorList",
-    "RepetitionPenaltyLogitsProcessor",
-    "TemperatureLogitsWarper",
-    "TopKLogitsWarper",
-    "TopPLogitsWarper",
-    "build_logits_processors",
-    "decode",
-    "eval_mode",
-    "gather_logits",
-    "pad_prompts",
-    "tensor_parallel_group",
-]
+__all__ = ["LogitsProcessorList", "RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
+           "TopPLogitsWarper", "build_logits_processors", "decode", "eval_mode", "gather_logits", "pad_prompts",
+           "tensor_parallel_group"]
 
 
 class RepetitionPenaltyLogitsProcessor:
-    """CTRL's repetition penalty: the score of every token already in ``input_ids`` is divided by
-    ``penalty`` when positive and multiplied by it when negative (``penalty > 1`` discourages repeats).
-
-    Ids outside ``[0, vocab)`` in ``input_ids`` are not counted, which is how ``decode`` leaves
-    left padding out.
+    """CTRL's penalty: scores of tokens already in ``input_ids`` are divided by ``penalty`` when positive
+    and multiplied by it when negative. Ids outside ``[0, vocab)`` (``decode``'s masked padding) do not count.
     """
 
     def __init__(self, penalty: float):
@@ -120,13 +105,8 @@ class LogitsProcessorList(list):
         return scores
 
 
-def build_logits_processors(
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-) -> LogitsProcessorList:
+def build_logits_processors(do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                            repetition_penalty: float = 1.0) -> LogitsProcessorList:
     """The processors for these options, in Hugging Face's order; the warpers only when sampling.
 
     Neutral values (``repetition_penalty=1``, ``temperature=1``, ``top_k=0``, ``top_p=1``) add
@@ -170,58 +150,31 @@ def gather_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
-def _eos_tensor(eos_token_id, device) -> Optional[torch.Tensor]:
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
 @torch.no_grad()
 def decode(
-    step: Callable[[torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    vocab_size: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    eos_token_id: Union[int, Sequence[int], None] = None,
-    pad_token_id: Optional[int] = None,
-    generator: Optional[torch.Generator] = None,
-    ignore_mask: Optional[torch.Tensor] = None,
-    sync_group=None,
-    return_logits: bool = False,
+    step: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor, *, max_new_tokens: int, vocab_size: int,
+    do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    repetition_penalty: float = 1.0, eos_token_id: Union[int, Sequence[int], None] = None,
+    pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
+    ignore_mask: Optional[torch.Tensor] = None, sync_group=None, return_logits: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Extend ``input_ids`` ``[batch, len]`` by up to ``max_new_tokens`` tokens chosen from ``step``'s logits.
 
-    Args:
-        step: called first with ``input_ids``, then with each ``[batch, 1]`` chosen column;
-            returns the next-token logits ``[batch, >= vocab_size]`` for every row.
-        vocab_size: the real vocabulary; ids at or above it (the padding that makes the
-            embedding a multiple of 128 x tp) are never chosen.
-        do_sample, temperature, top_k, top_p, repetition_penalty: see ``build_logits_processors``;
-            greedy (argmax) unless ``do_sample``.
-        eos_token_id: an id or ids that end a row; later tokens of a finished row are
-            ``pad_token_id`` (the first EOS id when no pad id is given). Decoding stops
-            early once every row has finished.
-        generator: the ``torch.Generator`` sampling draws from (seed it to reproduce a run).
-        ignore_mask: ``[batch, len]``, True where ``input_ids`` holds padding, which the
-            repetition penalty must not count.
-        sync_group: under tensor parallelism, the group whose first rank's choice every rank
-            takes (the choices agree anyway when logits and seeds do; this makes it certain).
-        return_logits: also return the raw logits of each chosen step, ``[batch, new, vocab_size]``.
-
-    Returns the sequences ``[batch, len + new]`` (prompt included), and the logits if asked.
+    ``step`` is called with ``input_ids``, then with each chosen ``[batch, 1]`` column. Ids at or
+    above ``vocab_size`` (the embedding's padding) are never chosen. Sampling options are
+    ``build_logits_processors``'s; greedy unless ``do_sample``, drawing from ``generator``. A row
+    ends at an id of ``eos_token_id`` (an id or ids) and is then filled with ``pad_token_id`` (default
+    the first EOS id); decoding stops when every row has ended. ``ignore_mask`` (True at padding of
+    ``input_ids``) keeps padding out of the repetition penalty. Under tensor parallelism every rank
+    takes the choice of ``sync_group``'s first rank. Returns ``[batch, len + new]`` (prompt included)
+    and, with ``return_logits``, the raw logits of each step ``[batch, new, vocab_size]``.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise UsageError(f"max_new_tokens={max_new_tokens} must be a non-negative integer (--max-new-tokens)")
     processors = build_logits_processors(do_sample, temperature, top_k, top_p, repetition_penalty)
     device = input_ids.device
-    eos = _eos_tensor(eos_token_id, device)
+    eos = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long, device=device)
     if pad_token_id is None and eos is not None:
         pad_token_id = int(eos[0])
     src = dist.get_global_rank(sync_group, 0) if sync_group is not None else None
@@ -267,14 +220,9 @@ def pad_prompts(
     Decoder-only models take left padding (every row's last token sits in the last column, so
     the next token of every row comes from the same position); encoders take right padding.
     """
-    rows = [list(map(int, p)) for p in prompts]
+    rows = [torch.tensor([int(i) for i in p], dtype=torch.long) for p in prompts]
     if not rows or any(len(r) == 0 for r in rows):
         raise UsageError("every prompt needs at least one token; remove empty prompts")
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
-        ids[i, sl] = torch.tensor(r, dtype=torch.long)
-        mask[i, sl] = 1
+    ids = pad_sequence(rows, batch_first=True, padding_value=int(pad_token_id), padding_side=side)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_value=0, padding_side=side)
     return ids.to(device), mask.to(device)

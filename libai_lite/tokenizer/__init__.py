@@ -5,13 +5,5 @@ from .build import TOKENIZER_TYPES, build_tokenizer
 from .gpt2 import GPT2Tokenizer
 from .sentencepiece_tokenizer import SentencePieceTokenizer
 
-__all__ = [
-    "BaseTokenizer",
-    "BertTokenizer",
-    "GPT2Tokenizer",
-    "SentencePieceTokenizer",
-    "TOKENIZER_TYPES",
-    "build_tokenizer",
-    "check_file",
-    "pad_vocab_size",
-]
+__all__ = ["BaseTokenizer", "BertTokenizer", "GPT2Tokenizer", "SentencePieceTokenizer", "TOKENIZER_TYPES",
+           "build_tokenizer", "check_file", "pad_vocab_size"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 
 def pad_vocab_size(
@@ -59,14 +59,8 @@ class BaseTokenizer:
     """
 
     vocab_size: int
-    eod_id: Optional[int] = None
-    pad_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
-    bos_token_id: Optional[int] = None
-    unk_token_id: Optional[int] = None
-    cls_token_id: Optional[int] = None
-    sep_token_id: Optional[int] = None
-    mask_token_id: Optional[int] = None
+    eod_id = pad_token_id = eos_token_id = bos_token_id = unk_token_id = None
+    cls_token_id = sep_token_id = mask_token_id = None
     _sentinels: Sequence[int] = ()
 
     def __len__(self) -> int:
@@ -82,23 +76,11 @@ class BaseTokenizer:
         raise NotImplementedError
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        """Token ids of each text."""
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text for ``ids``."""
         raise NotImplementedError
-
-    # Megatron-LM's names, so code ported from Megatron reads the same.
-    @property
-    def eod(self) -> Optional[int]:
-        return self.eod_id
-
-    def tokenize(self, text: str) -> List[int]:
-        return self.encode(text)
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self.decode(ids)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
@@ -124,7 +106,3 @@ class TokenizersBackend(BaseTokenizer):
     def id_to_token(self, idx: int) -> Optional[str]:
         """Vocabulary entry for ``idx``, or None when out of range."""
         return self._tok.id_to_token(int(idx))
-
-    def get_vocab(self) -> Dict[str, int]:
-        """Token -> id mapping."""
-        return self._tok.get_vocab(with_added_tokens=True)

@@ -6,47 +6,27 @@ from .bert import BertTokenizer
 from .gpt2 import GPT2Tokenizer
 from .sentencepiece_tokenizer import SentencePieceTokenizer
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "SentencePieceTokenizer",
-)
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")
 
 
-def build_tokenizer(
-    tokenizer_type: str,
-    vocab_file=None,
-    merge_file=None,
-    tokenizer_model=None,
-    vocab_extra_ids: int = 0,
-    spm_style: str = "megatron",
-) -> BaseTokenizer:
+def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None,
+                    vocab_extra_ids: int = 0, spm_style: str = "megatron") -> BaseTokenizer:
     """Return the tokenizer Megatron-LM builds for ``tokenizer_type``.
 
-    ``vocab_extra_ids`` adds ``<extra_id_*>`` sentinels to the BERT and
-    SentencePiece tokenizers (ignored by GPT-2, as in Megatron).
-    ``spm_style`` picks the SentencePiece id convention ("megatron" or "t5",
-    see :class:`SentencePieceTokenizer`).
+    ``vocab_extra_ids`` adds ``<extra_id_*>`` sentinels to the BERT and SentencePiece tokenizers
+    (GPT-2 ignores it, as in Megatron); ``spm_style`` is the SentencePiece id convention ("megatron" or "t5").
     """
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
-            raise ValueError(
-                "GPT2BPETokenizer needs a vocab.json and a merges.txt; pass --vocab-file and --merge-file"
-            )
+            raise ValueError("GPT2BPETokenizer needs a vocab.json and a merges.txt; pass --vocab-file and --merge-file")
         return GPT2Tokenizer(vocab_file, merge_file)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         if vocab_file is None:
             raise ValueError(f"{tokenizer_type} needs a WordPiece vocab.txt; pass --vocab-file")
-        return BertTokenizer(
-            vocab_file,
-            do_lower_case=tokenizer_type == "BertWordPieceLowerCase",
-            vocab_extra_ids=vocab_extra_ids,
-        )
+        lower = tokenizer_type == "BertWordPieceLowerCase"
+        return BertTokenizer(vocab_file, do_lower_case=lower, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type == "SentencePieceTokenizer":
         if tokenizer_model is None:
             raise ValueError("SentencePieceTokenizer needs a .model file; pass --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model, extra_ids=vocab_extra_ids, style=spm_style)
-    raise ValueError(
-        f"unknown tokenizer type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)}"
-    )
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)}")

@@ -14,25 +14,17 @@ STYLES = ("megatron", "t5")
 class SentencePieceTokenizer(BaseTokenizer):
     """A SentencePiece model plus special tokens, in one of two id conventions.
 
-    ``style="megatron"`` (default) reproduces Megatron-LM's
-    ``SentencePieceTokenizer`` (Aug 2023) id for id. After the model's ``n``
-    pieces it appends, in this order and only when the piece is missing:
-    ``<CLS> <SEP> <EOD> <MASK>``, the pad piece (``<PAD>`` if the model has no
-    pad), the bos piece (``<BOS>`` if none), the eos piece (``<EOS>`` if none),
-    then ``<extra_id_0>`` ... ``<extra_id_{extra_ids-1}>`` in increasing order.
-    For a T5-style model (pad=0 eos=1 unk=2, no bos) with 4,000 pieces this gives
-    CLS=4000 SEP=4001 EOD=4002 MASK=4003 BOS=4004, pad=0, eos=1, extra_id_i=4005+i.
-    ``eod_id`` is ``<EOD>``. Text is split around every one of those special
-    strings (including the model's own pad/eos pieces such as ``</s>``), the
-    leftmost occurrence first and, on a tie, the one added first; the pieces in
-    between are encoded by SentencePiece.
+    ``style="megatron"`` reproduces Megatron-LM's ``SentencePieceTokenizer`` (Aug 2023) id for id:
+    after the model's ``n`` pieces it appends, in this order and only when the piece is missing,
+    ``<CLS> <SEP> <EOD> <MASK>``, the pad, bos and eos pieces (``<PAD>``/``<BOS>``/``<EOS>`` when the
+    model has none), then ``<extra_id_0>`` ... in increasing order; ``eod_id`` is ``<EOD>``. (A T5-style
+    4,000-piece model gives CLS=4000 SEP=4001 EOD=4002 MASK=4003 BOS=4004, pad=0, eos=1, extra_id_i=4005+i.)
+    Text is split around all of those strings, leftmost first and on a tie the one added first.
 
-    ``style="t5"`` follows Hugging Face's ``T5Tokenizer``: no tokens are added
-    besides ``extra_ids`` sentinels, numbered from the top
-    (``<extra_id_0>`` = n + extra_ids - 1, ``<extra_id_1>`` one below, ...);
-    pad/eos/unk are the model's (0/1/2 for T5/mT5 models), ``bos_token_id`` is
-    None when the model has no bos, and ``eod_id`` is the eos id. Text is split
-    around the sentinels and the model's eos/pad/unk strings, longest match first.
+    ``style="t5"`` follows Hugging Face's ``T5Tokenizer``: only ``extra_ids`` sentinels are added, numbered
+    from the top (``<extra_id_0>`` = n + extra_ids - 1, ...); pad/eos/unk/bos are the model's (bos None
+    when it has none) and ``eod_id`` is eos. Text is split around the sentinels and the model's
+    eos/pad/unk strings, longest match first.
     """
 
     def __init__(self, model_file, extra_ids: int = 0, style: str = "megatron"):
