@@ -23,8 +23,7 @@ from ..data.gpt_dataset import IGNORE_INDEX
 from ..data.jsonl_dataset import read_jsonl
 from ..utils.distributed import all_reduce_sum
 from ..utils.errors import UsageError
-from .evaluator import eval_mode, format_results
-from .model_evaluator import EvalContext, ModelEvaluator
+from .evaluator import EvalContext, ModelEvaluator, eval_mode, format_results
 
 logger = logging.getLogger("libai_lite")
 
@@ -93,41 +92,26 @@ def check_decoder_only(model: nn.Module) -> None:
                          f"{type(inner).__name__} needs {sorted(required)}: evaluate a GPT-style model")
 
 
-def _local_vocab_view(logits):
-    """(this rank's logits, the vocabulary id of its first column, the tp mesh or None)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(logits, DTensor):
-        return logits, 0, None
-    placement = logits.placements[0]
-    if len(logits.placements) != 1 or not placement.is_shard() or placement.dim % logits.ndim != logits.ndim - 1:
-        return logits.full_tensor(), 0, None
-    local = logits.to_local()
-    mesh = logits.device_mesh
-    # The padded vocabulary divides evenly over tensor-parallel ranks (check_tensor_parallel).
-    return local, mesh.get_local_rank() * local.shape[-1], mesh
-
-
 def greedy_tokens(logits, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Argmax over the first `vocab_size` ids at the `mask` positions of `[batch, seq, vocab]` logits.
+    """Argmax over the first `vocab_size` ids (never a padding row) at the `mask` positions of `[batch, seq, vocab]`
+    logits, lowest id on ties.
 
-    The vocabulary may be split over tensor-parallel ranks (a DTensor sharded on its last dim):
-    each rank takes its shard's best id and the best of those wins, lowest id on ties, as a
-    full-vocabulary argmax would. Padding rows of the vocabulary never win.
+    Logits whose vocabulary is split over tensor-parallel ranks (a DTensor sharded on its last
+    dim) are gathered only at the masked positions: a few rows, not the whole batch.
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    local, offset, mesh = _local_vocab_view(logits)
-    picked = local[mask].float()
-    ids = torch.arange(offset, offset + picked.shape[-1], device=picked.device)
-    picked = picked.masked_fill(ids >= vocab_size, float("-inf"))
-    best = picked.argmax(-1)
-    if mesh is None:
-        return best + offset
-    value = picked.gather(-1, best[:, None])
-    value = DTensor.from_local(value, mesh, [Shard(1)], run_check=False).full_tensor()
-    index = DTensor.from_local(best[:, None] + offset, mesh, [Shard(1)], run_check=False).full_tensor()
-    return index.gather(-1, value.argmax(-1, keepdim=True)).squeeze(-1)
+    if isinstance(logits, DTensor):
+        (placement, *more), last = logits.placements, logits.ndim - 1
+        if not more and placement.is_shard() and placement.dim % logits.ndim == last:
+            # The padded vocabulary divides evenly over tensor-parallel ranks (check_tensor_parallel).
+            picked = DTensor.from_local(logits.to_local()[mask], logits.device_mesh, [Shard(1)], run_check=False)
+            logits = picked.full_tensor()
+        else:
+            logits = logits.full_tensor()[mask]
+    else:
+        logits = logits[mask]
+    return logits[:, :vocab_size].float().argmax(-1)
 
 
 class LambadaEvaluator(ModelEvaluator):

@@ -8,8 +8,7 @@ import os
 from ..config import instantiate
 from ..engine import instantiate_target, instantiate_with
 from ..model import max_seq_length
-from .evaluator import format_results, run_evaluator
-from .model_evaluator import EvalContext, brings_own_data
+from .evaluator import EvalContext, brings_own_data, format_results, run_evaluator
 
 logger = logging.getLogger("libai_lite")
 
