@@ -7,7 +7,8 @@ through the directory's ``model_type``. Files are ``hf_io``'s; ``tools/hf_conver
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import sys
 from typing import Callable, Mapping
 
 import torch
@@ -18,7 +19,7 @@ from .checkpointer import build_empty, stored_rows
 from .hf_io import HFTokenizer, read_hf_config, read_hf_state_dict, write_hf_dir
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class HFMapping:
     """How one project's pretraining module converts to and from Hugging Face directories.
 
@@ -55,8 +56,17 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def register_hf_model(mapping: HFMapping) -> HFMapping:
-    """Make ``mapping.model_class`` (and its subclasses) convertible; a project's hf_mapping module calls this."""
+def register_hf_model(mapping: HFMapping | str, **fields) -> HFMapping:
+    """Make ``mapping.model_class`` (and its subclasses) convertible; a project's hf_mapping module calls this.
+
+    ``mapping`` may be the calling module's ``__name__`` instead: its functions named as ``HFMapping``
+    fields (``config_from_hf``, ``state_dict_to_hf``, ``find_tokenizer``, ...) join ``fields``.
+    """
+    if isinstance(mapping, str):
+        module = sys.modules[mapping]
+        named = {f.name: getattr(module, f.name) for f in dataclasses.fields(HFMapping)
+                 if callable(getattr(module, f.name, None))}
+        mapping = HFMapping(**{**named, **fields})
     _MAPPINGS[_class_name(mapping.model_class)] = mapping
     return mapping
 

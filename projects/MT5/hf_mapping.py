@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-from libai_lite.checkpoint.hf import HFMapping, HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
 from libai_lite.utils.errors import UsageError
 
 from .mt5_model import MT5Config, MT5ForPreTraining
@@ -167,10 +167,6 @@ def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
                        "from libai_lite.tokenizer import SentencePieceTokenizer")
 
 
-def _sizes(cfg: Mapping[str, Any]) -> MT5Config:
-    return MT5Config.from_mapping(cfg)
-
-
 def _fuse(heads: int, head_size: int, *weights: torch.Tensor) -> torch.Tensor:
     """Separate ``[heads * d_kv, d]`` projections -> head-major fused rows ``[heads, n, d_kv]``."""
     return torch.stack([w.reshape(heads, head_size, w.shape[-1]) for w in weights], dim=1).reshape(
@@ -182,52 +178,49 @@ def _unfuse(fused: torch.Tensor, heads: int, head_size: int, n: int) -> list[tor
     return [grouped[:, j].reshape(heads * head_size, fused.shape[-1]) for j in range(n)]
 
 
-def _layer_pairs(cfg: MT5Config):
-    """``(hf block prefix, our layer prefix, stack)`` for every layer of both stacks."""
-    n = cfg.hidden_layers
-    for stack, offset in (("encoder", 0), ("decoder", n)):
-        for i in range(n):
-            yield f"{stack}.block.{i}.layer.", f"{stack}_layers.{offset + i}.", stack, i
-
-
 def _mlp_names(cfg: MT5Config) -> list[tuple[str, str]]:
     if cfg.model_type == "mt5":  # gated-GELU: wi_0 goes through the activation, wi_1 is the linear gate
         return [("dense_h_to_4h", "wi_0"), ("dense_h_to_4h_linear", "wi_1"), ("dense_4h_to_h", "wo")]
     return [("dense_h_to_4h", "wi"), ("dense_4h_to_h", "wo")]
 
 
+def _key_pairs(cfg: MT5Config):
+    """``(our key, Hugging Face key)`` of every tensor but the embedding and the head; a tuple of keys is fused."""
+    yield "encoder_final_layernorm.weight", "encoder.final_layer_norm.weight"
+    yield "decoder_final_layernorm.weight", "decoder.final_layer_norm.weight"
+    n = cfg.hidden_layers
+    for stack, offset in (("encoder", 0), ("decoder", n)):
+        for i in range(n):
+            hf, ours = f"{stack}.block.{i}.layer.", f"{stack}_layers.{offset + i}."
+            attn = hf + "0.SelfAttention."
+            yield ours + "input_layernorm.weight", hf + "0.layer_norm.weight"
+            qkv = (attn + "q.weight", attn + "k.weight", attn + "v.weight")
+            yield ours + "self_attention.query_key_value.weight", qkv
+            yield ours + "self_attention.dense.weight", attn + "o.weight"
+            if i == 0:
+                yield ours + "relative_attention_bias.weight", attn + "relative_attention_bias.weight"
+            yield ours + "post_attention_layernorm.weight", hf + "1.layer_norm.weight"
+            ffn = hf + "1.DenseReluDense."
+            if stack == "decoder":
+                cross = hf + "1.EncDecAttention."
+                yield ours + "cross_attention.query.weight", cross + "q.weight"
+                yield ours + "cross_attention.key_value.weight", (cross + "k.weight", cross + "v.weight")
+                yield ours + "cross_attention.dense.weight", cross + "o.weight"
+                yield ours + "post_cross_attention_layernorm.weight", hf + "2.layer_norm.weight"
+                ffn = hf + "2.DenseReluDense."
+            for our_name, hf_name in _mlp_names(cfg):
+                yield f"{ours}mlp.{our_name}.weight", f"{ffn}{hf_name}.weight"
+
+
 def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
     """MT5Model's state dict (``lm_head.weight`` included, tied or not) from Hugging Face (m)T5 weights."""
-    cfg = _sizes(model_cfg)
-    heads, hd = cfg.num_attention_heads, cfg.head_size
+    cfg = MT5Config.from_mapping(model_cfg)
     src = StateDictSource(sd, "the T5 weights")
     shared = src("shared.weight")
-    out = {
-        EMBEDDING_KEY: shared,
-        "encoder_final_layernorm.weight": src("encoder.final_layer_norm.weight"),
-        "decoder_final_layernorm.weight": src("decoder.final_layer_norm.weight"),
-    }
-    for hf, ours, stack, i in _layer_pairs(cfg):
-        attn = hf + "0.SelfAttention."
-        out[ours + "input_layernorm.weight"] = src(hf + "0.layer_norm.weight")
-        out[ours + "self_attention.query_key_value.weight"] = _fuse(
-            heads, hd, src(attn + "q.weight"), src(attn + "k.weight"), src(attn + "v.weight"))
-        out[ours + "self_attention.dense.weight"] = src(attn + "o.weight")
-        if i == 0:
-            out[ours + "relative_attention_bias.weight"] = src(attn + "relative_attention_bias.weight")
-        out[ours + "post_attention_layernorm.weight"] = src(hf + "1.layer_norm.weight")
-        ffn = hf + "1.DenseReluDense."
-        if stack == "decoder":
-            cross = hf + "1.EncDecAttention."
-            out[ours + "cross_attention.query.weight"] = src(cross + "q.weight")
-            out[ours + "cross_attention.key_value.weight"] = _fuse(
-                heads, hd, src(cross + "k.weight"), src(cross + "v.weight"))
-            out[ours + "cross_attention.dense.weight"] = src(cross + "o.weight")
-            out[ours + "post_cross_attention_layernorm.weight"] = src(hf + "2.layer_norm.weight")
-            ffn = hf + "2.DenseReluDense."
-        for our_name, hf_name in _mlp_names(cfg):
-            out[f"{ours}mlp.{our_name}.weight"] = src(f"{ffn}{hf_name}.weight")
-
+    out = {EMBEDDING_KEY: shared}
+    for ours, theirs in _key_pairs(cfg):
+        fused = isinstance(theirs, tuple)
+        out[ours] = _fuse(cfg.num_attention_heads, cfg.head_size, *map(src, theirs)) if fused else src(theirs)
     for key in _EMBED_COPIES:
         if key in sd:
             src(key)
@@ -246,34 +239,14 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, A
 
 def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
     """Hugging Face (m)T5 weights from MT5Model's state dict; a tied head is written once, as ``shared.weight``."""
-    cfg = _sizes(model_cfg)
-    heads, hd = cfg.num_attention_heads, cfg.head_size
+    cfg = MT5Config.from_mapping(model_cfg)
     src = StateDictSource(sd, "the MT5 model state dict")
-    out = {
-        "shared.weight": src(EMBEDDING_KEY),
-        "encoder.final_layer_norm.weight": src("encoder_final_layernorm.weight"),
-        "decoder.final_layer_norm.weight": src("decoder_final_layernorm.weight"),
-    }
-    for hf, ours, stack, i in _layer_pairs(cfg):
-        attn = hf + "0.SelfAttention."
-        out[hf + "0.layer_norm.weight"] = src(ours + "input_layernorm.weight")
-        q, k, v = _unfuse(src(ours + "self_attention.query_key_value.weight"), heads, hd, 3)
-        out.update({attn + "q.weight": q, attn + "k.weight": k, attn + "v.weight": v})
-        out[attn + "o.weight"] = src(ours + "self_attention.dense.weight")
-        if i == 0:
-            out[attn + "relative_attention_bias.weight"] = src(ours + "relative_attention_bias.weight")
-        out[hf + "1.layer_norm.weight"] = src(ours + "post_attention_layernorm.weight")
-        ffn = hf + "1.DenseReluDense."
-        if stack == "decoder":
-            cross = hf + "1.EncDecAttention."
-            out[cross + "q.weight"] = src(ours + "cross_attention.query.weight")
-            k, v = _unfuse(src(ours + "cross_attention.key_value.weight"), heads, hd, 2)
-            out.update({cross + "k.weight": k, cross + "v.weight": v})
-            out[cross + "o.weight"] = src(ours + "cross_attention.dense.weight")
-            out[hf + "2.layer_norm.weight"] = src(ours + "post_cross_attention_layernorm.weight")
-            ffn = hf + "2.DenseReluDense."
-        for our_name, hf_name in _mlp_names(cfg):
-            out[f"{ffn}{hf_name}.weight"] = src(f"{ours}mlp.{our_name}.weight")
+    out = {"shared.weight": src(EMBEDDING_KEY)}
+    for ours, theirs in _key_pairs(cfg):
+        if isinstance(theirs, tuple):
+            out.update(zip(theirs, _unfuse(src(ours), cfg.num_attention_heads, cfg.head_size, len(theirs))))
+        else:
+            out[theirs] = src(ours)
     head = src("lm_head.weight")
     if cfg.tie_word_embeddings:
         if not torch.equal(head, out["shared.weight"]):
@@ -285,19 +258,10 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
     return {k: v.contiguous() for k, v in out.items()}
 
 
-register_hf_model(HFMapping(
-    model_class=MT5ForPreTraining,
-    model_types=HF_MODEL_TYPES,
-    inner="mt5_model",
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    state_dict_from_hf=state_dict_from_hf,
-    state_dict_to_hf=state_dict_to_hf,
-    vocab_keys=VOCAB_KEYS,
-    special_token_ids=special_token_ids,
-    find_tokenizer=find_tokenizer,
+register_hf_model(
+    __name__, model_class=MT5ForPreTraining, model_types=HF_MODEL_TYPES, inner="mt5_model", vocab_keys=VOCAB_KEYS,
     # Named from this module, so a copy of the project starts from the copy's own config.
     finetune_config=__name__.rsplit(".", 1)[0] + ".configs.mt5_pretrain",
     # The pipeline cuts the encoder and the decoder stacks as one list of layers.
     pipeline_num_layers=lambda cfg: 2 * int(cfg["hidden_layers"]),
-))
+)

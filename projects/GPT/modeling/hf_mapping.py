@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from libai_lite.checkpoint.hf import HFMapping, HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
 from libai_lite.utils.errors import UsageError
 
 from .gpt_model import GPTForPreTraining, GPTModel
@@ -236,17 +236,8 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
     return {k: v.contiguous() for k, v in out.items()}
 
 
-register_hf_model(HFMapping(
-    model_class=GPTForPreTraining,
-    model_types=(HF_MODEL_TYPE,),
-    inner="GPT_model",
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    state_dict_from_hf=state_dict_from_hf,
-    state_dict_to_hf=state_dict_to_hf,
-    vocab_keys=VOCAB_KEYS,
-    special_token_ids=special_token_ids,
-    find_tokenizer=find_tokenizer,
+register_hf_model(
+    __name__, model_class=GPTForPreTraining, model_types=(HF_MODEL_TYPE,), inner="GPT_model", vocab_keys=VOCAB_KEYS,
     # Named from this module, so a copy of the project starts from the copy's own config.
     finetune_config=__name__.rsplit(".", 2)[0] + ".configs.gpt2_pretrain",
-))
+)
