@@ -76,21 +76,11 @@ class MultiheadAttention(nn.Module):
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_attention_heads: int,
-        attention_dropout_prob: float = 0.0,
-        output_dropout_prob: float = 0.0,
-        init_method: Optional[InitMethod] = None,
-        output_layer_init_method: Optional[InitMethod] = None,
-        layer_idx: int = 0,
-        attn_mask_type: str = "causal",
-        bias: bool = True,
-        is_cross_attention: bool = False,
-        head_size: Optional[int] = None,
-        softmax_scale: Optional[float] = None,
-    ):
+    def __init__(self, hidden_size: int, num_attention_heads: int, attention_dropout_prob: float = 0.0,
+                 output_dropout_prob: float = 0.0, init_method: Optional[InitMethod] = None,
+                 output_layer_init_method: Optional[InitMethod] = None, layer_idx: int = 0,
+                 attn_mask_type: str = "causal", bias: bool = True, is_cross_attention: bool = False,
+                 head_size: Optional[int] = None, softmax_scale: Optional[float] = None):
         super().__init__()
         if attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
@@ -98,13 +88,9 @@ class MultiheadAttention(nn.Module):
             raise ValueError("cross-attention cannot be causal; use attn_mask_type='padding'")
         if head_size is None:
             if hidden_size % num_attention_heads != 0:
-                raise ValueError(
-                    f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}; "
-                    "pass head_size explicitly"
-                )
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads "
+                                 f"{num_attention_heads}; pass head_size explicitly")
             head_size = hidden_size // num_attention_heads
-        if output_layer_init_method is None:
-            output_layer_init_method = init_method
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -126,17 +112,12 @@ class MultiheadAttention(nn.Module):
             self.key_value = proj(hidden_size, 2 * inner, "col", 2)
         else:
             self.query_key_value = proj(hidden_size, 3 * inner, "col", 3)
-        self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method)
+        self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method)
         self.output_dropout = nn.Dropout(output_dropout_prob)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        encoder_states: Optional[torch.Tensor] = None,
-        position_bias: Optional[torch.Tensor] = None,
-        kv_cache: Optional[KVCache] = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
         ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
@@ -168,15 +149,9 @@ class MultiheadAttention(nn.Module):
                 key, value = kv_cache.update(key, value)
 
         attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias)
-        context = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=self.attention_dropout_prob if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-        )
+        context = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                                 dropout_p=self.attention_dropout_prob if self.training else 0.0,
+                                                 scale=self.softmax_scale)
         context = context.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.output_dropout(self.dense(context))
 

@@ -62,19 +62,14 @@ class MoEConfig:
                 raise UsageError(f"model.cfg.moe.{name}={value!r} must be a positive integer")
             setattr(self, name, int(value))
         if self.top_k > self.num_experts:
-            raise UsageError(
-                f"model.cfg.moe.top_k={self.top_k} is more than num_experts={self.num_experts}; "
-                f"use top_k <= num_experts (1 or 2 are the usual choices)"
-            )
+            raise UsageError(f"model.cfg.moe.top_k={self.top_k} is more than num_experts={self.num_experts}; "
+                             f"use top_k <= num_experts (1 or 2 are the usual choices)")
         if self.num_experts % self.ep_size:
-            raise UsageError(
-                f"model.cfg.moe.ep_size={self.ep_size} does not divide num_experts={self.num_experts}; "
-                f"use an ep_size that divides the number of experts"
-            )
+            raise UsageError(f"model.cfg.moe.ep_size={self.ep_size} does not divide num_experts={self.num_experts}; "
+                             f"use an ep_size that divides the number of experts")
         if self.capacity_factor is not None and not float(self.capacity_factor) > 0:
-            raise UsageError(
-                f"model.cfg.moe.capacity_factor={self.capacity_factor} must be positive (or null for no capacity limit)"
-            )
+            raise UsageError(f"model.cfg.moe.capacity_factor={self.capacity_factor} must be positive (or null for "
+                             f"no capacity limit)")
         if float(self.aux_loss_weight) < 0:
             raise UsageError(f"model.cfg.moe.aux_loss_weight={self.aux_loss_weight} must be >= 0")
         if not 0.0 <= float(self.jitter_noise) < 1.0:
@@ -121,11 +116,8 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
 
 
 def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float]) -> Routing:
-    """Top-k routing with capacity from router ``logits`` ``[T, E]``.
-
-    Priority for capacity is GShard's: every token's first choice before any second choice,
-    and within one choice, tokens in order.
-    """
+    """Top-k routing with capacity from router ``logits`` ``[T, E]``; GShard's priority: every token's
+    first choice before any second choice, and within one choice, tokens in order."""
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)
     top_probs, expert_index = probs.topk(top_k, dim=-1)
@@ -143,22 +135,16 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float]) ->
 
 
 def load_balancing_loss(probs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
-    """Switch/GShard auxiliary loss ``E * sum_e f_e * P_e`` (1 at perfect balance).
-
-    ``probs`` ``[T, E]`` router probabilities, ``load`` ``[E]`` assignments per expert (counts
-    are not differentiable; the gradient flows through the mean probabilities).
-    """
+    """Switch/GShard auxiliary loss ``E * sum_e f_e * P_e`` from router ``probs`` ``[T, E]`` and ``load``
+    ``[E]`` (assignments per expert: the gradient flows through the mean probabilities only)."""
     num_experts = probs.shape[-1]
     fraction = load.to(probs.dtype) / load.sum().clamp(min=1)
     return num_experts * torch.sum(fraction * probs.mean(dim=0))
 
 
 class Router(Linear1D):
-    """``hidden -> num_experts`` logits in fp32, replicated under tensor parallelism.
-
-    Routing decisions are discrete, so the router runs in full precision whatever the autocast
-    (Switch's selective precision); jitter noise multiplies its input while training.
-    """
+    """``hidden -> num_experts`` logits, replicated under tensor parallelism; in fp32 whatever the
+    autocast, since routing decisions are discrete (Switch's selective precision)."""
 
     def __init__(self, hidden_size: int, num_experts: int, init_method: Optional[InitMethod] = None,
                  jitter_noise: float = 0.0, layer_idx: int = 0):
@@ -181,10 +167,9 @@ class Router(Linear1D):
 class Experts(nn.ModuleDict):
     """This rank's experts, keyed by global expert index; ``forward`` runs each on its slice of tokens.
 
-    A module with a forward of its own (rather than a plain container) so FSDP can shard the
-    experts as one group over their expert-data-parallel ranks and gather them around this call.
-    Every expert runs even on zero tokens, which keeps all expert parameters in the autograd
-    graph (data-parallel gradient reduction expects a gradient for each).
+    A module with a forward of its own, so FSDP can shard the experts as one group and gather them
+    around this call. Every expert runs even on zero tokens: data-parallel gradient reduction
+    expects a gradient for each.
     """
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -247,10 +232,9 @@ class MoELayer(nn.Module):
         self.step_records: list[dict] = []
 
     def backprop_aux_loss(self, grad_scale: float) -> None:
-        """From now on back-propagate the weighted auxiliary loss from this layer's output, its
-        gradient multiplied by ``grad_scale`` (the fp16 loss scale), and append each micro-batch's
-        statistics to ``step_records`` in backward. A pipeline stage needs this: it returns hidden
-        states, so the auxiliary loss cannot join the schedule's loss."""
+        """From now on back-propagate the weighted auxiliary loss from this layer's output (its gradient
+        times ``grad_scale``, the fp16 loss scale) and record each micro-batch's statistics in
+        ``step_records`` in backward: a pipeline stage returns hidden states, not the auxiliary loss."""
         self.aux_loss_in_backward = True
         self.aux_grad_scale = float(grad_scale)
         self.step_records = []
@@ -279,11 +263,8 @@ class MoELayer(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token_of, weighted)
         assignments = routing.expert_index.numel()
         load = routing.load.float()
-        self.stats = {
-            "assignments": assignments,
-            "dropped": assignments - int(order.numel()),
-            "load_max": float(load.max() / load.mean()),
-        }
+        self.stats = {"assignments": assignments, "dropped": assignments - int(order.numel()),
+                      "load_max": float(load.max() / load.mean())}
         out = out.view(shape)
         if not self.aux_loss_in_backward:
             self.aux_loss = aux_loss
@@ -312,14 +293,10 @@ MOE_METRICS = {"moe_aux_loss": LOSS, "moe_dropped_frac": MEAN, "moe_load_max": M
 
 
 def collect_moe_outputs(model: nn.Module) -> dict:
-    """The MoE entries of a pretraining model's output dict, from the layers' last forward.
-
-    ``moe_aux_loss``: the weighted load-balancing losses summed over MoE layers (back-propagated);
-    ``moe_dropped_frac``: dropped / all token-to-expert assignments over all MoE layers;
-    ``moe_load_max``: the largest ratio max/mean of assignments per expert over the MoE layers,
-    before capacity (1.0 is perfect balance, ``num_experts / top_k`` the same k experts taking every
-    token). Empty for a dense model. Statistics are this rank's tokens.
-    """
+    """The MoE entries of a pretraining model's output dict from the layers' last forward (``{}`` when
+    dense): ``moe_aux_loss``, the weighted load-balancing losses summed (back-propagated);
+    ``moe_dropped_frac``, dropped / all assignments; ``moe_load_max``, the largest max/mean expert load
+    before capacity (1.0: perfect balance). Statistics are this rank's tokens."""
     layers = [m for m in moe_layers(model) if m.aux_loss is not None]
     if not layers:
         return {}
@@ -339,11 +316,8 @@ def collect_moe_outputs(model: nn.Module) -> dict:
 
 
 def inactive_expert_parameters(model: nn.Module) -> int:
-    """Expert parameters a token does not use: ``(E - k) / E`` of each MoE layer's experts.
-
-    Subtract from the parameter count for FLOPs (the active parameters); call it on the whole
-    model before expert parallelism removes other ranks' experts.
-    """
+    """Expert parameters a token does not use, ``(E - k) / E`` of each MoE layer's experts (for FLOPs;
+    call it on the whole model, before expert parallelism removes other ranks' experts)."""
     total = 0
     for m in moe_layers(model):
         per_layer = sum(p.numel() for p in m.experts.parameters())

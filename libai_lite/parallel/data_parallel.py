@@ -103,17 +103,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     return model
 
 
-def apply_data_parallel(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    zero_stage: int | None,
-    offload: bool = False,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    tp_enabled: bool = False,
-    pipeline: bool = False,
-    expert_mesh: DeviceMesh | None = None,
-) -> nn.Module:
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int | None, offload: bool = False,
+                        param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
+                        tp_enabled: bool = False, pipeline: bool = False,
+                        expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Make ``model`` data parallel over ``dp_mesh`` at the given ZeRO stage; returns the module to train.
 
     Stage 0/1 return a ``DistributedDataParallel`` wrapper (or, for DTensor parameters, a pipeline
@@ -205,12 +198,8 @@ def _fsdp_gradient_sync(model: FSDPModule, sync: bool):
 
 
 def no_sync_context(model: nn.Module, is_last_microbatch: bool):
-    """Context for one micro-batch's forward+backward: reduce gradients only on the last one.
-
-    DDP: ``model.no_sync()`` on all but the last. FSDP2 (``fully_shard``, ``replicate``):
-    ``set_requires_gradient_sync`` (skipped micro-batches accumulate unsharded gradients locally).
-    Anything else: a no-op.
-    """
+    """Context for one micro-batch's forward+backward that reduces gradients only on the last one: DDP's
+    ``no_sync()``, FSDP2's ``set_requires_gradient_sync`` (``fully_shard``, ``replicate``), else a no-op."""
     if isinstance(model, DistributedDataParallel):
         return nullcontext() if is_last_microbatch else model.no_sync()
     if isinstance(model, FSDPModule):

@@ -65,21 +65,12 @@ class PipelineStepper:
     ``pipeline_metrics`` and ``pipeline_metric_names``.
     """
 
-    def __init__(
-        self,
-        stage_modules: Sequence[nn.Module],
-        stage_ids: Sequence[int],
-        num_stages: int,
-        pp_group,
-        device: torch.device,
-        schedule: str,
-        n_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        tied_group=None,
-        batch_fn: Callable[[dict], tuple[tuple, dict, torch.Tensor]] | None = None,
-        metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
-        metric_names: Sequence[str] = (),
-    ):
+    def __init__(self, stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int, pp_group,
+                 device: torch.device, schedule: str, n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tied_group=None,
+                 batch_fn: Callable[[dict], tuple[tuple, dict, torch.Tensor]] | None = None,
+                 metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
+                 metric_names: Sequence[str] = ()):
         self.stage_modules = list(stage_modules)
         self.stage_ids = list(stage_ids)
         self.batch_fn, self.metrics_fn, self.loss_fn = batch_fn, metrics_fn, loss_fn

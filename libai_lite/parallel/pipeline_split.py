@@ -15,6 +15,7 @@ source's (``tied_checkpoint_aliases``), with the optimizer state flattened.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Sequence
 
@@ -197,33 +198,20 @@ def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
 # ------------------------------------------------------------------------------- tied weights
 
 
-def _get_attr_path(module: nn.Module, path: str):
-    module = unwrap(module)
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
-
-
 def _tied_present(stage_modules: Sequence[nn.Module], which: int) -> list[nn.Parameter]:
-    """The tie's source (``which=0``) or copy (1) on each stage that has it."""
+    """The tie's source (``which=0``) or copy (1) on each stage that has it (a cut piece is None)."""
     found = []
     for stage in stage_modules:
-        paths = pipeline_tied(stage)
-        if paths and (p := _get_attr_path(stage, paths[which])) is not None:
-            found.append(p)
+        if paths := pipeline_tied(stage):
+            with contextlib.suppress(AttributeError):
+                found.append(unwrap(stage).get_parameter(paths[which]))
     return found
 
 
 def tied_weight_params(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """The tied Parameters present on this rank, each once (resolved now, so Parameters swapped in
     by TP or FSDP are the ones returned)."""
-    out: list[nn.Parameter] = []
-    for p in _tied_present(stage_modules, 0) + _tied_present(stage_modules, 1):
-        if all(p is not q for q in out):
-            out.append(p)
-    return out
+    return list({id(p): p for p in _tied_present(stage_modules, 0) + _tied_present(stage_modules, 1)}.values())
 
 
 def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -268,16 +256,16 @@ def sync_tied_weight_grads(stage_modules: Sequence[nn.Module], group) -> None:
     copy is local). Call after the step's backward, before unscaling, clipping and stepping.
     """
     params = tied_weight_params(stage_modules)
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if missing:
+        raise RuntimeError(f"tied weight copies {missing} on this rank have no gradient; run backward first")
+    if group is not None and not params:
+        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
     for p in params:
         # Under TP a gradient can come back replicated or partial while the weight is vocab-sharded.
         if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    grads = [p.grad for p in params if p.grad is not None]
-    if len(grads) != len(params):
-        missing = [i for i, p in enumerate(params) if p.grad is None]
-        raise RuntimeError(f"tied weight copies {missing} on this rank have no gradient; run backward first")
-    if group is not None and not grads:
-        raise RuntimeError("this rank is in a tied-weight group but holds no tied weight")
+    grads = [p.grad for p in params]
     if not grads:
         return
     total = _local(grads[0]).clone()

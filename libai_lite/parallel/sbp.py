@@ -1,7 +1,7 @@
 """SBP, LiBai's placement vocabulary, and what a layer declares with it.
 
-Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel`` turns
-them into DTensor placements and a ``parallelize_module`` plan:
+Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel`` turns them
+into DTensor placements:
 
 =====================  ==================  ===============================================
 SBP                    DTensor             meaning on one mesh dimension
@@ -13,9 +13,8 @@ SBP                    DTensor             meaning on one mesh dimension
                        ``Replicate()``     the sequence under sequence parallelism, else whole
 =====================  ==================  ===============================================
 
-An ``nd_sbp(dp, tp)`` is the 2-D SBP ``[dp_sbp, tp_sbp]`` on the ``("dp", "tp")`` sub-mesh. Data
-parallelism replicates parameters and splits activations over the batch, so ``declare`` fills the
-dp entry and a layer writes only its tp SBPs.
+An ``nd_sbp(dp, tp)`` is the 2-D SBP ``[dp_sbp, tp_sbp]`` on the ``("dp", "tp")`` sub-mesh; ``declare``
+fills the dp entry (parameters broadcast, activations split over the batch).
 """
 from __future__ import annotations
 
@@ -28,9 +27,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..utils.errors import UsageError
-
-__all__ = ["LayerSBP", "Shorthand", "broadcast", "declare", "hidden", "nd_sbp", "partial_sum", "placements",
-           "shorthand", "split"]
 
 broadcast = Replicate()
 partial_sum = Partial()
@@ -84,15 +80,13 @@ def placements(sbp: NdSbp, dims: Sequence[str] = ("tp",), sequence_parallel: boo
 class LayerSBP:
     """What a layer declares: the nd_sbp of its parameters and of the activations it takes and gives.
 
-    ``weight`` and ``bias`` are None for a block whose sublayers declare their own parameters; on a
-    module that holds submodules, a ``weight`` SBP covers every parameter under it. ``input`` is the
-    layout the layer needs its ``args`` in (forward argument names; empty: the first argument) and
-    ``output`` the layout it gives (a ``partial_sum`` output is summed by the plan). A column split
-    whose input is ``hidden`` reads the residual stream itself: an LM head, whose vocab-sharded
-    logits stay a DTensor for ``loss_parallel``. ``unit``: a split dimension is cut in whole blocks
-    of that many elements (an attention head's width); ``counts``: the constructor argument that
-    number of blocks comes from (``num_attention_heads``), which a refusal names as
-    ``model.cfg.<counts>`` when the model's config has it.
+    ``weight`` and ``bias`` are None for a block whose sublayers declare their own; on a module holding
+    submodules a ``weight`` SBP covers every parameter under it. ``input``: the layout the layer needs
+    its ``args`` in (forward argument names; empty: the first); ``output``: the layout it gives (a
+    ``partial_sum`` is summed by the plan). A column split taking ``hidden`` reads the residual stream
+    itself: an LM head, whose vocab-sharded logits stay a DTensor for ``loss_parallel``. ``unit``: a
+    split dimension is cut in whole blocks of that size (a head's width); ``counts``: the constructor
+    argument giving their number (``num_attention_heads``), named by a refusal as ``model.cfg.<counts>``.
     """
 
     weight: Optional[NdSbp]

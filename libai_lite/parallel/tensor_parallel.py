@@ -25,13 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
@@ -76,13 +71,10 @@ def _divisors(n: int) -> str:
 
 
 def check_declared_splits(model: nn.Module, tp_size: int, model_cfg: Optional[Mapping] = None) -> None:
-    """Refuse a tensor-parallel size that does not divide every dimension ``model``'s layers declare split.
-
-    ``model`` may live on the meta device. A split dimension must hold a multiple of ``tp_size``
-    whole blocks of its declared ``unit`` (an attention head's width). Raises ``UsageError`` with one
-    line naming ``model.cfg.<counts>`` when ``model_cfg`` holds the declared ``counts`` with that
-    number of blocks, else the parameter, and the sizes that work.
-    """
+    """Refuse a tensor-parallel size that does not divide, in whole ``unit`` blocks, every dimension
+    ``model``'s layers declare split (``model`` may be on meta). The one-line ``UsageError`` names
+    ``model.cfg.<counts>`` when ``model_cfg`` holds the declared ``counts`` with that value, else the
+    parameter, and the sizes that work."""
     tp = _tp_size(tp_size)
     seen: set[int] = set()
     refusals = []  # (is the vocabulary, message): the tokenizer pads the vocabulary, so it goes last
@@ -150,9 +142,6 @@ class ReplicateParallel(ParallelStyle):
         module.register_forward_hook(post_hook)
         return module
 
-    def __repr__(self) -> str:
-        return f"ReplicateParallel(output_layout={self.output_layout})"
-
 
 class GatherSequence(ParallelStyle):
     """All-gather a block's sequence-sharded inputs before it runs (sequence parallelism).
@@ -178,9 +167,6 @@ class GatherSequence(ParallelStyle):
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         return module
-
-    def __repr__(self) -> str:
-        return f"GatherSequence(indices={self.indices}, names={self.names})"
 
 
 class _BroadcastSequenceParallel(SequenceParallel):
@@ -312,11 +298,9 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` over the 1-D ``tp_mesh`` as its layers' SBP declares, in place, and return it.
 
-    Checks the declared splits, applies ``tensor_parallel_plan`` with ``parallelize_module``, then
-    re-ties shared weights (``tie_weights()`` on every submodule that has it: tied layers are
-    distributed separately). A mesh of one rank leaves the model untouched. Forward and backward
-    must run under ``loss_parallel_context(True)`` when the model takes a cross entropy of
-    vocab-sharded logits.
+    Tied weights are distributed separately, so ``tie_weights()`` re-ties them on every submodule
+    that has it. Run forward and backward under ``loss_parallel_context(True)`` when the model takes
+    a cross entropy of vocab-sharded logits.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh (e.g. mesh['tp']), got {tp_mesh}")
@@ -334,11 +318,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
 
 def loss_parallel_context(enabled: bool):
-    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``enabled``, else a no-op context.
-
-    Wrap forward AND backward in it: it makes ``F.cross_entropy`` on vocab-sharded logits compute
-    the softmax from per-shard max and sum-exp, so no rank ever holds the full-vocabulary logits.
-    """
+    """torch's ``loss_parallel()`` (``F.cross_entropy`` of vocab-sharded logits from per-shard max and
+    sum-exp) when ``enabled``, else a no-op. Wrap forward AND backward in it."""
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
