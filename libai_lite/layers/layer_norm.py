@@ -1,9 +1,5 @@
-"""Normalisation layers, replicated under tensor parallelism (parameters ``broadcast``).
-
-They act on each position alone, so they take and give hidden states in whatever layout
-those have (SBP ``hidden``): whole, or this rank's slice of the sequence under sequence
-parallelism.
-"""
+"""Normalisation layers, replicated under tensor parallelism (parameters ``broadcast``). They act on each
+position alone, so they take and give hidden states in whatever layout those have (SBP ``hidden``)."""
 import torch
 from torch import nn
 

@@ -7,20 +7,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 class ParallelCrossEntropyLoss(nn.Module):
-    """Per-token cross entropy (``reduction="none"``) computed in fp32.
+    """Per-token cross entropy in fp32, a plain tensor shaped like ``target`` (0 where ignored).
 
-    The logits may be a plain tensor or a DTensor sharded on the vocabulary dimension.
-    In the sharded case call it under ``torch.distributed.tensor.parallel.loss_parallel()``
-    (which also must wrap ``backward``): that context makes ``F.cross_entropy`` itself
-    vocab-parallel, which is why this layer goes through ``F.cross_entropy`` and not
-    a hand-written logsumexp. The result is always a plain tensor shaped like ``target``
-    (ignored positions hold 0), so callers can mask and sum it without DTensor rules.
+    The logits may be a DTensor sharded on the vocabulary: under torch's ``loss_parallel()`` (around
+    forward and backward) ``F.cross_entropy`` itself is vocab-parallel, hence no hand-written logsumexp.
     """
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        loss = F.cross_entropy(
-            logits.float().flatten(0, -2), target.flatten(), reduction="none", ignore_index=ignore_index
-        )
+        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none",
+                               ignore_index=ignore_index)
         if isinstance(loss, DTensor):
             # loss_parallel returns the per-token loss replicated over the tensor-parallel
             # ranks, so the local tensor already holds every token's value (no communication).
@@ -120,10 +115,8 @@ def fusable_head_weight(weight: torch.Tensor) -> bool:
     return weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
 
 
-def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-    return_top1: bool = False,
-):
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                         return_top1: bool = False):
     """Per-token cross entropy of the logits ``hidden @ weight.T``, fused with the LM head.
 
     Same contract as ``ParallelCrossEntropyLoss`` applied to ``F.linear(hidden, weight)``: fp32

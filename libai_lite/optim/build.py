@@ -12,14 +12,9 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or type(module).__name__.endswith(_NORM_SUFFIXES)
 
 
-def get_default_optimizer_params(
-    model: nn.Module,
-    weight_decay: float | None = None,
-    weight_decay_norm: float | None = 0.0,
-    weight_decay_bias: float | None = 0.0,
-    clip_grad_max_norm: float | None = None,
-    clip_grad_norm_type: float | None = None,
-):
+def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = None,
+                                 weight_decay_norm: float | None = 0.0, weight_decay_bias: float | None = 0.0,
+                                 clip_grad_max_norm: float | None = None, clip_grad_norm_type: float | None = None):
     """Split `model`'s trainable parameters into groups by weight decay.
 
     `weight_decay=None` keeps the optimizer's own `weight_decay` for ordinary weights. Biases and

@@ -33,27 +33,22 @@ _EXPERT_MESHES: list[tuple[DeviceMesh, object]] = []
 _MESH_CACHE: dict = {}
 
 
-def check_moe_layout(moe: MoEConfig | None, dp: int, tp: int, zero_stage: int,
-                     sequence_parallel: bool) -> None:
+def check_moe_layout(moe: MoEConfig | None, dp: int, tp: int, zero_stage: int, sequence_parallel: bool) -> None:
     """Refuse, with one line, layouts MoE layers cannot run under."""
     if moe is None:
         return
     ep = moe.ep_size
     if dp % ep:
-        raise UsageError(
-            f"model.cfg.moe.ep_size={ep} does not divide the data-parallel size {dp}: experts are spread over "
-            f"data-parallel ranks; use an ep_size that divides {dp} or launch a multiple of {ep} data-parallel ranks"
-        )
+        raise UsageError(f"model.cfg.moe.ep_size={ep} does not divide the data-parallel size {dp}: experts are "
+                         f"spread over data-parallel ranks; use an ep_size that divides {dp} or launch a multiple "
+                         f"of {ep} data-parallel ranks")
     if sequence_parallel:
-        raise UsageError(
-            "MoE layers route whole tokens and cannot take sequence-parallel slices; set "
-            "train.dist.sequence_parallel=False"
-        )
+        raise UsageError("MoE layers route whole tokens and cannot take sequence-parallel slices; set "
+                         "train.dist.sequence_parallel=False")
     if ep > 1 and tp > 1:
-        raise UsageError(
-            f"expert parallelism (model.cfg.moe.ep_size={ep}) with tensor parallelism is not supported; "
-            f"use model.cfg.moe.ep_size=1 with tensor_parallel_size={tp}, or tensor_parallel_size=1"
-        )
+        raise UsageError(f"expert parallelism (model.cfg.moe.ep_size={ep}) with tensor parallelism is not "
+                         f"supported; use model.cfg.moe.ep_size=1 with tensor_parallel_size={tp}, or "
+                         f"tensor_parallel_size=1")
     if ep > 1 and zero_stage == 1:
         check_zero1(expert_parallel=True)
 

@@ -16,6 +16,12 @@ from ..layers.moe import MoEConfig, moe_layers
 from ..model import output_metrics, pipeline_num_layers, supports_pipeline
 from ..utils.distributed import Layout
 from ..utils.errors import UsageError
+from . import pipeline_split as ps
+from .activation_checkpoint import apply_activation_checkpointing
+from .data_parallel import apply_data_parallel, check_zero1
+from .expert_parallel import apply_expert_parallel, build_expert_mesh, check_moe_layout
+from .pipeline import PipelineStepper, check_schedule
+from .tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger("libai_lite")
 
@@ -42,9 +48,7 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
-        from .pipeline_split import trainable_parameters
-
-        return trainable_parameters(self.parts)
+        return ps.trainable_parameters(self.parts)
 
 
 def model_moe_config(model: nn.Module) -> MoEConfig | None:
@@ -55,41 +59,26 @@ def model_moe_config(model: nn.Module) -> MoEConfig | None:
 
 def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp16: bool) -> None:
     """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take.
-
-    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect.
-    """
-    from .expert_parallel import check_moe_layout
-
+    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect."""
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
+    if layout.zero_stage == 1 and layout.data_parallel_size > 1:
+        check_zero1(pipeline=layout.pipeline_parallel_size > 1, tensor_parallel=layout.tensor_parallel_size > 1)
     if layout.pipeline_parallel_size == 1:
         return
-    from .data_parallel import check_zero1
-    from .pipeline import check_schedule
-
     if not supports_pipeline(model):
         raise UsageError(f"{type(model).__name__} does not support pipeline parallelism (no pipeline_module()); "
                          f"set train.dist.pipeline_parallel_size=1")
     layout.place_layers(pipeline_num_layers(model))
     check_schedule(layout.pipeline_schedule, layout.num_stages, layout.pipeline_parallel_size, n_microbatches)
-    if layout.zero_stage == 1 and layout.data_parallel_size > 1:
-        check_zero1(pipeline=True)
     if fp16:
         raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; use train.amp.dtype=bf16")
 
 
 def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None = None,
                      activation_checkpoint_every: int = 0, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Expert, tensor parallel, activation checkpointing and data parallel for one model part.
-
-    ``moe``: the whole model's MoE settings (every rank builds the expert mesh, a collective,
-    whether or not its own part holds MoE layers).
-    """
-    from .activation_checkpoint import apply_activation_checkpointing
-    from .data_parallel import apply_data_parallel
-    from .expert_parallel import apply_expert_parallel, build_expert_mesh
-    from .tensor_parallel import apply_tensor_parallel
-
+    """Expert, tensor parallel, activation checkpointing and data parallel for one model part. ``moe``: the
+    whole model's MoE settings (building the expert mesh is a collective, whatever this part holds)."""
     expert_mesh = None
     if moe is not None and moe.ep_size > 1:
         # First, so later steps only touch this rank's experts.
@@ -107,9 +96,6 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
 
 
 def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metrics: dict, **part_options):
-    from . import pipeline_split as ps
-    from .pipeline import PipelineStepper
-
     num_stages, stage_of_layer = layout.num_stages, layout.stage_of_layer
     ids = ps.local_stage_ids(layout.pp_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_size)
     tied = ps.pipeline_tied(ps.pipeline_module(model))

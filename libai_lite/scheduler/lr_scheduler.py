@@ -16,19 +16,9 @@ _DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant")
 class WarmupDecayLR(LRScheduler):
     """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`."""
 
-    def __init__(
-        self,
-        optimizer,
-        max_iter: int,
-        warmup_iter: int = 0,
-        warmup_factor: float = 0.001,
-        warmup_method: str = "linear",
-        decay: str = "cosine",
-        min_lr_ratio: float = 0.0,
-        power: float = 1.0,
-        gamma: float = 0.999,
-        last_epoch: int = -1,
-    ):
+    def __init__(self, optimizer, max_iter: int, warmup_iter: int = 0, warmup_factor: float = 0.001,
+                 warmup_method: str = "linear", decay: str = "cosine", min_lr_ratio: float = 0.0, power: float = 1.0,
+                 gamma: float = 0.999, last_epoch: int = -1):
         if decay not in _DECAYS:
             raise ValueError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
         if warmup_method not in ("linear", "constant"):
