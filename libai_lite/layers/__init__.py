@@ -1,9 +1,5 @@
-"""Parallel-aware building blocks.
-
-Layers declare the SBP of their weights and activations (``sbp``, with the vocabulary of
-``libai_lite.parallel.sbp``; ``parallel=`` is the shorthand) and their ``layer_idx``;
-``libai_lite.parallel`` turns those declarations into placements and pipeline stages.
-"""
+"""Parallel-aware building blocks: they declare the SBP of their weights and activations (``sbp``;
+``parallel=`` is the shorthand) and their ``layer_idx``, which ``libai_lite.parallel`` acts on."""
 from .attention import MultiheadAttention
 from .embedding import Embedding, VocabEmbedding
 from .init_methods import init_method_normal, scaled_init_method_normal

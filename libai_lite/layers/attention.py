@@ -11,13 +11,9 @@ from .linear import Linear1D
 
 
 class KVCache:
-    """The keys and values one attention layer has computed so far, ``[batch, local_heads, length, head_size]``
-    (under tensor parallelism a rank caches only its own heads), for incremental decoding.
-
-    With ``capacity`` the buffers are allocated at the first update and written in place, so a step
-    never copies what is already cached; without it they grow by concatenation (cross-attention
-    fills it once from the encoder output).
-    """
+    """The keys and values ``[batch, local_heads, length, head_size]`` one attention layer has computed so
+    far, for incremental decoding. With ``capacity`` the buffers are allocated once and written in place;
+    without, they grow by concatenation (cross-attention fills it once from the encoder output)."""
 
     def __init__(self, capacity: Optional[int] = None):
         self.capacity = capacity

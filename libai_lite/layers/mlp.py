@@ -19,14 +19,10 @@ _ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout.
-
-    ``dense_h_to_4h`` is column-parallel and ``dense_4h_to_h`` row-parallel, so under tensor
-    parallelism the activation runs on each rank's slice with no communication in between. With
-    ``gated=True`` (T5 v1.1 / mT5 gated-GELU) the hidden activation is ``act(dense_h_to_4h(x)) *
-    dense_h_to_4h_linear(x)``, two column-parallel layers so each rank's gate and value slices line up.
-
-    SBP: the block needs ``hidden_states`` whole (``broadcast``) and gives hidden states.
+    """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout; column- then row-parallel, so the
+    activation runs on each rank's slice with no communication in between. ``gated=True`` (T5 v1.1,
+    mT5) multiplies in a second column-parallel ``dense_h_to_4h_linear(x)``. The block needs
+    ``hidden_states`` whole (``broadcast``) and gives hidden states.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states",))

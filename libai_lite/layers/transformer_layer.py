@@ -13,12 +13,9 @@ from .moe import MoEConfig, MoELayer
 
 
 class TransformerLayer(nn.Module):
-    """``x + attn(ln(x))`` then ``x + mlp(ln(x))``; dropouts live inside the attention and MLP outputs.
-
-    ``apply_residual_post_layernorm=True`` takes each residual from the normalised input
-    instead of the raw one (a LiBai/Megatron option, off for GPT-2). ``layer_idx`` is
-    stamped on the layer and all its sublayers so the pipeline splitter can place it.
-    With ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
+    """``x + attn(ln(x))`` then ``x + mlp(ln(x))``, dropouts inside attention and MLP. With
+    ``apply_residual_post_layernorm`` each residual is the normalised input (a LiBai/Megatron option,
+    off for GPT-2); with ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,

@@ -55,12 +55,9 @@ def clip_grad_norm_(
     exclude_from_norm: Iterable[torch.Tensor] = (),
     error_if_nonfinite: bool = False,
 ) -> float:
-    """Clip the gradients' global norm to ``max_norm``; returns the norm before clipping (same on every rank).
-
-    ``pp_group``: the pipeline group, when each rank holds other stages. ``exclude_from_norm``:
-    gradients scaled but not counted (a tied weight's second copy, so it counts once).
-    ``max_norm=inf`` only measures.
-    """
+    """Clip the gradients' global norm to ``max_norm`` (inf: only measure); returns the norm before clipping,
+    the same on every rank. ``pp_group``: the pipeline group when ranks hold other stages;
+    ``exclude_from_norm``: gradients scaled but not counted (a tied weight's second copy)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

@@ -90,11 +90,8 @@ def reduce_expert_norm(norm: torch.Tensor, mesh: DeviceMesh | None, norm_type: f
 
 
 def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
-    """Keep this rank's share of every MoE layer's experts and give the layers their ep group; returns the layers.
-
-    Rank ``i`` of the ``"ep"`` dimension keeps experts ``[i * E/ep, (i + 1) * E/ep)``. Call it on the
-    whole model before tensor parallelism, activation checkpointing and data parallelism.
-    """
+    """Keep this rank's share of every MoE layer's experts and give the layers their ep group; returns the
+    layers. Call it on the whole model before tensor, activation checkpointing and data parallelism."""
     ep_mesh = expert_mesh["ep"]
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     layers = moe_layers(model)
@@ -172,13 +169,9 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, reshard_
 
 
 class PipelineMoE:
-    """The MoE layers of this rank's pipeline stages, for a pipeline step's gradients and log.
-
-    A stage returns hidden states, so each MoE layer back-propagates its own auxiliary loss
-    (``MoELayer.backprop_aux_loss``); ``step_metrics`` combines the records their backward left, per
-    micro-batch over every stage (as ``collect_moe_outputs`` combines one model's layers), averaged
-    over the micro-batches. Collective over the pipeline group, with or without local MoE layers.
-    """
+    """The MoE layers of this rank's pipeline stages, each back-propagating its own auxiliary loss
+    (``MoELayer.backprop_aux_loss``); ``step_metrics`` combines the records their backward left per
+    micro-batch over every stage, then averages. Collective over the pipeline group."""
 
     def __init__(self, stage_modules, pp_group, n_microbatches: int, device: torch.device):
         self.layers = [m for module in stage_modules for m in moe_layers(module)]

@@ -28,15 +28,12 @@ logger = logging.getLogger("libai_lite")
 
 @dataclass
 class ParallelModel:
-    """What ``parallelize_model`` returns.
-
-    ``source``: the model as built (a pipeline cuts it in place, but its methods and the counts it
-    made at construction stay: FLOPs, tokens, ``max_seq_length``). ``module``: what the trainer calls
-    (under pipeline parallelism a view with the unsplit model's parameter names, for checkpoints and
-    optimizers only). ``parts``: the modules whose parameters
-    this rank trains and checkpoints, one optimizer each. ``pipeline``: the ``PipelineStepper``
-    that runs a step's forward and backward, or None. ``checkpoint_aliases``: FQNs this rank reads
-    from another's entries (a pipelined tied weight). ``metrics``: the model's declared outputs.
+    """What ``parallelize_model`` returns. ``source``: the model as built (a pipeline cuts it in place;
+    the counts it made at construction stay: FLOPs, tokens, ``max_seq_length``). ``module``: what the
+    trainer calls (under pipeline parallelism a view with the unsplit model's parameter names, for
+    checkpoints and optimizers only). ``parts``: the modules this rank trains and checkpoints, one
+    optimizer each. ``pipeline``: the ``PipelineStepper``, or None. ``checkpoint_aliases``: FQNs this
+    rank reads from another's entries (a pipelined tied weight). ``metrics``: the declared outputs.
     """
 
     source: nn.Module

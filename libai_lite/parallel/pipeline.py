@@ -152,14 +152,11 @@ class PipelineStepper:
 
     def step(self, input_ids, labels: torch.Tensor | None, grad_scaler=None,
              kwargs: dict | None = None) -> torch.Tensor:
-        """Forward + backward of one step; returns the mean micro-batch loss (a 0-d float64 tensor) on
-        every pipeline rank.
+        """Forward + backward of one step; returns the mean micro-batch loss (0-d float64) on every rank.
 
-        ``input_ids``: the first stage's input, a tensor or a tuple of tensors (T5's encoder and
-        decoder ids); ``kwargs`` (masks) reach every stage and every rank must pass them. With
-        ``grad_scaler`` (fp16) each micro-batch loss is scaled before its backward; the returned loss
-        is not. ``step_metrics`` then holds the step's MoE entries and the micro-batch mean of each
-        of ``metric_names``.
+        ``input_ids``: the first stage's input (a tensor or tuple of tensors); ``kwargs`` (masks) reach
+        every stage. With ``grad_scaler`` (fp16) each micro-batch loss is scaled before its backward.
+        ``step_metrics`` then holds the step's MoE entries and the mean of each of ``metric_names``.
         """
         for m in self.stage_modules:
             m.train()

@@ -120,12 +120,8 @@ def _prune(inner: nn.Module, owned: set[int], stage_of_layer: Sequence[int]) -> 
 
 
 def split_pipeline_stage(model: nn.Module, stage_id: int, num_stages: int, stage_of_layer: Sequence[int]) -> nn.Module:
-    """Cut ``model`` down, in place, to pipeline stage ``stage_id`` and return the stage module.
-
-    ``model`` still holds the stage module, so its state dict has the unsplit model's FQNs for
-    what this stage owns. Works on a ``meta``-device model (see ``materialize_stage``). A tied
-    head on the last stage keeps the embedding's Parameter object, which becomes its own copy.
-    """
+    """Cut ``model`` (possibly on meta) down, in place, to pipeline stage ``stage_id``; returns the stage
+    module, which ``model`` still holds, so its state dict keeps the unsplit model's FQNs."""
     inner = pipeline_module(model)
     _check_split(inner, [stage_id], num_stages, stage_of_layer)
     _prune(inner, {stage_id}, stage_of_layer)
@@ -135,12 +131,9 @@ def split_pipeline_stage(model: nn.Module, stage_id: int, num_stages: int, stage
 def build_stage_modules(
     model: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]
 ) -> tuple[list[nn.Module], list[nn.Module]]:
-    """Split ``model`` into this rank's stages: ``(stage_modules, models)``, both in ``stage_ids`` order.
-
-    ``models[i]`` is a copy of ``model`` cut to stage ``stage_ids[i]`` (pass them to
-    ``pipeline_model_view`` for checkpoints). ``model`` is first cut to the union of the local
-    stages, so the copies are no bigger than what this rank keeps; the last reuses ``model``.
-    """
+    """Split ``model`` into this rank's stages: ``(stage_modules, models)`` in ``stage_ids`` order, ``models[i]``
+    a copy of ``model`` cut to stage ``stage_ids[i]`` (for ``pipeline_model_view``). ``model`` is first cut
+    to the union of the local stages, so the copies are no bigger than what this rank keeps."""
     stage_ids = list(stage_ids)
     inner = pipeline_module(model)
     _check_split(inner, stage_ids, num_stages, stage_of_layer)
@@ -152,11 +145,8 @@ def build_stage_modules(
 
 
 def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a meta-device stage on ``device`` and initialise it with each submodule's ``reset_parameters``.
-
-    Values differ from a whole-model init (the RNG is drawn in another order), so the tied copy
-    must then be made equal to the embedding: call ``broadcast_tied_weights``.
-    """
+    """Allocate a meta-device stage on ``device`` and initialise it with each submodule's ``reset_parameters``
+    (in another RNG order than a whole-model init: make the tied copies equal with ``broadcast_tied_weights``)."""
     stage_module.to_empty(device=device)
     with torch.no_grad():
         for module in stage_module.modules():
@@ -187,11 +177,8 @@ def _merge_views(mods: list[nn.Module], path: str) -> nn.Module:
 
 
 def pipeline_model_view(models: Sequence[nn.Module]) -> nn.Module:
-    """One module over this rank's stage copies whose FQNs are those of the unsplit model.
-
-    For checkpoints (``get_state_dict``) and optimizer parameter groups; not for forward. With
-    several local stages it is a tree of plain containers holding the very same submodules.
-    """
+    """One module over this rank's stage copies whose FQNs are those of the unsplit model (a tree of plain
+    containers holding the same submodules), for checkpoints and optimizer groups; not for forward."""
     return _merge_views(list(models), "")
 
 
@@ -222,11 +209,8 @@ def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]
 
 
 def build_tied_weight_group(mesh, pp_dim: str = "pp"):
-    """This rank's process group {first-stage rank, last-stage rank} for its (dp, tp) coordinate.
-
-    Every rank must call it (``dist.new_group`` is collective), in the same order. None when the
-    pipeline has one rank.
-    """
+    """This rank's process group {first-stage rank, last-stage rank} for its (dp, tp) coordinate, None
+    when the pipeline has one rank. Collective (``dist.new_group``): every rank calls it, in order."""
     ranks = mesh.mesh
     pp_index = mesh.mesh_dim_names.index(pp_dim)
     pp_size = ranks.shape[pp_index]
@@ -250,11 +234,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sync_tied_weight_grads(stage_modules: Sequence[nn.Module], group) -> None:
-    """Sum the tied gradients so every copy holds the gradient of the tied weight.
-
-    Local copies are summed first, then the sum is all-reduced over ``group`` (None when every
-    copy is local). Call after the step's backward, before unscaling, clipping and stepping.
-    """
+    """Sum the tied gradients, the local copies' then over ``group`` (None when every copy is local), so
+    every copy holds the tied weight's gradient. Call after backward, before unscaling and clipping."""
     params = tied_weight_params(stage_modules)
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing:
@@ -299,10 +280,8 @@ def broadcast_tied_weights(stage_modules: Sequence[nn.Module], group) -> None:
 
 
 def tied_checkpoint_aliases(model_view: nn.Module, tied: tuple[str, str] | None) -> dict[str, str]:
-    """``{copy FQN: source FQN}`` when this rank holds the copy without the source, else ``{}``.
-
-    ``tied`` is the pipeline module's ``pipeline_tied``.
-    """
+    """``{copy FQN: source FQN}`` when this rank holds the copy of ``tied`` (``pipeline_tied``) without the
+    source, else ``{}``."""
     if not tied:
         return {}
     tied_source, tied_copy = tied

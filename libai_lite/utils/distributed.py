@@ -1,8 +1,4 @@
-"""The process group, the ("pp", "dp", "tp") device mesh in one ``Layout``, rank helpers and hang reports.
-
-Everything distributed comes from ``torch.distributed``. The SBP vocabulary layers declare their
-placements in is ``libai_lite.parallel.sbp``.
-"""
+"""The process group, the ("pp", "dp", "tp") device mesh in one ``Layout``, rank helpers and hang reports."""
 from __future__ import annotations
 
 import logging
@@ -25,12 +21,9 @@ MESH_DIMS = ("pp", "dp", "tp")
 
 @dataclass
 class Layout:
-    """The parallel layout of a run, built and validated once from ``train.dist`` (``setup_dist``)
-    and passed to whatever needs it (torchtitan's ``ParallelDims``).
-
-    ``stage_of_layer`` is filled by ``place_layers`` once the model says how many layers it has;
-    ``get_layer_placement(i)`` is then the pipeline stage that owns layer ``i`` (LiBai's name).
-    """
+    """The parallel layout of a run, built and validated once from ``train.dist`` (``setup_dist``) and passed
+    to whatever needs it (torchtitan's ``ParallelDims``). ``place_layers`` fills ``stage_of_layer`` once
+    the model says how many layers it has; ``get_layer_placement(i)`` (LiBai's name) then reads it."""
 
     world_size: int
     rank: int
@@ -154,8 +147,7 @@ def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | Non
 
 
 def _zero_settings(zero_cfg) -> tuple[int, bool]:
-    """(ZeRO stage, offload) from ``train.zero_optimization``: stage 0 when disabled (the parallel
-    code validates the pair: ``data_parallel.validate_zero_config``)."""
+    """(ZeRO stage, offload) from ``train.zero_optimization``; ``validate_zero_config`` checks the pair."""
     if not zero_cfg:
         return 0, False
     # Offload asked without ZeRO is kept, so the parallel code refuses it rather than ignore it.
@@ -164,10 +156,8 @@ def _zero_settings(zero_cfg) -> tuple[int, bool]:
 
 
 def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
-    """Initialise the process group and the ("pp", "dp", "tp") mesh; returns the run's ``Layout``.
-
-    ``dist_cfg`` is ``train.dist``, ``zero_cfg`` ``train.zero_optimization``.
-    """
+    """Initialise the process group and the ("pp", "dp", "tp") mesh from ``train.dist`` and
+    ``train.zero_optimization``; returns the run's ``Layout``."""
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
     _init_process_group(timeout_s)
     world_size, rank = dist.get_world_size(), dist.get_rank()
