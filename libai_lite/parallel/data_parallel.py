@@ -70,13 +70,13 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> DistributedDataParallel:
 def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """DDP semantics, layer by layer, with FSDP2's ``replicate``: for DTensor (tensor-parallel) parameters,
     which DDP refuses, and for pipeline schedules, whose interleaved micro-batches DDP's reducer cannot
-    follow. With ``expert_mesh`` MoE experts are replicated over it instead (``replicate_experts``)."""
+    follow. With ``expert_mesh`` MoE experts are replicated over it instead (``wrap_experts``)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     if expert_mesh is not None:
-        from .expert_parallel import replicate_experts
+        from .expert_parallel import wrap_experts
 
-        replicate_experts(model, expert_mesh, dp_mesh.size())
+        wrap_experts(model, expert_mesh, dp_mesh.size())
     for layer in transformer_layers(model):
         replicate(layer, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)
@@ -94,9 +94,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     layers = transformer_layers(model)
     options = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     if expert_mesh is not None:
-        from .expert_parallel import shard_experts
+        from .expert_parallel import wrap_experts
 
-        shard_experts(model, expert_mesh, dp_mesh.size(), reshard_after_forward, mp_policy, offload_policy)
+        wrap_experts(model, expert_mesh, dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
