@@ -249,16 +249,13 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
                 logger.warning(f"Removed partial checkpoint {path} left by an interrupted save")
 
-    def check_shapes(self, path: str) -> None:
-        """Refuse a checkpoint whose parameter names or shapes differ from this model's."""
-        check_checkpoint_shapes(path, self._merged(self._part_states(with_optim=False))["model"], self.aliases)
-
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
         from ..parallel.pipeline_split import alias_state_dict_keys
 
-        self.check_shapes(path)
         full = not weights_only and self.optimizer is not None
+        part_states = self._part_states(with_optim=full)
+        check_checkpoint_shapes(path, self._merged(part_states)["model"], self.aliases)
         trainer_state = {}
         if full:
             if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
@@ -266,7 +263,6 @@ class Checkpointer:
                                  f"remove it to resume from an earlier one")
             with open(os.path.join(path, TRAINER_STATE)) as f:
                 trainer_state = json.load(f)
-        part_states = self._part_states(with_optim=full)
         state = alias_state_dict_keys(self._merged(part_states), self.aliases)
         dcp.load(state, checkpoint_id=path)
         # Non-tensor entries are replaced, not loaded in place: take every part's keys from the loaded dict.
