@@ -70,16 +70,15 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def output_metrics(model: nn.Module) -> dict[str, Metric]:
     """The model's declared outputs; one clear error when it declares none."""
+    name = type(unwrap(model)).__name__
     fn = getattr(unwrap(model), "output_metrics", None)
     if not callable(fn):
-        raise UsageError(
-            f"{type(unwrap(model)).__name__} does not declare its outputs: give it output_metrics() returning "
-            f"{{'lm_loss': libai_lite.model.LOSS, ...}} (see libai_lite/model.py)"
-        )
+        raise UsageError(f"{name} does not declare its outputs: give it output_metrics() returning "
+                         f"{{'lm_loss': libai_lite.model.LOSS, ...}} (see libai_lite/model.py)")
     metrics = dict(fn())
     if not any(m.backward for m in metrics.values()):
-        raise UsageError(f"{type(unwrap(model)).__name__}.output_metrics() marks no output as a loss "
-                         f"(Metric(backward=True)); the trainer has nothing to back-propagate")
+        raise UsageError(f"{name}.output_metrics() marks no output as a loss (Metric(backward=True)); the trainer "
+                         f"has nothing to back-propagate")
     return metrics
 
 

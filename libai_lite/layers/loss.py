@@ -23,17 +23,12 @@ class ParallelCrossEntropyLoss(nn.Module):
         return loss.view(target.shape)
 
 
-# Rows of bf16/fp16 logits normalised per fp32 chunk. On a CPU about 512 KiB of fp32, so a chunk stays
-# in cache while it is normalised and copied back; on a GPU, where every chunk costs kernel launches,
-# 256 MiB, so a step takes a few chunks.
-_SCRATCH_ELEMENTS = {"cpu": 1 << 17}
-_SCRATCH_ELEMENTS_ACCELERATOR = 1 << 26
-_MIN_SCRATCH_ROWS = 8
-
-
 def _scratch_rows(probs: torch.Tensor) -> int:
-    budget = _SCRATCH_ELEMENTS.get(probs.device.type, _SCRATCH_ELEMENTS_ACCELERATOR)
-    return max(1, min(probs.shape[0], max(_MIN_SCRATCH_ROWS, budget // max(1, probs.shape[1]))))
+    """Rows of bf16/fp16 logits normalised per fp32 chunk (at least 8)."""
+    # On a CPU about 512 KiB of fp32, so a chunk stays in cache while it is normalised and copied back;
+    # on a GPU, where every chunk costs kernel launches, 256 MiB, so a step takes a few chunks.
+    budget = 1 << 17 if probs.device.type == "cpu" else 1 << 26
+    return max(1, min(probs.shape[0], max(8, budget // max(1, probs.shape[1]))))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -29,13 +29,10 @@ from torch.optim import Optimizer
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
 
-ZERO_STAGES = (0, 1, 2, 3)
-
-
 def validate_zero_config(zero_stage: int | None, offload: bool = False, param_dtype: torch.dtype | None = None) -> int:
     """The ZeRO stage as an int (None means 0); UsageError for a stage or combination that does not exist."""
     stage = 0 if zero_stage is None else zero_stage
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise UsageError(f"ZeRO stage {zero_stage!r} does not exist; use 0 (off), 1, 2 or 3")
     if offload and stage < 2:
         raise UsageError(f"CPU offload needs parameters and gradients sharded by FSDP, which ZeRO stage {stage} "

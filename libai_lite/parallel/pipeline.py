@@ -19,8 +19,7 @@ from .expert_parallel import PipelineMoE
 from .pipeline_split import local_stage_ids, sync_tied_weight_grads, tied_weight_copies, trainable_parameters
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-# Schedules that drive several stages per rank; the others drive exactly one.
-_MULTI_STAGE = {"interleaved_1f1b"}
+_MULTI_STAGE = {"interleaved_1f1b"}  # drives several stages per rank; the others exactly one
 
 
 def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:

@@ -1,9 +1,10 @@
 """The process group, the ("pp", "dp", "tp") device mesh in one ``Layout``, rank helpers and hang reports."""
 from __future__ import annotations
 
-import logging
 import os
+import re
 import socket
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
@@ -13,10 +14,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
-
-logger = logging.getLogger(__name__)
-
-MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass
@@ -168,7 +165,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     if virtual < 1:
         raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     custom = dist_cfg.get("custom_pipeline_stage_id", None)
     layout = Layout(
         world_size, rank, local_rank, device, pp, dp, tp, mesh,
@@ -207,8 +204,6 @@ def is_collective_timeout(exc: BaseException) -> bool:
 
 def _collective_name(exc: BaseException) -> str:
     """The torch.distributed function the traceback was in (all_reduce, broadcast, ...), or a description."""
-    import traceback
-
     names = [frame.name for frame in traceback.extract_tb(exc.__traceback__)
              if f"{os.sep}distributed{os.sep}" in frame.filename and frame.name not in ("wrapper", "_wrapper")]
     if names:
@@ -226,8 +221,6 @@ def _missing_ranks() -> list[int] | None:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(10.0, _MONITOR["timeout_s"] or 10.0)),
                                wait_all_ranks=True)
     except Exception as e:  # noqa: BLE001 - its message lists the ranks that did not arrive
-        import re
-
         m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
         return [int(r) for r in m.group(1).replace(" ", "").split(",") if r] if m else None
     return []
