@@ -55,15 +55,13 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) ->
     """
     every_n_layers = int(every_n_layers)
     if every_n_layers < 1:
-        raise UsageError(
-            f"activation checkpointing every_n_layers={every_n_layers} must be at least 1 (1 checkpoints every layer)"
-        )
+        raise UsageError(f"activation checkpointing every_n_layers={every_n_layers} must be at least 1 "
+                         f"(1 checkpoints every layer)")
     slots = transformer_layer_slots(model)
     if not slots:
-        raise UsageError(
-            f"activation checkpointing found no transformer layers in {type(model).__name__}: it wraps the children "
-            f"of a '{LAYER_CONTAINER_NAME}' ModuleDict/ModuleList; keep the layers in such a container"
-        )
+        raise UsageError(f"activation checkpointing found no transformer layers in {type(model).__name__}: it "
+                         f"wraps the children of a '{LAYER_CONTAINER_NAME}' ModuleDict/ModuleList; keep the layers "
+                         f"in such a container")
     wrapped = 0
     for count, (container, key) in enumerate(slots, start=1):
         if count % every_n_layers == 0 and not is_checkpointed(container[key]):

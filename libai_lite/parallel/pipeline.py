@@ -39,10 +39,9 @@ def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches:
                              f"{virtual}; set 2 or more virtual stages or use '1f1b'")
         rounds = max(1, n_microbatches // pp_size)
         if n_microbatches % rounds:
-            raise UsageError(
-                f"schedule 'interleaved_1f1b' needs n_microbatches ({n_microbatches}) to be a multiple of "
-                f"max(1, n_microbatches // pp) = {rounds}; use a multiple of pipeline_parallel_size ({pp_size})"
-            )
+            raise UsageError(f"schedule 'interleaved_1f1b' needs n_microbatches ({n_microbatches}) to be a "
+                             f"multiple of max(1, n_microbatches // pp) = {rounds}; use a multiple of "
+                             f"pipeline_parallel_size ({pp_size})")
     elif virtual != 1:
         raise UsageError(f"schedule {name!r} runs one stage per pipeline rank, got {virtual}; "
                          f"use 'interleaved_1f1b' for virtual stages")

@@ -89,15 +89,12 @@ def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, st
         idx = _layer_of(module, key)
         if idx is None:
             if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-                raise UsageError(
-                    f"{type(inner).__name__}.{key} has parameters but no layer_idx, so no pipeline stage can own it; "
-                    f"build it with layer_idx=<the layer it goes with> (0 for embeddings, the last layer for a head)"
-                )
+                raise UsageError(f"{type(inner).__name__}.{key} has parameters but no layer_idx, so no pipeline "
+                                 f"stage can own it; build it with layer_idx=<the layer it goes with> (0 for "
+                                 f"embeddings, the last layer for a head)")
         elif idx >= num_layers:
-            raise UsageError(
-                f"stage_of_layer has {num_layers} entries but the model has layer {idx}; "
-                f"give one stage id per layer (layer_stages(num_layers, num_stages))"
-            )
+            raise UsageError(f"stage_of_layer has {num_layers} entries but the model has layer {idx}; "
+                             f"give one stage id per layer (layer_stages(num_layers, num_stages))")
     bad = [s for s in stage_of_layer if not 0 <= s < num_stages]
     if bad:
         raise UsageError(f"stage_of_layer uses stage ids {sorted(set(bad))} outside 0..{num_stages - 1}; "

@@ -239,11 +239,10 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
         if decl is None:
             if any(True for _ in m.parameters(recurse=False)):
                 if any(True for _ in m.children()):
-                    raise UsageError(
-                        f"{name} ({type(m).__name__}) has its own parameters and submodules but declares no SBP; "
-                        f"move the parameters into a leaf layer or set `sbp = declare(weight=broadcast)` "
-                        f"(libai_lite.parallel.sbp) on it to replicate it whole under tensor parallelism"
-                    )
+                    raise UsageError(f"{name} ({type(m).__name__}) has its own parameters and submodules but "
+                                     f"declares no SBP; move the parameters into a leaf layer or set `sbp = "
+                                     f"declare(weight=broadcast)` (libai_lite.parallel.sbp) on it to replicate it "
+                                     f"whole under tensor parallelism")
                 plan[name] = ReplicateParallel()
                 owned.add(name)
             continue
@@ -286,10 +285,8 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
         else:
             continue
         if needs_whole and not name:
-            raise UsageError(
-                f"{type(m).__name__} owns column-parallel layers directly; sequence parallelism gathers a "
-                f"block's inputs, so put them in a submodule (an attention or MLP block)"
-            )
+            raise UsageError(f"{type(m).__name__} owns column-parallel layers directly; sequence parallelism gathers a "
+                             f"block's inputs, so put them in a submodule (an attention or MLP block)")
         if needs_whole:
             plan[name] = GatherSequence(indices=indices, names=names)
             gathered.add(name)
