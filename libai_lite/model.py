@@ -4,20 +4,15 @@ A model is an ``nn.Module`` a config builds (``LazyCall(MyLMForPreTraining)(cfg=
 never names it, imports its project or reads a config key only it has; it asks the model:
 
 Required
-    ``forward(**batch) -> dict``
-        One micro-batch of the train loader in, a dict out. Entries the trainer uses are the ones
-        ``output_metrics()`` declares; others (``nll_sum``, ``num_tokens`` for perplexity) go to
-        evaluators only.
-    ``output_metrics() -> {name: Metric}``
-        Which outputs are back-propagated (their sum is the step's ``total_loss``) and how each
-        logged value reduces over micro-batches and data-parallel ranks.
+    ``forward(**batch) -> dict``: one micro-batch of the train loader in; the trainer uses the entries
+        ``output_metrics()`` declares, evaluators others (``nll_sum``, ``num_tokens``).
+    ``output_metrics() -> {name: Metric}``: which outputs are back-propagated (their sum is the step's
+        ``total_loss``) and how each logged value reduces over micro-batches and data-parallel ranks.
 
 Optional (the feature that needs it says so in one line when it is missing)
-    ``tokens_per_sample(sample) -> int`` and ``flops_per_sample(sample) -> float``
-        From one unbatched training sample (``{name: array}``): throughput in tokens/s and MFU.
-        Count FLOPs on the whole model, at construction (a pipeline split removes pieces).
-    ``max_seq_length``
-        The longest sequence the model takes (evaluators that bring their own text, generation).
+    ``tokens_per_sample(sample) -> int`` and ``flops_per_sample(sample) -> float`` of one unbatched
+        training sample, for tokens/s and MFU (count FLOPs at construction: a pipeline removes pieces).
+    ``max_seq_length``: the longest sequence the model takes (evaluators, generation).
     Pipeline parallelism: ``pipeline_module()`` (the module to cut: its pieces carry
     ``layer_idx``, see ``libai_lite.parallel.pipeline``), ``pipeline_num_layers``, ``pipeline_tied``
     (``(source, copy)`` parameter paths shared by first and last stage, or None),
@@ -41,13 +36,9 @@ REDUCTIONS = ("mean", "sum", "max")
 
 @dataclass(frozen=True)
 class Metric:
-    """How the trainer treats one entry of a model's output dict.
-
-    ``backward``: added to the loss that is back-propagated (divided by the number of
-    micro-batches). ``reduce``: how a step's value is formed from its micro-batches and then from
-    the data-parallel ranks (``mean`` for losses and accuracies, ``sum`` for counts, ``max`` for
-    a worst case such as the busiest expert's load).
-    """
+    """How the trainer treats one entry of a model's output dict: ``backward``, added to the loss that is
+    back-propagated; ``reduce``, how a step's value forms from its micro-batches and then the
+    data-parallel ranks (``mean``: losses, accuracies; ``sum``: counts; ``max``: a worst case)."""
 
     backward: bool = False
     reduce: str = "mean"

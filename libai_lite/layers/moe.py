@@ -1,21 +1,15 @@
 """Mixture-of-experts feed-forward layer: a learned router sends each token to its top-k experts.
 
-Switch Transformer (top-1) and GShard (top-2) routing, as DeepSpeed-MoE and Megatron-LM do it: the
-router is a bias-free ``hidden -> num_experts`` linear layer run in fp32 (optionally with Switch's
-multiplicative jitter on its input while training); top-1 weights the chosen expert's output by its
-probability, top-k > 1 renormalises the k chosen probabilities. Every expert is the model's ordinary
-``MLP``. Each expert takes at most ``ceil(capacity_factor * tokens * k / num_experts)`` assignments
-of a rank's micro-batch, first choices before second choices, earlier tokens before later ones; a
-dropped assignment contributes nothing (``capacity_factor=None`` never drops). The auxiliary
-load-balancing loss (Switch eq. 4, GShard) is ``num_experts * sum_e f_e * P_e``: 1 at perfect balance.
+Switch Transformer (top-1) and GShard (top-2) routing as DeepSpeed-MoE and Megatron-LM do it: an fp32
+router; top-1 weights the chosen expert's output by its probability, top-k > 1 renormalises the k
+chosen ones; every expert is the model's ordinary ``MLP``; each takes at most ``ceil(capacity_factor *
+tokens * k / num_experts)`` assignments of a rank's micro-batch (a dropped one contributes nothing);
+the load-balancing loss is ``num_experts * sum_e f_e * P_e`` (Switch eq. 4), 1 at perfect balance.
 
-A drop-in for ``MLP``. Its auxiliary loss and statistics stay on the module after each forward, and
-``collect_moe_outputs(model)`` adds them to the pretraining wrapper's output dict. A pipeline stage
-returns hidden states, so there (``backprop_aux_loss``) the layer back-propagates its own weighted
-auxiliary loss through an identity on its output (Megatron-LM's ``MoEAuxLossAutoScaler``) and records
-each micro-batch's statistics, which ``libai_lite.parallel.expert_parallel.PipelineMoE`` combines.
-Expert parallelism keeps only this rank's experts in ``experts`` (keyed by the GLOBAL expert index)
-and sets the layer's ``dispatch``.
+A drop-in for ``MLP``: ``collect_moe_outputs(model)`` adds its auxiliary loss and statistics to the
+model's output dict. In a pipeline stage (``backprop_aux_loss``) it back-propagates its own auxiliary
+loss through an identity on its output (Megatron-LM's ``MoEAuxLossAutoScaler``). Expert parallelism
+keeps only this rank's experts in ``experts`` (keyed by the GLOBAL index) and sets ``dispatch``.
 """
 from __future__ import annotations
 

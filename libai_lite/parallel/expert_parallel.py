@@ -1,15 +1,10 @@
 """Expert parallelism: the experts of each MoE layer spread over ``ep_size`` ranks of the data-parallel group.
 
-Layout (DeepSpeed-MoE's and torchtitan's): the ``"dp"`` dimension of the ``("pp", "dp", "tp")`` mesh
-is unflattened into ``("edp", "ep")``, ``dp = edp x ep``. Consecutive data-parallel ranks form an
-expert-parallel group (``"ep"``) holding all experts of a layer between them, rank ``i`` experts
-``[i * E/ep, (i + 1) * E/ep)``; ranks holding the same experts form the expert-data-parallel group
-(``"edp"``). ``apply_expert_parallel`` deletes the other ranks' experts (keys stay global expert
-indices, so checkpoints load under any ``ep_size``) and routes tokens to their experts by
-all-to-all (``expert_parallel_forward``). Experts are reduced over ``"edp"`` by their own FSDP2
-``replicate`` (ZeRO 0) or ``fully_shard`` (ZeRO 2/3), divided by the whole data-parallel size: an
-expert's local gradient already sums the loss gradients of every token its ep group sent it.
-``clip_grad.clip_grad_norm_`` adds the other experts' norms across ``"ep"`` (``reduce_expert_norm``).
+DeepSpeed-MoE's and torchtitan's layout: ``"dp"`` is unflattened into ``("edp", "ep")``. Consecutive
+data-parallel ranks (``"ep"``) hold a layer's experts between them, rank ``i`` experts ``[i * E/ep,
+(i + 1) * E/ep)`` (keys stay global, so checkpoints load under any ``ep_size``); tokens reach them by
+all-to-all. Experts are reduced over ``"edp"`` divided by the whole dp size: an expert's gradient
+already sums those of every token its ep group sent it. The clipper adds the other experts' norms.
 """
 from __future__ import annotations
 

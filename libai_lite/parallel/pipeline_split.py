@@ -1,11 +1,9 @@
 """Cutting a model into pipeline stages by the ``layer_idx`` its pieces declare, and its tied weights.
 
-A stage keeps the pieces whose layer the layout places on it (LiBai's ``get_layer_placement``).
-``model.pipeline_module()`` is the module to cut; each direct child is a layer container
-(``nn.ModuleDict`` keyed by the global layer index), a piece carrying ``layer_idx`` that goes with that
-layer (embeddings on 0, a final norm and LM head on the last), or a piece without parameters (dropout)
-every stage keeps. A stage's forward skips the pieces set to None, or the module defines
-``pipeline_forward`` when a stage carries more than one tensor (T5).
+A stage keeps the pieces of ``model.pipeline_module()`` whose layer the layout places on it: layer
+containers (``nn.ModuleDict`` keyed by the global layer index), pieces carrying ``layer_idx`` (embeddings
+on 0, a final norm and LM head on the last) and pieces without parameters, which every stage keeps. A
+stage's forward skips the pieces set to None, or the module defines ``pipeline_forward`` (T5).
 
 Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter paths.
 On different ranks the copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both

@@ -1,16 +1,11 @@
 """Tensor (and sequence) parallelism from the SBP the layers declare.
 
-Layers in ``libai_lite.layers`` never communicate; each declares the SBP of its parameters and
-activations (``module.sbp``, a ``libai_lite.parallel.sbp.LayerSBP``). This module turns the tp
-entries into one ``parallelize_module`` plan (torchtitan's shape: one small function per job): a
-weight split with a ``partial_sum`` output is ``RowwiseParallel`` summed straight into the hidden
-states' layout; one with a split output ``ColwiseParallel`` (an LM head, fed ``hidden``, keeps its
-logits a DTensor for ``loss_parallel``); a replicated layer gets DTensor parameters, and under
-sequence parallelism a norm runs on the sequence slice, a lookup joining the hidden states returns
-its slice, and blocks needing whole inputs (``input`` ``broadcast``) all-gather their declared
-``args`` first (torchtitan's ``PrepareModuleInput``). Splits torch's styles cannot make are
-refused; plain torch layers read as their replicated ``libai_lite`` counterparts. Every parameter
-ends up a DTensor on the tp mesh: ``clip_grad_norm_`` refuses a mix of DTensor and plain gradients.
+Layers never communicate; each declares the SBP of its parameters and activations (``module.sbp``).
+This module turns the tp entries into one ``parallelize_module`` plan: a split weight with a
+``partial_sum`` output is ``RowwiseParallel``, one with a split output ``ColwiseParallel``; replicated
+layers get DTensor parameters (``clip_grad_norm_`` refuses a mix of DTensor and plain gradients), and
+under sequence parallelism blocks needing whole inputs all-gather their declared ``args`` first.
+Plain torch layers read as their replicated ``libai_lite`` counterparts.
 
 Sequence parallelism (Megatron's "Reducing Activation Recomputation") keeps the residual stream as
 this rank's slice of the sequence, so models must be batch-first with the sequence on dim 1 and
