@@ -22,9 +22,9 @@ def amp_dtype(amp_cfg) -> torch.dtype | None:
 class SyncedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose "found inf" flags are summed over a process group.
 
-    torch's own ``ShardedGradScaler`` does the same but keeps the flag as a ``[1]`` tensor, which
-    the fused AdamW kernel (our default optimizer) refuses ("output with shape [] doesn't match
-    the broadcast shape [1]"); this keeps GradScaler's ``[]`` flags and reduces them in place.
+    torch's ``ShardedGradScaler`` keeps the flag as a ``[1]`` tensor, which the fused AdamW kernel
+    (our default optimizer) refuses after ``unscale_`` ("output with shape [] doesn't match the
+    broadcast shape [1]"); this keeps GradScaler's ``[]`` flags.
     """
 
     def __init__(self, device: str, process_group=None, **kwargs):
@@ -50,11 +50,8 @@ class SyncedGradScaler(torch.amp.GradScaler):
 def build_loss_scaler(device: torch.device, initial_scale: float, growth_interval: int):
     """fp16 dynamic loss scaling whose overflow check agrees on every rank.
 
-    ``torch.amp.GradScaler`` decides from the gradients a rank holds. Ranks hold different
-    gradients under ZeRO-2/3, tensor parallelism and expert parallelism (an expert lives on one
-    rank), so one rank could skip a step another takes, and the replicas would drift apart for
-    good. In a multi-process job the "found inf" flag is therefore summed over all ranks before
-    the step (``SyncedGradScaler``, one scalar all-reduce per step).
+    Ranks hold different gradients under ZeRO-2/3, tensor and expert parallelism, so with a
+    rank-local check one rank could skip a step another takes and the replicas would drift apart.
     """
     kwargs = dict(init_scale=initial_scale, growth_interval=growth_interval)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -42,19 +42,20 @@ class DefaultTrainer:
         self.cfg, self.layout, self.eval_only = cfg, layout, eval_only
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
-        self.check_layout(cfg)
+        meta_model = self.build_meta_model(cfg)
+        self.check_layout(cfg, meta_model)
         self.resume_path = resolve_resume(self.output_dir) if resume else None
         if resume and self.resume_path is None:
             logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
         self.precheck_output_dir(self.output_dir)
         if self.resume_path or cfg.train.get("load_weight"):
-            # On the meta device: a wrong --resume or load_weight is refused in a second, before anything is written.
-            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, self.build_meta_model(cfg).state_dict())
+            # Against the meta model: a wrong --resume or load_weight is refused before anything is written.
+            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict())
         trainer_state = {}
         if self.resume_path is not None:
             with open(os.path.join(self.resume_path, "trainer_state.json")) as f:
                 trainer_state = json.load(f)
-        self.consumed_samples = self._consumed_at_start = int(trainer_state.get("consumed_samples", 0))
+        self.consumed_samples = int(trainer_state.get("consumed_samples", 0))  # at the start of this run
         self.start_iter = int(trainer_state.get("iteration", -1)) + 1
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
         self.check_sequence_parallel(self.train_loader)
@@ -89,15 +90,14 @@ class DefaultTrainer:
             what = "is a file" if os.path.exists(path) and not os.path.isdir(path) else "is not writable"
             raise UsageError(f"train.output_dir={output_dir} is not writable ({path} {what}); choose another directory")
 
-    def check_layout(self, cfg) -> None:
-        """Refuse, before any work, parallel settings the model or the world cannot take."""
+    def check_layout(self, cfg, model: torch.nn.Module) -> None:
+        """Refuse, before any work, parallel settings the model (built on ``meta``) or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.tensor_parallel import check_declared_splits, check_tensor_parallel
 
         layout = self.layout
         check_tensor_parallel(cfg.model.cfg, layout.tensor_parallel_size)
         validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
-        model = self.build_meta_model(cfg)
         # Whatever the model's config keys: every dimension its layers declare split must divide.
         check_declared_splits(model, layout.tensor_parallel_size)
         given = cfg.train.dist.get("pipeline_num_layers")
@@ -114,16 +114,14 @@ class DefaultTrainer:
 
     def check_sequence_parallel(self, loader) -> None:
         """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
-        tp = self.layout.tensor_parallel_size
-        dataset = getattr(loader, "dataset", None)
-        if not self.layout.sequence_parallel or tp == 1 or dataset is None or len(dataset) == 0:
+        tp, dataset = self.layout.tensor_parallel_size, getattr(loader, "dataset", None)
+        if not self.layout.sequence_parallel or tp == 1 or not dataset:
             return
         for name, value in dataset[0].items():
-            shape = tuple(getattr(value, "shape", ()))
-            if len(shape) == 1 and shape[0] % tp:
+            if len(getattr(value, "shape", ())) == 1 and value.shape[0] % tp:
                 raise UsageError(
-                    f"tensor_parallel_size={tp} does not divide the sequence length {shape[0]} ({name}), which "
-                    f"sequence parallelism splits; use a length that is a multiple of {tp} or turn sequence "
+                    f"tensor_parallel_size={tp} does not divide the sequence length {value.shape[0]} ({name}), "
+                    f"which sequence parallelism splits; use a length that is a multiple of {tp} or turn sequence "
                     f"parallelism off")
 
     # ------------------------------------------------------------ building
@@ -279,7 +277,7 @@ class DefaultTrainer:
     # --------------------------------------------------------------- state
     def consumed_samples_at(self, iteration: int) -> int:
         """Samples consumed once `iteration` steps of this run (counted from 0) are done."""
-        return self._consumed_at_start + (iteration - self.start_iter) * int(self.cfg.train.global_batch_size)
+        return self.consumed_samples + (iteration - self.start_iter) * int(self.cfg.train.global_batch_size)
 
     def trainer_state(self) -> dict:
         it = self.trainer.iter
@@ -306,12 +304,7 @@ class DefaultTrainer:
 
     def _setup_output(self) -> None:
         if self.layout.rank == 0:
-            try:
-                os.makedirs(self.output_dir, exist_ok=True)
-            except OSError as e:
-                raise UsageError(
-                    f"train.output_dir={self.output_dir} is not writable ({e.strerror}); choose another directory"
-                ) from e
+            os.makedirs(self.output_dir, exist_ok=True)  # writable: precheck_output_dir said so
         barrier()
         attach_log_file(self.output_dir, self.layout.rank)
         if self.layout.rank == 0:

@@ -60,12 +60,9 @@ def default_setup(cfg, args) -> Layout:
     leaves no trace.
     """
     if getattr(args, "fast_dev_run", False):
-        cfg.train.train_epoch = 0
-        cfg.train.train_iter = 20
-        cfg.train.log_period = 1
-        cfg.train.evaluation.eval_period = 10
-        cfg.train.evaluation.eval_iter = 2
-        cfg.train.checkpointer.period = 10
+        cfg = LazyConfig.apply_overrides(cfg, ["train.train_epoch=0", "train.train_iter=20", "train.log_period=1",
+                                               "train.evaluation.eval_period=10", "train.evaluation.eval_iter=2",
+                                               "train.checkpointer.period=10"])
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     with open_dict(cfg):
         cfg.train.dist.data_parallel_size = layout.data_parallel_size

@@ -120,7 +120,7 @@ class Trainer(TrainerBase):
         try:
             batch = next(self._data_iter)
         except StopIteration:
-            # The GPT dataset is sized for train_iter steps; an exhausted loader means the
+            # The train split is sized for train_iter steps; an exhausted loader means the
             # caller asked for more, so wrap around rather than stop mid-run.
             self._data_iter = iter(self.data_loader)
             batch = next(self._data_iter)

@@ -25,11 +25,9 @@ logger = logging.getLogger("libai_lite")
 class EvalContext:
     """The run's pieces an evaluator needs.
 
-    `autocast` and `loss_context` are context factories (the run's precision, and `loss_parallel`
-    when the vocabulary is split over tensor-parallel ranks); `dp_group` is the data-parallel
-    process group results are summed over; inputs' sequence length should be a multiple of
-    `tensor_parallel_size` (sequence parallelism splits it); `pipeline` is True when the model
-    runs as pipeline stages (then `model` is not callable as one module).
+    `autocast` and `loss_context` are context factories (precision; `loss_parallel` for a vocabulary
+    split over tp ranks); results are summed over `dp_group`; sequence lengths should be multiples
+    of `tensor_parallel_size`; `pipeline`: the model runs as pipeline stages (not callable as one).
     """
 
     tokenizer: Any = None

@@ -102,8 +102,8 @@ def greedy_tokens(logits, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(logits, DTensor):
-        (placement, *more), last = logits.placements, logits.ndim - 1
-        if not more and placement.is_shard() and placement.dim % logits.ndim == last:
+        placements = logits.placements
+        if len(placements) == 1 and placements[0].is_shard() and placements[0].dim % logits.ndim == logits.ndim - 1:
             # The padded vocabulary divides evenly over tensor-parallel ranks (check_tensor_parallel).
             picked = DTensor.from_local(logits.to_local()[mask], logits.device_mesh, [Shard(1)], run_check=False)
             logits = picked.full_tensor()

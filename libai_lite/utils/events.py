@@ -15,8 +15,7 @@ class EventStorage:
         self._latest[name] = float(value)
 
     def put_scalars(self, **kwargs) -> None:
-        for k, v in kwargs.items():
-            self.put_scalar(k, v)
+        self._latest.update((k, float(v)) for k, v in kwargs.items())
 
     def latest(self) -> dict[str, float]:
         return dict(self._latest)
