@@ -2,7 +2,7 @@
 
 JSON lines with a `text` field (the public `lambada_test.jsonl` format) whose last word is the
 target; the context is everything before it, and the target is tokenized with the space in front
-(`" word"`, GPT-2's BPE convention). A passage is right when the greedy prediction at every target
+(`" word"`, the byte-level BPE convention). A passage is right when the greedy prediction at every target
 position is the target token. Reports `lambada_acc`, `lambada_ppl` (exp of the mean NLL over
 target tokens) and the counts behind them; used as `train.evaluation.evaluator` or through
 `tools/evaluate.py --task lambada`.
@@ -89,7 +89,7 @@ def check_decoder_only(model: nn.Module) -> None:
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if "input_ids" not in params or required - {"input_ids"}:
         raise UsageError(f"LAMBADA needs a decoder-only language model called as model(input_ids); "
-                         f"{type(inner).__name__} needs {sorted(required)}: evaluate a GPT-style model")
+                         f"{type(inner).__name__} needs {sorted(required)}: evaluate a causal language model")
 
 
 def greedy_tokens(logits, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
