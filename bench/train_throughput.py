@@ -129,7 +129,7 @@ class OursStepper:
 
     def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
         from configs.common.optim import optim as optim_cfg
-        from libai_lite.engine.default import instantiate_with
+        from libai_lite.config.instantiate import instantiate_with
         from libai_lite.engine.trainer import Trainer
         from libai_lite.model import output_metrics
         from libai_lite.scheduler import WarmupDecayLR

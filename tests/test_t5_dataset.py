@@ -328,7 +328,7 @@ def test_eval_loaders_cover_their_samples_with_ignored_padding(bert_tok, cache):
 # config
 # ----------------------------------------------------------------------------------------------
 def _load_config(tmp_path, overrides=()):
-    from libai_lite.engine.default import instantiate_with
+    from libai_lite.config.instantiate import instantiate_with
 
     cfg = LazyConfig.load(REPO / "projects" / "MT5" / "configs" / "t5_dataset.py")
     with open_dict(cfg):

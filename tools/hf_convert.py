@@ -92,7 +92,8 @@ _BASE_NAMES = ("dataloader", "model", "optim", "tokenization", "train")
 
 def load_model_config(config_file: str, opts=()):
     """``(cfg, model class)`` of a training config; importing the class registers its project's mapping."""
-    from libai_lite.config import LazyConfig, locate
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.instantiate import instantiate_target
 
     try:
         cfg = LazyConfig.load(config_file)
@@ -103,7 +104,7 @@ def load_model_config(config_file: str, opts=()):
         raise UsageError(f"{config_file} has no model = LazyCall(...)(cfg=...); pass a training config")
     target = cfg.model._target_
     try:
-        return cfg, locate(target) if isinstance(target, str) else target
+        return cfg, instantiate_target(cfg.model)
     except ImportError as e:
         raise UsageError(f"{config_file}: model._target_ {target!r} cannot be imported ({e})") from e
 

@@ -13,9 +13,9 @@ import importlib
 from collections import abc
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-__all__ = ["instantiate", "locate", "InstantiationError"]
+__all__ = ["instantiate", "instantiate_target", "instantiate_with", "locate", "InstantiationError"]
 
 # Keys with a meaning to ``instantiate`` itself; they are never passed to the target.
 _RESERVED_KEYS = ("_target_", "_recursive_", "_partial_")
@@ -129,3 +129,31 @@ def _instantiate(cfg: Any, path: str) -> Any:
     except Exception as e:
         message = " ".join(str(e).split())
         raise InstantiationError(f"Error instantiating {name!r} at {where!r}: {type(e).__name__}: {message}") from e
+
+
+def instantiate_with(node, **kwargs):
+    """Instantiate a LazyCall node with some arguments supplied at run time (objects a config can't hold).
+
+    The node stays attached to its config, so `${...}` interpolations still resolve.
+    """
+    # Run-time arguments may replace nested LazyCalls (optim.params), which must not be built
+    # here; they are taken out for the call and put back so the saved config is unchanged.
+    stashed = {k: node[k] for k in kwargs if k in node}
+    with open_dict(node):
+        for key in stashed:
+            del node[key]
+        node._partial_ = True
+    try:
+        fn = instantiate(node)
+    finally:
+        with open_dict(node):
+            del node["_partial_"]
+            for key, value in stashed.items():
+                node[key] = value
+    return fn(**kwargs)
+
+
+def instantiate_target(node):
+    """The class or function a LazyCall node would call, without calling it."""
+    target = node._target_
+    return locate(target) if isinstance(target, str) else target

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf, open_dict
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.checkpointer import check_checkpoint_shapes
 from ..config import LazyConfig, instantiate
+from ..config.instantiate import instantiate_target, instantiate_with
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import sample_throughput
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
@@ -25,7 +26,7 @@ from ..utils.distributed import Layout, barrier
 from ..utils.errors import UsageError
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
-from . import hooks, instantiate_target, instantiate_with
+from . import hooks
 from .amp import amp_dtype, build_loss_scaler
 from .trainer import Trainer
 

@@ -6,7 +6,7 @@ import logging
 import os
 
 from ..config import instantiate
-from ..engine import instantiate_target, instantiate_with
+from ..config.instantiate import instantiate_target, instantiate_with
 from ..model import max_seq_length
 from .evaluator import EvalContext, brings_own_data, format_results, run_evaluator
 
