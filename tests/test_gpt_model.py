@@ -69,7 +69,7 @@ def test_intent_and_tying():
     model = GPTModel(**TINY)
     assert model.embeddings.token_embeddings.parallel == "vocab"
     assert model.embeddings.position_embeddings.parallel == "data"
-    assert model.lm_head.parallel == "col"
+    assert model.lm_head.parallel == "vocab"
     assert model.lm_head.weight is model.embeddings.token_embeddings.weight
     assert list(model.layers.keys()) == ["0", "1"]
     assert [layer.layer_idx for layer in model.layers.values()] == [0, 1]
@@ -264,9 +264,10 @@ def _tp_worker(rank, world_size, init_file, result_file):
         for name, mod in gpt.named_modules():
             if isinstance(mod, VocabEmbedding):
                 plan[name] = RowwiseParallel(input_layouts=Replicate())
+            elif isinstance(mod, Linear1D) and mod.parallel == "vocab":  # keep vocab-sharded logits for loss_parallel
+                plan[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
             elif isinstance(mod, Linear1D) and mod.parallel == "col":
-                last = name == "lm_head"  # keep vocab-sharded logits for loss_parallel
-                plan[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if last else ColwiseParallel()
+                plan[name] = ColwiseParallel()
             elif isinstance(mod, Linear1D) and mod.parallel == "row":
                 plan[name] = RowwiseParallel()
         parallelize_module(gpt, init_device_mesh("cpu", (world_size,)), plan)

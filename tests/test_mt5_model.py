@@ -317,7 +317,7 @@ def test_structure_names_and_declared_intent():
     assert list(model.decoder_layers) == [str(i) for i in range(L, 2 * L)]
     stacks = [*model.encoder_layers.values(), *model.decoder_layers.values()]
     assert [m.layer_idx for m in stacks] == list(range(2 * L))
-    assert model.embedding.parallel == "vocab" and model.lm_head.parallel == "col"
+    assert model.embedding.parallel == "vocab" and model.lm_head.parallel == "vocab"
     assert model.encoder_final_layernorm.layer_idx == L - 1
     assert model.decoder_final_layernorm.layer_idx == model.lm_head.layer_idx == 2 * L - 1
     tables = {n: m for n, m in model.named_modules() if isinstance(m, RelativePositionBias)}
@@ -408,7 +408,7 @@ def _tp_worker(rank, world_size, init_file, result_file):
                 parallel = getattr(mod, "parallel", None)
                 if isinstance(mod, VocabEmbedding):
                     plan[name] = RowwiseParallel(input_layouts=Replicate())
-                elif isinstance(mod, Linear1D) and parallel == "col" and name == "lm_head":
+                elif isinstance(mod, Linear1D) and parallel == "vocab":
                     plan[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
                 elif parallel == "col":  # column-parallel Linear1D and the head-split relative bias table
                     plan[name] = ColwiseParallel()

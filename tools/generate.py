@@ -176,7 +176,7 @@ def _setup_dist(tp_asked: int | None):
 
 def load_model(args):
     """``(model, tokenizer, is_encoder_decoder, ctx)`` as the command line asks, parallelized and loaded."""
-    from libai_lite.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+    from libai_lite.parallel.tensor_parallel import apply_tensor_parallel
 
     if bool(args.hf_dir) == bool(args.config_file):
         raise UsageError("give either --config-file CONFIG --checkpoint DIR or --hf-dir DIR")
@@ -196,7 +196,6 @@ def load_model(args):
         ctx = _setup_dist(_explicit_tp(args.opts))
         with open_dict(cfg):
             cfg.model.cfg.vocab_size = checkpoint_vocab_size(cfg, path)
-        check_tensor_parallel(cfg.model.cfg, ctx.tensor_parallel_size)
         if tokenizer is None and cfg.get("tokenization") is not None and cfg.tokenization.get("tokenizer") is not None:
             try:
                 tokenizer = instantiate(cfg.tokenization.tokenizer)
@@ -218,7 +217,6 @@ def load_model(args):
 
         ctx = _setup_dist(_explicit_tp(args.opts))
         _, model_cfg, model = load_hf_model(args.hf_dir, model_type=args.model)
-        check_tensor_parallel(dict(model_cfg), ctx.tensor_parallel_size)
         if tokenizer is None:
             found = mapping_for_model(model).find_tokenizer(args.hf_dir)
             tokenizer = found.tokenizer if found is not None else None

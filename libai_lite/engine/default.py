@@ -94,13 +94,12 @@ class DefaultTrainer:
     def check_layout(self, cfg, model: torch.nn.Module) -> None:
         """Refuse, before any work, parallel settings the model (built on ``meta``) or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
-        from ..parallel.tensor_parallel import check_declared_splits, check_tensor_parallel
+        from ..parallel.tensor_parallel import check_declared_splits
 
         layout = self.layout
-        check_tensor_parallel(cfg.model.cfg, layout.tensor_parallel_size)
         validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
         # Whatever the model's config keys: every dimension its layers declare split must divide.
-        check_declared_splits(model, layout.tensor_parallel_size)
+        check_declared_splits(model, layout.tensor_parallel_size, cfg.model.get("cfg"))
         given = cfg.train.dist.get("pipeline_num_layers")
         expected = getattr(model, "pipeline_num_layers", None)
         if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:

@@ -104,7 +104,7 @@ def greedy_tokens(logits, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if isinstance(logits, DTensor):
         placements = logits.placements
         if len(placements) == 1 and placements[0].is_shard() and placements[0].dim % logits.ndim == logits.ndim - 1:
-            # The padded vocabulary divides evenly over tensor-parallel ranks (check_tensor_parallel).
+            # The padded vocabulary divides evenly over tensor-parallel ranks (check_declared_splits).
             picked = DTensor.from_local(logits.to_local()[mask], logits.device_mesh, [Shard(1)], run_check=False)
             logits = picked.full_tensor()
         else:

@@ -54,12 +54,6 @@ _VOCAB_HINT = ("; the vocabulary is padded to a multiple of tokenization.make_vo
                "tensor_parallel_size, so set model.cfg.vocab_size from the tokenizer")
 
 
-def _tp_size(tp_size) -> int:
-    if int(tp_size) < 1:
-        raise UsageError(f"tensor_parallel_size={tp_size} must be at least 1")
-    return int(tp_size)
-
-
 def _divisors(n: int) -> str:
     ds = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
@@ -70,7 +64,9 @@ def check_declared_splits(model: nn.Module, tp_size: int, model_cfg: Optional[Ma
     ``model``'s layers declare split (``model`` may be on meta). The one-line ``UsageError`` names
     ``model.cfg.<counts>`` when ``model_cfg`` holds the declared ``counts`` with that value, else the
     parameter, and the sizes that work."""
-    tp = _tp_size(tp_size)
+    tp = int(tp_size)
+    if tp < 1:
+        raise UsageError(f"tensor_parallel_size={tp_size} must be at least 1")
     seen: set[int] = set()
     refusals = []  # (is the vocabulary, message): the tokenizer pads the vocabulary, so it goes last
     for name, m in model.named_modules():
@@ -314,42 +310,3 @@ def loss_parallel_context(enabled: bool):
     sum-exp) when ``enabled``, else a no-op. Wrap forward AND backward in it."""
     return loss_parallel() if enabled else contextlib.nullcontext()
 
-
-# ---------------------------------------------------------------------------- legacy, to be removed
-# tools/generate.py still calls this; it goes once generate.py relies on apply_tensor_parallel's check.
-_DIVISIBLE = (
-    (("num_attention_heads", "num_heads"), "the number of heads"),
-    (("hidden_size", "d_model"), "the hidden size"),
-    (("ffn_hidden_size", "intermediate_size", "d_ff"), "the feed-forward size"),
-    (("vocab_size",), "the padded vocabulary size"),
-)
-
-
-def check_tensor_parallel(
-    model_cfg: Mapping, tp_size: int, sequence_parallel: bool = False, seq_length: int | None = None
-) -> None:
-    """Refuse, before any work, a tensor-parallel size the model cannot be split by.
-
-    ``tp_size`` must divide the head count, hidden size, feed-forward size and padded
-    vocabulary of ``model_cfg`` (GPT, LiBai MT5 or Hugging Face T5 key names; keys a
-    model does not have are skipped). With ``sequence_parallel`` it must also divide
-    ``seq_length`` when given. Raises ``UsageError`` with one line naming the numbers.
-    """
-    tp = _tp_size(tp_size)
-    for keys, what in _DIVISIBLE:
-        key = next((k for k in keys if model_cfg.get(k) is not None), None)
-        if key is None:
-            continue
-        value = int(model_cfg[key])
-        if value % tp:
-            hint = (
-                _VOCAB_HINT
-                if key == "vocab_size"
-                else f"; use a tensor_parallel_size that divides {what} ({_divisors(value)})"
-            )
-            raise UsageError(f"tensor_parallel_size={tp} does not divide model.cfg.{key}={value}{hint}")
-    if sequence_parallel and seq_length is not None and int(seq_length) % tp:
-        raise UsageError(
-            f"tensor_parallel_size={tp} does not divide the sequence length {seq_length}, which sequence "
-            f"parallelism splits; use a seq_length that is a multiple of {tp} or turn sequence parallelism off"
-        )
