@@ -99,9 +99,7 @@ def sample_spans(dataset, count: int) -> list:
     Computed from the dataset's own index arrays before any timing, so the reference below pays
     only for reading tokens.
     """
-    reader = dataset._reader
-    if not reader.one_sequence_per_document:
-        raise SystemExit("the raw-read reference needs one sequence per document (as GPT corpora are)")
+    doc_sizes = dataset.indexed_dataset.document_sizes()
     spans = []
     for idx in range(count):
         i = int(dataset.shuffle_idx[idx])
@@ -111,21 +109,21 @@ def sample_spans(dataset, count: int) -> list:
             pieces = [(int(dataset.doc_idx[doc_f]), off_f, off_l - off_f + 1)]
         else:
             first = int(dataset.doc_idx[doc_f])
-            pieces = [(first, off_f, int(reader.doc_sizes[first]) - off_f)]
+            pieces = [(first, off_f, int(doc_sizes[first]) - off_f)]
             for d in dataset.doc_idx[doc_f + 1:doc_l]:
-                pieces.append((int(d), 0, int(reader.doc_sizes[int(d)])))
+                pieces.append((int(d), 0, int(doc_sizes[int(d)])))
             pieces.append((int(dataset.doc_idx[doc_l]), 0, off_l + 1))
         spans.append(pieces)
     return spans
 
 
 def raw_reads(indexed, spans: list, micro_batch: int) -> float:
-    """Seconds to read ``spans`` with ``MMapIndexedDataset.get`` into the loader's batch layout."""
+    """Seconds to read ``spans`` with ``MMapIndexedDataset.get_document`` into the loader's batch layout."""
     start = time.perf_counter()
     for b in range(0, len(spans) - micro_batch + 1, micro_batch):
         rows = []
         for pieces in spans[b:b + micro_batch]:
-            parts = [indexed.get(seq, offset=off, length=n) for seq, off, n in pieces]
+            parts = [indexed.get_document(doc, offset=off, length=n) for doc, off, n in pieces]
             rows.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
         tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
         _ = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}

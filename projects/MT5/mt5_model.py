@@ -395,7 +395,7 @@ class MT5Model(nn.Module):
             LM head   2 T d V
 
         Norms, softmax, embedding lookups and the relative bias are not counted; the causal
-        mask is not discounted (PaLM's convention). ``tests/test_mt5_model.py`` checks this
+        mask is not discounted (PaLM's convention). ``tests/projects/test_mt5_model.py`` checks this
         against ``torch.utils.flop_counter`` on a real forward and backward. An MoE layer's
         feed-forward counts ``top_k`` experts plus its router (``d E``) instead of one MLP;
         tokens dropped by capacity are not discounted.

@@ -16,7 +16,7 @@ layer: 1.0 is perfect balance, 4.0 one expert taking everything).
 Load bound: after warm-up (iteration 100 on) moe_load_max averages at most 2.0 and no logged step
 exceeds 2.5. Measured on this config: 2.93 on average over iterations 1-50, 1.48 (max 2.19) over
 100-300 and 1.26 (max 1.43) over the last 100, with dropped assignments going from 37% to 0.8%.
-tests/test_moe.py checks the bound on a tiny version, and that without the loss
+tests/layers/test_moe.py checks the bound on a tiny version, and that without the loss
 (aux_loss_weight=0) the load is worse.
 """
 from .gpt2_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401

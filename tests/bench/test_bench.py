@@ -1,0 +1,90 @@
+"""The benchmarks in bench/ run in their smoke mode and end with a JSON line that holds their numbers.
+
+Speed is never asserted here (the machine is shared); what is checked is that each script runs,
+that its JSON has the keys the README's tables are filled from, and that the numbers hang
+together (same model shape on both sides, same tokens from both preprocessing paths, ...).
+"""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ROOT as REPO_ROOT
+
+
+def run_bench(script: str, *args: str, timeout: int = 120) -> tuple:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return json.loads(lines[-1]), proc.stdout
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("script", ["train_throughput.py", "preprocess.py", "data_loader.py"])
+def test_help(script):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), "--help"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--smoke" in proc.stdout
+
+
+def test_train_throughput_smoke():
+    res, out = run_bench("train_throughput.py", "--smoke", "--profile", "1")
+    assert res["benchmark"] == "train_throughput"
+    assert res["ours_fused_cross_entropy"] is True
+    for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio", "mfu_ours", "mfu_hf", "peak_flops",
+                "flops_per_token"):
+        assert positive(res[key]), key
+    # The reference has exactly our shape, or the ratio compares different models.
+    assert res["params_non_embedding"] == res["hf_params_non_embedding"]
+    assert res["hf_attn_implementation"] in ("sdpa", "eager", "flash_attention_2", "flex_attention")
+    assert len(res["ours_block_tokens_per_s"]) == len(res["hf_block_tokens_per_s"]) == res["blocks"]
+    block_ratios = [o / h for o, h in zip(res["ours_block_tokens_per_s"], res["hf_block_tokens_per_s"])]
+    assert min(block_ratios) - 1e-9 <= res["ratio"] <= max(block_ratios) + 1e-9
+    assert res["mfu_ours"] == pytest.approx(res["flops_per_token"] * res["ours_tokens_per_s"] / res["peak_flops"])
+    L, H, T = res["layers"], res["hidden"], res["seq_length"]
+    assert res["flops_per_token"] == 6 * res["params_non_embedding"] + 12 * L * H * T
+    assert "ours/HF" in out
+    # The time breakdown covers every ATen call once: its kinds add up to the total.
+    for side in ("ours", "hf"):
+        kinds = res["profile_ms_per_step"][side]
+        assert positive(kinds["GEMMs"]) and positive(kinds["total"])
+        assert sum(v for k, v in kinds.items() if k != "total") == pytest.approx(kinds["total"])
+
+
+def test_preprocess_smoke():
+    res, out = run_bench("preprocess.py", "--smoke")
+    assert res["benchmark"] == "preprocess"
+    assert 0.9 < res["corpus_mb"] < 1.5
+    rows = res["rows"]
+    assert {(r["tokenizer"], r["workers"], r["impl"].startswith("naive")) for r in rows} == {
+        (t, w, naive) for t in ("gpt2", "spm") for w, naive in ((1, True), (1, False), (2, False))}
+    for r in rows:
+        for key in ("docs_per_s", "mb_per_s", "tokens_per_s"):
+            assert positive(r[key]), (r, key)
+        # Every path tokenises the same corpus into the same number of tokens and documents.
+        same = [s for s in rows if s["tokenizer"] == r["tokenizer"]]
+        assert {s["tokens"] for s in same} == {r["tokens"]}
+        assert r["documents"] == res["corpus_documents"]
+    assert res["megatron_recorded_mb_per_s"] == 1.8
+    assert positive(res["ratio_vs_megatron_recorded"])
+    assert "RECORDED" in out
+
+
+def test_data_loader_smoke():
+    res, _ = run_bench("data_loader.py", "--smoke")
+    assert res["benchmark"] == "data_loader"
+    for key in ("token_scan_s", "index_build_s", "index_open_s", "raw_samples_per_s"):
+        assert positive(res[key]), key
+    assert [r["workers"] for r in res["loaders"]] == [0, 1]
+    for r in res["loaders"]:
+        assert r["samples"] > 0 and r["samples"] % res["micro_batch"] == 0
+        assert positive(r["samples_per_s"]) and positive(r["first_batch_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * res["seq_length"])
+        assert r["ratio_vs_raw"] == pytest.approx(r["samples_per_s"] / r["raw_samples_per_s"])

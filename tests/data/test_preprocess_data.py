@@ -1,0 +1,219 @@
+"""tools/preprocess_data.py: byte-identical to Megatron-LM, bad input handled, demo data consistent."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from libai_lite.data.indexed_dataset import MMapIndexedDataset
+from libai_lite.tokenizer import GPT2Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO = REPO_ROOT / "data_test"
+
+
+def _load_tool():
+    name = "libai_lite_tools_preprocess_data"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools/preprocess_data.py")
+        module = importlib.util.module_from_spec(spec)
+        # Worker processes unpickle references to the module's functions by this name.
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+preprocess = _load_tool()
+
+GPT2_FLAGS = [
+    "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", str(DEMO / "gpt2/vocab.json"),
+    "--merge-file", str(DEMO / "gpt2/merges.txt"),
+]
+
+
+def _fixture_flags(fx: Path, name: str):
+    tok = fx / "tokenizers"
+    if name == "gpt2":
+        return [
+            "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(tok / "gpt2/vocab.json"),
+            "--merge-file", str(tok / "gpt2/merges.txt"),
+            "--append-eod",
+        ]
+    if name == "bert":
+        return ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(tok / "bert/vocab.txt")]
+    return [
+        "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", str(tok / "spm/spiece.model"),
+        "--append-eod",
+    ]
+
+
+@pytest.mark.parametrize("name,workers", [("gpt2", 2), ("bert", 1), ("spm", 2)])
+def test_byte_identical_to_megatron(shared_fixtures, tmp_path, name, workers):
+    prefix = tmp_path / f"{name}_mmap"
+    argv = [
+        "--input", str(shared_fixtures / "corpus.jsonl"),
+        "--json-keys", "text",
+        "--output-prefix", str(prefix),
+        "--dataset-impl", "mmap",
+        "--workers", str(workers),
+    ] + _fixture_flags(shared_fixtures, name)
+    assert preprocess.main(argv) == 0
+    for ext in ("bin", "idx"):
+        ours = (tmp_path / f"{name}_mmap_text_document.{ext}").read_bytes()
+        megatron = (shared_fixtures / f"megatron/{name}_mmap_text_document.{ext}").read_bytes()
+        assert ours == megatron, f"{name} .{ext} differs from Megatron-LM's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{name}_mmap_text_document.bin",
+        f"{name}_mmap_text_document.idx",
+    ]
+
+
+def _write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return path
+
+
+def test_documents_sentences_and_keys(tmp_path):
+    """Empty texts become empty documents, lists become one sequence per sentence (Megatron's rules)."""
+    src = _write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"text": "First document.", "title": "One"},
+            {"text": "", "title": "Two"},
+            "",  # blank line: skipped
+            {"text": ["Sentence one.", "", "Sentence two."], "title": "Three"},
+        ],
+    )
+    out = tmp_path / "out" / "demo"
+    argv = ["--input", str(src), "--output-prefix", str(out), "--json-keys", "text", "title", "--append-eod"]
+    assert preprocess.main(argv + GPT2_FLAGS) == 0
+    tok = GPT2Tokenizer(DEMO / "gpt2/vocab.json", DEMO / "gpt2/merges.txt")
+    eod = tok.eod_id
+
+    ds = MMapIndexedDataset(str(out) + "_text_document")
+    assert ds.doc_idx.tolist() == [0, 1, 1, 3]
+    assert ds[0].tolist() == tok.encode("First document.") + [eod]
+    assert ds[1].tolist() == tok.encode("Sentence one.")
+    assert ds[2].tolist() == tok.encode("Sentence two.") + [eod]
+
+    titles = MMapIndexedDataset(str(out) + "_title_document")
+    assert titles.doc_idx.tolist() == [0, 1, 2, 3]
+    assert [titles[i].tolist() for i in range(3)] == [tok.encode(t) + [eod] for t in ("One", "Two", "Three")]
+
+
+def _assert_failed_cleanly(capsys, rc, out_dir: Path, *needles):
+    err = capsys.readouterr().err.strip()
+    assert rc == 1
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())
+
+
+def test_missing_input(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(out / "x")] + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "missing.jsonl", "--input")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_malformed_json_line(tmp_path, capsys, workers):
+    rows = [{"text": f"document number {i}"} for i in range(600)]
+    rows[420] = '{"text": "unterminated'
+    src = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers)]
+    rc = preprocess.main(argv + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "bad.jsonl line 421", "not valid JSON")
+    assert not out.exists()
+
+
+def test_missing_key(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}, {"body": "no text key"}])
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x")] + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "line 2", "'text'", "--json-keys")
+
+
+def test_missing_tokenizer_file(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    argv = [
+        "--input", str(src), "--output-prefix", str(out / "x"),
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "gone.model"),
+    ]
+    rc = preprocess.main(argv)
+    _assert_failed_cleanly(capsys, rc, out, "gone.model", "--tokenizer-model")
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(3 * preprocess.CHUNK_LINES)])
+    real, calls = preprocess._encode_chunk, []
+
+    def interrupted(task):
+        calls.append(task[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(preprocess, "_encode_chunk", interrupted)
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--workers", "1"] + GPT2_FLAGS)
+    assert rc == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_script_runs_from_repo_root(tmp_path):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "Run as a script."}])
+    out = tmp_path / "x"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-prefix", str(out), "--append-eod"]
+        + GPT2_FLAGS,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "docs/s" in proc.stdout and "MB/s" in proc.stdout and "tokens/s" in proc.stdout
+    assert MMapIndexedDataset.exists(str(out) + "_text_document")
+
+
+@pytest.mark.parametrize(
+    "name,flags",
+    [
+        ("gpt2", GPT2_FLAGS + ["--append-eod"]),
+        ("bert", ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(DEMO / "bert/vocab.txt")]),
+        (
+            "spm",
+            ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(DEMO / "spm/spiece.model"),
+             "--append-eod"],
+        ),
+    ],
+)
+def test_demo_data_is_current(tmp_path, name, flags):
+    """The committed data_test/ datasets are what the committed corpus and tokenizers give."""
+    argv = ["--input", str(DEMO / "corpus.jsonl"), "--output-prefix", str(tmp_path / "d"), "--workers", "2"]
+    assert preprocess.main(argv + flags) == 0
+    for ext in ("bin", "idx"):
+        ours = (tmp_path / f"d_text_document.{ext}").read_bytes()
+        committed = (DEMO / f"{name}/demo_{name}_text_document.{ext}").read_bytes()
+        assert ours == committed, f"data_test/{name} is stale: run python tools/make_demo_data.py"
+    ds = MMapIndexedDataset(str(DEMO / f"{name}/demo_{name}_text_document"))
+    assert ds.dtype == np.uint16 and len(ds) > 3000

@@ -1,0 +1,211 @@
+"""Every bad input in docs/bad_input.md, run the way a user runs it: one `error:` line that names the
+problem and the fix, a non-zero exit, and no file written, changed or deleted.
+
+The table in docs/bad_input.md is the contract: each row names a case here and quotes the part of
+the message this test checks, so the documentation cannot drift from what users see.
+"""
+import re
+import shutil
+import socket
+import subprocess
+import struct
+
+import numpy as np
+import pytest
+
+from tests.launch import CONFIG, DATA, ROOT, env, one_error_line, tiny, train_net, train_sh, tree_snapshot
+from libai_lite.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+
+DOC = ROOT / "docs" / "bad_input.md"
+
+
+def _copy_data(tmp_path):
+    dst = tmp_path / "data" / "demo"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for ext in (".bin", ".idx"):
+        shutil.copy(ROOT / (DATA + ext), str(dst) + ext)
+    return dst
+
+
+def _data(tmp_path, damage):
+    prefix = _copy_data(tmp_path)
+    damage(prefix)
+    return [f"dataloader.train.data_prefix={prefix}"]
+
+
+def _truncate(suffix, size):
+    def damage(prefix):
+        path = str(prefix) + suffix
+        with open(path, "r+b") as f:
+            f.truncate(size if size >= 0 else max(0, len(open(path, "rb").read()) + size))
+    return damage
+
+
+def _poke(offset, data):
+    def damage(prefix):
+        with open(str(prefix) + ".idx", "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+    return damage
+
+
+def _ids_beyond_vocab(tmp_path):
+    prefix = tmp_path / "big" / "ids"
+    b = MMapIndexedDatasetBuilder(str(prefix), np.int32)
+    src = MMapIndexedDataset(str(ROOT / DATA))
+    for i in range(len(src)):
+        doc = src[i].astype(np.int32)
+        if i == 3:
+            doc[0] = 9000
+        b.add_item(doc)
+        b.end_document()
+    b.finalize()
+    return [f"dataloader.train.data_prefix={prefix}"]
+
+
+def _bad_config(tmp_path):
+    bad = tmp_path / "bad_config.py"
+    bad.write_text("from configs.common.train import train\nraise RuntimeError('boom in config')\n")
+    return str(bad)
+
+
+def _checkpoint(tmp_path, *extra):
+    """A finished tiny run's output dir with its final checkpoint (made before the snapshot)."""
+    src = tmp_path / "prev"
+    r = train_net(tiny(src, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False", *extra))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return src
+
+
+def _corrupt_resume(tmp_path):
+    src = _checkpoint(tmp_path)
+    ckpt = src / (src / "last_checkpoint").read_text().strip()
+    (ckpt / ".metadata").write_bytes(b"garbage")
+    return src
+
+
+# case id -> (what the case needs; returns (overrides, config, output dir or None, nproc)), message part.
+def _case(tmp_path, case):
+    out = tmp_path / "out"
+    cfg = CONFIG
+    nproc = 1
+    if case == "unknown_key":
+        extra = ["train.train_iters=5"]
+    elif case == "wrong_type":
+        extra = ["train.train_iter=abc"]
+    elif case == "missing_config":
+        extra, cfg = [], "projects/GPT/configs/nope.py"
+    elif case == "config_fails_to_import":
+        extra, cfg = [], _bad_config(tmp_path)
+    elif case == "missing_data":
+        extra = [f"dataloader.train.data_prefix={tmp_path / 'nope'}"]
+    elif case == "truncated_bin":
+        extra = _data(tmp_path, _truncate(".bin", 4096))
+    elif case == "truncated_idx":
+        extra = _data(tmp_path, _truncate(".idx", 1000))
+    elif case == "idx_wrong_magic":
+        extra = _data(tmp_path, _poke(0, b"NOTANIDX!"))
+    elif case == "idx_wrong_version":
+        extra = _data(tmp_path, _poke(9, struct.pack("<Q", 7)))
+    elif case == "ids_beyond_vocab":
+        extra = _ids_beyond_vocab(tmp_path)
+    elif case == "missing_tokenizer_file":
+        extra = [f"tokenization.tokenizer.vocab_file={tmp_path / 'vocab.json'}"]
+    elif case == "tokenizer_not_matching_config":
+        # A BERT WordPiece vocab.txt handed to the GPT-2 BPE tokenizer the config names.
+        extra = [f"tokenization.tokenizer.vocab_file={ROOT / 'data_test/bert/vocab.txt'}"]
+    elif case == "batch_not_divisible":
+        extra = ["train.global_batch_size=10"]
+    elif case == "layout_not_fitting_world":
+        extra = ["train.dist.tensor_parallel_size=2"]
+    elif case == "layout_not_fitting_model":
+        extra, nproc = ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3",
+                        "model.cfg.hidden_size=66"], 2
+    elif case == "resume_corrupt_checkpoint":
+        out = _corrupt_resume(tmp_path)
+        extra = ["--resume"]
+    elif case == "load_weight_other_shape":
+        src = _checkpoint(tmp_path)
+        extra = [f"train.load_weight={src / 'model_final'}", "model.cfg.hidden_size=32"]
+    elif case == "output_dir_not_writable":
+        blocker = tmp_path / "a_file"
+        blocker.write_text("x")
+        out = blocker / "out"
+        extra = []
+    else:
+        raise KeyError(case)
+    return tiny(out, tmp_path / "cache", "train.train_iter=2", *extra), cfg, out, nproc
+
+
+NEEDLES = {
+    "unknown_key": "did you mean 'train.train_iter'",
+    "wrong_type": "train.train_iter",
+    "missing_config": "nope.py",
+    "config_fails_to_import": "boom in config",
+    "missing_data": "tools/preprocess_data.py",
+    "truncated_bin": "is truncated",
+    "truncated_idx": "is truncated",
+    "idx_wrong_magic": "is not a Megatron mmap index",
+    "idx_wrong_version": "has index version 7",
+    "ids_beyond_vocab": "9000",
+    "missing_tokenizer_file": "vocab.json",
+    "tokenizer_not_matching_config": "vocab.txt",
+    "batch_not_divisible": "not divisible",
+    "layout_not_fitting_world": "world size",
+    "layout_not_fitting_model": "does not divide model.cfg.num_attention_heads=3",
+    "resume_corrupt_checkpoint": "cannot be read",
+    "load_weight_other_shape": "another model shape",
+    "output_dir_not_writable": "not writable",
+}
+
+
+@pytest.mark.parametrize("case", list(NEEDLES))
+def test_bad_input_is_one_line_nonzero_and_changes_nothing(tmp_path, case):
+    args, cfg, out, nproc = _case(tmp_path, case)
+    existed = out.exists()
+    before = tree_snapshot(tmp_path)
+    r = train_sh(nproc, args, config=cfg, timeout=180) if nproc > 1 else train_net(args, config=cfg, timeout=180)
+    assert r.returncode != 0
+    line = one_error_line(r)
+    assert NEEDLES[case] in line, line
+    assert out.exists() == existed
+    assert tree_snapshot(tmp_path) == before, "a refused run wrote, changed or deleted files"
+
+
+def test_port_in_use_is_one_line_and_changes_nothing(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1",
+                            f"train.output_dir={tmp_path / 'out'}"], cwd=ROOT, env=env(PORT=str(port)),
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"port {port}" in one_error_line(r)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path):
+    out = tmp_path / "out"
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False") + ["--resume"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "has no last_checkpoint: starting from scratch" in (out / "log.txt").read_text()
+
+
+def _doc_rows():
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.fullmatch(r"`([a-z_]+)`", cells[-1]) if len(cells) >= 3 else None
+        if m:
+            rows[m.group(1)] = cells
+    return rows
+
+
+def test_the_documented_table_lists_every_case_with_the_message_this_test_checks():
+    rows = _doc_rows()
+    tested = set(NEEDLES) | {"port_in_use", "resume_without_checkpoint", "disk_full_during_save",
+                             "collective_timeout"}
+    assert set(rows) == tested, f"docs/bad_input.md rows {sorted(rows)} != tested cases {sorted(tested)}"
+    for case, needle in NEEDLES.items():
+        assert needle in rows[case][-2].replace("\\|", "|"), (case, needle)

@@ -1,0 +1,128 @@
+"""The one launcher of the test suite's processes: tools/train_net.py and tools/train.sh the way a user
+runs them, torchrun for the test workers and tools, and in-process rank workers (spawn_ranks)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "projects/GPT/configs/gpt2_pretrain.py"
+DATA = "data_test/gpt2/demo_gpt2_text_document"
+
+
+def tiny(out, cache, *extra):
+    """Overrides that shrink the demo to a model that takes milliseconds per step."""
+    return [
+        f"train.output_dir={out}",
+        f"dataloader.train.cache_dir={cache}",
+        "dataloader.train.num_workers=0",
+        "model.cfg.hidden_layers=2",
+        "model.cfg.hidden_size=64",
+        "model.cfg.ffn_hidden_size=128",
+        "model.cfg.num_attention_heads=2",
+        "model.cfg.max_seq_length=32",
+        "model.cfg.attention_dropout_prob=0.1",
+        "model.cfg.output_dropout_prob=0.1",
+        "train.train_micro_batch_size=4",
+        "train.global_batch_size=8",
+        "train.test_micro_batch_size=4",
+        "train.log_period=1",
+        "train.evaluation.eval_iter=2",
+        *extra,
+    ]
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    e.update(extra)
+    return e
+
+
+def train_cmd(args, config=CONFIG):
+    return [sys.executable, "tools/train_net.py", "--config-file", config, *args]
+
+
+def train_net(args, config=CONFIG, timeout=300):
+    """Run tools/train_net.py in one process and wait for it."""
+    return subprocess.run(train_cmd(args, config), cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def train_sh(nproc, args, config=CONFIG, timeout=300, **env_extra):
+    """Run tools/train.sh with `nproc` processes on a free port."""
+    e = env(PORT=str(free_port()), **env_extra)
+    return subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", config, str(nproc), *args],
+                          cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(nproc, script, *args, timeout=300, check=True):
+    """Run ``script args`` (a path from the repository root) under torchrun with ``nproc`` processes
+    on a free port, gloo on the CPU; with ``check``, a failure fails the test with the output's tail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *map(str, args)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+def losses(out, key="total_loss") -> dict:
+    """iteration -> `key` (total_loss), the last row for each iteration (a resumed run appends)."""
+    rows = {}
+    path = Path(out) / "metrics.json"
+    if not path.exists():
+        return rows
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line being written while we read
+                continue
+            if "total_loss" in row:
+                rows[row["iteration"]] = row[key]
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_error_line(r) -> str:
+    """The single `error: ...` line of a refused run (and no traceback)."""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) >= 1, r.stderr[-3000:]
+    assert len(set(errors)) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    return errors[0]
+
+
+def tree_snapshot(path) -> dict:
+    """Relative path -> (size, mtime) of every file under `path`, to show nothing changed."""
+    path = Path(path)
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+def _run_then_exit(rank, fn, args):
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: with gloo's worker threads still alive (a DTensor model keeps
+    # its process group referenced after destroy_process_group), tearing the interpreter down can
+    # abort with "terminate called without an active exception" after every check has passed
+    # (pytorch/pytorch#179291, pytorch/gloo#155), failing a test that passed.
+    os._exit(0)
+
+
+def spawn_ranks(fn, nprocs, args=(), start_method="spawn"):
+    """Run `fn(rank, *args)` in `nprocs` processes; a worker that raises fails the caller with its
+    traceback, a worker that returns exits at once without interpreter teardown."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_run_then_exit, args=(fn, tuple(args)), nprocs=nprocs, join=True, start_method=start_method)

@@ -1,0 +1,326 @@
+"""Tokenizers: parity with Megatron-LM's preprocessed files and with reference implementations."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from libai_lite.data.indexed_dataset import MMapIndexedDataset
+from libai_lite.tokenizer import (
+    BertTokenizer,
+    GPT2Tokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    pad_vocab_size,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO = REPO_ROOT / "data_test"
+
+SAMPLES = [
+    "Return the number of items in a container.",
+    "  Leading spaces, trailing spaces  ",
+    "Tabs\tand\nnew lines\n\nand   runs of   spaces",
+    "It's what we'll do; they're done, I'd say -- isn't it?",
+    "Numbers 3.14159, 2**31-1 and 0xDEADBEEF",
+    "Unicode: café, naïve, Ünïcödé, 東京, Ελληνικά, emoji 🙂",
+    "def f(x):\n    return x[::-1]  # reverse",
+]
+
+
+def _fixture_tokenizer(shared_fixtures: Path, name: str):
+    tok = shared_fixtures / "tokenizers"
+    if name == "gpt2":
+        return build_tokenizer(
+            "GPT2BPETokenizer", vocab_file=tok / "gpt2/vocab.json", merge_file=tok / "gpt2/merges.txt"
+        )
+    if name == "bert":
+        return build_tokenizer("BertWordPieceLowerCase", vocab_file=tok / "bert/vocab.txt")
+    return build_tokenizer("SentencePieceTokenizer", tokenizer_model=tok / "spm/spiece.model")
+
+
+def _corpus(path: Path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def demo_gpt2():
+    return GPT2Tokenizer(DEMO / "gpt2/vocab.json", DEMO / "gpt2/merges.txt")
+
+
+@pytest.fixture(scope="module")
+def demo_bert():
+    return BertTokenizer(DEMO / "bert/vocab.txt")
+
+
+@pytest.fixture(scope="module")
+def demo_spm():
+    return SentencePieceTokenizer(DEMO / "spm/spiece.model")
+
+
+# ------------------------------------------------------------ Megatron parity
+
+
+@pytest.mark.parametrize("name,append_eod", [("gpt2", True), ("bert", False), ("spm", True)])
+def test_megatron_files_read_back_as_our_ids(shared_fixtures, name, append_eod):
+    tokenizer = _fixture_tokenizer(shared_fixtures, name)
+    texts = _corpus(shared_fixtures / "corpus.jsonl")
+    ds = MMapIndexedDataset(str(shared_fixtures / f"megatron/{name}_mmap_text_document"))
+    assert ds.dtype == np.uint16
+    assert len(ds) == len(texts)
+    np.testing.assert_array_equal(ds.doc_idx, np.arange(len(texts) + 1))
+    ours = tokenizer.encode_batch(texts)
+    for i, ids in enumerate(ours):
+        expected = ids + [tokenizer.eod_id] if append_eod else ids
+        assert ds[i].tolist() == expected, f"document {i} differs from Megatron's ids"
+
+
+def test_megatron_sentencepiece_ids(shared_fixtures):
+    """The ids Megatron's SentencePieceTokenizer gives a T5-style 4,000-piece model."""
+    tok = _fixture_tokenizer(shared_fixtures, "spm")
+    assert tok.vocab_size == len(tok) == 4005
+    assert (tok.cls_token_id, tok.sep_token_id, tok.eod_id, tok.mask_token_id) == (4000, 4001, 4002, 4003)
+    assert tok.bos_token_id == 4004  # the model has no bos, so Megatron adds <BOS>
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    # Megatron's file ends every document with <EOD> = 4002 and never uses a higher id.
+    ds = MMapIndexedDataset(str(shared_fixtures / "megatron/spm_mmap_text_document"))
+    assert {int(ds[i][-1]) for i in range(len(ds))} == {4002}
+    assert max(int(ds[i].max()) for i in range(len(ds))) == 4002
+
+
+def test_megatron_bert_vocab_size(shared_fixtures):
+    tok = _fixture_tokenizer(shared_fixtures, "bert")
+    lines = (shared_fixtures / "tokenizers/bert/vocab.txt").read_text(encoding="utf-8").splitlines()
+    # Megatron appends [BOS] and [EOS] to a vocab that lacks them.
+    assert tok.vocab_size == len(lines) + 2
+    assert (tok.bos_token_id, tok.eos_token_id) == (len(lines), len(lines) + 1)
+    assert (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) == (
+        0,
+        1,
+        2,
+        3,
+        4,
+    )
+
+
+# ------------------------------------------------------------ GPT-2
+
+
+def _reference_gpt2(vocab_file, merges_file):
+    """Megatron-LM's / OpenAI's GPT-2 encoder (gpt2_tokenization.py), reduced to encode()."""
+    regex = pytest.importorskip("regex")
+    encoder = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    merges = Path(merges_file).read_text(encoding="utf-8").split("\n")[1:-1]
+    ranks = {tuple(m.split()): i for i, m in enumerate(merges)}
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_encoder = dict(zip(bs, map(chr, cs)))
+    pat = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    def bpe(token):
+        word = list(token)
+        while len(word) > 1:
+            pairs = {(word[i], word[i + 1]) for i in range(len(word) - 1)}
+            best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+            if best not in ranks:
+                break
+            out, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            word = out
+        return word
+
+    def encode(text):
+        ids = []
+        for token in pat.findall(text):
+            ids.extend(encoder[t] for t in bpe("".join(byte_encoder[b] for b in token.encode("utf-8"))))
+        return ids
+
+    return encode
+
+
+def test_gpt2_matches_reference_bpe(demo_gpt2):
+    reference = _reference_gpt2(DEMO / "gpt2/vocab.json", DEMO / "gpt2/merges.txt")
+    for text in SAMPLES:
+        assert demo_gpt2.encode(text) == reference(text), text
+
+
+def test_gpt2_round_trip_and_specials(demo_gpt2):
+    for text in SAMPLES:
+        assert demo_gpt2.decode(demo_gpt2.encode(text)) == text
+    assert demo_gpt2.encode_batch(SAMPLES) == [demo_gpt2.encode(t) for t in SAMPLES]
+    assert demo_gpt2.vocab_size == len(demo_gpt2) == 8000
+    eod = demo_gpt2.token_to_id("<|endoftext|>")
+    assert demo_gpt2.eod_id == demo_gpt2.bos_token_id == demo_gpt2.eos_token_id == eod
+    assert demo_gpt2.pad_token_id is None
+    assert demo_gpt2.additional_special_tokens_ids == []
+    # As in Megatron, the literal string is text, not a document boundary.
+    assert eod not in demo_gpt2.encode("a <|endoftext|> b")
+    assert demo_gpt2.decode([eod]) == "<|endoftext|>"
+    assert demo_gpt2.decode(np.array(demo_gpt2.encode("numpy ids"))) == "numpy ids"
+
+
+# ------------------------------------------------------------ BERT
+
+
+def _reference_bert(vocab_file, do_lower_case):
+    """Google's / Megatron's BERT tokenizer (BasicTokenizer + 200-char WordpieceTokenizer)."""
+    legacy = pytest.importorskip("transformers.models.bert.tokenization_bert_legacy")
+    vocab = {}
+    for i, line in enumerate(Path(vocab_file).read_text(encoding="utf-8").splitlines()):
+        vocab[line.strip()] = i
+    basic = legacy.BasicTokenizer(do_lower_case=do_lower_case, never_split=[], tokenize_chinese_chars=True)
+    wordpiece = legacy.WordpieceTokenizer(vocab, unk_token="[UNK]", max_input_chars_per_word=200)
+    return lambda text: [vocab[t] for w in basic.tokenize(text) for t in wordpiece.tokenize(w)]
+
+
+@pytest.mark.parametrize("do_lower_case", [True, False])
+def test_bert_matches_reference_wordpiece(do_lower_case):
+    tok = BertTokenizer(DEMO / "bert/vocab.txt", do_lower_case=do_lower_case)
+    reference = _reference_bert(DEMO / "bert/vocab.txt", do_lower_case)
+    texts = SAMPLES + [
+        "control\x00chars\x07 and \ufffd replacement",
+        "x" * 150,  # split into pieces: Megatron only gives up on words over 200 characters
+        "y" * 201,
+        "[SEP] in text is not a special token",
+    ]
+    for text in texts:
+        assert tok.encode(text) == reference(text), text
+    assert tok.encode("y" * 201) == [tok.unk_token_id]
+
+
+def test_bert_specials_and_round_trip(demo_bert):
+    assert [demo_bert.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
+    assert demo_bert.eod_id == demo_bert.sep_token_id == 3
+    assert demo_bert.vocab_size == 8002  # 8,000 lines + Megatron's [BOS], [EOS]
+    assert demo_bert.decode(demo_bert.encode("Hello, World: tokenizers!")) == "hello, world : tokenizers!"
+    assert demo_bert.encode("Café") == demo_bert.encode("cafe")
+    assert demo_bert.encode_batch(SAMPLES) == [demo_bert.encode(t) for t in SAMPLES]
+
+    sentinels = BertTokenizer(DEMO / "bert/vocab.txt", vocab_extra_ids=3)
+    assert sentinels.additional_special_tokens_ids == [8002, 8003, 8004]
+    assert sentinels.vocab_size == 8005
+    assert sentinels.decode([8002] + sentinels.encode("the end")) == "<extra_id_0> the end"
+
+
+# ------------------------------------------------------------ SentencePiece
+
+
+def test_spm_megatron_style(demo_spm):
+    sp = demo_spm.sp
+    assert demo_spm.vocab_size == 4005
+    assert demo_spm.eod_id == 4002
+    text = "Split around <EOD> and </s> but not <eod>."
+    expected = sp.encode("Split around ") + [4002] + sp.encode(" and ") + [1] + sp.encode(" but not <eod>.")
+    assert demo_spm.encode(text) == expected
+    assert demo_spm.decode(demo_spm.encode("Return the value.")) == "Return the value."
+    assert demo_spm.decode(expected, skip_special_tokens=True) == sp.decode(
+        sp.encode("Split around ") + sp.encode(" and ") + sp.encode(" but not <eod>.")
+    )
+    assert demo_spm.encode_batch(SAMPLES + [text]) == [demo_spm.encode(t) for t in SAMPLES + [text]]
+
+    tok = SentencePieceTokenizer(DEMO / "spm/spiece.model", extra_ids=11)
+    assert tok.additional_special_tokens_ids == list(range(4005, 4016))
+    assert tok.vocab_size == 4016
+    assert tok.encode("<extra_id_3>") == [4008]
+    assert tok.encode("x<extra_id_10><extra_id_1>") == sp.encode("x") + [4015, 4006]
+
+
+def test_spm_t5_style():
+    tok = SentencePieceTokenizer(DEMO / "spm/spiece.model", extra_ids=100, style="t5")
+    assert tok.vocab_size == 4100
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, tok.bos_token_id) == (0, 1, 2, None)
+    assert tok.eod_id == 1
+    assert tok.additional_special_tokens_ids[0] == 4099 and tok.additional_special_tokens_ids[-1] == 4000
+    assert tok.token_to_id("<extra_id_0>") == 4099
+    assert tok.id_to_token(4000) == "<extra_id_99>"
+    ids = tok.encode("Mask <extra_id_0> here and <extra_id_12> there")
+    assert 4099 in ids and 4087 in ids
+    assert tok.decode(ids) == "Mask <extra_id_0> here and <extra_id_12> there"
+
+
+def test_spm_t5_style_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "spiece.model").write_bytes((DEMO / "spm/spiece.model").read_bytes())
+    try:
+        hf = transformers.T5Tokenizer.from_pretrained(str(tmp_path), extra_ids=100)
+    except Exception as e:  # transformers versions differ in how they load a bare spiece.model
+        pytest.skip(f"transformers cannot load a bare spiece.model here: {e}")
+    ours = SentencePieceTokenizer(DEMO / "spm/spiece.model", extra_ids=100, style="t5")
+    assert len(hf) == ours.vocab_size
+    texts = SAMPLES + ["Mask <extra_id_0> here and <extra_id_12> there </s> end"]
+    for text in texts:
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text), text
+    assert hf.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(100)]) == ours.additional_special_tokens_ids
+
+
+# ------------------------------------------------------------ helpers and errors
+
+
+def test_pad_vocab_size():
+    assert pad_vocab_size(50257) == 50304
+    assert pad_vocab_size(50257, 128, 8) == 51200
+    assert pad_vocab_size(8064, 128, 1) == 8064
+    assert pad_vocab_size(4005, 1, 1) == 4005
+    assert pad_vocab_size(4005, 128, 2) == 4096
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        pad_vocab_size(8000, 128, 0)
+
+
+def _one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_and_bad_files(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError) as e:
+        GPT2Tokenizer(missing, DEMO / "gpt2/merges.txt")
+    assert str(missing) in _one_line(e) and "--vocab-file" in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=tmp_path / "x.model")
+    assert "--tokenizer-model" in _one_line(e)
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(ValueError) as e:
+        SentencePieceTokenizer(garbage)
+    assert str(garbage) in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        GPT2Tokenizer(garbage, garbage)
+    assert str(garbage) in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        BertTokenizer(DEMO / "gpt2/merges.txt")
+    assert "[PAD]" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        build_tokenizer("GPT2BPETokenizer", vocab_file=DEMO / "gpt2/vocab.json")
+    assert "--merge-file" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        build_tokenizer("HFTokenizer")
+    assert "GPT2BPETokenizer" in _one_line(e)
+    with pytest.raises(ValueError):
+        SentencePieceTokenizer(DEMO / "spm/spiece.model", style="llama")
+
+
+def test_build_tokenizer_types():
+    assert isinstance(build_tokenizer("BertWordPieceCase", vocab_file=DEMO / "bert/vocab.txt"), BertTokenizer)
+    assert not build_tokenizer("BertWordPieceCase", vocab_file=DEMO / "bert/vocab.txt").do_lower_case
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=DEMO / "spm/spiece.model", vocab_extra_ids=2)
+    assert tok.additional_special_tokens_ids == [4005, 4006]
+    t5 = build_tokenizer(
+        "SentencePieceTokenizer", tokenizer_model=DEMO / "spm/spiece.model", vocab_extra_ids=2, spm_style="t5"
+    )
+    assert t5.additional_special_tokens_ids == [4001, 4000]
