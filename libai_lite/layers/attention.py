@@ -8,6 +8,7 @@ from torch import nn
 from ..parallel.sbp import broadcast, declare, hidden
 from .init_methods import InitMethod
 from .linear import Linear1D
+from .rotary import apply_rotary
 
 
 class KVCache:
@@ -68,6 +69,15 @@ class MultiheadAttention(nn.Module):
     ``head_size`` defaults to ``hidden_size // num_attention_heads`` (T5 decouples them);
     ``softmax_scale`` to ``1/sqrt(head_size)`` (T5 uses 1.0); ``output_layer_init_method`` (for
     ``dense``) to ``init_method``.
+
+    Grouped-query attention: ``num_key_value_heads`` (default ``num_attention_heads``) heads of keys
+    and values, each shared by ``num_attention_heads // num_key_value_heads`` query heads (one:
+    multi-query). The fused projection is then laid out per key/value group, ``[kv_heads, group + 2,
+    head_size]`` (the group's queries, its key, its value: Megatron's GQA layout), so a
+    tensor-parallel rank holds whole groups, the split counts ``num_key_value_heads``, and a
+    ``KVCache`` stores only the key/value heads. Query head ``h`` reads key/value head ``h // group``,
+    as Hugging Face's ``repeat_kv``. ``qkv_bias`` (default ``bias``) sets the q/k/v projection's bias
+    alone (Qwen2: q/k/v biased, output not).
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
@@ -76,7 +86,8 @@ class MultiheadAttention(nn.Module):
                  output_dropout_prob: float = 0.0, init_method: Optional[InitMethod] = None,
                  output_layer_init_method: Optional[InitMethod] = None, layer_idx: int = 0,
                  attn_mask_type: str = "causal", bias: bool = True, is_cross_attention: bool = False,
-                 head_size: Optional[int] = None, softmax_scale: Optional[float] = None):
+                 head_size: Optional[int] = None, softmax_scale: Optional[float] = None,
+                 num_key_value_heads: Optional[int] = None, qkv_bias: Optional[bool] = None):
         super().__init__()
         if attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
@@ -87,10 +98,18 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads "
                                  f"{num_attention_heads}; pass head_size explicitly")
             head_size = hidden_size // num_attention_heads
+        kv_heads = num_attention_heads if num_key_value_heads is None else int(num_key_value_heads)
+        if kv_heads < 1 or num_attention_heads % kv_heads:
+            raise ValueError(f"num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        if kv_heads != num_attention_heads and is_cross_attention:
+            raise ValueError("grouped-query attention is for self-attention; leave num_key_value_heads unset")
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
         self.head_size = head_size
+        self.num_key_value_heads = kv_heads
+        self.group = num_attention_heads // kv_heads
         self.attention_dropout_prob = attention_dropout_prob
         self.attn_mask_type = attn_mask_type
         self.is_cross_attention = is_cross_attention
@@ -99,21 +118,28 @@ class MultiheadAttention(nn.Module):
 
         inner = num_attention_heads * head_size
 
-        def proj(n_in, n_out, parallel, per_head, init=init_method):
-            return Linear1D(n_in, n_out, bias=bias, parallel=parallel, init_method=init, layer_idx=layer_idx,
-                            split_unit=per_head * head_size, split_counts="num_attention_heads")
+        in_bias = bias if qkv_bias is None else qkv_bias
+
+        def proj(n_in, n_out, parallel, per_head, init=init_method, has_bias=in_bias, counts="num_attention_heads"):
+            return Linear1D(n_in, n_out, bias=has_bias, parallel=parallel, init_method=init, layer_idx=layer_idx,
+                            split_unit=per_head * head_size, split_counts=counts)
 
         if is_cross_attention:
             self.query = proj(hidden_size, inner, "col", 1)
             self.key_value = proj(hidden_size, 2 * inner, "col", 2)
-        else:
+        elif self.group == 1:
             self.query_key_value = proj(hidden_size, 3 * inner, "col", 3)
-        self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method)
+        else:
+            # One block per key/value head: a tensor-parallel size must divide their number.
+            self.query_key_value = proj(hidden_size, kv_heads * (self.group + 2) * head_size, "col", self.group + 2,
+                                        counts="num_key_value_heads")
+        self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method, bias)
         self.output_dropout = nn.Dropout(output_dropout_prob)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
         ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
@@ -123,6 +149,8 @@ class MultiheadAttention(nn.Module):
         ``kv_cache``: self-attention appends this call's keys and values and attends over everything
         cached (``hidden_states`` are then the new positions only, mask and bias cover all keys);
         cross-attention projects ``encoder_states`` into an empty cache once and reuses it.
+        ``rotary``: ``(cos, sin)`` of the new positions (``RotaryEmbedding``), applied to queries and
+        keys before the keys are cached.
         """
         bsz, q_len, _ = hidden_states.shape
         hd = self.head_size
@@ -139,15 +167,24 @@ class MultiheadAttention(nn.Module):
                 if kv_cache is not None:
                     key, value = kv_cache.update(key, value)
         else:
-            qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, 3 * hd).transpose(1, 2)
-            query, key, value = qkv.chunk(3, dim=-1)
+            g = self.group
+            qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, (g + 2) * hd).transpose(1, 2)
+            if g == 1:
+                query, key, value = qkv.chunk(3, dim=-1)
+            else:
+                query, key, value = qkv.split([g * hd, hd, hd], dim=-1)
+                # [b, kv, s, g * hd] -> [b, kv * g, s, hd]: query head kv * g + j belongs to key/value head kv.
+                query = query.reshape(bsz, -1, q_len, g, hd).transpose(2, 3).reshape(bsz, -1, q_len, hd)
+            if rotary is not None:
+                query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
             if kv_cache is not None:
                 key, value = kv_cache.update(key, value)
 
         attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias)
+        gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                                  dropout_p=self.attention_dropout_prob if self.training else 0.0,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, **gqa)
         context = context.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.output_dropout(self.dense(context))
 
@@ -188,4 +225,5 @@ class MultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "cross" if self.is_cross_attention else self.attn_mask_type
-        return f"heads={self.num_attention_heads}, head_size={self.head_size}, {kind}, layer_idx={self.layer_idx}"
+        kv = "" if self.group == 1 else f", kv_heads={self.num_key_value_heads}"
+        return f"heads={self.num_attention_heads}{kv}, head_size={self.head_size}, {kind}, layer_idx={self.layer_idx}"

@@ -1,4 +1,5 @@
-"""Pre-LayerNorm transformer layer (GPT-2 style)."""
+"""Pre-norm transformer layer: GPT-2 style by default, Llama style with ``norm="rmsnorm"``, a gated MLP,
+grouped-query attention and rotary positions."""
 import functools
 from typing import Optional
 
@@ -7,7 +8,7 @@ from torch import nn
 
 from .attention import KVCache, MultiheadAttention
 from .init_methods import InitMethod
-from .layer_norm import LayerNorm
+from .layer_norm import LayerNorm, RMSLayerNorm
 from .mlp import MLP
 from .moe import MoEConfig, MoELayer
 
@@ -16,31 +17,45 @@ class TransformerLayer(nn.Module):
     """``x + attn(ln(x))`` then ``x + mlp(ln(x))``, dropouts inside attention and MLP. With
     ``apply_residual_post_layernorm`` each residual is the normalised input (a LiBai/Megatron option,
     off for GPT-2); with ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
+
+    The Llama family: ``norm="rmsnorm"`` (``RMSLayerNorm``), ``gated=True`` with ``activation="silu"``
+    (SwiGLU), ``num_key_value_heads`` and ``qkv_bias`` (see ``MultiheadAttention``), and ``rotary``
+    ``(cos, sin)`` passed to ``forward``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
                  attention_dropout_prob: float = 0.0, output_dropout_prob: float = 0.0, layernorm_epsilon: float = 1e-5,
                  init_method: Optional[InitMethod] = None, output_layer_init_method: Optional[InitMethod] = None,
                  bias: bool = True, activation: str = "gelu_tanh", attn_mask_type: str = "causal",
-                 apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None):
+                 apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None,
+                 norm: str = "layernorm", gated: bool = False, num_key_value_heads: Optional[int] = None,
+                 qkv_bias: Optional[bool] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.apply_residual_post_layernorm = apply_residual_post_layernorm
         common = dict(output_dropout_prob=output_dropout_prob, init_method=init_method,
                       output_layer_init_method=output_layer_init_method, bias=bias, layer_idx=layer_idx)
-        self.input_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
+        norms = {"layernorm": LayerNorm, "rmsnorm": RMSLayerNorm}
+        if norm not in norms:
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {norm!r}")
+        self.input_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=attn_mask_type,
-                                                 attention_dropout_prob=attention_dropout_prob, **common)
-        self.post_attention_layernorm = LayerNorm(hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
+                                                 attention_dropout_prob=attention_dropout_prob,
+                                                 num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias, **common)
+        self.post_attention_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
-        self.mlp = feed_forward(hidden_size, ffn_hidden_size, activation=activation, **common)
+        # Only a gated layer passes `gated`, so feed-forward blocks without the option still fit.
+        self.mlp = feed_forward(hidden_size, ffn_hidden_size, activation=activation, **common,
+                                **({"gated": True} if gated else {}))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """``hidden_states`` ``[batch, seq, hidden]``; mask and cache as in ``MultiheadAttention``."""
+                kv_cache: Optional[KVCache] = None, rotary=None) -> torch.Tensor:
+        """``hidden_states`` ``[batch, seq, hidden]``; mask, cache and rotary as in ``MultiheadAttention``."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
-        hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache)
+        extra = {} if rotary is None else {"rotary": rotary}
+        hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache,
+                                                       **extra)
 
         normed = self.post_attention_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
