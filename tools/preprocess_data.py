@@ -8,6 +8,10 @@ document per input line, one sequence per document (or one per sentence when the
 value is a list of strings), ``--append-eod`` adding the end-of-document id to
 non-empty documents. A line whose text yields no tokens becomes an empty
 document (a repeated entry in the document index), as in Megatron.
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` reads DIR's
+``tokenizer.json`` (Llama 3, Mistral, Qwen2): as in Megatron, every sequence
+gets what the tokenizer's template adds (a BOS for Llama and Mistral, nothing
+for Qwen2) and ``--append-eod`` appends its eos.
 
 Example (from the repository root)::
 
@@ -62,7 +66,12 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 vocab.json or BERT vocab.txt")
     group.add_argument("--merge-file", type=str, default=None, help="GPT-2 merges.txt")
-    group.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece .model")
+    group.add_argument(
+        "--tokenizer-model",
+        type=str,
+        default=None,
+        help="SentencePiece .model, or for HuggingFaceTokenizer the directory holding tokenizer.json",
+    )
     group.add_argument(
         "--vocab-extra-ids", type=int, default=0, help="number of <extra_id_*> sentinels (T5)"
     )
@@ -171,7 +180,8 @@ def _encode_chunk(task):
     per_key, n_tokens = [], 0
     for k in range(len(_WORKER["keys"])):
         sentences = [s for doc in docs for s in doc[k]]
-        encoded = tokenizer.encode_batch(sentences) if sentences else []
+        # Megatron's tokenize: a Hugging Face template's BOS, nothing for the other tokenizers.
+        encoded = tokenizer.encode_batch(sentences, add_special_tokens=True) if sentences else []
         flat, doc_lens, pos = [], [], 0
         for doc in docs:
             lens = []

@@ -71,14 +71,19 @@ class BaseTokenizer:
         """Ids of the sentinel tokens (``<extra_id_0>``, ...), in sentinel order."""
         return list(self._sentinels)
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids of ``text``, with no special tokens added around it."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        """Token ids of ``text``, bare; ``add_special_tokens`` adds what Megatron-LM's ``tokenize`` adds.
+
+        That is the template of a Hugging Face ``tokenizer.json`` (a BOS for Llama and Mistral) and
+        nothing for the GPT-2, BERT and SentencePiece tokenizers.
+        """
         raise NotImplementedError
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> List[List[int]]:
+        """``encode`` of each text."""
+        return [self.encode(t, add_special_tokens) for t in texts]
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text for ``ids``."""
         raise NotImplementedError
 
@@ -89,15 +94,15 @@ class BaseTokenizer:
 class TokenizersBackend(BaseTokenizer):
     """A tokenizer whose work a Hugging Face ``tokenizers.Tokenizer`` (``self._tok``) does."""
 
-    def encode(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> List[List[int]]:
         # encode_batch_fast skips offset tracking, which we never use.
-        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(to_id_list(ids), skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(to_id_list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> Optional[int]:
         """Id of a vocabulary entry, or None."""

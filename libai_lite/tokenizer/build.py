@@ -4,9 +4,12 @@ from __future__ import annotations
 from .base import BaseTokenizer
 from .bert import BertTokenizer
 from .gpt2 import GPT2Tokenizer
+from .huggingface import HuggingFaceTokenizer
 from .sentencepiece_tokenizer import SentencePieceTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "HuggingFaceTokenizer"
+)
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None,
@@ -14,7 +17,9 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
     """Return the tokenizer Megatron-LM builds for ``tokenizer_type``.
 
     ``vocab_extra_ids`` adds ``<extra_id_*>`` sentinels to the BERT and SentencePiece tokenizers
-    (GPT-2 ignores it, as in Megatron); ``spm_style`` is the SentencePiece id convention ("megatron" or "t5").
+    (GPT-2 and Hugging Face ignore it, as in Megatron); ``spm_style`` is the SentencePiece id convention
+    ("megatron" or "t5"). ``HuggingFaceTokenizer`` takes the directory holding ``tokenizer.json`` as
+    ``tokenizer_model``.
     """
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
@@ -29,4 +34,6 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
         if tokenizer_model is None:
             raise ValueError("SentencePieceTokenizer needs a .model file; pass --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model, extra_ids=vocab_extra_ids, style=spm_style)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)}")

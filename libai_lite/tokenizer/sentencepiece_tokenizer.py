@@ -101,10 +101,11 @@ class SentencePieceTokenizer(BaseTokenizer):
             return [text]
         return self._split_re.split(text)
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         return self.encode_batch([text])[0]
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> List[List[int]]:
+        # add_special_tokens adds nothing: Megatron's SentencePiece tokenize adds no bos or eos.
         parts = [self._split(t) for t in texts]
         plain = [p for split in parts for p in split[::2]]
         encoded = iter(self.sp.encode(plain, out_type=int, num_threads=self.num_threads) if plain else ())

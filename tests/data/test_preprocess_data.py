@@ -217,3 +217,41 @@ def test_demo_data_is_current(tmp_path, name, flags):
         assert ours == committed, f"data_test/{name} is stale: run python tools/make_demo_data.py"
     ds = MMapIndexedDataset(str(DEMO / f"{name}/demo_{name}_text_document"))
     assert ds.dtype == np.uint16 and len(ds) > 3000
+
+
+@pytest.mark.parametrize("style,workers", [("llama3", 2), ("qwen2", 1)])
+def test_hugging_face_tokenizer(tmp_path, style, workers):
+    """Megatron's HuggingFaceTokenizer ids: transformers' encoding with its template (BOS or not), then the eos."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tokenizer.test_tokenizer import write_hf_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    write_hf_tokenizer(model, style)
+    texts = ["First document, café 東京 🙂.", "A <|eot_id|> and <|im_end|> inside.", "", "Third\n\nline."]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    out = tmp_path / "out" / "hf"
+    argv = [
+        "--input", str(src), "--output-prefix", str(out), "--workers", str(workers), "--append-eod",
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(model),
+    ]
+    assert preprocess.main(argv) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(model))
+    ds = MMapIndexedDataset(str(out) + "_text_document")
+    # The empty text is [BOS, eos] under Llama's template and, as in Megatron, an empty document under Qwen2's.
+    expected = [hf(t).input_ids + [hf.eos_token_id] for t in texts if hf(t).input_ids]
+    assert len(expected) == (4 if style == "llama3" else 3)
+    assert ds.dtype == np.uint16 and [ds[i].tolist() for i in range(len(ds))] == expected
+    assert len(ds.doc_idx) == len(texts) + 1
+    assert (ds[0][0] == hf.bos_token_id) == (style == "llama3")
+
+
+def test_hugging_face_tokenizer_missing(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    argv = [
+        "--input", str(src), "--output-prefix", str(out / "x"),
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path),
+    ]
+    rc = preprocess.main(argv)
+    _assert_failed_cleanly(capsys, rc, out, str(tmp_path / "tokenizer.json"), "--tokenizer-model")

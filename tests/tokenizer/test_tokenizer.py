@@ -11,10 +11,12 @@ from libai_lite.data.indexed_dataset import MMapIndexedDataset
 from libai_lite.tokenizer import (
     BertTokenizer,
     GPT2Tokenizer,
+    HuggingFaceTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
     pad_vocab_size,
 )
+from libai_lite.utils.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO = REPO_ROOT / "data_test"
@@ -324,3 +326,125 @@ def test_build_tokenizer_types():
         "SentencePieceTokenizer", tokenizer_model=DEMO / "spm/spiece.model", vocab_extra_ids=2, spm_style="t5"
     )
     assert t5.additional_special_tokens_ids == [4001, 4000]
+
+
+# ------------------------------------------------------------ Hugging Face tokenizer.json
+
+# Llama 3's pre-tokeniser regex; Qwen2's reads \p{N} where Llama 3 reads \p{N}{1,3}.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+HF_SPECIALS = {"llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+               "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos_eos": ["<s>", "</s>"]}
+HF_TEXTS = SAMPLES + ["<|begin_of_text|>marked text<|end_of_text|> and <|eot_id|>", "", " ", "<s> a line </s>",
+                      "<|im_start|>user\nhi there<|im_end|>\n<|endoftext|>",
+                      "decomposed e\u0301 vs \u00e9, ZWJ 👩\u200d👩\u200d👧, 𝔘𝔫𝔦, control \x00\x7f"]
+
+
+def write_hf_tokenizer(directory: Path, style: str = "llama3") -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained on data_test text, with side files as the family ships them.
+
+    ``llama3``: Llama 3's regex, a BOS template, ``PreTrainedTokenizerFast``. ``qwen2``: NFC, Qwen2's regex, no
+    BOS, ``Qwen2Tokenizer`` (which transformers rebuilds from its own class). ``bos_eos``: a ``<s> $A </s>``
+    template, specials named only in special_tokens_map.json, a pad token the vocabulary lacks.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    specials = HF_SPECIALS[style]
+
+    def added(token):  # transformers' serialised AddedToken
+        return {"content": token, "special": True, "normalized": False}
+
+    tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
+    tok.normalizer = normalizers.NFC() if style == "qwen2" else None
+    split = LLAMA3_SPLIT.replace("{1,3}", "") if style == "qwen2" else LLAMA3_SPLIT
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(DEMO / "corpus.jsonl")[:150], trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    if style == "llama3":
+        bos = "<|begin_of_text|>"
+        tok.post_processor = processors.Sequence([tok.post_processor, processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, 0)])])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": specials[1],
+                  "clean_up_tokenization_spaces": True}
+        (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    elif style == "qwen2":
+        config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                  "pad_token": "<|endoftext|>", "unk_token": None, "additional_special_tokens": specials[1:],
+                  "added_tokens_decoder": {str(i): added(t) for i, t in enumerate(specials)}}
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 0), ("</s>", 1)])
+        # transformers 5 lets the tokenizer.json template win over these flags.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False}
+        names = {"bos_token": "<s>", "eos_token": added("</s>"), "pad_token": "<pad>"}
+        (directory / "special_tokens_map.json").write_text(json.dumps(names))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return {style: write_hf_tokenizer(tmp_path_factory.mktemp(style), style) for style in HF_SPECIALS}
+
+
+@pytest.mark.parametrize("style", list(HF_SPECIALS))
+def test_hf_tokenizer_matches_transformers(hf_dirs, style):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(hf_dirs[style]))
+    ours = HuggingFaceTokenizer(hf_dirs[style])
+    assert ours.vocab_size == len(ours) == len(hf)
+    names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    assert [getattr(ours, n) for n in names] == [getattr(hf, n) for n in names]
+    for text in HF_TEXTS:
+        ids = hf(text).input_ids
+        assert ours.encode(text, add_special_tokens=True) == ids, text
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == hf.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.encode_batch(HF_TEXTS, add_special_tokens=True) == hf(HF_TEXTS).input_ids
+    assert ours.encode_batch(HF_TEXTS) == [ours.encode(t) for t in HF_TEXTS]
+
+
+def test_hf_tokenizer_conventions(hf_dirs, tmp_path):
+    llama = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dirs["llama3"])
+    assert (llama.bos_token_id, llama.eos_token_id, llama.eod_id, llama.pad_token_id) == (0, 1, 1, None)
+    assert (llama.add_bos_token, llama.add_eos_token) == (True, False)
+    assert llama.encode("Hi", add_special_tokens=True) == [0] + llama.encode("Hi")
+    assert llama.encode("a<|eot_id|>b") == llama.encode("a") + [2] + llama.encode("b")
+    assert llama.decode(llama.encode(HF_TEXTS[-1])) == HF_TEXTS[-1]  # no clean-up, as transformers for BPE
+    qwen = HuggingFaceTokenizer(hf_dirs["qwen2"] / "tokenizer.json")  # the file itself also loads
+    assert (qwen.bos_token_id, qwen.eos_token_id, qwen.pad_token_id, qwen.add_bos_token) == (None, 2, 0, False)
+    assert qwen.encode("e\u0301") == qwen.encode("\u00e9")  # NFC
+    both = HuggingFaceTokenizer(hf_dirs["bos_eos"])
+    assert (both.add_bos_token, both.add_eos_token) == (True, True)
+    # "<pad>" is named but not in tokenizer.json: appended after it, as transformers does.
+    assert both.pad_token_id == both.vocab_size - 1 == 700
+    # Without tokenizer_config.json the ids come from generation_config.json (its first eos).
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((hf_dirs["llama3"] / name).read_bytes())
+    assert (HuggingFaceTokenizer(tmp_path).bos_token_id, HuggingFaceTokenizer(tmp_path).eos_token_id) == (0, 1)
+    (tmp_path / "generation_config.json").unlink()
+    assert HuggingFaceTokenizer(tmp_path).eos_token_id is None
+
+
+def test_hf_tokenizer_errors(hf_dirs, tmp_path):
+    def message(path) -> str:
+        with pytest.raises(UsageError) as e:
+            build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+        return _one_line(e)
+
+    assert "--tokenizer-model" in message(None)
+    assert str(tmp_path / "nowhere") in message(tmp_path / "nowhere")
+    assert str(tmp_path / "tokenizer.json") in message(tmp_path)  # a directory without tokenizer.json
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
+    assert "cannot load" in message(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((hf_dirs["llama3"] / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert "cannot read" in message(tmp_path) and "tokenizer_config.json" in message(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    assert "not an object" in message(tmp_path)
