@@ -212,6 +212,7 @@ def load_model(args):
         if not os.path.isdir(args.hf_dir):
             raise UsageError(f"--hf-dir {args.hf_dir} is not a directory; give a Hugging Face model directory")
         import projects.GPT.modeling  # noqa: F401  (the built-in projects register their Hugging Face mappings)
+        import projects.Llama.modeling  # noqa: F401
         import projects.MT5  # noqa: F401
         from libai_lite.checkpoint.hf import load_hf_model, mapping_for_model
 

@@ -1,0 +1,234 @@
+"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` <-> ``LlamaModel``.
+
+State dicts here are ``LlamaModel``'s (the ``llama`` attribute of ``LlamaForPreTraining``) and the
+``*ForCausalLM``'s (``model.*`` plus ``lm_head.weight``). One layout differs: HF keeps ``q_proj``,
+``k_proj`` and ``v_proj`` apart; our fused ``query_key_value`` is laid out per key/value head,
+``[kv_heads, group + 2, head_size]`` (the group's query heads, then its key and value: see
+``MultiheadAttention``), so a tensor-parallel split hands each rank whole groups. RoPE uses HF's
+rotate-half convention, so q/k rows load unpermuted. ``mlp.gate_proj`` is our ``dense_h_to_4h`` (the
+activated one), ``up_proj`` ``dense_h_to_4h_linear``, ``down_proj`` ``dense_4h_to_h``.
+
+Mistral is Llama's architecture with a sliding attention window, which is not applied here: it
+changes nothing for sequences within the window (4096 for Mistral 7B v0.1, none from v0.2).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Mapping
+
+import torch
+
+from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.utils.errors import UsageError
+
+from .llama_model import LlamaForPreTraining, LlamaModel
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+EMBEDDING_KEY = "embeddings.weight"
+VOCAB_KEYS = (EMBEDDING_KEY, "lm_head.weight")
+_DEFAULTS = {k: p.default for k, p in inspect.signature(LlamaModel.__init__).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+
+
+def _hf(cfg: Mapping[str, Any], key: str, default: Any = inspect.Parameter.empty) -> Any:
+    if cfg.get(key) is not None:
+        return cfg[key]
+    if default is inspect.Parameter.empty:
+        raise UsageError(f"config.json has no '{key}': it is not a complete Llama-family config; re-save it with "
+                         f"transformers")
+    return default
+
+
+def _rope(c: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` from either spelling: transformers 5's ``rope_parameters`` or ``rope_theta`` +
+    ``rope_scaling``."""
+    params = dict(c.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", c.get("rope_theta") or 10000.0))
+    scaling = params or dict(c.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise UsageError(f"config.json rope type {kind!r} is not supported; LlamaModel runs 'default' and 'llama3'")
+    return theta, (scaling if kind == "llama3" else None)
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
+    """Our ``model.cfg`` (LlamaModel arguments) for a Llama, Mistral or Qwen2 ``config.json`` dict."""
+    c = hf_config
+    if c.get("hidden_act", "silu") != "silu":
+        raise UsageError(f"config.json hidden_act={c['hidden_act']!r}; LlamaModel runs the SwiGLU (silu) MLP only")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise UsageError(f"config.json sets {key}=true; LlamaModel has no bias there (only Qwen2's q/k/v bias), "
+                             f"so this model cannot be converted")
+    heads = int(_hf(c, "num_attention_heads"))
+    hidden = int(_hf(c, "hidden_size"))
+    head_size = int(c.get("head_dim") or hidden // heads)
+    theta, scaling = _rope(c)
+    return dict(
+        hidden_layers=int(_hf(c, "num_hidden_layers")),
+        vocab_size=int(_hf(c, "vocab_size")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_hf(c, "intermediate_size")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+        head_size=None if head_size * heads == hidden else head_size,
+        max_seq_length=int(_hf(c, "max_position_embeddings", 2048)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_dropout_prob=float(c.get("attention_dropout") or 0.0),
+        output_dropout_prob=0.0,
+        layernorm_epsilon=float(_hf(c, "rms_norm_eps", 1e-6)),
+        initializer_range=float(_hf(c, "initializer_range", 0.02)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=c.get("model_type") == "qwen2",
+    )
+
+
+def _ours(cfg: Mapping[str, Any], key: str) -> Any:
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if key in _DEFAULTS:
+        return _DEFAULTS[key]
+    raise UsageError(f"model.cfg has no '{key}'; LlamaModel needs it")
+
+
+def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
+    """A Hugging Face config dict (``config.json``): ``qwen2`` when q/k/v have biases, else ``llama``."""
+    cfg = dict(model_cfg)
+    model_type = "qwen2" if _ours(cfg, "qkv_bias") else "llama"
+    heads = int(_ours(cfg, "num_attention_heads"))
+    hidden = int(_ours(cfg, "hidden_size"))
+    scaling = _ours(cfg, "rope_scaling")
+    rope = {"rope_type": "default", **(dict(scaling) if scaling else {}), "rope_theta": float(_ours(cfg, "rope_theta"))}
+    out = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": int(_ours(cfg, "vocab_size")),
+        "hidden_size": hidden,
+        "intermediate_size": int(_ours(cfg, "ffn_hidden_size")),
+        "num_hidden_layers": int(_ours(cfg, "hidden_layers")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_ours(cfg, "num_key_value_heads") or heads),
+        "head_dim": int(_ours(cfg, "head_size") or hidden // heads),
+        "max_position_embeddings": int(_ours(cfg, "max_seq_length")),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(_ours(cfg, "layernorm_epsilon")),
+        "initializer_range": float(_ours(cfg, "initializer_range")),
+        "attention_dropout": float(_ours(cfg, "attention_dropout_prob")),
+        "tie_word_embeddings": bool(_ours(cfg, "tie_word_embeddings")),
+        # Both spellings: transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling.
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": dict(scaling) if scaling else None,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def special_token_ids(tokenizer) -> dict:
+    """``config.json`` ids for one of our tokenizers: its bos/eos when it has them, else the end-of-document id."""
+    eod = getattr(tokenizer, "eod_id", None)
+    return {"bos_token_id": getattr(tokenizer, "bos_id", None) or eod,
+            "eos_token_id": getattr(tokenizer, "eos_id", None) or eod}
+
+
+def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
+    """Our GPT2Tokenizer for a directory's ``vocab.json`` + ``merges.txt`` (the demo's), or None.
+
+    Llama 3, Mistral and Qwen2 ship ``tokenizer.json``; reading it is the tokenizer package's work.
+    """
+    from libai_lite.tokenizer import GPT2Tokenizer
+
+    vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
+    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
+        return None
+    try:
+        tok = GPT2Tokenizer(vocab, merges)
+    except ValueError as e:
+        raise UsageError(f"the GPT-2 tokenizer files in {hf_dir} cannot be loaded: {e}") from e
+    return HFTokenizer(tok, {"vocab.json": vocab, "merges.txt": merges},
+                       'LazyCall(GPT2Tokenizer)(vocab_file=os.path.join(_here, "vocab.json"), '
+                       'merges_file=os.path.join(_here, "merges.txt"))',
+                       "from libai_lite.tokenizer import GPT2Tokenizer")
+
+
+def _sizes(cfg: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    heads = int(_ours(cfg, "num_attention_heads"))
+    kv = int(_ours(cfg, "num_key_value_heads") or heads)
+    head_size = int(_ours(cfg, "head_size") or int(_ours(cfg, "hidden_size")) // heads)
+    return int(_ours(cfg, "hidden_layers")), heads, kv, head_size
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: int) -> torch.Tensor:
+    """Rows of q (heads x hd), k and v (kv x hd each) -> ``[kv, group + 2, hd]`` (per key/value head)."""
+    rest = q.shape[1:]
+    per_kv = lambda t: t.reshape(kv, -1, k.shape[0] // kv, *rest)  # noqa: E731  [kv, n, hd, ...]
+    return torch.cat([per_kv(q), per_kv(k), per_kv(v)], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(t: torch.Tensor, heads: int, kv: int, head_size: int) -> tuple[torch.Tensor, ...]:
+    rest = t.shape[1:]
+    g = heads // kv
+    blocks = t.reshape(kv, g + 2, head_size, *rest)
+    return (blocks[:, :g].reshape(-1, *rest), blocks[:, g].reshape(-1, *rest), blocks[:, g + 1].reshape(-1, *rest))
+
+
+_LAYER_KEYS = (("input_layernorm.weight", "input_layernorm.weight"),
+               ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+               ("self_attention.dense.weight", "self_attn.o_proj.weight"),
+               ("mlp.dense_h_to_4h.weight", "mlp.gate_proj.weight"),
+               ("mlp.dense_h_to_4h_linear.weight", "mlp.up_proj.weight"),
+               ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"))
+
+
+def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
+    """LlamaModel's state dict from ``*ForCausalLM`` weights (a tied head taken from the embedding)."""
+    layers, heads, kv, head_size = _sizes(model_cfg)
+    src = StateDictSource(sd, "the Llama-family weights")
+    embed = src("model.embed_tokens.weight")
+    tied = bool(_ours(model_cfg, "tie_word_embeddings"))
+    out = {EMBEDDING_KEY: embed, "final_layernorm.weight": src("model.norm.weight"),
+           "lm_head.weight": embed if tied else src("lm_head.weight")}
+    if tied and "lm_head.weight" in sd and not torch.equal(src("lm_head.weight"), embed):
+        raise UsageError("config.json ties the word embeddings but lm_head.weight differs from embed_tokens.weight")
+    for i in range(layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        for ours, theirs in _LAYER_KEYS:
+            out[q + ours] = src(p + theirs)
+        attn = p + "self_attn."
+        for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
+            out[f"{q}self_attention.query_key_value.{kind}"] = _fuse_qkv(
+                *(src(f"{attn}{n}_proj.{kind}") for n in "qkv"), kv)
+    src.check_all_used(ignore=lambda k: k.endswith("rotary_emb.inv_freq"))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
+    """``*ForCausalLM`` weights from LlamaModel's state dict (a tied head written once, as the embedding)."""
+    layers, heads, kv, head_size = _sizes(model_cfg)
+    src = StateDictSource(sd, "the Llama model state dict")
+    out = {"model.embed_tokens.weight": src(EMBEDDING_KEY), "model.norm.weight": src("final_layernorm.weight")}
+    head = src("lm_head.weight")
+    if not _ours(model_cfg, "tie_word_embeddings"):
+        out["lm_head.weight"] = head
+    for i in range(layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        for ours, theirs in _LAYER_KEYS:
+            out[p + theirs] = src(q + ours)
+        for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
+            parts = _split_qkv(src(f"{q}self_attention.query_key_value.{kind}"), heads, kv, head_size)
+            for n, t in zip("qkv", parts):
+                out[f"{p}self_attn.{n}_proj.{kind}"] = t
+    src.check_all_used()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+register_hf_model(
+    __name__, model_class=LlamaForPreTraining, model_types=MODEL_TYPES, inner="llama", vocab_keys=VOCAB_KEYS,
+    # Named from this module, so a copy of the project starts from the copy's own config.
+    finetune_config=__name__.rsplit(".", 2)[0] + ".configs.llama_demo",
+)

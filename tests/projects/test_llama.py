@@ -1,0 +1,201 @@
+"""projects/Llama: Hugging Face Llama, Mistral and Qwen2 in and out, generation, training under layouts.
+
+Tiny randomly initialised transformers models are saved with save_pretrained, imported with
+tools/hf_convert.py, compared logit for logit with transformers, exported and reloaded with
+transformers' from_pretrained, and decoded greedily against transformers' generate. A GQA shape
+trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve.
+"""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from libai_lite.checkpoint import Checkpointer
+from libai_lite.config import LazyConfig
+from libai_lite.parallel.tensor_parallel import check_declared_splits
+from libai_lite.utils.errors import UsageError
+from projects.Llama.modeling import LlamaForPreTraining
+from tests.launch import ROOT, losses, one_error_line, train_net, train_sh
+
+sys.path.insert(0, str(ROOT / "tools"))
+from hf_convert import main  # noqa: E402
+
+CONFIG = "projects/Llama/configs/llama_demo.py"
+VOCAB = 8000  # data_test/gpt2's tokenizer, which the imported config trains with
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+STEPS = 6
+
+
+def _hf_model(kind):
+    """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query; qwen2: q/k/v bias, tied."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, rms_norm_eps=1e-6)
+    config, model = {
+        "llama": (transformers.LlamaConfig(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3, **common),
+                  transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig(num_key_value_heads=1, sliding_window=None, rope_theta=1e6, **common),
+                    transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+                  transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    hf = model(config)
+    with torch.no_grad():
+        # transformers starts norms at 1 and biases at 0: random values expose a swapped one.
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return hf.eval()
+
+
+def _batch(length=20):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (3, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 13:] = 0
+    mask[2, 6:] = 0
+    return ids, mask
+
+
+def _logits_match(ours, hf):
+    """Our logits at the real positions of a right-padded batch equal transformers' (causal: padding after)."""
+    ids, mask = _batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        got = ours(ids)["logits"][..., :VOCAB]
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(kind, tmp_path):
+    hf = _hf_model(kind)
+    hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
+    hf.save_pretrained(hf_dir)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(ROOT / "data_test" / "gpt2" / name, hf_dir)
+    assert main(["import", "--model", kind, "--hf-dir", str(hf_dir), "--output", str(out)]) == 0
+    cfg = LazyConfig.load(out / "config.py")
+    assert cfg.train.load_weight == str(out) and cfg.model.cfg.vocab_size == 8064  # padded as the trainer pads
+    model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
+    assert model_cfg["num_key_value_heads"] == hf.config.num_key_value_heads
+    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["tie_word_embeddings"] == (kind == "qwen2")
+    ours = LlamaForPreTraining(model_cfg)
+    Checkpointer(ours).load(str(out), weights_only=True)
+    ours.eval()
+    _logits_match(ours, hf)
+
+    assert main(["export", "--config-file", str(out / "config.py"), "--checkpoint", str(out),
+                 "--output", str(exp)]) == 0
+    back = type(hf).from_pretrained(exp).eval() if kind != "mistral" else _reload_as_llama(exp)
+    assert back.config.vocab_size == VOCAB
+    _logits_match(ours, back)
+
+    # Greedy decoding of a left-padded batch: the cache holds only the key/value heads.
+    prompts = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    expected = hf.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    got = ours.generate(prompts, mask, max_new_tokens=8, vocab_size=VOCAB)
+    assert torch.equal(got, expected)
+    assert torch.equal(ours.generate(prompts, mask, max_new_tokens=8, vocab_size=VOCAB, use_cache=False), expected)
+
+
+def _reload_as_llama(exp):
+    """A Mistral without a sliding window is a Llama, which is what export writes."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(exp).eval()
+
+
+def test_import_refuses_biases_llama_lacks_in_one_line(tmp_path, capsys):
+    hf = _hf_model("llama")
+    hf.config.mlp_bias = True
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "mlp_bias=true" in errors[0]
+    assert not os.path.exists(tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------- training
+
+TINY = [
+    "dataloader.train.num_workers=0",
+    "model.cfg.hidden_layers=2",
+    "model.cfg.hidden_size=64",
+    "model.cfg.ffn_hidden_size=128",
+    "model.cfg.num_attention_heads=4",
+    "model.cfg.num_key_value_heads=2",
+    "model.cfg.max_seq_length=32",
+    "train.train_micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.log_period=1",
+    f"train.train_iter={STEPS}",
+    "train.evaluation.enabled=False",
+    "train.checkpointer.period=1000",
+    # 8000 ids pad to 8192 for tp 1 and 2 alike, so every layout builds the same model.
+    "tokenization.make_vocab_size_divisible_by=256",
+]
+
+
+def _args(tmp, *extra):
+    return [f"train.output_dir={tmp / 'out'}", f"dataloader.train.cache_dir={tmp / 'cache'}", *TINY, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama_ref")
+    r = train_net(_args(tmp), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = losses(tmp / "out")
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    return curve
+
+
+def test_demo_trains_on_one_process_with_falling_loss(reference):
+    assert reference[STEPS] < reference[1] - 0.1
+
+
+LAYOUTS = {
+    "tp2": ["train.dist.tensor_parallel_size=2"],
+    "pp2_1f1b": ["train.dist.pipeline_parallel_size=2", "train.dist.pipeline_schedule=1f1b"],
+    "dp2_zero3": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path):
+    r = train_sh(2, _args(tmp_path, *LAYOUTS[name]), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(tmp_path / "out")
+    assert sorted(curve) == sorted(reference)
+    for it in reference:
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
+
+
+def test_tensor_parallel_size_not_dividing_the_key_value_heads_is_refused():
+    cfg = LazyConfig.load(str(ROOT / CONFIG)).model.cfg
+    cfg.update(hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=8192)
+    with torch.device("meta"):
+        model = LlamaForPreTraining(cfg)
+    check_declared_splits(model, 2, cfg)
+    with pytest.raises(UsageError) as e:
+        check_declared_splits(model, 4, cfg)
+    assert str(e.value).startswith("tensor_parallel_size=4 does not divide model.cfg.num_key_value_heads=2;")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp_path):
+    r = train_sh(4, _args(tmp_path, "train.dist.tensor_parallel_size=4"), config=CONFIG)
+    assert r.returncode != 0
+    assert "tensor_parallel_size=4 does not divide model.cfg.num_key_value_heads=2" in one_error_line(r)
+    assert not os.path.exists(tmp_path / "out" / "model_final")
