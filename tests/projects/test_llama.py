@@ -106,6 +106,12 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     got = ours.generate(prompts, mask, max_new_tokens=8, vocab_size=VOCAB)
     assert torch.equal(got, expected)
     assert torch.equal(ours.generate(prompts, mask, max_new_tokens=8, vocab_size=VOCAB, use_cache=False), expected)
+    # Seeded sampling: transformers draws from the global generator, ours from the one given, seeded alike.
+    options = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(123)
+    expected = hf.generate(input_ids=prompts, attention_mask=mask, pad_token_id=0, eos_token_id=None, **options)
+    got = ours.generate(prompts, mask, vocab_size=VOCAB, generator=torch.Generator().manual_seed(123), **options)
+    assert torch.equal(got, expected)
 
 
 def _reload_as_llama(exp):
@@ -171,9 +177,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+
+@pytest.mark.parametrize("name", [*LAYOUTS, pytest.param("tp2_pp2", marks=pytest.mark.slow)])
 def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path):
-    r = train_sh(2, _args(tmp_path, *LAYOUTS[name]), config=CONFIG)
+    extra = LAYOUTS.get(name, ["train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"])
+    r = train_sh(2 if name in LAYOUTS else 4, _args(tmp_path, *extra), config=CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "out")
     assert sorted(curve) == sorted(reference)
@@ -199,3 +207,47 @@ def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp
     assert r.returncode != 0
     assert "tensor_parallel_size=4 does not divide model.cfg.num_key_value_heads=2" in one_error_line(r)
     assert not os.path.exists(tmp_path / "out" / "model_final")
+
+
+# ----------------------------------------------------------------------------------- shapes and tokenizer
+
+PUBLISHED = {"tinyllama_1.1B": 1_100_048_384, "llama3_8B": 8_030_261_248, "llama3_70B": 70_553_706_496,
+             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_real_shapes_on_meta_match_published_and_transformers(name):
+    import transformers
+
+    from projects.Llama.modeling.hf_mapping import config_to_hf
+
+    cfg = OmegaConf.to_container(LazyConfig.load(str(ROOT / f"projects/Llama/configs/{name}.py")).model.cfg,
+                                 resolve=True)
+    hf_config = config_to_hf(cfg)
+    hf_class = transformers.Qwen2ForCausalLM if hf_config["model_type"] == "qwen2" else transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        ours = LlamaForPreTraining(cfg)
+        theirs = hf_class(hf_class.config_class(**hf_config))
+    assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters()) == PUBLISHED[name]
+    assert ours.llama.layers["0"].self_attention.num_key_value_heads == cfg["num_key_value_heads"]
+
+
+def test_import_takes_a_tokenizer_json_beside_the_weights(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<s>", "</s>", "hello", "world", "llama"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf_dir = tmp_path / "hf"
+    _hf_model("llama").save_pretrained(hf_dir)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    out = tmp_path / "imported"
+    assert main(["import", "--hf-dir", str(hf_dir), "--output", str(out)]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    from libai_lite.config import instantiate
+
+    tokenizer = instantiate(LazyConfig.load(out / "config.py").tokenization.tokenizer)
+    assert type(tokenizer).__name__ == "HuggingFaceTokenizer"
+    assert tokenizer.encode("hello llama", add_special_tokens=True) == [0, 2, 4]

@@ -130,19 +130,22 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
 
 
 def special_token_ids(tokenizer) -> dict:
-    """``config.json`` ids for one of our tokenizers: its bos/eos when it has them, else the end-of-document id."""
+    """``config.json`` ids for one of our tokenizers: its bos/eos when it names them, else the end-of-document id."""
     eod = getattr(tokenizer, "eod_id", None)
-    return {"bos_token_id": getattr(tokenizer, "bos_id", None) or eod,
-            "eos_token_id": getattr(tokenizer, "eos_id", None) or eod}
+    bos, eos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    return {"bos_token_id": eod if bos is None else bos, "eos_token_id": eod if eos is None else eos}
 
 
 def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
-    """Our GPT2Tokenizer for a directory's ``vocab.json`` + ``merges.txt`` (the demo's), or None.
+    """Our tokenizer for a directory: ``tokenizer.json`` (Llama 3, Mistral, Qwen2 ship it) as a
+    ``HuggingFaceTokenizer``, else GPT-2's ``vocab.json`` + ``merges.txt`` (the demo's), else None."""
+    from libai_lite.tokenizer import GPT2Tokenizer, HuggingFaceTokenizer
 
-    Llama 3, Mistral and Qwen2 ship ``tokenizer.json``; reading it is the tokenizer package's work.
-    """
-    from libai_lite.tokenizer import GPT2Tokenizer
-
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+        files = {n: os.path.join(hf_dir, n) for n in names if os.path.isfile(os.path.join(hf_dir, n))}
+        return HFTokenizer(HuggingFaceTokenizer(hf_dir), files, "LazyCall(HuggingFaceTokenizer)(path=_here)",
+                           "from libai_lite.tokenizer import HuggingFaceTokenizer")
     vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
         return None
