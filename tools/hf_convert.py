@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "The vocabulary is padded the way the trainer pads it (mean rows for the new ids).",
     )
     imp.add_argument("--model", metavar="TYPE",
-                     help="Hugging Face model_type of the directory (gpt2, t5, mt5, llama, mistral, qwen2 or one "
-                          "your project registers; default: config.json's)")
+                     help="Hugging Face model_type of the directory (gpt2, t5, mt5, llama, mistral, qwen2, mixtral or "
+                          "one your project registers; default: config.json's)")
     imp.add_argument("--config-file", metavar="FILE",
                      help="a training config of your own project: its model class's registered mapping converts "
                           "the weights and the fine-tuning config starts from it (default: the built-in project "

@@ -31,7 +31,8 @@ STEPS = 6
 
 
 def _hf_model(kind):
-    """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query; qwen2: q/k/v bias, tied."""
+    """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query; qwen2: q/k/v bias, tied;
+    mixtral: top-2 of 4 experts."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -43,6 +44,8 @@ def _hf_model(kind):
                     transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
                   transformers.Qwen2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                               **common), transformers.MixtralForCausalLM),
     }[kind]
     torch.manual_seed(0)
     hf = model(config)
@@ -73,7 +76,7 @@ def _logits_match(ours, hf):
     torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral"])
 def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(kind, tmp_path):
     hf = _hf_model(kind)
     hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
@@ -189,6 +192,23 @@ def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path)
         assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
 
 
+MOE = ["model.cfg.moe.enabled=True", "model.cfg.moe.num_experts=4", "model.cfg.moe.top_k=2"]
+
+
+def test_mixtral_shape_trains_the_one_process_curve_under_expert_parallel_2(tmp_path):
+    """Top-2 of 4 experts in every layer, no capacity limit: ep=2 holds two experts per rank."""
+    r = train_net(_args(tmp_path / "one", *MOE), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = losses(tmp_path / "one" / "out")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    r = train_sh(2, _args(tmp_path / "ep2", *MOE, "model.cfg.moe.ep_size=2"), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(tmp_path / "ep2" / "out")
+    assert sorted(curve) == sorted(reference)
+    for it in reference:
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
+
+
 def test_tensor_parallel_size_not_dividing_the_key_value_heads_is_refused():
     cfg = LazyConfig.load(str(ROOT / CONFIG)).model.cfg
     cfg.update(hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -212,7 +232,7 @@ def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp
 # ----------------------------------------------------------------------------------- shapes and tokenizer
 
 PUBLISHED = {"tinyllama_1.1B": 1_100_048_384, "llama3_8B": 8_030_261_248, "llama3_70B": 70_553_706_496,
-             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512}
+             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -224,7 +244,8 @@ def test_real_shapes_on_meta_match_published_and_transformers(name):
     cfg = OmegaConf.to_container(LazyConfig.load(str(ROOT / f"projects/Llama/configs/{name}.py")).model.cfg,
                                  resolve=True)
     hf_config = config_to_hf(cfg)
-    hf_class = transformers.Qwen2ForCausalLM if hf_config["model_type"] == "qwen2" else transformers.LlamaForCausalLM
+    hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}.get(
+        hf_config["model_type"], transformers.LlamaForCausalLM)
     with torch.device("meta"):
         ours = LlamaForPreTraining(cfg)
         theirs = hf_class(hf_class.config_class(**hf_config))

@@ -31,6 +31,18 @@ cfg = dict(
     qkv_bias=False,
     # LM head + loss in one step without the [tokens, vocab] logits tensor.
     fused_cross_entropy=True,
+    # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig); Mixtral: every layer, top-2 of 8,
+    # no capacity limit (capacity_factor=None).
+    moe=dict(
+        enabled=False,
+        num_experts=8,
+        top_k=2,
+        ep_size=1,
+        capacity_factor=None,
+        aux_loss_weight=0.02,
+        every_n_layers=1,
+        jitter_noise=0.0,
+    ),
 )
 
 pretrain_model = LazyCall(LlamaForPreTraining)(cfg=cfg)

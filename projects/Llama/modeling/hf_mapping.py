@@ -8,6 +8,11 @@ State dicts here are ``LlamaModel``'s (the ``llama`` attribute of ``LlamaForPreT
 rotate-half convention, so q/k rows load unpermuted. ``mlp.gate_proj`` is our ``dense_h_to_4h`` (the
 activated one), ``up_proj`` ``dense_h_to_4h_linear``, ``down_proj`` ``dense_4h_to_h``.
 
+Mixtral's sparse blocks are our MoE layers (``model.cfg.moe``: every layer, top-2, no capacity limit):
+``block_sparse_moe.gate`` (or transformers 5's ``mlp.gate``) is the router, and each expert's ``w1``
+(gate), ``w3`` (up) and ``w2`` (down), the Hub's layout, are read from it or from transformers 5's
+fused ``mlp.experts.gate_up_proj``/``down_proj``; export writes the Hub's layout.
+
 Mistral is Llama's architecture with a sliding attention window, which is not applied here: it
 changes nothing for sequences within the window (4096 for Mistral 7B v0.1, none from v0.2).
 """
@@ -24,8 +29,9 @@ from libai_lite.utils.errors import UsageError
 
 from .llama_model import LlamaForPreTraining, LlamaModel
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 EMBEDDING_KEY = "embeddings.weight"
 VOCAB_KEYS = (EMBEDDING_KEY, "lm_head.weight")
 _DEFAULTS = {k: p.default for k, p in inspect.signature(LlamaModel.__init__).parameters.items()
@@ -83,7 +89,16 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
         initializer_range=float(_hf(c, "initializer_range", 0.02)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=c.get("model_type") == "qwen2",
+        moe=_moe_from_hf(c),
     )
+
+
+def _moe_from_hf(c: Mapping[str, Any]) -> dict | None:
+    if c.get("model_type") != "mixtral":
+        return None
+    return dict(enabled=True, num_experts=int(_hf(c, "num_local_experts")), top_k=int(_hf(c, "num_experts_per_tok")),
+                ep_size=1, capacity_factor=None, aux_loss_weight=float(c.get("router_aux_loss_coef") or 0.0),
+                every_n_layers=1, jitter_noise=float(c.get("router_jitter_noise") or 0.0))
 
 
 def _ours(cfg: Mapping[str, Any], key: str) -> Any:
@@ -97,7 +112,11 @@ def _ours(cfg: Mapping[str, Any], key: str) -> Any:
 def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     """A Hugging Face config dict (``config.json``): ``qwen2`` when q/k/v have biases, else ``llama``."""
     cfg = dict(model_cfg)
-    model_type = "qwen2" if _ours(cfg, "qkv_bias") else "llama"
+    moe = dict(cfg.get("moe") or {})
+    model_type = "mixtral" if moe.get("enabled") else "qwen2" if _ours(cfg, "qkv_bias") else "llama"
+    if moe.get("enabled") and (int(moe.get("every_n_layers", 1)) != 1 or _ours(cfg, "qkv_bias")):
+        raise UsageError("model.cfg.moe has every_n_layers != 1 or q/k/v biases: Mixtral makes every layer a "
+                         "mixture of experts without biases, so this model cannot be exported")
     heads = int(_ours(cfg, "num_attention_heads"))
     hidden = int(_ours(cfg, "hidden_size"))
     scaling = _ours(cfg, "rope_scaling")
@@ -126,6 +145,10 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     }
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    if model_type == "mixtral":
+        out.update(num_local_experts=int(moe["num_experts"]), num_experts_per_tok=int(moe["top_k"]),
+                   router_aux_loss_coef=float(moe.get("aux_loss_weight", 0.0)),
+                   router_jitter_noise=float(moe.get("jitter_noise", 0.0)), sliding_window=None)
     return out
 
 
@@ -182,10 +205,45 @@ def _split_qkv(t: torch.Tensor, heads: int, kv: int, head_size: int) -> tuple[to
 
 _LAYER_KEYS = (("input_layernorm.weight", "input_layernorm.weight"),
                ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
-               ("self_attention.dense.weight", "self_attn.o_proj.weight"),
-               ("mlp.dense_h_to_4h.weight", "mlp.gate_proj.weight"),
-               ("mlp.dense_h_to_4h_linear.weight", "mlp.up_proj.weight"),
-               ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"))
+               ("self_attention.dense.weight", "self_attn.o_proj.weight"))
+# (ours, HF dense MLP, Hub Mixtral expert): the gate is the activated projection.
+_MLP_KEYS = (("dense_h_to_4h", "gate_proj", "w1"), ("dense_h_to_4h_linear", "up_proj", "w3"),
+             ("dense_4h_to_h", "down_proj", "w2"))
+
+
+def _experts(cfg: Mapping[str, Any]) -> int:
+    moe = dict(cfg.get("moe") or {})
+    return int(moe["num_experts"]) if moe.get("enabled") else 0
+
+
+def _mlp_from_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
+    """One layer's feed-forward weights: a SwiGLU MLP, or Mixtral's router and experts in either layout."""
+    if not experts:
+        return {f"{q}mlp.{ours}.weight": src(f"{p}mlp.{theirs}.weight") for ours, theirs, _ in _MLP_KEYS}
+    out = {}
+    if f"{p}mlp.experts.gate_up_proj" in src.sd:  # transformers 5's fused layout
+        out[f"{q}mlp.router.weight"] = src(f"{p}mlp.gate.weight")
+        gate, up = src(f"{p}mlp.experts.gate_up_proj").chunk(2, dim=1)
+        down = src(f"{p}mlp.experts.down_proj")
+        for e in range(experts):
+            for ours, t in zip(("dense_h_to_4h", "dense_h_to_4h_linear", "dense_4h_to_h"), (gate, up, down)):
+                out[f"{q}mlp.experts.{e}.{ours}.weight"] = t[e]
+        return out
+    out[f"{q}mlp.router.weight"] = src(f"{p}block_sparse_moe.gate.weight")
+    for e in range(experts):
+        for ours, _, hub in _MLP_KEYS:
+            out[f"{q}mlp.experts.{e}.{ours}.weight"] = src(f"{p}block_sparse_moe.experts.{e}.{hub}.weight")
+    return out
+
+
+def _mlp_to_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
+    if not experts:
+        return {f"{p}mlp.{theirs}.weight": src(f"{q}mlp.{ours}.weight") for ours, theirs, _ in _MLP_KEYS}
+    out = {f"{p}block_sparse_moe.gate.weight": src(f"{q}mlp.router.weight")}
+    for e in range(experts):
+        for ours, _, hub in _MLP_KEYS:
+            out[f"{p}block_sparse_moe.experts.{e}.{hub}.weight"] = src(f"{q}mlp.experts.{e}.{ours}.weight")
+    return out
 
 
 def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
@@ -202,6 +260,7 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, A
         p, q = f"model.layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_KEYS:
             out[q + ours] = src(p + theirs)
+        out.update(_mlp_from_hf(src, p, q, _experts(model_cfg)))
         attn = p + "self_attn."
         for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
             out[f"{q}self_attention.query_key_value.{kind}"] = _fuse_qkv(
@@ -222,6 +281,7 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
         p, q = f"model.layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_KEYS:
             out[p + theirs] = src(q + ours)
+        out.update(_mlp_to_hf(src, p, q, _experts(model_cfg)))
         for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
             parts = _split_qkv(src(f"{q}self_attention.query_key_value.{kind}"), heads, kv, head_size)
             for n, t in zip("qkv", parts):

@@ -12,6 +12,7 @@ from torch import nn
 
 from libai_lite.layers import (
     Linear1D,
+    MoEConfig,
     ParallelCrossEntropyLoss,
     RMSLayerNorm,
     RotaryEmbedding,
@@ -23,6 +24,7 @@ from libai_lite.layers import (
     scaled_init_method_normal,
 )
 from libai_lite.layers.attention import KVCache
+from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
 from libai_lite.model import LOSS
 
 
@@ -36,6 +38,8 @@ class LlamaModel(nn.Module):
     pieces: with ``embeddings`` None the input is hidden states; with ``final_layernorm`` and/or
     ``lm_head`` None hidden states come out.
     ``max_seq_length`` bounds generation and sets the demo's sequence length (RoPE has no table).
+    ``moe`` (``model.cfg.moe``, a ``MoEConfig``) makes feed-forward layers mixtures of SwiGLU experts;
+    Mixtral is ``every_n_layers=1``, ``top_k=2`` of 8, ``capacity_factor=None`` (no token dropped).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool = False,
         pad_token_id: Optional[int] = None,
         fused_cross_entropy: bool = True,
+        moe: Optional[Mapping[str, Any]] = None,
     ):
         super().__init__()
         self.hidden_layers = hidden_layers
@@ -74,6 +79,7 @@ class LlamaModel(nn.Module):
         output_init = (scaled_init_method_normal(initializer_range, hidden_layers)
                        if use_scaled_init_for_output_weights else init_method)
         last = hidden_layers - 1
+        moe_cfg = MoEConfig.from_mapping(moe)
         self.embeddings = VocabEmbedding(vocab_size, hidden_size, padding_idx=pad_token_id, init_method=init_method)
         self.rotary = RotaryEmbedding(self.head_size, rope_theta, rope_scaling)
         # Keyed by the global index, so layer names stay when a pipeline stage drops the others.
@@ -84,6 +90,7 @@ class LlamaModel(nn.Module):
                 layernorm_epsilon=layernorm_epsilon, init_method=init_method, output_layer_init_method=output_init,
                 bias=False, activation="silu", attn_mask_type="causal", layer_idx=i, norm="rmsnorm",
                 gated=True, num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
+                moe=moe_cfg if moe_cfg.is_moe_layer(i) else None,
             )
             for i in range(hidden_layers)
         })
@@ -92,8 +99,9 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear1D(hidden_size, vocab_size, bias=False, parallel="vocab", init_method=init_method,
                                 layer_idx=last, device="meta" if self.tie_word_embeddings else None)
         self.tie_weights()
-        # Counted whole, now: a pipeline stage later holds only some of the layers.
-        self.matmul_parameters = self.num_parameters(non_embedding=True)
+        # Counted whole, now: a pipeline stage later holds only some of the layers. A token runs only
+        # top_k experts, so the others' weights cost it no FLOPs.
+        self.matmul_parameters = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
 
     @property
     def pipeline_tied(self):
@@ -226,7 +234,8 @@ class LlamaForPreTraining(nn.Module):
     """Llama with its pretraining loss; configs build it as ``LazyCall(LlamaForPreTraining)(cfg=cfg)``.
 
     ``forward(input_ids, labels=None, loss_mask=None)``: with labels (already shifted, as the GPT
-    dataset gives them) returns ``{"lm_loss", "num_tokens", "nll_sum"}``; without, ``{"logits"}``.
+    dataset gives them) returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (plus ``moe_aux_loss``,
+    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers); without, ``{"logits"}``.
     """
 
     def __init__(self, cfg: Mapping[str, Any]):
@@ -238,16 +247,19 @@ class LlamaForPreTraining(nn.Module):
                 loss_mask: Optional[torch.Tensor] = None) -> dict:
         model = self.llama
         if labels is not None and model.fuses_cross_entropy():
-            return self.loss_func.reduce(model(input_ids, lm_labels=labels), labels, loss_mask)
-        logits = model(input_ids)
-        if labels is None:
-            return {"logits": logits}
-        return self.loss_func(logits, labels, loss_mask)
+            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels), labels, loss_mask)
+        else:
+            logits = model(input_ids)
+            if labels is None:
+                return {"logits": logits}
+            outputs = self.loss_func(logits, labels, loss_mask)
+        outputs.update(collect_moe_outputs(model))
+        return outputs
 
     # ------------------------------------------------------------------ the model protocol (libai_lite.model)
     def output_metrics(self) -> dict:
-        """``lm_loss`` is back-propagated."""
-        return {"lm_loss": LOSS}
+        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
+        return {"lm_loss": LOSS, **(MOE_METRICS if moe_layers(self.llama) else {})}
 
     @staticmethod
     def tokens_per_sample(sample: Mapping) -> int:
