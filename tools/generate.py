@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config-file", metavar="FILE", help="lazy config the checkpoint was trained with")
     src.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (model_XXXXXXX, model_final) of that config")
     src.add_argument("--hf-dir", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
-    src.add_argument("--model", choices=("gpt2", "t5", "mt5"), help="model type of --hf-dir (default: from its config.json)")
+    src.add_argument("--model", choices=("gpt2", "t5", "mt5", "llama", "mistral", "qwen2", "mixtral"),
+                     help="model type of --hf-dir (default: from its config.json)")
     tok = p.add_argument_group("tokenizer (default: the config's, or the files in --hf-dir)")
     tok.add_argument("--vocab-file", metavar="FILE", help="GPT-2 vocab.json")
     tok.add_argument("--merges-file", metavar="FILE", help="GPT-2 merges.txt")

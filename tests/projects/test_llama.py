@@ -18,7 +18,7 @@ from libai_lite.config import LazyConfig
 from libai_lite.parallel.tensor_parallel import check_declared_splits
 from libai_lite.utils.errors import UsageError
 from projects.Llama.modeling import LlamaForPreTraining
-from tests.launch import ROOT, losses, one_error_line, train_net, train_sh
+from tests.launch import ROOT, losses, one_error_line, torchrun, train_net, train_sh
 
 sys.path.insert(0, str(ROOT / "tools"))
 from hf_convert import main  # noqa: E402
@@ -115,6 +115,19 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     expected = hf.generate(input_ids=prompts, attention_mask=mask, pad_token_id=0, eos_token_id=None, **options)
     got = ours.generate(prompts, mask, vocab_size=VOCAB, generator=torch.Generator().manual_seed(123), **options)
     assert torch.equal(got, expected)
+
+
+def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(tmp_path):
+    """tools/generate.py --hf-dir, split over 2 ranks (a key/value head each), decodes as transformers."""
+    hf = _hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    prompt = [5, 17, 300, 42, 7]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+    r = torchrun(2, "tools/generate.py", "--hf-dir", tmp_path / "hf", "--prompt-ids", " ".join(map(str, prompt)),
+                 "--max-new-tokens", "6", "--show-ids", "train.dist.tensor_parallel_size=2")
+    ids = next(line for line in r.stdout.splitlines() if line.startswith("ids 0:"))
+    assert [int(t) for t in ids.split(":")[1].split()] == expected
 
 
 def _reload_as_llama(exp):
