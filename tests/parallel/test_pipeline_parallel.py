@@ -32,7 +32,7 @@ from libai_lite.utils.errors import UsageError
 from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTModel
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "pp_worker.py"
+WORKER = ROOT / "tests" / "workers" / "pp_worker.py"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 EMB = "GPT_model.embeddings.token_embeddings.weight"
 HEAD = "GPT_model.lm_head.weight"

@@ -87,7 +87,8 @@ class Copy:
 
 GPT = Copy(
     source="GPT",
-    name="MyLM",
+    # Not "MyLM": tests/config/test_project_import.py imports a copy of that name in the same process.
+    name="NewLM",
     classes=r"\bGPT(ForPreTraining|Model|Embedding|Loss)\b",
     new_files={"modeling/gated_mlp.py": GATED_MLP.lstrip() + GATED_GPT_LAYER},
     edits=[
@@ -112,7 +113,7 @@ GPT = Copy(
 
 MT5 = Copy(
     source="MT5",
-    name="MyT5",
+    name="NewT5",
     classes=r"\bMT5(ForPreTraining|Model|Config|Loss|TransformerLayer)\b",
     new_files={"layers/gated_mlp.py": GATED_MLP.lstrip()},
     edits=[
