@@ -8,7 +8,7 @@ from torch import nn
 from ..parallel.sbp import broadcast, declare, hidden
 from .init_methods import InitMethod
 from .linear import Linear1D
-from .rotary import apply_rotary
+from .rotary import RotaryEmbedding, apply_rotary
 
 
 class KVCache:
@@ -77,7 +77,9 @@ class MultiheadAttention(nn.Module):
     tensor-parallel rank holds whole groups, the split counts ``num_key_value_heads``, and a
     ``KVCache`` stores only the key/value heads. Query head ``h`` reads key/value head ``h // group``,
     as Hugging Face's ``repeat_kv``. ``qkv_bias`` (default ``bias``) sets the q/k/v projection's bias
-    alone (Qwen2: q/k/v biased, output not).
+    alone (Qwen2: q/k/v biased, output not). ``rope_theta`` (and ``rope_scaling``) rotate queries and
+    keys by their positions (``RotaryEmbedding``); the angles are computed here, after sequence
+    parallelism has gathered the whole sequence, from ``position_ids`` or the positions after the cache.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
@@ -87,7 +89,8 @@ class MultiheadAttention(nn.Module):
                  output_layer_init_method: Optional[InitMethod] = None, layer_idx: int = 0,
                  attn_mask_type: str = "causal", bias: bool = True, is_cross_attention: bool = False,
                  head_size: Optional[int] = None, softmax_scale: Optional[float] = None,
-                 num_key_value_heads: Optional[int] = None, qkv_bias: Optional[bool] = None):
+                 num_key_value_heads: Optional[int] = None, qkv_bias: Optional[bool] = None,
+                 rope_theta: Optional[float] = None, rope_scaling: Optional[dict] = None):
         super().__init__()
         if attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
@@ -134,12 +137,12 @@ class MultiheadAttention(nn.Module):
             self.query_key_value = proj(hidden_size, kv_heads * (self.group + 2) * head_size, "col", self.group + 2,
                                         counts="num_key_value_heads")
         self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method, bias)
+        self.rotary = None if rope_theta is None else RotaryEmbedding(head_size, rope_theta, rope_scaling)
         self.output_dropout = nn.Dropout(output_dropout_prob)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                ) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
         ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
@@ -149,8 +152,8 @@ class MultiheadAttention(nn.Module):
         ``kv_cache``: self-attention appends this call's keys and values and attends over everything
         cached (``hidden_states`` are then the new positions only, mask and bias cover all keys);
         cross-attention projects ``encoder_states`` into an empty cache once and reuses it.
-        ``rotary``: ``(cos, sin)`` of the new positions (``RotaryEmbedding``), applied to queries and
-        keys before the keys are cached.
+        ``position_ids`` ``[batch or 1, seq]`` of the new positions for rotary embeddings (default: those
+        after the cached ones), applied to queries and keys before the keys are cached.
         """
         bsz, q_len, _ = hidden_states.shape
         hd = self.head_size
@@ -175,8 +178,12 @@ class MultiheadAttention(nn.Module):
                 query, key, value = qkv.split([g * hd, hd, hd], dim=-1)
                 # [b, kv, s, g * hd] -> [b, kv * g, s, hd]: query head kv * g + j belongs to key/value head kv.
                 query = query.reshape(bsz, -1, q_len, g, hd).transpose(2, 3).reshape(bsz, -1, q_len, hd)
-            if rotary is not None:
-                query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+            if self.rotary is not None:
+                if position_ids is None:
+                    past = kv_cache.length if kv_cache is not None else 0
+                    position_ids = torch.arange(past, past + q_len, device=query.device)
+                cos, sin = self.rotary(position_ids, query.dtype)
+                query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             if kv_cache is not None:
                 key, value = kv_cache.update(key, value)
 

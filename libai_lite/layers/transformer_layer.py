@@ -19,8 +19,8 @@ class TransformerLayer(nn.Module):
     off for GPT-2); with ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
 
     The Llama family: ``norm="rmsnorm"`` (``RMSLayerNorm``), ``gated=True`` with ``activation="silu"``
-    (SwiGLU), ``num_key_value_heads`` and ``qkv_bias`` (see ``MultiheadAttention``), and ``rotary``
-    ``(cos, sin)`` passed to ``forward``.
+    (SwiGLU), ``num_key_value_heads``, ``qkv_bias`` and ``rope_theta``/``rope_scaling`` (see
+    ``MultiheadAttention``), and ``position_ids`` passed to ``forward``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -29,7 +29,7 @@ class TransformerLayer(nn.Module):
                  bias: bool = True, activation: str = "gelu_tanh", attn_mask_type: str = "causal",
                  apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None,
                  norm: str = "layernorm", gated: bool = False, num_key_value_heads: Optional[int] = None,
-                 qkv_bias: Optional[bool] = None):
+                 qkv_bias: Optional[bool] = None, rope_theta: Optional[float] = None, rope_scaling=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.apply_residual_post_layernorm = apply_residual_post_layernorm
@@ -41,7 +41,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=attn_mask_type,
                                                  attention_dropout_prob=attention_dropout_prob,
-                                                 num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias, **common)
+                                                 num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
+                                                 rope_theta=rope_theta, rope_scaling=rope_scaling, **common)
         self.post_attention_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
         # Only a gated layer passes `gated`, so feed-forward blocks without the option still fit.
@@ -49,11 +50,11 @@ class TransformerLayer(nn.Module):
                                 **({"gated": True} if gated else {}))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, rotary=None) -> torch.Tensor:
-        """``hidden_states`` ``[batch, seq, hidden]``; mask, cache and rotary as in ``MultiheadAttention``."""
+                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states`` ``[batch, seq, hidden]``; mask, cache and positions as in ``MultiheadAttention``."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
-        extra = {} if rotary is None else {"rotary": rotary}
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache,
                                                        **extra)
 

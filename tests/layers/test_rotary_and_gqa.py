@@ -60,39 +60,41 @@ def _reference_gqa(x, attn: MultiheadAttention, rotary=None):
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_grouped_query_attention_matches_plain_math(kv_heads):
-    attn = MultiheadAttention(64, 4, num_key_value_heads=kv_heads, bias=False, qkv_bias=True).eval()
+    attn = MultiheadAttention(64, 4, num_key_value_heads=kv_heads, bias=False, qkv_bias=True, rope_theta=1e4).eval()
     assert attn.query_key_value.weight.shape == (kv_heads * (4 // kv_heads + 2) * 16, 64)
     assert attn.query_key_value.bias is not None and attn.dense.bias is None
     nn.init.normal_(attn.query_key_value.bias)
     x = torch.randn(2, 7, 64)
-    rotary = RotaryEmbedding(16)(torch.arange(7))
-    torch.testing.assert_close(attn(x, rotary=rotary), _reference_gqa(x, attn, rotary), atol=1e-5, rtol=1e-5)
+    rotary = RotaryEmbedding(16, 1e4)(torch.arange(7))
+    torch.testing.assert_close(attn(x), _reference_gqa(x, attn, rotary), atol=1e-5, rtol=1e-5)
+    shifted = torch.arange(3, 10)[None]
+    torch.testing.assert_close(attn(x, position_ids=shifted), _reference_gqa(x, attn, RotaryEmbedding(16)(shifted)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_query_split_over_ranks_reproduces_full():
     """tp=2 over 2 key/value heads: each rank's contiguous half of the fused rows is one whole group."""
-    attn = MultiheadAttention(64, 4, num_key_value_heads=2, bias=False).eval()
+    attn = MultiheadAttention(64, 4, num_key_value_heads=2, bias=False, rope_theta=1e4).eval()
     x = torch.randn(2, 5, 64)
-    rotary = RotaryEmbedding(16)(torch.arange(5))
-    full = attn(x, rotary=rotary)
+    full = attn(x)
     total = 0
     for r in range(2):
-        local = MultiheadAttention(64, 4, num_key_value_heads=2, bias=False).eval()
+        local = MultiheadAttention(64, 4, num_key_value_heads=2, bias=False, rope_theta=1e4).eval()
         rows, cols = attn.query_key_value.weight.shape[0] // 2, attn.dense.weight.shape[1] // 2
         local.query_key_value.weight = nn.Parameter(attn.query_key_value.weight[r * rows:(r + 1) * rows].clone())
         local.dense.weight = nn.Parameter(attn.dense.weight[:, r * cols:(r + 1) * cols].clone())
-        total = total + local(x, rotary=rotary)
+        total = total + local(x)
     torch.testing.assert_close(total, full, atol=1e-5, rtol=1e-5)
 
 
 def test_kv_cache_holds_only_key_value_heads_and_decodes_as_full():
-    attn = MultiheadAttention(64, 4, num_key_value_heads=1, bias=False).eval()
-    rope = RotaryEmbedding(16)
+    attn = MultiheadAttention(64, 4, num_key_value_heads=1, bias=False, rope_theta=1e4).eval()
     x = torch.randn(2, 6, 64)
-    full = attn(x, rotary=rope(torch.arange(6)))
+    full = attn(x)
     cache = KVCache(capacity=6)
-    steps = [attn(x[:, :4], kv_cache=cache, rotary=rope(torch.arange(4)))]
-    steps += [attn(x[:, i:i + 1], kv_cache=cache, rotary=rope(torch.tensor([i]))) for i in (4, 5)]
+    # Without position_ids the new positions follow the cached ones.
+    steps = [attn(x[:, :4], kv_cache=cache)]
+    steps += [attn(x[:, i:i + 1], kv_cache=cache) for i in (4, 5)]
     assert cache.key.shape == (2, 1, 6, 16)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -110,11 +112,12 @@ def test_tensor_parallel_size_must_divide_key_value_heads():
 
 def test_llama_style_transformer_layer():
     layer = TransformerLayer(64, 96, 4, num_key_value_heads=2, bias=False, norm="rmsnorm", gated=True,
-                             activation="silu", layer_idx=3)
+                             activation="silu", layer_idx=3, rope_theta=5e5, rope_scaling=LLAMA3)
     assert isinstance(layer.input_layernorm, RMSLayerNorm) and isinstance(layer.post_attention_layernorm, RMSLayerNorm)
     assert layer.mlp.dense_h_to_4h_linear is not None and layer.mlp.dense_h_to_4h.bias is None
     assert layer.self_attention.num_key_value_heads == 2 and layer.layer_idx == 3
     x = torch.randn(2, 5, 64)
-    assert layer(x, rotary=RotaryEmbedding(16)(torch.arange(5))).shape == (2, 5, 64)
+    assert layer.self_attention.rotary.scaling == LLAMA3
+    assert layer(x, position_ids=torch.arange(5)[None]).shape == (2, 5, 64)
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 3"):
         MultiheadAttention(64, 4, num_key_value_heads=3)

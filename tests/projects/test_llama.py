@@ -194,10 +194,16 @@ LAYOUTS = {
 
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, pytest.param("tp2_pp2", marks=pytest.mark.slow)])
+SLOW_LAYOUTS = {
+    "tp2_sequence_parallel": (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
+    "tp2_pp2": (4, ["train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"]),
+}
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])
 def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path):
-    extra = LAYOUTS.get(name, ["train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"])
-    r = train_sh(2 if name in LAYOUTS else 4, _args(tmp_path, *extra), config=CONFIG)
+    nproc, extra = (2, LAYOUTS[name]) if name in LAYOUTS else SLOW_LAYOUTS[name]
+    r = train_sh(nproc, _args(tmp_path, *extra), config=CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "out")
     assert sorted(curve) == sorted(reference)

@@ -3,7 +3,7 @@
 Read top to bottom: token embedding -> pre-RMSNorm layers (rotary positions, grouped-query attention,
 SwiGLU MLP, no biases) -> final RMSNorm -> LM head (untied unless ``tie_word_embeddings``), then
 the pretraining wrapper that adds the loss. Every piece is a direct attribute so a pipeline splitter
-can delete what a stage does not own; the rotary table holds no weights, so every stage keeps it.
+can delete what a stage does not own; the rotary angles are computed in each attention (no weights).
 """
 from typing import Any, Mapping, Optional
 
@@ -15,7 +15,6 @@ from libai_lite.layers import (
     MoEConfig,
     ParallelCrossEntropyLoss,
     RMSLayerNorm,
-    RotaryEmbedding,
     TransformerLayer,
     VocabEmbedding,
     fusable_head_weight,
@@ -81,7 +80,6 @@ class LlamaModel(nn.Module):
         last = hidden_layers - 1
         moe_cfg = MoEConfig.from_mapping(moe)
         self.embeddings = VocabEmbedding(vocab_size, hidden_size, padding_idx=pad_token_id, init_method=init_method)
-        self.rotary = RotaryEmbedding(self.head_size, rope_theta, rope_scaling)
         # Keyed by the global index, so layer names stay when a pipeline stage drops the others.
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(
@@ -90,7 +88,7 @@ class LlamaModel(nn.Module):
                 layernorm_epsilon=layernorm_epsilon, init_method=init_method, output_layer_init_method=output_init,
                 bias=False, activation="silu", attn_mask_type="causal", layer_idx=i, norm="rmsnorm",
                 gated=True, num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
-                moe=moe_cfg if moe_cfg.is_moe_layer(i) else None,
+                moe=moe_cfg if moe_cfg.is_moe_layer(i) else None, rope_theta=rope_theta, rope_scaling=rope_scaling,
             )
             for i in range(hidden_layers)
         })
@@ -130,12 +128,11 @@ class LlamaModel(nn.Module):
         ``logits_to_keep`` and ``lm_labels`` (per-token loss from the fused head instead of logits).
         """
         hidden_states = self.embeddings(input_ids) if self.embeddings is not None else input_ids
-        if position_ids is None:
-            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)
-        rotary = self.rotary(position_ids, hidden_states.dtype)
         for name, layer in self.layers.items():
             cache = kv_caches[name] if kv_caches is not None else None
-            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, rotary=rotary)
+            # The attention computes its rotary angles itself: under sequence parallelism only it
+            # sees the whole sequence.
+            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
