@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""Training throughput of our GPT against Hugging Face's GPT-2, side by side in one process.
+"""Training throughput of our GPT or Llama against Hugging Face's model of the same shape, side by side.
 
-Our side is the real training step: ``GPTForPreTraining`` stepped by
+Our side is the real training step: ``GPTForPreTraining`` (``--model gpt``, the default) or
+``LlamaForPreTraining`` (``--model llama``) stepped by
 ``libai_lite.engine.trainer.Trainer.run_step`` (autocast, loss dict, backward, gradient
 clipping, AdamW built from ``configs/common/optim.py`` through
 ``get_default_optimizer_params``, lr schedule), fed by an in-memory loader, with the LM head
 fused into the loss as the configs have it (``--unfused-cross-entropy`` materialises the logits). The reference is
-``transformers.GPT2LMHeadModel`` of the same shape trained by a plain PyTorch loop (AdamW,
-the same clipping, the same autocast). Both see the same tokens, dtype, thread count and
-dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) so background
+``transformers.GPT2LMHeadModel`` (or ``LlamaForCausalLM``) of the same shape trained by a plain PyTorch loop
+(AdamW, the same clipping, the same autocast). Both see the same tokens, dtype, thread count and
+dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) in one process so background
 load on a shared machine hits both alike; the ratio reported is the median of the per-block
-ratios ours/HF.
+ratios ours/HF. The shapes and builders of each family live in ``bench/throughput_models.py``.
 
 MFU is model FLOPs per token (6N + 12·L·H·T) x tokens/s over a peak: on CPU the best rate of a
 large matmul measured in this same job (fp32, and bf16 with ``--dtype bf16``), on GPU the
@@ -19,6 +20,8 @@ datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
     python bench/train_throughput.py --size demo
     python bench/train_throughput.py --size 117M
     python bench/train_throughput.py --size 345M --device cuda --dtype bf16 --micro-batch 8
+    python bench/train_throughput.py --model llama --size demo
+    python bench/train_throughput.py --model llama --size 100M
 
 The last line of the output is one JSON object with the numbers.
 """
@@ -36,20 +39,11 @@ import warnings
 
 import torch
 
-# Model shapes: GPT-2's published sizes plus the demo config (projects/GPT/configs/gpt2_pretrain.py).
-# Defaults for steps and micro batch are sized to finish in a few minutes on a 2-core CPU;
-# the GPU sizes are meant to be run with --device cuda. Short blocks, many of them: on a shared
-# machine the load changes within seconds, and a ratio taken over two neighbouring short
-# blocks sees nearly the same load on both sides.
-SIZES = {
-    "smoke": dict(layers=2, hidden=64, heads=2, seq=32, vocab=128, micro_batch=2, steps=2, blocks=2, warmup=1),
-    "demo": dict(layers=4, hidden=256, heads=4, seq=128, vocab=8064, micro_batch=8, steps=2, blocks=15, warmup=2),
-    "117M": dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50304, micro_batch=1, steps=1, blocks=7, warmup=1),
-    "345M": dict(layers=24, hidden=1024, heads=16, seq=1024, vocab=50304, micro_batch=8, steps=10, blocks=5, warmup=5),
-    "1.3B": dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50304, micro_batch=4, steps=10, blocks=5, warmup=5),
-}
+# Run as a script, this file's folder is on sys.path: the model-specific half sits beside it.
+from throughput_models import FAMILIES, ffn_size
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-# configs/common/optim.py: what the trainer builds for every GPT config.
+# configs/common/optim.py: what the trainer builds for every config.
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.01, 1.0
 
 
@@ -57,8 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options; see ``--help``."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=[s for s in SIZES if s != "smoke"], default="demo",
-                   help="model shape (default demo: 4 layers, hidden 256, seq 128, vocab 8064)")
+    sizes = {name: [s for s in f.sizes if s != "smoke"] for name, f in FAMILIES.items()}
+    p.add_argument("--model", choices=sorted(FAMILIES), default="gpt",
+                   help="gpt: ours against GPT2LMHeadModel (default); llama: ours against LlamaForCausalLM")
+    p.add_argument("--size", choices=sorted({s for names in sizes.values() for s in names}), default="demo",
+                   help="model shape, default demo (the family's demo config); "
+                        + "; ".join(f"{name}: {', '.join(names)}" for name, names in sizes.items()))
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast for both models (the trainer's train.amp)")
@@ -81,43 +79,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="a tiny model and two steps: checks the script runs")
     args = p.parse_args(argv)
-    shape = dict(SIZES["smoke" if args.smoke else args.size])
+    family = FAMILIES[args.model]
+    if not args.smoke and args.size not in family.sizes:
+        p.error(f"--size {args.size} is not a {args.model} size; {args.model} has {', '.join(sizes[args.model])}")
+    shape = dict(family.sizes["smoke" if args.smoke else args.size])
     for key in ("steps", "blocks", "warmup", "micro_batch"):
         if getattr(args, key) is None:
             setattr(args, key, shape[key])
         elif getattr(args, key) < (0 if key == "warmup" else 1):
             p.error(f"--{key.replace('_', '-')} must be {'>= 0' if key == 'warmup' else '>= 1'}")
-    args.shape = shape
+    args.shape, args.family = shape, family
     if args.smoke:
         args.size = "smoke"
     return args
 
 
 # ------------------------------------------------------------------------------------- models
-def build_ours(shape: dict, device: torch.device, fused_cross_entropy: bool = True):
-    """Our GPTForPreTraining with the demo config's dropout 0 and GPT-2's gelu_tanh."""
-    from projects.GPT.modeling.gpt_model import GPTForPreTraining
-
-    cfg = dict(hidden_layers=shape["layers"], vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-               ffn_hidden_size=4 * shape["hidden"], num_attention_heads=shape["heads"],
-               max_seq_length=shape["seq"], embedding_dropout_prob=0.0, attention_dropout_prob=0.0,
-               output_dropout_prob=0.0, activation="gelu_tanh", fused_cross_entropy=fused_cross_entropy)
-    return GPTForPreTraining(cfg).to(device)
-
-
-def build_hf(shape: dict, device: torch.device):
-    """``transformers.GPT2LMHeadModel`` of the same shape, dropout 0, its default attention implementation."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # bos/eos ids beyond a small vocab are irrelevant here
-    config = GPT2Config(n_layer=shape["layers"], n_embd=shape["hidden"], n_head=shape["heads"],
-                        n_positions=shape["seq"], vocab_size=shape["vocab"], n_inner=4 * shape["hidden"],
-                        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).to(device)
-
-
 def hf_attn_implementation(model) -> str:
     """The attention implementation transformers picked (``sdpa``, ``eager``, ...)."""
     return str(getattr(model.config, "_attn_implementation", None) or "unknown")
@@ -159,7 +136,7 @@ class OursStepper:
 
 
 class HFStepper:
-    """A plain PyTorch loop over GPT2LMHeadModel: autocast forward with labels, backward, clip, AdamW."""
+    """A plain PyTorch loop over the HF model: autocast forward with labels, backward, clip, AdamW."""
 
     def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
         self.model = torch.compile(model) if compile_model else model
@@ -361,9 +338,10 @@ def main(argv=None) -> dict:
     peak_meter = Peak(device, amp_dtype, args.smoke)
 
     torch.manual_seed(args.seed)
-    ours = build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
+    family = args.family
+    ours = family.build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
     torch.manual_seed(args.seed)
-    hf = build_hf(shape, device)
+    hf = family.build_hf(shape, device)
     gen = torch.Generator().manual_seed(args.seed)
     # A few distinct batches, pinned when a GPU will receive them, as the DataLoader does.
     batches = []
@@ -373,7 +351,8 @@ def main(argv=None) -> dict:
         batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
 
     n_params = ours.num_parameters(non_embedding=True)
-    n_hf = sum(p.numel() for p in hf.parameters()) - hf.transformer.wpe.weight.numel()
+    n_hf = family.hf_non_embedding_parameters(hf)
+    n_total = ours.num_parameters()
     flops_per_token = transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
     attn_impl = hf_attn_implementation(hf)
 
@@ -384,13 +363,15 @@ def main(argv=None) -> dict:
     tokens_per_step = args.micro_batch * shape["seq"]
     rates = run_blocks(steppers, args.steps, args.blocks, args.warmup, tokens_per_step, device,
                        between=peak_meter.measure)
-    breakdown = (profile_steps(steppers, args.profile, tokens_per_step, 4 * shape["hidden"], shape["vocab"])
+    breakdown = (profile_steps(steppers, args.profile, tokens_per_step, ffn_size(shape), shape["vocab"])
                  if args.profile else None)
     peak, peak_source = peak_meter.flops, peak_meter.source
     ours_tps, hf_tps = statistics.median(rates["ours"]), statistics.median(rates["hf"])
     ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]
     result = {
         "benchmark": "train_throughput",
+        "model": args.model,
+        "hf_class": family.hf_class,
         "size": args.size,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
@@ -399,8 +380,10 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(),
         "compile": bool(args.compile),
         "layers": shape["layers"], "hidden": shape["hidden"], "heads": shape["heads"],
+        "kv_heads": shape.get("kv_heads", shape["heads"]), "ffn_hidden": ffn_size(shape),
         "seq_length": shape["seq"], "vocab": shape["vocab"], "micro_batch": args.micro_batch,
         "steps_per_block": args.steps, "blocks": args.blocks, "warmup": args.warmup,
+        "params_total": n_total, "hf_params_total": sum(p.numel() for p in hf.parameters()),
         "params_non_embedding": n_params, "hf_params_non_embedding": n_hf,
         "hf_attn_implementation": attn_impl,
         "ours_adamw": adamw_impl(steppers["ours"].optimizer),
@@ -424,11 +407,15 @@ def main(argv=None) -> dict:
         "transformers": __import__("transformers").__version__,
         "date": datetime.date.today().isoformat(),
     }
-    print(f"GPT {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, seq {shape['seq']}, "
+    kv = f" ({result['kv_heads']} key/value)" if result["kv_heads"] != shape["heads"] else ""
+    print(f"{family.label} {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, "
+          f"heads {shape['heads']}{kv}, ffn {result['ffn_hidden']}, seq {shape['seq']}, "
           f"vocab {shape['vocab']}, micro batch {args.micro_batch}, {args.dtype}, {result['threads']} threads, "
           f"compile {'on' if args.compile else 'off'}, HF attention '{attn_impl}', AdamW ours "
           f"{result['ours_adamw']} / HF {result['hf_adamw']}, our LM head + loss "
           f"{'fused' if result['ours_fused_cross_entropy'] else 'unfused'}")
+    print(f"parameters: {n_total / 1e6:.1f}M, {n_params / 1e6:.1f}M without the lookup-only embedding (the N of "
+          f"6N; transformers' {family.hf_class}: {n_hf / 1e6:.1f}M)")
     print(f"peak {peak / 1e12:.3f} TFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP/token")
     print(f"{'block':>5} {'ours tok/s':>12} {'HF tok/s':>12} {'ours/HF':>8}")
     for b, (o, h) in enumerate(zip(rates["ours"], rates["hf"])):

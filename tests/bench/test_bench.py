@@ -34,15 +34,23 @@ def test_help(script):
     assert "--smoke" in proc.stdout
 
 
-def test_train_throughput_smoke():
-    res, out = run_bench("train_throughput.py", "--smoke", "--profile", "1")
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_train_throughput_smoke(model):
+    res, out = run_bench("train_throughput.py", "--smoke", "--profile", "1", "--model", model)
     assert res["benchmark"] == "train_throughput"
+    assert res["model"] == model
+    assert res["hf_class"] == {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model]
+    if model == "llama":
+        # The smoke shape keeps grouped-query attention, so the GQA path of both models is what runs.
+        assert res["kv_heads"] < res["heads"]
+        assert res["params_total"] > res["params_non_embedding"]
     assert res["ours_fused_cross_entropy"] is True
     for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio", "mfu_ours", "mfu_hf", "peak_flops",
                 "flops_per_token"):
         assert positive(res[key]), key
     # The reference has exactly our shape, or the ratio compares different models.
     assert res["params_non_embedding"] == res["hf_params_non_embedding"]
+    assert res["params_total"] == res["hf_params_total"]
     assert res["hf_attn_implementation"] in ("sdpa", "eager", "flash_attention_2", "flex_attention")
     assert len(res["ours_block_tokens_per_s"]) == len(res["hf_block_tokens_per_s"]) == res["blocks"]
     block_ratios = [o / h for o, h in zip(res["ours_block_tokens_per_s"], res["hf_block_tokens_per_s"])]
@@ -56,6 +64,30 @@ def test_train_throughput_smoke():
         kinds = res["profile_ms_per_step"][side]
         assert positive(kinds["GEMMs"]) and positive(kinds["total"])
         assert sum(v for k, v in kinds.items() if k != "total") == pytest.approx(kinds["total"])
+
+
+def test_train_throughput_llama_demo_is_the_demo_config(monkeypatch):
+    """The Llama demo row measures the shape projects/Llama/configs/llama_demo.py trains."""
+    import importlib.util
+
+    from libai_lite.config import LazyConfig
+
+    spec = importlib.util.spec_from_file_location("throughput_models", REPO_ROOT / "bench" / "throughput_models.py")
+    models = importlib.util.module_from_spec(spec)
+    # Its dataclass looks its module up in sys.modules while the module runs; undone after the test.
+    monkeypatch.setitem(sys.modules, spec.name, models)
+    spec.loader.exec_module(models)
+    shape = models.LLAMA_SIZES["demo"]
+    cfg = LazyConfig.load(str(REPO_ROOT / "projects/Llama/configs/llama_demo.py"))
+    m = cfg.model.cfg
+    assert (shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["ffn"], shape["seq"]) == (
+        m.hidden_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.ffn_hidden_size,
+        m.max_seq_length)
+    assert shape["micro_batch"] == cfg.train.train_micro_batch_size
+    # The run replaces vocab_size by data_test's GPT-2 tokenizer padded as the config says.
+    vocab = len(json.loads((REPO_ROOT / "data_test/gpt2/vocab.json").read_text()))
+    step = cfg.tokenization.make_vocab_size_divisible_by
+    assert shape["vocab"] == -(-vocab // step) * step
 
 
 def test_preprocess_smoke():
