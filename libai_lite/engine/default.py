@@ -267,7 +267,7 @@ class DefaultTrainer:
             hooks.PeriodicWriter(
                 self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
                 device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None),
-                lambda: self.consumed_samples_at(self.trainer.iter + 1), self.layout, self.model.metrics,
+                lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
             )
         )
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
@@ -280,10 +280,12 @@ class DefaultTrainer:
         return self.consumed_samples + (iteration - self.start_iter) * int(self.cfg.train.global_batch_size)
 
     def trainer_state(self) -> dict:
-        it = self.trainer.iter
+        # `iteration` is the last one done: at the end of a run trainer.iter is already max_iter,
+        # which would make a resume skip one iteration and count its samples as consumed.
+        done = self.trainer.next_iter
         state = {
-            "iteration": it,
-            "consumed_samples": self.consumed_samples_at(it + 1),
+            "iteration": done - 1,
+            "consumed_samples": self.consumed_samples_at(done),
             "global_batch_size": int(self.cfg.train.global_batch_size),
             "data_parallel_size": self.layout.data_parallel_size,
             "scheduler": self.scheduler.state_dict(),
@@ -293,7 +295,12 @@ class DefaultTrainer:
         return state
 
     def _restore_trainer_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        from ..scheduler.lr_scheduler import restore_scheduler
+
+        changed = restore_scheduler(self.scheduler, state["scheduler"])
+        if changed:
+            what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+            logger.info(f"lr schedule rebuilt for this run's length ({what}): the lr continues along the new schedule")
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if state.get("data_parallel_size") not in (None, self.layout.data_parallel_size):

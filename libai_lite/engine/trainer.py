@@ -43,6 +43,9 @@ class TrainerBase:
     def __init__(self):
         self._hooks: list[HookBase] = []
         self.iter = self.start_iter = self.max_iter = 0
+        # The first iteration not yet done: what a checkpoint taken now resumes at, whether it is
+        # taken after a step, after a stop, or after the last step (when `iter` is already max_iter).
+        self.next_iter = 0
         self.storage: EventStorage | None = None
 
     def register_hooks(self, hooks) -> None:
@@ -59,7 +62,7 @@ class TrainerBase:
 
     def train(self, start_iter: int, max_iter: int) -> None:
         """Train on iterations [start_iter, max_iter)."""
-        self.iter = self.start_iter = start_iter
+        self.iter = self.start_iter = self.next_iter = start_iter
         self.max_iter = max_iter
         self.storage = EventStorage(start_iter)
         try:
@@ -68,6 +71,7 @@ class TrainerBase:
                 self.storage.begin(self.iter)
                 self._call_hooks("before_step")
                 self.run_step()
+                self.next_iter = self.iter + 1
                 try:
                     self._call_hooks("after_step")
                 except StopTraining as stop:

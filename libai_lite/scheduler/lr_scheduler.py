@@ -87,3 +87,29 @@ def WarmupExponentialLR(optimizer, max_iter, gamma=0.999, warmup_factor=0.001, w
 def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, warmup_method="linear"):
     """Warmup, then the base lr for the rest of training."""
     return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "constant")
+
+
+# The schedule's shape comes from this run's config (train.train_iter, train.warmup_ratio); only
+# the position in it comes from the checkpoint.
+_SHAPE_KEYS = ("max_iter", "warmup_iter")
+
+
+def restore_scheduler(scheduler, state: dict) -> dict:
+    """Load a checkpoint's scheduler `state` into `scheduler`, keeping `scheduler`'s own length.
+
+    A run resumed with another ``train.train_iter`` (continuing a finished run for longer) goes on
+    along the schedule of its new length: its lr at iteration k is the lr a fresh run of that
+    length has at k. Returns {key: (saved, now)} for the shape keys that changed.
+    """
+    shape = {k: getattr(scheduler, k) for k in _SHAPE_KEYS if hasattr(scheduler, k)}
+    scheduler.load_state_dict(state)
+    changed = {k: (state.get(k), v) for k, v in shape.items() if state.get(k) != v}
+    if changed:
+        for k, v in shape.items():
+            setattr(scheduler, k, v)
+        # The optimizer's lr was loaded with the old schedule's value: set the new schedule's.
+        lrs = scheduler.get_lr()
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = list(lrs)
+    return changed
