@@ -14,6 +14,7 @@ Layout of `<prefix>.idx` (version 1, little endian):
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 from typing import Iterable, Sequence
 
@@ -141,7 +142,8 @@ class MMapIndexedDatasetBuilder:
     """Writes Megatron's format under temporary names; `finalize` makes it visible.
 
     The `.bin` is renamed first and the `.idx` last, so a reader (which needs both) never
-    sees a dataset whose writer was interrupted.
+    sees a dataset whose writer was interrupted. The temporary names carry the process id and
+    a random part: two writers of one prefix never share (and steal) each other's files.
     """
 
     def __init__(self, out_prefix: str, dtype=np.uint16):
@@ -149,9 +151,11 @@ class MMapIndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODES:
             raise ValueError(f"dtype {self.dtype} has no code in Megatron's indexed-dataset format")
-        self._bin_tmp, self._idx_tmp = self.out_prefix + ".bin.tmp", self.out_prefix + ".idx.tmp"
+        tag = f".tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        self._bin_tmp, self._idx_tmp = self.out_prefix + ".bin" + tag, self.out_prefix + ".idx" + tag
         os.makedirs(os.path.dirname(os.path.abspath(self.out_prefix)), exist_ok=True)
-        self._bin = open(self._bin_tmp, "wb")
+        # "x": a name that somehow exists is never overwritten.
+        self._bin = open(self._bin_tmp, "xb")
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
 
@@ -182,7 +186,7 @@ class MMapIndexedDatasetBuilder:
         pointers = np.zeros(len(sizes), dtype=np.int64)
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-        with open(self._idx_tmp, "wb") as f:
+        with open(self._idx_tmp, "xb") as f:
             f.write(_HEADER.pack(_MAGIC, _VERSION, _CODES[self.dtype], len(sizes), len(doc_idx)))
             for array in (sizes, pointers, doc_idx):
                 f.write(array.tobytes(order="C"))
@@ -190,14 +194,21 @@ class MMapIndexedDatasetBuilder:
             os.fsync(f.fileno())
         # An older dataset at this prefix loses its .idx first, so a crash between the two
         # renames can never pair the new .bin with the old index.
-        if os.path.exists(self.out_prefix + ".idx"):
+        try:
             os.remove(self.out_prefix + ".idx")
+        except FileNotFoundError:  # none yet, or a concurrent writer of this prefix removed it first
+            pass
         os.replace(self._bin_tmp, self.out_prefix + ".bin")
         os.replace(self._idx_tmp, self.out_prefix + ".idx")
 
     def abort(self) -> None:
-        """Drop everything written so far."""
-        self._bin.close()
+        """Drop everything written so far (safe after a failed write or finalize, even on a full disk)."""
+        try:
+            self._bin.close()
+        except OSError:  # the buffered tail cannot be flushed (disk full): the file goes anyway
+            pass
         for path in (self._bin_tmp, self._idx_tmp):
-            if os.path.exists(path):
+            try:
                 os.remove(path)
+            except FileNotFoundError:
+                pass
