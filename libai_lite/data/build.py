@@ -43,20 +43,32 @@ def parse_splits_string(splits_string) -> list:
     return [s / sum(splits) for s in splits]
 
 
-def get_train_valid_test_split(splits_string, size: int) -> list:
+SPLIT_ROUNDINGS = ("core", "legacy")
+
+
+def get_train_valid_test_split(splits_string, size: int, rounding: str = "core") -> list:
     """Document boundaries ``[0, end_train, end_valid, size]`` of the three contiguous splits.
 
-    Megatron's ``get_train_valid_test_split_``: round each share of ``size``, then shift the
-    boundaries so the last one is ``size``. When that shift would give a split a negative length
-    or documents to a zero-weight split (possible only for a handful of documents), the
-    boundaries are rounded from the cumulative shares instead.
+    ``rounding="core"`` (the default) is Megatron core's: each boundary is the cumulative share
+    times ``size``, rounded (at 10,010 documents and "949,50,1" train is ``[0, 9499)``).
+    ``"legacy"`` is legacy Megatron's and LiBai's ``get_train_valid_test_split_``: round each
+    share of ``size``, then shift the boundaries so the last one is ``size`` (train ``[0, 9500)``
+    there); when that shift would give a split a negative length or documents to a zero-weight
+    split (possible only for a handful of documents), the cumulative rounding is used instead.
     """
+    if rounding not in SPLIT_ROUNDINGS:
+        raise UsageError(f"split_rounding must be one of {', '.join(SPLIT_ROUNDINGS)}, got {rounding!r}: "
+                         f"'core' splits as Megatron core does, 'legacy' as legacy Megatron-LM and LiBai do")
     size = int(size)
     splits = parse_splits_string(splits_string)
+    # Megatron core adds the normalised shares one by one (its split matrix); so does cumsum.
+    cumulative = [0] + [int(round(c * float(size))) for c in np.cumsum(splits)[:-1]] + [size]
+    if rounding == "core":
+        return cumulative
     index = np.concatenate(([0], np.cumsum([int(round(share * float(size))) for share in splits])))
     index[1:] -= index[-1] - size
     if any(b < a or (share == 0 and b > a) for share, a, b in zip(splits, index, index[1:])):
-        index = [0] + [int(round(c * size)) for c in np.cumsum(splits)[:-1]] + [size]
+        return cumulative
     return [int(i) for i in index]
 
 
@@ -181,7 +193,8 @@ def check_num_samples(train_valid_test_num_samples) -> list:
     return nums
 
 
-def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=None) -> list:
+def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=None,
+                         split_rounding: str = "core") -> list:
     indexed = open_indexed_dataset(data_prefix)
     num_docs = indexed.num_documents
     if num_docs == 0:
@@ -189,7 +202,7 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
     if vocab_size is not None:
         # Before any index is cached: refused data must leave nothing behind.
         token_id_range(indexed, data_prefix, cache_dir, vocab_size=vocab_size)
-    bounds = get_train_valid_test_split(splits_string, num_docs)
+    bounds = get_train_valid_test_split(splits_string, num_docs, split_rounding)
     out = []
     for i, name in enumerate(SPLIT_NAMES):
         documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
@@ -207,18 +220,20 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
 
 def build_gpt_train_valid_test_datasets(data_prefix, splits_string, train_valid_test_num_samples,
                                         seq_length: int, seed: int, cache_dir: str | None = None,
-                                        *, vocab_size: int | None = None) -> tuple:
+                                        *, vocab_size: int | None = None, split_rounding: str = "core") -> tuple:
     """``(train, valid, test)`` GPT datasets (``BlendableDataset`` for a blend; None where 0 samples asked).
 
-    With ``vocab_size``, data holding token ids outside the vocabulary is refused.
+    With ``vocab_size``, data holding token ids outside the vocabulary is refused. ``split_rounding``
+    chooses Megatron core's (default) or legacy Megatron's document split boundaries.
     """
     nums = check_num_samples(train_valid_test_num_samples)
     prefixes, weights = parse_data_prefix(data_prefix)
     if weights is None:
-        result = _build_single_prefix(prefixes[0], splits_string, nums, seq_length, seed, cache_dir, vocab_size)
+        result = _build_single_prefix(prefixes[0], splits_string, nums, seq_length, seed, cache_dir, vocab_size,
+                                      split_rounding)
     else:
         _, _, per_prefix_nums = get_datasets_weights_and_num_samples(data_prefix, nums)
-        parts = [_build_single_prefix(p, splits_string, n, seq_length, seed, cache_dir, vocab_size)
+        parts = [_build_single_prefix(p, splits_string, n, seq_length, seed, cache_dir, vocab_size, split_rounding)
                  for p, n in zip(prefixes, per_prefix_nums)]
         result = []
         for i in range(3):
@@ -246,8 +261,8 @@ def _make_loader(dataset, batch_sampler, num_workers: int) -> torch.utils.data.D
 
 def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", seq_length: int = 1024,
                                        seed: int = 1234, num_workers: int = 2, cache_dir: str | None = None,
-                                       *, train_valid_test_num_samples, micro_batch_size: int,
-                                       consumed_samples: int = 0, data_parallel_rank: int = 0,
+                                       split_rounding: str = "core", *, train_valid_test_num_samples,
+                                       micro_batch_size: int, consumed_samples: int = 0, data_parallel_rank: int = 0,
                                        data_parallel_size: int = 1, vocab_size: int | None = None,
                                        eval_micro_batch_size: int | None = None) -> tuple:
     """``(train_loader, valid_loader, test_loader)`` yielding ``{"input_ids", "labels"}`` micro-batches.
@@ -259,7 +274,8 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
     """
     nums = check_num_samples(train_valid_test_num_samples)
     datasets = build_gpt_train_valid_test_datasets(
-        data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=vocab_size)
+        data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=vocab_size,
+        split_rounding=split_rounding)
     return build_loaders_for_datasets(datasets, nums, micro_batch_size, eval_micro_batch_size, consumed_samples,
                                       data_parallel_rank, data_parallel_size, num_workers)
 
@@ -287,13 +303,13 @@ def build_loaders_for_datasets(datasets, nums, micro_batch_size: int, eval_micro
     return (train_loader, *eval_loaders)
 
 
-def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int) -> int:
+def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, split_rounding: str = "core") -> int:
     """Samples in one epoch of the train split (summed over a blend): its tokens // seq_length."""
     prefixes, _ = parse_data_prefix(data_prefix)
     total = 0
     for prefix in prefixes:
         ds = open_indexed_dataset(prefix)
-        split = get_train_valid_test_split(splits_string, ds.num_documents)
+        split = get_train_valid_test_split(splits_string, ds.num_documents, split_rounding)
         first, last = int(ds.doc_idx[split[0]]), int(ds.doc_idx[split[1]])
         total += max(int(ds.sizes[first:last].sum()) - 1, 0) // seq_length
     return total

@@ -2,8 +2,9 @@
 
 Three index arrays turn an indexed dataset plus a split's documents into samples:
 
-* ``doc_idx``     the split's documents, repeated for as many epochs as ``num_samples`` needs,
-                  each epoch shuffled on its own (so every epoch sees every document once);
+* ``doc_idx``     the split's documents, repeated for as many epochs as ``num_samples`` needs
+                  and shuffled in one go (Megatron's ``_build_doc_idx``); with a separate last
+                  epoch, the earlier epochs are shuffled together and the last one on its own;
 * ``sample_idx``  ``(num_samples_total + 1, 2)`` rows of ``(position in doc_idx, token offset)``:
                   sample ``i`` is the ``seq_length + 1`` tokens from row ``i`` to row ``i + 1``
                   inclusive, so consecutive samples share one token (Megatron's build_sample_idx);
@@ -11,11 +12,17 @@ Three index arrays turn an indexed dataset plus a split's documents into samples
                   of its samples (Megatron's ``separate_last_epoch``) it is shuffled on its own so
                   its partial coverage is not smeared over the earlier, complete epochs.
 
-The arrays are built once by global rank 0, saved atomically as ``.npy`` with Megatron's names and
-memory-mapped by every rank and DataLoader worker.
+Every array equals the one Megatron-LM builds for the same documents, seed, sequence length and
+sample count (tests/data/test_megatron_indices.py checks 40 configurations against arrays made by
+Megatron's own code), so a run moved from Megatron-LM or LiBai reads the same samples in the same order.
+
+The arrays are built once by global rank 0 under a file lock, saved atomically as ``.npy`` with
+Megatron's names and memory-mapped by every rank and DataLoader worker.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +43,7 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 # Bump when the meaning of the cached arrays changes, so stale caches are rebuilt, not trusted.
-_INDEX_FORMAT = "libai_lite-gpt-indexmap-v1"
+_INDEX_FORMAT = "libai_lite-gpt-indexmap-v2"
 _SAMPLE_IDX_CHUNK = 1 << 22
 _TOKEN_SCAN_CHUNK = 1 << 26
 _INDEX_KINDS = ("doc", "sample", "shuffle")
@@ -65,11 +72,24 @@ def separate_last_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int
     return num_samples - from_full_epochs < int(0.80 * samples_per_epoch)
 
 
-def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """``documents`` once per epoch, each epoch an independent permutation drawn from ``rng``."""
+def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                  separate_last_epoch: bool = False) -> np.ndarray:
+    """Megatron's ``_build_doc_idx``: ``documents`` repeated ``num_epochs`` times and shuffled as one array.
+
+    With ``separate_last_epoch`` the first ``num_epochs - 1`` epochs are shuffled together and the
+    last epoch on its own, after them, from the same ``rng``. Shuffling the whole repeated list (not
+    each epoch apart) is what spends the random stream as Megatron does, so every later draw (the
+    shuffle index) agrees too.
+    """
     documents = np.asarray(documents)
+    if separate_last_epoch and num_epochs > 1:
+        first = build_doc_idx(documents, num_epochs - 1, rng, False)
+        return np.concatenate((first, build_doc_idx(documents, 1, rng, False)))
+    # Megatron's int32 (its C++ sample-index helper requires it); wider only beyond its range.
     dtype = np.int32 if documents.size == 0 or documents.max() < np.iinfo(np.int32).max else np.int64
-    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(dtype)
+    doc_idx = np.tile(documents.astype(dtype, copy=False), num_epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
 
 
 def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int,
@@ -97,10 +117,13 @@ def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int
 def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
     """Megatron's _build_shuffle_idx: shuffle ``[0, num_samples)`` and ``[num_samples, total_size)`` apart."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
-    parts = (np.arange(num_samples, dtype=dtype), np.arange(num_samples, total_size, dtype=dtype))
-    for part in parts:
-        rng.shuffle(part)
-    return np.concatenate(parts)
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,21 +201,52 @@ def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
     return os.path.join(cache_dir, f"{os.path.basename(data_prefix)}-{digest}")
 
 
-def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], what: str) -> None:
-    """Rank 0 builds when the cache is not valid; every rank then waits and checks it."""
-    error = None
-    if get_rank() == 0 and not is_valid():
+@contextlib.contextmanager
+def _cache_lock(path: str, exclusive: bool):
+    """An advisory ``flock`` on ``{path}.lock``: builders take it exclusively, readers shared.
+
+    Two jobs (or two ranks of jobs sharing a cache) then never read arrays another is still
+    writing or removing. Where locks cannot be taken (a read-only cache, a filesystem without
+    ``flock``) the atomic writes alone still keep every file whole.
+    """
+    try:
+        f = open(f"{path}.lock", "a+b")
+    except OSError:
+        yield
+        return
+    with f:
         try:
-            build()
+            fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError:
+            pass
+        yield  # closing the file releases the lock
+
+
+def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], what: str,
+                    open_cache: Callable[[], None] | None = None) -> None:
+    """Rank 0 builds when the cache is not valid; every rank then waits, checks and opens it.
+
+    The check and the build happen under one exclusive lock, and every rank checks and opens the
+    cache under a shared one, so another job rebuilding the same files can never be caught half-way.
+    """
+    error = None
+    if get_rank() == 0:
+        try:
+            with _cache_lock(what, exclusive=True):
+                if not is_valid():
+                    build()
         except Exception as e:  # reach the barrier anyway, or the other ranks hang until timeout
             error = e
     barrier()
     if error is not None:
         raise error
-    if not is_valid():
-        raise RuntimeError(
-            f"rank {get_rank()}: {what} is missing or stale after rank 0 built it; rank 0 failed "
-            f"(see its log) or the cache is not on storage every rank can read (set cache_dir)")
+    with _cache_lock(what, exclusive=False):
+        if not is_valid():
+            raise RuntimeError(
+                f"rank {get_rank()}: {what} is missing or stale after rank 0 built it; rank 0 failed "
+                f"(see its log) or the cache is not on storage every rank can read (set cache_dir)")
+        if open_cache is not None:
+            open_cache()
 
 
 def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None,
@@ -293,8 +347,7 @@ class GPTDataset(torch.utils.data.Dataset):
         stem = (f"{cache_stem(self.data_prefix, cache_dir)}_{self.name}_indexmap_"
                 f"{self.num_samples}ns_{self.seq_length}sl_{self.seed}s")
         self.index_paths = {kind: f"{stem}_{kind}_idx.npy" for kind in _INDEX_KINDS} | {"desc": f"{stem}_desc.json"}
-        _build_on_rank0(self._cache_valid, self._build_indices, self.index_paths["sample"])
-        self._open_indices()
+        _build_on_rank0(self._cache_valid, self._build_indices, self.index_paths["sample"], self._open_indices)
         self.min_token_id, self.max_token_id = token_id_range(indexed_dataset, self.data_prefix, cache_dir)
 
     # -- index files -------------------------------------------------------------------------
@@ -311,21 +364,37 @@ class GPTDataset(torch.utils.data.Dataset):
         }
 
     def _cache_valid(self) -> bool:
+        return self._cache_problem() is None
+
+    def _cache_problem(self) -> str | None:
+        """Why the cached arrays cannot be used (None when they can)."""
         paths = self.index_paths
         desc = _load_json(paths["desc"])
         # Without a description the files came from elsewhere (e.g. Megatron-LM itself, which uses
         # the same names): accept them when their shapes fit this split.
         if desc is not None and desc != self._description():
-            return False
+            return f"{paths['desc']} describes other data or parameters"
+        if desc is None and os.path.exists(paths["desc"]):
+            return f"{paths['desc']} is unreadable"
         total = (self.num_epochs * self.tokens_per_epoch - 1) // self.seq_length
         shapes = {"doc": (self.num_epochs * self.documents.size,), "sample": (total + 1, 2), "shuffle": (total,)}
-        try:
-            return all(_load_npy(paths[kind]).shape == shape for kind, shape in shapes.items())
-        except (OSError, ValueError):
-            return False
+        for kind, shape in shapes.items():
+            if not os.path.exists(paths[kind]):
+                return f"{paths[kind]} is missing"
+            try:
+                found = _load_npy(paths[kind]).shape
+            except (OSError, ValueError) as e:
+                return f"{paths[kind]} is unreadable ({e})"
+            if found != shape:
+                return f"{paths[kind]} has shape {found}, expected {shape}"
+        return None
 
     def _build_indices(self) -> None:
         paths = self.index_paths
+        problem = self._cache_problem()
+        if any(os.path.exists(path) for path in paths.values()):
+            # A truncated or stale cache is rebuilt, not loaded; say so, since it costs time.
+            logger.warning(f"rebuilding the {self.name} indices of {self.data_prefix}: {problem}")
         # Old files go first: a build interrupted half-way must leave files missing (and so be
         # rebuilt), never a mix of old and new arrays that happen to have the right shapes.
         for path in paths.values():
@@ -333,7 +402,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 os.remove(path)
         start = time.perf_counter()
         rng = np.random.RandomState(seed=self.seed)
-        doc_idx = build_doc_idx(self.documents, self.num_epochs, rng)
+        doc_idx = build_doc_idx(self.documents, self.num_epochs, rng, self.separate_last_epoch)
         sample_idx = build_sample_idx(self.indexed_dataset.document_sizes(), doc_idx, self.seq_length,
                                       self.num_epochs, self.tokens_per_epoch)
         total = sample_idx.shape[0] - 1

@@ -30,6 +30,8 @@ _HEADER = struct.Struct("<9sQBQQ")
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 _CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 _RERUN = "re-run tools/preprocess_data.py for this prefix"
+# Sequences checked per numpy call at open: bounded scratch memory for corpora of any size.
+_CHECK_CHUNK = 1 << 22
 
 
 class IndexedDatasetError(UsageError):
@@ -52,10 +54,8 @@ class MMapIndexedDataset:
                 raise IndexedDatasetError(f"data file {path} not found: check the data prefix (paths are relative "
                                           f"to the current directory) or create it with tools/preprocess_data.py")
         self._read_index(idx_path)
-        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if len(self.sizes) else 0
         actual = os.path.getsize(bin_path)
-        if actual < expected:
-            raise IndexedDatasetError(f"{bin_path} is truncated ({actual} bytes, its index needs {expected}): {_RERUN}")
+        self._check_index(idx_path, bin_path, actual)
         # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
         # sample, which halves the loader's samples/s (bench/data_loader.py). An empty file cannot be mapped.
         self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r")) if actual else np.zeros(0, self.dtype)
@@ -84,6 +84,32 @@ class MMapIndexedDataset:
         self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=_HEADER.size)
         self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=_HEADER.size + n_seq * 4)
         self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=_HEADER.size + n_seq * 12)
+
+    def _check_index(self, idx_path: str, bin_path: str, bin_bytes: int) -> None:
+        """Refuse an index that does not describe its ``.bin``, at start and in O(sequences).
+
+        Found here, a corrupt index costs one line; found by the loader, it fails hours into a
+        run at whichever sample first reads past the data.
+        """
+        n, item = len(self.sizes), self.dtype.itemsize
+        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * item if n else 0
+        if bin_bytes < expected:
+            raise IndexedDatasetError(f"{bin_path} is truncated ({bin_bytes} bytes, its index needs {expected}): "
+                                      f"{_RERUN}")
+        for lo in range(0, n, _CHECK_CHUNK):
+            sizes = self.sizes[lo:lo + _CHECK_CHUNK].astype(np.int64)
+            pointers = self.pointers[lo:lo + _CHECK_CHUNK]
+            bad = np.flatnonzero((sizes < 0) | (pointers < 0) | (pointers % item != 0)
+                                 | (pointers + sizes * item > bin_bytes))
+            if bad.size:
+                i = lo + int(bad[0])
+                raise IndexedDatasetError(
+                    f"{idx_path} is corrupt: sequence {i} (size {int(self.sizes[i])}, byte offset "
+                    f"{int(self.pointers[i])}) lies outside {bin_path} ({bin_bytes} bytes): {_RERUN}")
+        doc = self.doc_idx
+        if len(doc) and (doc[0] != 0 or doc[-1] != n or (len(doc) > 1 and (np.diff(doc) < 0).any())):
+            raise IndexedDatasetError(f"{idx_path} is corrupt: its document index is not an increasing list of "
+                                      f"sequence numbers from 0 to {n}: {_RERUN}")
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,7 @@ from libai_lite.data import (
 )
 from libai_lite.data import gpt_dataset as gd
 
-from tests.launch import spawn_ranks
+from tests.launch import ROOT, env, spawn_ranks
 
 FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "megatron"
 
@@ -140,23 +142,30 @@ def test_samples_are_consecutive_tokens_of_the_shuffled_stream(tmp_path):
         ds[-1]
 
 
-def test_every_epoch_covers_every_document_once(tmp_path):
+def test_epochs_are_shuffled_together_as_megatron_does_each_document_once_per_epoch(tmp_path):
     prefix, docs = make_corpus(tmp_path, num_docs=25)
     tokens = sum(len(d) for d in docs)
     seq = 8
     ds = gpt(prefix, num_samples=3 * tokens // seq, seq_length=seq)
     n = len(docs)
-    assert ds.num_epochs >= 3
-    for e in range(ds.num_epochs):
-        assert sorted(ds.doc_idx[e * n:(e + 1) * n].tolist()) == list(range(n))
+    assert ds.num_epochs >= 3 and not ds.separate_last_epoch
+    # Megatron shuffles the repeated document list in one go: each document appears once per
+    # epoch over the whole index, but an epoch-long window is not a permutation.
+    assert np.bincount(ds.doc_idx, minlength=n).tolist() == [ds.num_epochs] * n
+    assert any(sorted(ds.doc_idx[e * n:(e + 1) * n].tolist()) != list(range(n)) for e in range(ds.num_epochs))
+    # A separate last epoch is a permutation of its own, after the others.
+    last = gpt(prefix, num_samples=2 * tokens // seq + 2, seq_length=seq, name="valid")
+    assert last.separate_last_epoch
+    assert sorted(last.doc_idx[-n:].tolist()) == list(range(n))
+    assert np.bincount(last.doc_idx[:-n], minlength=n).tolist() == [last.num_epochs - 1] * n
     assert sorted(np.asarray(ds.shuffle_idx).tolist()) == list(range(len(ds)))
     # The samples' non-overlapping parts, put back in stream order, are the stream itself, and
-    # the first epoch of the stream is every token of the corpus exactly once.
+    # the whole stream is every token of the corpus once per epoch.
     order = np.argsort(np.asarray(ds.shuffle_idx))
     joined = np.concatenate([ds[int(i)]["input_ids"].numpy() for i in order])
     stream = stream_of(ds, docs)
     np.testing.assert_array_equal(joined, stream[:len(ds) * seq])
-    assert sorted(stream[:tokens].tolist()) == sorted(np.concatenate(docs).tolist())
+    assert sorted(stream.tolist()) == sorted(np.concatenate(docs).tolist() * ds.num_epochs)
 
 
 def test_sample_across_epoch_boundary(tmp_path):
@@ -171,10 +180,6 @@ def test_sample_across_epoch_boundary(tmp_path):
     i = int(np.nonzero(np.asarray(ds.shuffle_idx) == p)[0][0])
     got = np.concatenate([ds[i]["input_ids"].numpy(), ds[i]["labels"].numpy()[-1:]])
     np.testing.assert_array_equal(got, stream[p * seq:p * seq + seq + 1])
-    last_doc_of_epoch0, first_doc_of_epoch1 = docs[int(ds.doc_idx[len(docs) - 1])], docs[int(ds.doc_idx[len(docs)])]
-    np.testing.assert_array_equal(got[:tokens - p * seq], last_doc_of_epoch0[-(tokens - p * seq):])
-    np.testing.assert_array_equal(got[tokens - p * seq:][:len(first_doc_of_epoch1)],
-                                  first_doc_of_epoch1[:seq + 1 - (tokens - p * seq)])
 
 
 def test_separate_last_epoch_is_shuffled_on_its_own(tmp_path):
@@ -552,3 +557,141 @@ def test_rank0_builds_and_other_ranks_wait(tmp_path):
     assert (tmp_path / "builds1.txt").read_text() == ""
     np.testing.assert_array_equal(np.load(tmp_path / "shuffle0.npy"), np.load(tmp_path / "shuffle1.npy"))
     assert not glob.glob(str(tmp_path / "*.tmp"))
+
+
+def megatron_indices(documents, sizes, num_samples, seq_length, seed):
+    """Line-by-line port of Megatron-LM's ``_build_index_mappings`` (legacy gpt_dataset.py), the reference."""
+    tokens_per_epoch = int(np.sum(sizes[documents]))
+    num_epochs, total = 0, 0
+    while True:
+        num_epochs += 1
+        total += tokens_per_epoch
+        if (total - 1) // seq_length >= num_samples:
+            break
+    rng = np.random.RandomState(seed=seed)
+    if num_epochs == 1:
+        separate = False
+    else:
+        from_full = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate = (num_samples - from_full) < int(0.80 * per_epoch)
+
+    def doc_idx_of(epochs, separate_last):
+        if not separate_last or epochs == 1:
+            idx = np.mgrid[0:epochs, 0:len(documents)][1]
+            idx[:] = documents
+            idx = idx.reshape(-1).astype(np.int32)
+            rng.shuffle(idx)
+            return idx
+        return np.concatenate((doc_idx_of(epochs - 1, False), doc_idx_of(1, False)))
+
+    doc_idx = doc_idx_of(num_epochs, separate)
+    sample_idx = megatron_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    n = from_full if separate else sample_idx.shape[0] - 1
+    first = np.arange(0, n, dtype=np.uint32)
+    rng.shuffle(first)
+    if n == sample_idx.shape[0] - 1:
+        return doc_idx, sample_idx, first
+    last = np.arange(n, sample_idx.shape[0] - 1, dtype=np.uint32)
+    rng.shuffle(last)
+    return doc_idx, sample_idx, np.concatenate((first, last))
+
+
+@pytest.mark.parametrize("num_samples", [110, 117, 215, 397])
+def test_tiny_splits_needing_ten_or_more_epochs_match_megatron(tmp_path, num_samples):
+    # 6 short documents (82 tokens): valid/test-sized splits of this kind need many epochs, with and without a
+    # separate last epoch; the Megatron port above is the reference.
+    prefix, docs = make_corpus(tmp_path, num_docs=9, max_len=20, seed=3)
+    documents = np.arange(3, 9)
+    ds = gpt(prefix, num_samples, 7, seed=11, documents=documents, name="valid")
+    assert ds.num_epochs >= 10
+    sizes = np.array([len(d) for d in docs], dtype=np.int32)
+    doc_idx, sample_idx, shuffle_idx = megatron_indices(documents, sizes, num_samples, 7, 11)
+    np.testing.assert_array_equal(ds.doc_idx, doc_idx)
+    np.testing.assert_array_equal(ds.sample_idx, sample_idx)
+    np.testing.assert_array_equal(ds.shuffle_idx, shuffle_idx)
+
+
+def test_separate_last_epoch_cases_are_both_exercised_by_the_tiny_split_test(tmp_path):
+    prefix, _ = make_corpus(tmp_path, num_docs=9, max_len=20, seed=3)
+    seen = {gpt(prefix, n, 7, seed=11, documents=np.arange(3, 9), name="valid").separate_last_epoch
+            for n in (110, 117, 215, 397)}
+    assert seen == {True, False}
+
+
+def test_truncated_cache_file_is_rebuilt_with_a_log_line(tmp_path, caplog):
+    prefix, _ = make_corpus(tmp_path)
+    ds = gpt(prefix, 60, 8)
+    want = np.array(ds.shuffle_idx)
+    path = ds.index_paths["sample"]
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])  # a copy or a write cut short
+    with caplog.at_level("WARNING", logger="libai_lite.data.gpt_dataset"):
+        again = gpt(prefix, 60, 8)
+    assert any("rebuilding the train indices" in r.message and "unreadable" in r.message for r in caplog.records)
+    np.testing.assert_array_equal(again.shuffle_idx, want)
+    assert os.path.getsize(path) == len(data)
+
+
+_RACE = r"""
+import sys, time, numpy as np
+sys.path.insert(0, {root!r})
+from tests.data.test_gpt_dataset import gpt
+from libai_lite.data import gpt_dataset as gd
+write = gd._atomic_write
+def slow_write(path, data):  # widen the window between the cache's files, as a slow disk does
+    time.sleep(0.2)
+    write(path, data)
+gd._atomic_write = slow_write
+time.sleep(float(sys.argv[2]))
+ds = gpt({prefix!r}, {n}, 8)
+np.save(sys.argv[1], np.asarray(ds.shuffle_idx))
+print(sum(int(ds.get_tokens(i).sum()) for i in range(len(ds))))
+"""
+
+
+def test_two_processes_building_one_cache_at_once_read_whole_identical_arrays(tmp_path):
+    # Two jobs start together on one corpus with no cache, the second while the first is writing:
+    # each must end with the complete arrays (one builds under the lock, the other waits and
+    # reads), never a half-written or removed file.
+    prefix, _ = make_corpus(tmp_path, num_docs=100, max_len=100)
+    code = _RACE.format(root=str(ROOT), prefix=prefix, n=2000)
+    for delay in (0.3, 0.6):
+        for p in Path(tmp_path).glob("corpus_train_indexmap_*"):
+            p.unlink()
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"out{i}.npy"), str(i * delay)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env())
+                 for i in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-2000:]
+        assert outs[0][0] == outs[1][0]
+        np.testing.assert_array_equal(np.load(tmp_path / "out0.npy"), np.load(tmp_path / "out1.npy"))
+    assert not list(Path(tmp_path).glob("*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["pointer_past_bin", "negative_size", "doc_index_unordered"])
+def test_index_not_describing_its_bin_is_refused_at_open_in_one_line(tmp_path, damage):
+    # A .idx whose pointers run past the .bin used to pass the start checks and fail at the first
+    # sample reading there (iteration 130 of a real run), with advice that did not fix it.
+    prefix, _ = make_corpus(tmp_path, num_docs=40)
+    n = len(MMapIndexedDataset(prefix))
+    header = 9 + 8 + 1 + 8 + 8
+    with open(prefix + ".idx", "r+b") as f:
+        if damage == "pointer_past_bin":
+            f.seek(header + n * 4 + 17 * 8)
+            f.write(np.int64(10 ** 9).tobytes())
+        elif damage == "negative_size":
+            f.seek(header + 5 * 4)
+            f.write(np.int32(-3).tobytes())
+        else:
+            f.seek(header + n * 12 + 8 * 8)
+            f.write(np.int64(2).tobytes())
+    with pytest.raises(IndexedDatasetError) as e:
+        MMapIndexedDataset(prefix)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{prefix}.idx is corrupt" in msg and "re-run tools/preprocess_data.py" in msg
+    where = {"pointer_past_bin": "sequence 17 ", "negative_size": "sequence 5 ", "doc_index_unordered": "document index"}
+    assert where[damage] in msg
