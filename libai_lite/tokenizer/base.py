@@ -94,10 +94,33 @@ class BaseTokenizer:
 class TokenizersBackend(BaseTokenizer):
     """A tokenizer whose work a Hugging Face ``tokenizers.Tokenizer`` (``self._tok``) does."""
 
+    # Regexes (Unicode, ASCII-only) splitting a normalised text as the pre-tokenizer does, for
+    # subclasses whose model runs on each pre-token alone (see word_cache.py); None: no word cache.
+    _word_split: Optional[tuple] = None
+    _word_cache = None
+
+    def enable_word_cache(self, max_words: int = 1 << 20) -> bool:
+        """Encode batches through an exact per-word id cache from now on; False when not possible.
+
+        Meant for one long pass over a corpus (preprocessing): the cache holds up to
+        ``max_words`` words. It needs the ``regex`` package; without it nothing changes.
+        """
+        if self._word_split is None or self._tok.post_processor is not None or self._tok.get_added_tokens_decoder():
+            return False
+        try:
+            from .word_cache import WordCache
+        except ImportError:  # the optional regex package is missing: the plain pipeline is as exact
+            return False
+        self._word_cache = WordCache(self._tok, *self._word_split, max_words=max_words)
+        return True
+
     def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> List[List[int]]:
+        if self._word_cache is not None:
+            # No template or added tokens (checked when enabled): add_special_tokens changes nothing.
+            return self._word_cache.encode_batch(texts)
         # encode_batch_fast skips offset tracking, which we never use.
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .base import TokenizersBackend, check_file, first_line
+from .word_cache import GPT2_SPLIT, GPT2_SPLIT_ASCII
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -15,6 +16,8 @@ class GPT2Tokenizer(TokenizersBackend):
     Megatron-LM's tokenizer, the literal string ``<|endoftext|>`` inside a text is encoded byte
     for byte, not as the special id, so documents cannot forge document boundaries.
     """
+
+    _word_split = (GPT2_SPLIT, GPT2_SPLIT_ASCII)
 
     def __init__(self, vocab_file, merges_file):
         self.vocab_file = check_file(

@@ -1,0 +1,161 @@
+"""Exact word-level caching for tokenizers that apply their model to each pre-token on its own.
+
+GPT-2 byte-level BPE and BERT WordPiece tokenise a text by normalising it, splitting it into
+pre-tokens (words, punctuation, whitespace runs) and running the model on every pre-token
+independently. A corpus repeats the same words endlessly, so encoding each distinct pre-token
+once and concatenating the cached ids gives the very same ids at a fraction of the cost: the
+split is one C regex call per text and the rest is dictionary look-ups, where the full pipeline
+builds an ``Encoding`` (token strings included) for every text.
+
+Exactness rests on our regex splitting a text exactly as the tokenizer's own pre-tokenizer does.
+The regex depends only on which class (letter, number, whitespace, punctuation, other) each
+character belongs to, and two Unicode tables can disagree on a character, so every character is
+checked once against the real pre-tokenizer before a text holding it takes the fast path; a
+text with a character whose split differs is encoded by the tokenizer itself.
+"""
+from __future__ import annotations
+
+import re
+from itertools import chain
+from typing import Dict, List, Optional, Sequence
+
+# tokenizers' ByteLevel(use_regex=True) split (GPT-2's), with \s spelt as the Unicode property.
+GPT2_SPLIT = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\p{White_Space}\p{L}\p{N}]+"
+    r"|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+"
+)
+# tokenizers' BertPreTokenizer: drop whitespace, isolate every punctuation character (Unicode P* or ASCII).
+_BERT_PUNCT = r"\p{P}!-/:-@\[-`{-~"
+BERT_SPLIT = rf"[^\p{{White_Space}}{_BERT_PUNCT}]+|[{_BERT_PUNCT}]"
+
+# The same splits for ASCII-only texts in the stdlib re, about 2.5x faster than the Unicode
+# property classes of the regex package (ASCII White_Space is these six characters).
+_WS = r"\t\n\x0b\x0c\r "
+GPT2_SPLIT_ASCII = (
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
+)
+_ASCII_PUNCT = r"!-/:-@\[-`{-~"
+BERT_SPLIT_ASCII = rf"[^{_WS}{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]"
+
+# Contexts that tell a character's class apart: it joins a letter run, a number run, a
+# punctuation run or a whitespace run, or stands alone, depending on the class.
+_PROBES = ("a{}a", "1{}1", "!{}!", " {} ", "{}", "a {}", "{}  a", "'{}")
+
+
+class WordCache:
+    """Encodes texts with a ``tokenizers.Tokenizer`` through a per-pre-token id cache.
+
+    ``split`` is a ``regex`` pattern that must split a normalised text as ``tok.pre_tokenizer``
+    does, ``ascii_split`` a stdlib ``re`` one for ASCII-only texts (both are checked). At most
+    ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory
+    on corpora with unbounded vocabularies and keeps the frequent words hot.
+    """
+
+    def __init__(self, tok, split: str, ascii_split: Optional[str] = None, max_words: int = 1 << 20):
+        # The stdlib re has no Unicode properties; regex is optional, so a caller can fall back.
+        import regex
+
+        self._tok = tok
+        self._normalizer = tok.normalizer
+        self._pre = tok.pre_tokenizer
+        self._model = tok.model
+        self._split = regex.compile(split)
+        self._findall = self._split.findall
+        self._max_words = max_words
+        self._cache: Dict[str, List[int]] = {}
+        self._good: set = set()
+        self._bad: set = set()
+        ascii_chars = [chr(i) for i in range(128)]
+        self._check_chars(ascii_chars)
+        # ASCII-only texts (most of a typical corpus) then skip the per-character check.
+        self._ascii_ok = not self._bad
+        self._ascii_findall = self._findall
+        if ascii_split is not None:
+            fast = re.compile(ascii_split)
+            if all(self._splits_agree(p.format(c), fast) for c in ascii_chars for p in _PROBES):
+                self._ascii_findall = fast.findall
+        self._ascii_normalize = self._ascii_normalizer(ascii_chars)
+
+    def _ascii_normalizer(self, ascii_chars):
+        """A str-method equivalent of the normaliser on ASCII texts, or None.
+
+        BERT's normaliser costs more than all the rest of the cached path; on ASCII it only
+        lowercases and drops or maps a few control characters, one character at a time, which
+        ``str.lower`` and ``str.translate`` do at memory speed. The table is read off the real
+        normaliser, character by character, then checked on whole strings.
+        """
+        if self._normalizer is None:
+            return None
+        norm = self._normalizer.normalize_str
+        upper = "".join(chr(c) for c in range(ord("A"), ord("Z") + 1))
+        lower = norm(upper) == upper.lower()
+        table = {}
+        for c in ascii_chars:
+            base = c.lower() if lower else c
+            out = norm(c)
+            if out != base:
+                table[ord(c)] = out or None
+
+        def fast(text: str) -> str:
+            return (text.lower() if lower else text).translate(table)
+
+        everything = "".join(ascii_chars)
+        checks = (everything, everything[::-1], "Hello,\tWorld!\r\n\x00[SEP] x\x0bY\x7f  Z.")
+        return fast if all(fast(t) == norm(t) for t in checks) else None
+
+    def _splits_agree(self, text: str, pattern=None) -> bool:
+        ours = [m.span() for m in (pattern or self._split).finditer(text)]
+        try:
+            theirs = [offsets for _, offsets in self._pre.pre_tokenize_str(text)]
+        except Exception:  # a character the library cannot take (lone surrogate): not ours to decide
+            return False
+        return ours == theirs
+
+    def _check_chars(self, chars) -> None:
+        for c in chars:
+            ok = all(self._splits_agree(p.format(c)) for p in _PROBES)
+            (self._good if ok else self._bad).add(c)
+
+    def _fast_path_ok(self, text: str) -> bool:
+        new = set(text) - self._good
+        if not new:
+            return True
+        self._check_chars(new - self._bad)
+        return not (new & self._bad)
+
+    def _word_ids(self, word: str) -> List[int]:
+        # The pipeline minus the normaliser (already applied to the whole text): the
+        # pre-tokenizer finds the word itself as its one pre-token (byte-level mapped for GPT-2).
+        return [t.id for piece, _ in self._pre.pre_tokenize_str(word) for t in self._model.tokenize(piece)]
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Ids of each text, equal to ``tok.encode_batch(texts, add_special_tokens=False)``'s."""
+        cache, out, slow = self._cache, [], []
+        normalize = self._normalizer.normalize_str if self._normalizer is not None else None
+        for text in texts:
+            if normalize is None:
+                norm = text
+            elif self._ascii_normalize is not None and text.isascii():
+                norm = self._ascii_normalize(text)
+            else:
+                norm = normalize(text)
+            ascii_text = norm.isascii()
+            if not (self._ascii_ok if ascii_text else self._fast_path_ok(norm)):
+                slow.append(len(out))
+                out.append(text)
+                continue
+            words = self._ascii_findall(norm) if ascii_text else self._findall(norm)
+            try:
+                out.append(list(chain.from_iterable(map(cache.__getitem__, words))))
+            except KeyError:
+                if len(cache) >= self._max_words:
+                    cache.clear()
+                for w in words:
+                    if w not in cache:
+                        cache[w] = self._word_ids(w)
+                out.append(list(chain.from_iterable(map(cache.__getitem__, words))))
+        if slow:
+            encoded = self._tok.encode_batch_fast([out[i] for i in slow], add_special_tokens=False)
+            for i, e in zip(slow, encoded):
+                out[i] = e.ids
+        return out
