@@ -51,6 +51,24 @@ class KVCache:
         return None if self._value is None else self._value[..., : self.length, :]
 
 
+def document_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Boolean SDPA mask ``[batch, 1, seq, seq]`` (True = attend) from ``document_ids`` ``[batch, seq]``: a query
+    sees the keys of its own document, and with ``causal`` only those at or before it (packed documents,
+    Megatron's ``reset_attention_mask``)."""
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}")
+    keep = document_ids[:, :, None] == document_ids[:, None, :]
+    if causal:
+        keep = keep.tril()
+    return keep[:, None]
+
+
+def _key_mask(attention_mask: torch.Tensor, device) -> torch.Tensor:
+    """A boolean keep-mask broadcastable to ``[batch, heads, query, key]``; ``[batch, key]`` masks keys."""
+    mask = attention_mask.to(device=device, dtype=torch.bool)
+    return mask[:, None, None, :] if mask.dim() == 2 else mask
+
+
 class MultiheadAttention(nn.Module):
     """Self- or cross-attention through ``F.scaled_dot_product_attention``.
 
@@ -142,7 +160,8 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
         ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
@@ -154,8 +173,13 @@ class MultiheadAttention(nn.Module):
         cross-attention projects ``encoder_states`` into an empty cache once and reuses it.
         ``position_ids`` ``[batch or 1, seq]`` of the new positions for rotary embeddings (default: those
         after the cached ones), applied to queries and keys before the keys are cached.
+        ``document_ids`` ``[batch, seq]`` (packed documents, self-attention without a cache): a query
+        attends only to keys of its own document (``document_mask``).
         """
         bsz, q_len, _ = hidden_states.shape
+        if document_ids is not None and (self.is_cross_attention or kv_cache is not None):
+            raise ValueError("document_ids mask self-attention over a whole sequence; they take no KV cache and "
+                             "no cross-attention")
         hd = self.head_size
         if self.is_cross_attention:
             query = self.query(hidden_states).view(bsz, q_len, -1, hd).transpose(1, 2)
@@ -187,7 +211,7 @@ class MultiheadAttention(nn.Module):
             if kv_cache is not None:
                 key, value = kv_cache.update(key, value)
 
-        attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias)
+        attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias, document_ids)
         gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                                  dropout_p=self.attention_dropout_prob if self.training else 0.0,
@@ -195,10 +219,16 @@ class MultiheadAttention(nn.Module):
         context = context.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.output_dropout(self.dense(context))
 
-    def _score_mask(self, query, key, attention_mask, position_bias):
+    def _score_mask(self, query, key, attention_mask, position_bias, document_ids=None):
         """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""
         causal = self.attn_mask_type == "causal"
         q_len, k_len = query.shape[-2], key.shape[-2]
+        if document_ids is not None:
+            keep = document_mask(document_ids.to(query.device), causal)
+            if attention_mask is None and position_bias is None:
+                # Every query sees at least itself, so a boolean mask has no empty row (no NaN).
+                return keep, False
+            attention_mask = keep if attention_mask is None else keep & _key_mask(attention_mask, query.device)
         if attention_mask is None and position_bias is None:
             if not causal or q_len == k_len:
                 return None, causal
@@ -216,9 +246,7 @@ class MultiheadAttention(nn.Module):
             # SDPA's is_causal would align them to the first ones instead.
             keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
         if attention_mask is not None:
-            mask = attention_mask.to(device=query.device, dtype=torch.bool)
-            if mask.dim() == 2:
-                mask = mask[:, None, None, :]
+            mask = _key_mask(attention_mask, query.device)
             keep = mask if keep is None else keep & mask
 
         # An additive float mask with a finite floor keeps rows with no visible key

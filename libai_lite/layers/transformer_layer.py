@@ -20,7 +20,8 @@ class TransformerLayer(nn.Module):
 
     The Llama family: ``norm="rmsnorm"`` (``RMSLayerNorm``), ``gated=True`` with ``activation="silu"``
     (SwiGLU), ``num_key_value_heads``, ``qkv_bias`` and ``rope_theta``/``rope_scaling`` (see
-    ``MultiheadAttention``), and ``position_ids`` passed to ``forward``.
+    ``MultiheadAttention``), and ``position_ids`` passed to ``forward``. ``document_ids`` (packed
+    documents) keep each position's attention inside its own document.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -50,11 +51,15 @@ class TransformerLayer(nn.Module):
                                 **({"gated": True} if gated else {}))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``hidden_states`` ``[batch, seq, hidden]``; mask, cache and positions as in ``MultiheadAttention``."""
+                kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states`` ``[batch, seq, hidden]``; mask, cache, positions and packed documents' ids as in
+        ``MultiheadAttention``."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.apply_residual_post_layernorm else hidden_states
         extra = {} if position_ids is None else {"position_ids": position_ids}
+        if document_ids is not None:
+            extra["document_ids"] = document_ids
         hidden_states = residual + self.self_attention(normed, attention_mask=attention_mask, kv_cache=kv_cache,
                                                        **extra)
 

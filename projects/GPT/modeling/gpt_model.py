@@ -190,6 +190,7 @@ class GPTModel(nn.Module):
         kv_caches: Optional[Mapping[str, KVCache]] = None,
         logits_to_keep: int = 0,
         lm_labels: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
@@ -201,14 +202,17 @@ class GPTModel(nn.Module):
         With ``lm_labels`` (next-token ids, -100 ignored) and a head that can fuse
         (``fuses_cross_entropy``), the per-token loss ``[batch, seq]`` (fp32) comes out instead of
         logits: the pretraining loss and a pipeline's last stage never hold the logits.
+        Packed documents (``libai_lite.data.packing``): ``position_ids`` restarting per document and
+        ``document_ids`` ``[batch, seq]``, which keep each token's attention inside its document.
         """
         if self.embeddings is not None:
             hidden_states = self.embeddings(input_ids, position_ids)
         else:
             hidden_states = input_ids
+        extra = {} if document_ids is None else {"document_ids": document_ids}
         for name, layer in self.layers.items():
             cache = kv_caches[name] if kv_caches is not None else None
-            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache)
+            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, **extra)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
@@ -352,11 +356,12 @@ class GPTLoss(nn.Module):
 class GPTForPreTraining(nn.Module):
     """GPT language model with its pretraining loss; LiBai configs build it as ``LazyCall(GPTForPreTraining)(cfg=cfg)``.
 
-    ``forward(input_ids, labels=None, loss_mask=None)``: with labels returns
+    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels returns
     ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``GPTLoss``), plus ``moe_aux_loss``,
     ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers (``collect_moe_outputs``);
     without, ``{"logits"}``. Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
-    as the GPT dataset produces them.
+    as the GPT dataset produces them. ``position_ids`` and ``document_ids`` ``[batch, seq]`` come with packed
+    documents (the loader's ``reset_position_ids`` / ``reset_attention_mask``, see ``libai_lite.data.packing``).
     """
 
     def __init__(self, cfg: Mapping[str, Any]):
@@ -365,14 +370,20 @@ class GPTForPreTraining(nn.Module):
         self.loss_func = GPTLoss()
 
     def forward(
-        self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> dict:
         model = self.GPT_model
+        packed = dict(position_ids=position_ids, document_ids=document_ids)
         if labels is not None and model.fuses_cross_entropy():
-            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels), labels, loss_mask)
+            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
             outputs.update(collect_moe_outputs(model))
             return outputs
-        logits = model(input_ids)
+        logits = model(input_ids, **packed)
         if labels is None:
             return {"logits": logits}
         outputs = self.loss_func(logits, labels, loss_mask)
@@ -410,8 +421,10 @@ class GPTForPreTraining(nn.Module):
 
     def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
         """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
-        ``lm_labels``, so the last one returns per-token losses from the fused head."""
+        ``lm_labels``, so the last one returns per-token losses from the fused head; packed documents'
+        ``position_ids`` and ``document_ids`` reach every stage too (each attention masks with the latter)."""
         kwargs = {"lm_labels": batch["labels"]} if self.GPT_model.fused_cross_entropy else {}
+        kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
         return (batch["input_ids"],), kwargs, batch["labels"]
 
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

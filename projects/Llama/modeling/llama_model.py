@@ -120,19 +120,22 @@ class LlamaModel(nn.Module):
         kv_caches: Optional[Mapping[str, KVCache]] = None,
         logits_to_keep: int = 0,
         lm_labels: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
         As ``GPTModel.forward``: ``attention_mask`` ``[batch, keys]`` (0 = left padding),
         ``position_ids`` ``[batch, seq]`` (default ``0..seq-1``), ``kv_caches`` per layer key,
         ``logits_to_keep`` and ``lm_labels`` (per-token loss from the fused head instead of logits).
+        Packed documents: ``position_ids`` restarting per document and ``document_ids`` ``[batch, seq]``.
         """
         hidden_states = self.embeddings(input_ids) if self.embeddings is not None else input_ids
+        extra = {} if document_ids is None else {"document_ids": document_ids}
         for name, layer in self.layers.items():
             cache = kv_caches[name] if kv_caches is not None else None
             # The attention computes its rotary angles itself: under sequence parallelism only it
             # sees the whole sequence.
-            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids)
+            hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids, **extra)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
@@ -230,9 +233,10 @@ class LlamaLoss(nn.Module):
 class LlamaForPreTraining(nn.Module):
     """Llama with its pretraining loss; configs build it as ``LazyCall(LlamaForPreTraining)(cfg=cfg)``.
 
-    ``forward(input_ids, labels=None, loss_mask=None)``: with labels (already shifted, as the GPT
-    dataset gives them) returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (plus ``moe_aux_loss``,
-    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers); without, ``{"logits"}``.
+    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels
+    (already shifted, as the GPT dataset gives them) returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (plus
+    ``moe_aux_loss``, ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers); without, ``{"logits"}``.
+    ``position_ids`` and ``document_ids`` come with packed documents (``libai_lite.data.packing``).
     """
 
     def __init__(self, cfg: Mapping[str, Any]):
@@ -241,12 +245,14 @@ class LlamaForPreTraining(nn.Module):
         self.loss_func = LlamaLoss()
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> dict:
+                loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> dict:
         model = self.llama
+        packed = dict(position_ids=position_ids, document_ids=document_ids)
         if labels is not None and model.fuses_cross_entropy():
-            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels), labels, loss_mask)
+            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
         else:
-            logits = model(input_ids)
+            logits = model(input_ids, **packed)
             if labels is None:
                 return {"logits": logits}
             outputs = self.loss_func(logits, labels, loss_mask)
@@ -283,8 +289,10 @@ class LlamaForPreTraining(nn.Module):
         return self.llama
 
     def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
-        """``(first-stage inputs, every-stage kwargs, labels)``; labels reach the last stage as ``lm_labels``."""
+        """``(first-stage inputs, every-stage kwargs, labels)``; labels reach the last stage as ``lm_labels``,
+        packed documents' ``position_ids`` (rotary, in every layer) and ``document_ids`` every stage."""
         kwargs = {"lm_labels": batch["labels"]} if self.llama.fused_cross_entropy else {}
+        kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
         return (batch["input_ids"],), kwargs, batch["labels"]
 
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

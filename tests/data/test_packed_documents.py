@@ -1,0 +1,193 @@
+"""Megatron's packed-document options (libai_lite.data.packing) end to end: the per-sample fields against a
+direct transcription of Megatron's loop, and a tiny GPT and Llama built from the project configs whose
+per-document losses with reset_position_ids + reset_attention_mask equal running each document alone."""
+import copy
+
+import pytest
+import torch
+
+from libai_lite.config import LazyConfig, instantiate
+from libai_lite.data import IGNORE_INDEX
+from libai_lite.data.packing import (
+    PackedDocumentDataset,
+    check_packing_options,
+    document_ids,
+    document_position_ids,
+    packed_document_fields,
+    wrap_packed_documents,
+)
+from libai_lite.utils.errors import UsageError
+from tests.launch import ROOT
+
+EOD = 0
+VOCAB = 96
+# fp32 throughout: a position's logits differ between the packed and the lone run only by the order in
+# which matmuls and the softmax accumulate (other sequence lengths, a masked kernel). Each op then errs by
+# a few float32 eps (1.2e-7) times sqrt(its reduction length, <= 128 here); through two layers and a
+# log-softmax that stays well under 1e-5 of a loss sum, far below a real leak across documents (~1e-2).
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _megatron_reference(tokens, eod):
+    """Megatron's _get_ltor_masks_and_position_ids (core GPTDataset), transcribed as the loop it is, on one
+    sample's input tokens: (keep mask [s, s], loss mask [s], position ids [s])."""
+    s = len(tokens)
+    keep = torch.ones(s, s).tril()
+    loss_mask = torch.ones(s)
+    loss_mask[tokens == eod] = 0.0
+    positions = torch.arange(s)
+    prev = 0
+    for i in (positions[tokens == eod]).tolist():
+        keep[i + 1:, : i + 1] = 0
+        positions[i + 1:] -= i + 1 - prev
+        prev = i + 1
+    return keep.bool(), loss_mask, positions
+
+
+def test_fields_match_megatron_on_random_and_edge_samples():
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.tensor([EOD, 5, 6, EOD, EOD, 7, 8, EOD]), torch.tensor([4, 5, 6]), torch.tensor([EOD, EOD])]
+    samples += [torch.randint(0, 4, (24,), generator=gen) for _ in range(50)]  # ~1 eod in 4
+    for tokens in samples:
+        keep, loss_mask, positions = _megatron_reference(tokens, EOD)
+        fields = packed_document_fields(tokens, tokens + 1, EOD, True, True, True)
+        assert torch.equal(fields["position_ids"], positions)
+        docs = fields["document_ids"]
+        assert torch.equal((docs[:, None] == docs[None, :]).tril(), keep)
+        assert torch.equal(fields["labels"] != IGNORE_INDEX, loss_mask.bool())
+    batch = torch.stack(samples[3:6])
+    assert torch.equal(document_position_ids(batch, EOD), torch.stack([document_position_ids(t, EOD) for t in batch]))
+    assert torch.equal(document_ids(batch, EOD), torch.stack([document_ids(t, EOD) for t in batch]))
+
+
+def test_eod_mask_loss_drops_exactly_the_eod_inputs_and_nothing_else():
+    tokens = torch.tensor([3, 4, EOD, 5, EOD, EOD, 6, 7])
+    labels = torch.tensor([4, EOD, 5, EOD, EOD, 6, 7, IGNORE_INDEX])
+    fields = packed_document_fields(tokens, labels, EOD, eod_mask_loss=True)
+    assert set(fields) == {"labels"}
+    dropped = fields["labels"] == IGNORE_INDEX
+    assert torch.equal(dropped, (tokens == EOD) | (labels == IGNORE_INDEX))
+    assert torch.equal(fields["labels"][~dropped], labels[~dropped])
+    assert labels[2] == 5  # the sample's own labels are untouched
+
+
+class _Samples(torch.utils.data.Dataset):
+    data_prefix = "in-memory"
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i][:-1], "labels": self.rows[i][1:]}
+
+
+def test_dataset_wrapper_adds_only_the_enabled_keys_and_collates():
+    rows = [torch.tensor([1, 2, EOD, 3, 4, 5]), torch.tensor([EOD, 7, 8, 9, EOD, 1])]
+    base = _Samples(rows)
+    assert wrap_packed_documents(base, None) is base  # options off: the very dataset, batches unchanged
+    ds = wrap_packed_documents(base, EOD, reset_attention_mask=True, eod_mask_loss=True)
+    assert isinstance(ds, PackedDocumentDataset) and len(ds) == 2 and ds.data_prefix == "in-memory"
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=2)))
+    assert set(batch) == {"input_ids", "labels", "document_ids"}
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[2, EOD, IGNORE_INDEX, 4, 5], [IGNORE_INDEX, 8, 9, EOD, IGNORE_INDEX]]
+
+
+@pytest.mark.parametrize("options", [dict(reset_position_ids=True), dict(reset_attention_mask=True),
+                                     dict(eod_mask_loss=True)])
+def test_an_option_without_the_eod_id_is_refused_in_one_line(options):
+    with pytest.raises(UsageError, match=r"set dataloader\.train\.eod_token_id") as err:
+        wrap_packed_documents(_Samples([torch.arange(4)]), None, **options)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UsageError, match="non-negative token id"):
+        check_packing_options(-1, **options)
+
+
+# ---------------------------------------------------------------- models from the project configs
+
+def _model(project):
+    """A tiny fp32 model, dropout off, from the project's own config (GQA 4/2 heads for Llama)."""
+    config = {"gpt": "projects/GPT/configs/gpt2_pretrain.py", "llama": "projects/Llama/configs/llama_demo.py"}
+    node = LazyConfig.load(str(ROOT / config[project])).model
+    node.cfg.update(hidden_layers=2, vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    max_seq_length=32)
+    if project == "gpt":
+        node.cfg.update(embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)
+    else:
+        node.cfg.update(num_key_value_heads=2)
+    torch.manual_seed(0)
+    return instantiate(node).eval()
+
+
+def _documents(gen, lengths):
+    """Documents of the given lengths, each ending with EOD, their other tokens never EOD."""
+    return [torch.cat([torch.randint(1, VOCAB, (n - 1,), generator=gen), torch.tensor([EOD])]) for n in lengths]
+
+
+def _packed_sample(docs, extra):
+    """One sample cut from the stream docs + a next document's first ``extra`` tokens (as GPTDataset cuts)."""
+    stream = torch.cat(docs + [torch.arange(1, extra + 1)])
+    return stream[:-1], stream[1:]
+
+
+@pytest.mark.parametrize("project", ["gpt", "llama"])
+def test_per_document_losses_equal_each_document_run_alone(project):
+    model = _model(project)
+    gen = torch.Generator().manual_seed(1)
+    layouts = [(7, 12, 5), (4, 9, 11)]  # two samples of 24 input tokens: 3 documents + 1 cut-off token
+    samples = [_packed_sample(_documents(gen, lens), extra=1) for lens in layouts]
+    input_ids = torch.stack([s[0] for s in samples])
+    labels = torch.stack([s[1] for s in samples])
+    fields = packed_document_fields(input_ids, labels, EOD, reset_position_ids=True, reset_attention_mask=True)
+
+    with torch.no_grad():
+        logits = model(input_ids, position_ids=fields["position_ids"], document_ids=fields["document_ids"])["logits"]
+        leaky = model(input_ids)["logits"]  # plain causal attention over the whole sample
+        for row, lens in enumerate(layouts):
+            start = 0
+            for doc, n in enumerate(lens):
+                span = slice(start, start + n)
+                alone_ids, alone_labels = input_ids[row:row + 1, span], labels[row:row + 1, span]
+                alone = model(alone_ids)["logits"]
+                torch.testing.assert_close(logits[row:row + 1, span], alone, rtol=RTOL, atol=ATOL)
+                # Per-document loss sum (the issue's criterion): packed labels kept on this document only.
+                only_doc = torch.full_like(labels, IGNORE_INDEX)
+                only_doc[row, span] = labels[row, span]
+                packed_nll = model(input_ids, labels=only_doc, **{k: fields[k] for k in ("position_ids",
+                                                                                        "document_ids")})["nll_sum"]
+                alone_nll = model(alone_ids, labels=alone_labels)["nll_sum"]
+                torch.testing.assert_close(packed_nll, alone_nll, rtol=RTOL, atol=0.0)
+                if doc:  # without the options later documents see earlier ones: the test can fail
+                    assert (leaky[row:row + 1, span] - alone).abs().max() > 1e-3
+                start += n
+
+
+@pytest.mark.parametrize("project", ["gpt", "llama"])
+def test_pipeline_stages_pass_the_packed_fields_to_every_stage(project):
+    """pipeline_batch sends position_ids and document_ids to every stage (torch's schedules hand each stage
+    the kwargs); two stages cut as the splitter cuts them reproduce the whole model's per-token loss."""
+    wrapper = _model(project)
+    inner = wrapper.pipeline_module()
+    gen = torch.Generator().manual_seed(2)
+    input_ids, labels = _packed_sample(_documents(gen, (6, 10, 7)), extra=2)
+    batch = {"input_ids": input_ids[None], "labels": labels[None]}
+    batch.update(packed_document_fields(batch["input_ids"], batch["labels"], EOD, True, True))
+    args, kwargs, target = wrapper.pipeline_batch(batch)
+    assert {"position_ids", "document_ids"} <= set(kwargs) and target is batch["labels"]
+
+    first, last = copy.deepcopy(inner), copy.deepcopy(inner)
+    first.final_layernorm = first.lm_head = None
+    del first.layers["1"]
+    last.embeddings = None
+    del last.layers["0"]
+    with torch.no_grad():
+        staged = last(first(*args, **kwargs), **kwargs)
+        whole = inner(*args, **kwargs)
+        assert torch.equal(staged, whole)
+        assert torch.isclose(wrapper.pipeline_loss_fn(staged, target), wrapper(**batch)["lm_loss"], rtol=RTOL)
+        # The stages did use the fields: without them the loss changes.
+        plain = {k: v for k, v in kwargs.items() if k not in ("position_ids", "document_ids")}
+        assert not torch.allclose(last(first(*args, **plain), **plain), staged, rtol=1e-3)
