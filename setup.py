@@ -28,6 +28,12 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40"],
+        # nltk: the --split-sentences tests run (on a punkt model they write themselves).
+        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8"],
+        # tools/preprocess_data.py --split-sentences: nltk's punkt (its model is installed apart,
+        # python -m nltk.downloader punkt_tab, never fetched at run time).
+        "sentences": ["nltk>=3.8"],
+        # tools/preprocess_data.py runs faster with them (word-cache split, JSON parsing); exact without.
+        "preprocess": ["regex>=2022.1", "orjson>=3.8"],
     },
 )

@@ -8,6 +8,11 @@ document per input line, one sequence per document (or one per sentence when the
 value is a list of strings), ``--append-eod`` adding the end-of-document id to
 non-empty documents. A line whose text yields no tokens becomes an empty
 document (a repeated entry in the document index), as in Megatron.
+``--split-sentences`` splits every text into sentences with nltk's punkt model (the optional
+``libai_lite[sentences]`` extra; the model is never downloaded at run time) and writes
+``{output_prefix}_{key}_sentence.bin/.idx``, one sequence per sentence and the documents in
+the document index, as Megatron does; ``--keep-newlines`` keeps the whitespace (newlines
+included) that follows a sentence inside it, so the sentences concatenate back to the text.
 ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` reads DIR's
 ``tokenizer.json`` (Llama 3, Mistral, Qwen2): as in Megatron, every sequence
 gets what the tokenizer's template adds (a BOS for Llama and Mistral, nothing
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import json
 import multiprocessing
 import os
@@ -35,6 +41,11 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 from tqdm import tqdm
+
+try:  # optional: parses a line several times faster than json; json explains a bad line
+    import orjson
+except ImportError:
+    orjson = None
 
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer, check_file
@@ -76,6 +87,18 @@ def get_args(argv=None) -> argparse.Namespace:
         "--vocab-extra-ids", type=int, default=0, help="number of <extra_id_*> sentinels (T5)"
     )
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document id")
+    group.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="split texts into sentences with nltk's punkt (pip install 'libai_lite[sentences]'); "
+        "writes {prefix}_{key}_sentence.bin/.idx",
+    )
+    group.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: keep the whitespace and newlines after a sentence in it",
+    )
+    group.add_argument("--lang", type=str, default="english", help="punkt model for --split-sentences")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", type=str, required=True, help="prefix of the output files")
     group.add_argument(
@@ -100,7 +123,58 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error("--log-interval must be >= 1")
     if args.vocab_extra_ids < 0:
         parser.error("--vocab-extra-ids must be >= 0")
+    if args.keep_newlines and not args.split_sentences:
+        parser.error("--keep-newlines only applies with --split-sentences; add --split-sentences or drop it")
     return args
+
+
+# Megatron splits texts in slices of this many characters, punkt being slow on huge strings.
+SPLIT_SLICE_CHARS = 1_000_000
+
+
+def build_sentence_splitter(lang: str = "english", keep_newlines: bool = False):
+    """nltk's punkt sentence splitter for ``lang``, as Megatron-LM's ``--split-sentences`` uses it.
+
+    Raises ``InputError`` (one line naming the install) when nltk or the punkt model is absent:
+    the model is never downloaded here, since preprocessing machines often have no network.
+    """
+    try:
+        from nltk.tokenize import punkt
+    except ImportError:
+        raise InputError(
+            "--split-sentences needs nltk, which is not installed; pip install 'libai_lite[sentences]'"
+        ) from None
+    # nltk >= 3.8.2 reads the plain-text punkt_tab model; older releases the punkt pickle.
+    if hasattr(punkt, "PunktTokenizer"):
+        model, load = "punkt_tab", lambda: punkt.PunktTokenizer(lang)
+    else:
+        import nltk
+
+        model, load = "punkt", lambda: nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+    try:
+        splitter = load()
+    except (LookupError, ValueError, OSError):
+        raise InputError(
+            f"nltk's {model} model for --lang {lang} is not installed; "
+            f"run: python -m nltk.downloader {model} (or pass another --lang)"
+        ) from None
+    if keep_newlines:
+
+        class KeepNewlines(punkt.PunktLanguageVars):
+            # A sentence end swallows the whitespace after it (newlines too) and the next
+            # token follows directly: each sentence keeps its trailing whitespace, as in
+            # Megatron's CustomLanguageVars.
+            _period_context_fmt = r"""
+                %(SentEndChars)s
+                \s*
+                (?=(?P<after_tok>
+                    %(NonWord)s
+                    |
+                    (?P<next_tok>\S+)
+                ))"""
+
+        splitter = punkt.PunktSentenceTokenizer(train_text=splitter._params, lang_vars=KeepNewlines())
+    return splitter
 
 
 # ---------------------------------------------------------------- worker side
@@ -108,8 +182,9 @@ def get_args(argv=None) -> argparse.Namespace:
 _WORKER = {}
 
 
-def _init_worker(tokenizer_kwargs: dict, keys, append_eod: bool, dtype, input_name: str, threads: bool):
-    """Build this process's tokenizer once; workers run single-threaded backends."""
+def _init_worker(tokenizer_kwargs: dict, keys, append_eod: bool, dtype, input_name: str, threads: bool,
+                 splitter_args=None):
+    """Build this process's tokenizer (and sentence splitter) once; workers run single-threaded backends."""
     if not threads:
         # Ctrl-C reaches the whole process group; the parent alone cleans up and
         # terminates the pool, so workers stay quiet instead of each printing a traceback.
@@ -118,9 +193,31 @@ def _init_worker(tokenizer_kwargs: dict, keys, append_eod: bool, dtype, input_na
     tokenizer = build_tokenizer(**tokenizer_kwargs)
     if not threads and hasattr(tokenizer, "num_threads"):
         tokenizer.num_threads = 1
+    # One pass over a corpus repeats the same words endlessly: an exact per-word id cache
+    # (GPT-2 BPE, WordPiece) beats re-running the tokenizer's model on every occurrence.
+    if hasattr(tokenizer, "enable_word_cache"):
+        tokenizer.enable_word_cache()
+    splitter = build_sentence_splitter(*splitter_args) if splitter_args is not None else None
     _WORKER.update(
-        tokenizer=tokenizer, keys=keys, append_eod=append_eod, dtype=np.dtype(dtype), input=input_name
+        tokenizer=tokenizer, keys=keys, append_eod=append_eod, dtype=np.dtype(dtype), input=input_name,
+        splitter=splitter,
     )
+
+
+def _split_sentences(text: str) -> list:
+    splitter = _WORKER["splitter"]
+    return [s for i in range(0, len(text), SPLIT_SLICE_CHARS)
+            for s in splitter.tokenize(text[i:i + SPLIT_SLICE_CHARS])]
+
+
+def _loads(line: bytes):
+    if orjson is not None:
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:
+            # json accepts a little more (NaN, lone surrogates, huge integers) and words its errors well.
+            pass
+    return json.loads(line)
 
 
 def _parse_line(line: bytes, lineno: int):
@@ -129,7 +226,7 @@ def _parse_line(line: bytes, lineno: int):
         return None
     name = _WORKER["input"]
     try:
-        data = json.loads(line)
+        data = _loads(line)
     except UnicodeDecodeError:
         raise InputError(f"{name} line {lineno} is not UTF-8 text; re-encode the file as UTF-8") from None
     except ValueError as e:
@@ -155,9 +252,12 @@ def _parse_line(line: bytes, lineno: int):
             )
         value = data[key]
         if isinstance(value, str):
-            out.append([value])
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            out.append(value)
+            value = [value]
+        elif not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            value = None
+        if value is not None:
+            # A list's strings are split one by one (Megatron splits only plain strings).
+            out.append([s for v in value for s in _split_sentences(v)] if _WORKER["splitter"] else value)
         else:
             raise InputError(
                 f"{name} line {lineno}: key {key!r} holds a JSON {type(value).__name__}; "
@@ -296,12 +396,16 @@ def main(argv=None) -> int:
     try:
         check_file(args.input, "input file", "pass --input pointing at a JSON-lines file")
         tokenizer = build_tokenizer(**tokenizer_kwargs)
+        splitter_args = (args.lang, args.keep_newlines) if args.split_sentences else None
+        if splitter_args is not None:
+            build_sentence_splitter(*splitter_args)  # refuse now, not once per worker
     except (InputError, ValueError, OSError) as e:
         return _fail(str(e))
     if args.append_eod and tokenizer.eod_id is None:
         return _fail(f"{args.tokenizer_type} has no end-of-document token; drop --append-eod")
     dtype = best_fitting_dtype(tokenizer.vocab_size)
-    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
     created_dirs = _missing_dirs(os.path.dirname(os.path.abspath(args.output_prefix)))
     builders = {}
@@ -326,7 +430,8 @@ def main(argv=None) -> int:
         )
 
     total_bytes = os.path.getsize(args.input)
-    initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1)
+    initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1,
+                splitter_args)
     n_docs = n_tokens = n_bytes = 0
     start = time.time()
     next_log = args.log_interval
@@ -367,6 +472,12 @@ def main(argv=None) -> int:
         discard_outputs()
         if isinstance(e, InputError):
             return _fail(str(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS):
+            where = os.path.dirname(os.path.abspath(args.output_prefix))
+            return _fail(
+                f"cannot write the output in {where}: {e.strerror}; free space there or pick another "
+                f"--output-prefix (nothing was kept)"
+            )
         if isinstance(e, KeyboardInterrupt):
             print("interrupted: no output written", file=sys.stderr)
             return 130
