@@ -192,9 +192,14 @@ LAYOUTS = {
     "dp2_zero3": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"],
 }
 
-
+ZERO = "train.zero_optimization.enabled=True"
+# One default run covers ZeRO-2 and activation checkpointing together; the rest run with -m slow.
+LAYOUTS["dp2_zero2_activation_checkpoint"] = [ZERO, "train.zero_optimization.stage=2",
+                                              "train.activation_checkpoint.enabled=True"]
 
 SLOW_LAYOUTS = {
+    "dp2_zero1": (2, [ZERO, "train.zero_optimization.stage=1"]),
+    "dp2_zero3_offload": (2, [ZERO, "train.zero_optimization.stage=3", "train.zero_optimization.offload=True"]),
     "tp2_sequence_parallel": (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "tp2_pp2": (4, ["train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"]),
 }
