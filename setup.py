@@ -29,11 +29,16 @@ setup(
     ],
     extras_require={
         # nltk: the --split-sentences tests run (on a punkt model they write themselves).
-        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8"],
+        # wandb, matplotlib: the W&B writer and tools/plot_metrics.py tests run (skipped without them).
+        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7"],
         # tools/preprocess_data.py --split-sentences: nltk's punkt (its model is installed apart,
         # python -m nltk.downloader punkt_tab, never fetched at run time).
         "sentences": ["nltk>=3.8"],
         # tools/preprocess_data.py runs faster with them (word-cache split, JSON parsing); exact without.
         "preprocess": ["regex>=2022.1", "orjson>=3.8"],
+        # train.wandb.enabled=True: a Weights & Biases run beside TensorBoard.
+        "wandb": ["wandb>=0.16"],
+        # tools/plot_metrics.py.
+        "plot": ["matplotlib>=3.7"],
     },
 )
