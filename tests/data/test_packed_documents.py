@@ -191,3 +191,42 @@ def test_pipeline_stages_pass_the_packed_fields_to_every_stage(project):
         # The stages did use the fields: without them the loss changes.
         plain = {k: v for k, v in kwargs.items() if k not in ("position_ids", "document_ids")}
         assert not torch.allclose(last(first(*args, **plain), **plain), staged, rtol=1e-3)
+
+
+def _tp2_worker(rank, init_file):
+    """Under tensor parallelism (with and without sequence parallelism) the packed fields are replicated like
+    input_ids: the loss and gradients equal the one-process model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from libai_lite.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        gen = torch.Generator().manual_seed(3)
+        rows = [_packed_sample(_documents(gen, lens), extra=1) for lens in ((5, 9, 10), (12, 4, 8))]
+        batch = {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
+        batch.update(packed_document_fields(batch["input_ids"], batch["labels"], EOD, True, True, True))
+        for project in ("gpt", "llama"):
+            for sp in (False, True):
+                reference = _model(project).train()
+                model = apply_tensor_parallel(copy.deepcopy(reference), mesh, sequence_parallel=sp)
+                expected = reference(**batch)
+                expected["lm_loss"].backward()
+                with loss_parallel_context(True):
+                    got = model(**batch)
+                    got["lm_loss"].backward()
+                torch.testing.assert_close(got["lm_loss"], expected["lm_loss"], rtol=RTOL, atol=0.0)
+                for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{project} sp={sp} {name}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_and_sequence_parallel_tp2_give_the_one_process_packed_loss(tmp_path):
+    from tests.launch import spawn_ranks
+
+    spawn_ranks(_tp2_worker, 2, (str(tmp_path / "store"),))
