@@ -363,7 +363,10 @@ def _ordered_results(tasks, workers: int, initargs):
             "a tokenising worker process died (killed for memory?); rerun with fewer --workers"
         ) from None
     finally:
-        executor.shutdown(wait=False, cancel_futures=True)
+        # Wait for the workers to exit (a chunk at most): forked after the outputs were opened, each
+        # holds their descriptors, so a failed run's deleted files would keep their disk space, and
+        # its mount point stay busy, for as long as a worker lived on.
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _fail(message: str) -> int:
