@@ -126,3 +126,35 @@ def spawn_ranks(fn, nprocs, args=(), start_method="spawn"):
     import torch.multiprocessing as mp
 
     mp.start_processes(_run_then_exit, args=(fn, tuple(args)), nprocs=nprocs, join=True, start_method=start_method)
+
+
+def start_train_sh(nproc, args, config=CONFIG, port=None, **env_extra):
+    """Start tools/train.sh in a session of its own (so a test can signal or kill its process group)."""
+    e = env(PORT=str(port or free_port()), **env_extra)
+    return subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", config, str(nproc), *args], cwd=ROOT,
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def start_torchrun_train(nproc, args, config=CONFIG):
+    """Start tools/train_net.py under torchrun directly (no train.sh), in a session of its own."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "tools/train_net.py", "--config-file", config, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def job_pids(out) -> list:
+    """Pids of every process whose command line names train.output_dir=`out` (launcher, torchrun, workers,
+    their DataLoader workers), read from /proc."""
+    needle = f"train.output_dir={out}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if needle in cmdline and state != "Z":
+                pids.append(int(entry.name))
+    return pids

@@ -22,10 +22,11 @@ from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import sample_throughput
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
-from ..utils.distributed import Layout, barrier
+from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
+from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
 from . import hooks
 from .amp import amp_dtype, build_loss_scaler
 from .trainer import Trainer
@@ -59,6 +60,9 @@ class DefaultTrainer:
         self.consumed_samples = int(trainer_state.get("consumed_samples", 0))  # at the start of this run
         self.start_iter = int(trainer_state.get("iteration", -1)) + 1
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
+        for loader in (self.train_loader, self.valid_loader, self.test_loader):
+            # Before their workers start: a job's stop signal is the trainer's to handle.
+            shield_workers_from_stop_signals(loader)
         self.check_sequence_parallel(self.train_loader)
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
@@ -310,9 +314,18 @@ class DefaultTrainer:
             )
 
     def _setup_output(self) -> None:
+        refused = None
         if self.layout.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)  # writable: precheck_output_dir said so
-        barrier()
+            # Before anything is written there: a second run in the directory is refused untouched.
+            try:
+                OutputDirLock(self.output_dir).acquire()
+            except UsageError as e:
+                refused = str(e)
+        # Every rank learns the outcome, so none waits for a rank 0 that gave up.
+        refused = broadcast_object(refused)
+        if refused:
+            raise UsageError(refused)
         attach_log_file(self.output_dir, self.layout.rank)
         if self.layout.rank == 0:
             self.checkpointer.remove_partial()

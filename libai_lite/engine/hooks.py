@@ -14,6 +14,7 @@ import torch
 from ..utils.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, is_main_process
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes, format_eta
+from ..utils.process import defer_stop_signals, stop_requested
 from .trainer import HookBase, StopTraining
 
 logger = logging.getLogger("libai_lite")
@@ -54,31 +55,30 @@ class PeriodicCheckpointer(HookBase):
 
 
 class SignalCheckpointer(HookBase):
-    """On SIGTERM or SIGINT, save a checkpoint at the next step boundary and stop cleanly."""
+    """On SIGTERM, SIGINT or SIGHUP, save a checkpoint at the next step boundary and stop cleanly.
+
+    The handler itself is ``libai_lite.utils.process``'s, installed at start-up so DataLoader
+    workers forked later ignore the signal; during training it only records the signal.
+    """
 
     def __init__(self, periodic: PeriodicCheckpointer):
         self.periodic = periodic
-        self._signal: int | None = None
-        self._previous = {}
-
-    def _handler(self, signum, frame):
-        self._signal = signum
 
     def before_train(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handler)
+        defer_stop_signals(True)
 
     def after_step(self):
+        received = stop_requested()
         # Every rank must agree, or one would enter the save's collectives alone.
-        if all_reduce_mean([1.0 if self._signal is not None else 0.0])[0] > 0:
+        if all_reduce_mean([1.0 if received is not None else 0.0])[0] > 0:
             it = self.trainer.iter
             self.periodic.save(f"model_{it:07d}")
-            name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
+            name = signal.Signals(received).name if received else "a signal on another rank"
             raise StopTraining(f"Stopped by {name} after iteration {it}; resume with --resume")
 
     def after_train(self):
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
+        # Runs last, after the final checkpoint: a signal during that save waited for it to finish.
+        defer_stop_signals(False)
 
 
 class EvalHook(HookBase):

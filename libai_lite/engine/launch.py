@@ -14,6 +14,7 @@ from ..config import InstantiationError, LazyConfig
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
+from ..utils.process import die_with_parent, install_stop_signals, release_locks
 
 logger = logging.getLogger("libai_lite")
 
@@ -127,6 +128,11 @@ def launch(args) -> int:
     """
     from .default import DefaultTrainer
 
+    # A stop signal before training ends the process through `finally` (lock released); during
+    # training the SignalCheckpointer hook saves first.
+    install_stop_signals()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     try:
         cfg = LazyConfig.load(args.config_file)
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
@@ -141,4 +147,5 @@ def launch(args) -> int:
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
         return report_cli_error(e)
     finally:
+        release_locks()
         destroy()

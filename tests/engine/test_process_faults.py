@@ -1,11 +1,16 @@
 """The job as a process: signals, killed launchers, two runs in one directory, full disks, resuming a finished run."""
 import json
+import os
+import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT, losses, one_error_line, tiny, train_net
+from tests.launch import (ROOT, free_port, job_pids, losses, one_error_line, start_torchrun_train, start_train_sh, tiny,
+                          train_net)
 
 BASE = ["train.evaluation.enabled=False", "train.checkpointer.period=1000"]
 
@@ -42,3 +47,137 @@ def test_resume_of_a_finished_run_with_more_iterations_continues_at_the_next_one
         assert rows[it]["lr"] == reference[it]["lr"], it
     state = json.loads((out / "model_final" / "trainer_state.json").read_text())
     assert (state["iteration"], state["consumed_samples"]) == (29, 30 * 8)
+
+
+def _wait_for(pred, timeout=120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _signal_run(tmp_path, start, send):
+    """Train with a DataLoader worker; once 5 iterations are logged, `send(process)`; then wait for the end.
+    Returns (out, completed process, reference losses of an uninterrupted 30-iteration run)."""
+    args = [*BASE, "train.train_iter=30", "dataloader.train.num_workers=1"]
+    cache = tmp_path / "cache"
+    ref = tmp_path / "ref"
+    r = train_net(tiny(ref, cache, *args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    p = start(tiny(out, cache, *args))
+    try:
+        assert _wait_for(lambda: len(losses(out)) >= 5), "training did not start"
+        send(p)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return out, subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), losses(ref), args
+
+
+def _check_saved_and_resume(out, r, expected, args, tmp_path):
+    assert "Stopped by SIGTERM after iteration" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "is killed by signal" not in r.stderr
+    name = (out / "last_checkpoint").read_text().strip()
+    assert not (out / "model_final").exists()
+    # Saved after the step during which the signal arrived: no logged iteration is lost.
+    assert int(name.split("_")[1]) + 1 == max(losses(out))
+    r = train_net(tiny(out, tmp_path / "cache", *args) + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(out)
+    assert sorted(got) == sorted(expected)
+    for it in expected:
+        # The same computation from the same state on the same machine: equal.
+        assert got[it] == expected[it], (it, got[it], expected[it])
+
+
+def test_sigterm_to_torchrun_with_a_dataloader_worker_saves_then_resume_matches(tmp_path):
+    """torchrun sends SIGTERM to each worker's process group, DataLoader workers included: the
+    trainer still saves at the step boundary instead of crashing on a killed DataLoader worker."""
+    out, r, expected, args = _signal_run(tmp_path, lambda a: start_torchrun_train(1, a),
+                                         lambda p: p.send_signal(signal.SIGTERM))
+    _check_saved_and_resume(out, r, expected, args, tmp_path)
+
+
+def test_sigterm_to_train_sh_is_passed_on_and_no_process_remains(tmp_path):
+    """train.sh (PID 1 of a container) forwards SIGTERM to torchrun and waits for it: a checkpoint,
+    the status of a SIGTERM'd process, no traceback and no process of the job left behind."""
+    out, r, expected, args = _signal_run(tmp_path, lambda a: start_train_sh(1, a),
+                                         lambda p: p.send_signal(signal.SIGTERM))
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert job_pids(out) == []
+    _check_saved_and_resume(out, r, expected, args, tmp_path)
+
+
+def test_kill_9_of_the_launcher_group_leaves_no_worker_and_resume_on_the_same_port_works(tmp_path):
+    """kill -9 of train.sh's process group (torchrun's workers live in sessions of their own): the
+    workers die with torchrun, and a --resume on the same port starts and finishes."""
+    cache, out, port = tmp_path / "cache", tmp_path / "run", free_port()
+    args = tiny(out, cache, *BASE, "train.train_iter=100000", "train.checkpointer.period=3",
+                "dataloader.train.num_workers=1")
+    p = start_train_sh(1, args, port=port)
+    try:
+        assert _wait_for(lambda: (out / "last_checkpoint").exists()), "no checkpoint was saved"
+        assert len(job_pids(out)) >= 3  # bash, torchrun, the worker (and its DataLoader worker)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+        # torch's DataLoader worker checks for its trainer every 5 s.
+        assert _wait_for(lambda: not job_pids(out), timeout=15), job_pids(out)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for pid in job_pids(out):  # orphans of a broken run must not outlive the test
+            os.kill(pid, signal.SIGKILL)
+    done = max(losses(out))
+    p = start_train_sh(1, args[:-3] + ["train.train_iter=" + str(done + 3), "train.checkpointer.period=3",
+                                       "dataloader.train.num_workers=1", "--resume"], port=port)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-3000:]
+    assert "Resumed from" in stdout
+    assert "Took over the lock" in stdout
+    assert (out / "model_final").exists()
+
+
+def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(tmp_path):
+    """While a run trains in train.output_dir, a second (here two ranks under train.sh) is refused
+    with one line naming the first's host and pid, and leaves the first's files alone."""
+    from tests.launch import train_cmd, env, train_sh
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    first = subprocess.Popen(train_cmd(tiny(out, cache, *BASE, "train.train_iter=100000")), cwd=ROOT, env=env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: len(losses(out)) >= 2), "the first run did not start"
+        config = (out / "config.yaml").read_text()
+        r = train_sh(2, tiny(out, cache, *BASE, "train.train_iter=10"), timeout=120)
+        assert r.returncode == 1
+        line = one_error_line(r)
+        assert f"is in use by another run (pid {first.pid} on host {socket.gethostname()}" in line, line
+        assert (out / "config.yaml").read_text() == config
+        assert "train.train_iter: 10" not in (out / "log.txt").read_text()
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_and_released_at_exit(tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    r = train_net(tiny(out, cache, *BASE, "train.train_iter=2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Took over the lock {out / '.lock'} left by pid {dead.pid} on host {socket.gethostname()}, which is gone" \
+        in (out / "log.txt").read_text()
+    assert not (out / ".lock").exists()
+    # Released on an error too: a run that diverges leaves no lock behind.
+    out = tmp_path / "diverged"
+    r = train_net(tiny(out, cache, *BASE, "train.train_iter=40", "optim.lr=1e6", "optim.params.clip_grad_max_norm=null",
+                       "train.warmup_ratio=0"))
+    assert r.returncode == 1 and "diverged" in one_error_line(r)
+    assert (out / "log.txt").exists() and not (out / ".lock").exists()

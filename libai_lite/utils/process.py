@@ -1,0 +1,236 @@
+"""The job as a set of processes: stop signals, workers that die with their launcher, one run per output directory."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from .errors import UsageError
+
+logger = logging.getLogger("libai_lite")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# ----------------------------------------------------------------------------------- stop signals
+class _StopSignals:
+    """SIGTERM/SIGINT/SIGHUP for the training process, installed once at start-up.
+
+    Until training runs (``defer``), a signal ends the process as usual (SystemExit, so ``finally``
+    blocks still run); while it runs, the signal is only recorded and the trainer saves and stops at
+    the next step boundary. A forked child (a DataLoader worker) inherits this handler: there it
+    ignores the signal, which is its trainer's to handle.
+    """
+
+    def __init__(self):
+        self.owner = None
+        self.deferring = False
+        self.received: int | None = None
+
+    def install(self) -> None:
+        self.owner = os.getpid()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        if os.getpid() != self.owner:
+            return
+        if not self.deferring:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.received = signum
+
+
+_STOP = _StopSignals()
+
+
+def install_stop_signals() -> None:
+    """Route SIGTERM/SIGINT/SIGHUP of this process through one handler (once, at start-up)."""
+    _STOP.install()
+
+
+def defer_stop_signals(on: bool) -> None:
+    """While on, a stop signal is recorded for ``stop_requested`` instead of ending the process."""
+    if _STOP.owner != os.getpid():
+        install_stop_signals()
+    _STOP.deferring = on
+    if on:
+        _STOP.received = None
+
+
+def stop_requested() -> int | None:
+    """The stop signal received while deferred, or None."""
+    return _STOP.received
+
+
+def leave_job_process_group(worker_id: int | None = None) -> None:
+    """DataLoader ``worker_init_fn``: move the worker out of its trainer's process group.
+
+    torchrun (and a terminal) signal a worker's whole process group; torch's DataLoader worker
+    dies of a SIGTERM not sent by its trainer, which crashes the trainer before it can save. In a
+    group of its own the worker is out of reach of the job's stop signal, and torch still ends it
+    its own ways: the trainer's done event, a SIGTERM from the trainer (multiprocessing's exit),
+    or its watchdog once the trainer is gone. Ignoring the signal instead would make the trainer's
+    own SIGTERM at exit ineffective and hang it joining the worker.
+    """
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # not permitted (already a session leader): nothing to leave
+        pass
+
+
+class _LeaveJobGroupThen:
+    """``worker_init_fn`` that leaves the job's process group, then runs the loader's own (picklable for spawn)."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        leave_job_process_group(worker_id)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def shield_workers_from_stop_signals(loader) -> None:
+    """Start a ``torch.utils.data.DataLoader``'s workers out of the job's process group (keeping its own init)."""
+    import torch.utils.data
+
+    if not isinstance(loader, torch.utils.data.DataLoader) or not loader.num_workers:
+        return
+    if not isinstance(loader.worker_init_fn, _LeaveJobGroupThen):
+        loader.worker_init_fn = _LeaveJobGroupThen(loader.worker_init_fn)
+
+
+# --------------------------------------------------------------------------------- parent death
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(poll_s: float = 1.0) -> None:
+    """End this process with SIGKILL as soon as the process that started it (torchrun) is gone.
+
+    torchrun starts each worker in a session of its own, so killing the launcher's process group
+    (kill -9, a dying agent) would otherwise leave the workers training on as orphans. Linux kills
+    us through PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` with the original
+    parent covers other systems and a parent that died before the prctl.
+    """
+    parent = os.getppid()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and hasattr(os, "sched_getaffinity"):  # Linux
+        try:
+            ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- output dir lock
+LOCK_NAME = ".lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputDirLock:
+    """One run per ``train.output_dir``: ``OUTPUT_DIR/.lock`` holds the owner's host and pid under flock.
+
+    The kernel drops the flock when its process dies however it dies, so a lock left by a killed
+    run is taken over (with a log line); a live owner gets the second run refused by name.
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def _owner(self, fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``UsageError`` naming the run that holds it."""
+        host = socket.gethostname()
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                owner = self._owner(fd)
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
+                since = f", running since {owner['started']}" if owner.get("started") else ""
+                raise UsageError(f"train.output_dir={self.output_dir} is in use by another run ({who}{since}); "
+                                 f"wait for it to end or stop it, or choose another train.output_dir") from None
+            # A run releasing the lock unlinks the file: if ours is no longer the one at the path, retry.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = self._owner(fd)
+        if stale.get("pid"):
+            gone = "" if stale.get("host") != host or _pid_alive(int(stale["pid"])) else ", which is gone"
+            logger.info(f"Took over the lock {self.path} left by pid {stale['pid']} on host {stale.get('host', '?')}"
+                        f"{gone} (that run ended without releasing it)")
+        record = json.dumps({"host": host, "pid": os.getpid(),
+                             "started": datetime.datetime.now().isoformat(timespec="seconds")})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode(), 0)
+        self._fd = fd
+        _HELD.append(self)
+
+    def release(self) -> None:
+        """Remove the lock file and drop the flock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        if self in _HELD:
+            _HELD.remove(self)
+
+
+_HELD: list[OutputDirLock] = []
+
+
+def release_locks() -> None:
+    """Release every output-directory lock this process holds (end of a run, also after an error)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
+atexit.register(release_locks)
