@@ -230,3 +230,43 @@ def test_tensor_and_sequence_parallel_tp2_give_the_one_process_packed_loss(tmp_p
     from tests.launch import spawn_ranks
 
     spawn_ranks(_tp2_worker, 2, (str(tmp_path / "store"),))
+
+
+def _pp2_worker(rank, port, result_dir):
+    """Two pipeline ranks run the trainer's pipeline path (GPipe, 2 micro-batches) on a packed batch of the
+    tiny Llama: each stage gets position_ids (its rotary) and document_ids through pipeline_batch."""
+    import os
+
+    from libai_lite.parallel.pipeline import PipelineStepper
+    from libai_lite.parallel.pipeline_split import build_stage_modules, local_stage_ids
+    from libai_lite.utils.distributed import destroy, layer_stages, setup_dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    ctx = setup_dist({"pipeline_parallel_size": 2, "timeout": 120})
+    try:
+        gen = torch.Generator().manual_seed(4)
+        rows = [_packed_sample(_documents(gen, lens), extra=1) for lens in ((5, 9, 10), (12, 4, 8))]
+        batch = {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
+        batch.update(packed_document_fields(batch["input_ids"], batch["labels"], EOD, True, True, True))
+        model = _model("llama")
+        expected = [float(model(**{k: v[i:i + 1] for k, v in batch.items()})["lm_loss"]) for i in range(2)]
+        stage_ids = local_stage_ids(ctx.pp_rank, 2)
+        stages, _ = build_stage_modules(model, stage_ids, 2, layer_stages(2, 2))
+        stepper = PipelineStepper(stages, stage_ids, 2, ctx.group("pp"), ctx.device, "gpipe", 2,
+                                  model.pipeline_loss_fn, batch_fn=model.pipeline_batch)
+        inputs, kwargs, labels = stepper.split_batch(batch)
+        loss = float(stepper.step(inputs, labels, kwargs=kwargs))
+        torch.save({"loss": loss, "expected": sum(expected) / 2}, f"{result_dir}/rank{rank}.pt")
+        torch.distributed.barrier()
+    finally:
+        destroy()
+
+
+def test_pipeline_parallel_pp2_gives_the_one_process_packed_loss(tmp_path):
+    from tests.launch import free_port, spawn_ranks
+
+    spawn_ranks(_pp2_worker, 2, (free_port(), str(tmp_path)))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["loss"] == pytest.approx(got["expected"], rel=RTOL)
