@@ -296,3 +296,49 @@ def test_import_takes_a_tokenizer_json_beside_the_weights(tmp_path):
     tokenizer = instantiate(LazyConfig.load(out / "config.py").tokenization.tokenizer)
     assert type(tokenizer).__name__ == "HuggingFaceTokenizer"
     assert tokenizer.encode("hello llama", add_special_tokens=True) == [0, 2, 4]
+
+
+def test_evaluate_tool_on_an_imported_llama_gives_transformers_lambada_and_perplexity(tmp_path):
+    """tools/evaluate.py on a Llama checkpoint (imported from transformers) equals transformers' own numbers."""
+    import json
+    import subprocess
+
+    from tests.evaluation.test_evaluation import SAMPLE, read_jsonl_texts, reference_lambada, reference_ppl
+    from tests.launch import env
+    from transformers import GPT2TokenizerFast
+
+    hf = _hf_model("llama")
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    hf.save_pretrained(hf_dir)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(ROOT / "data_test" / "gpt2" / name, hf_dir)
+    assert main(["import", "--model", "llama", "--hf-dir", str(hf_dir), "--output", str(out)]) == 0
+    vocab = json.loads((hf_dir / "vocab.json").read_text())
+    merges = [tuple(line.split()) for line in (hf_dir / "merges.txt").read_text().splitlines()[1:] if line.strip()]
+    hf_tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+    texts = read_jsonl_texts(SAMPLE)
+    results = {}
+    for task, args in {"lambada": ["--task", "lambada", "--data", str(SAMPLE)],
+                       "ppl": ["--task", "ppl", "--data", str(SAMPLE), "--stride", "16", "--seq-length", "32"]}.items():
+        record = tmp_path / f"{task}.json"
+        r = subprocess.run([sys.executable, "tools/evaluate.py", "--config-file", str(out / "config.py"),
+                            "--checkpoint", str(out), *args, "--output", str(record),
+                            f"train.output_dir={tmp_path / 'eval'}"],
+                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[task] = json.loads(record.read_text())["results"]
+    max_len = int(LazyConfig.load(out / "config.py").model.cfg.max_seq_length)
+    # Our model carries the vocabulary padded to 8064 rows (zeros after import), and like Megatron
+    # its log-softmax runs over them; give transformers' model the same rows to compare like for like.
+    hf.resize_token_embeddings(8064, mean_resizing=False)
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[VOCAB:] = 0
+        hf.get_output_embeddings().weight[VOCAB:] = 0
+    acc, ppl = reference_lambada(hf, hf_tok, texts, max_len, real_vocab=VOCAB)
+    assert results["lambada"]["lambada_examples"] == len(texts)
+    assert results["lambada"]["lambada_acc"] == pytest.approx(acc)
+    # fp32 logits over a 2-layer model, accumulated in float64 on both sides: 1e-5 relative.
+    assert results["lambada"]["lambada_ppl"] == pytest.approx(ppl, rel=1e-5)
+    ppl, count = reference_ppl(hf, hf_tok, texts, 33, 16)
+    assert results["ppl"]["tokens"] == count
+    assert results["ppl"]["PPL"] == pytest.approx(ppl, rel=1e-5)
