@@ -20,6 +20,10 @@ train = dict(
     # A checkpoint directory to load weights from (not optimizer or data position); "" for none.
     load_weight="",
     checkpointer=dict(period=1000, max_to_keep=3),
+    # Weights & Biases beside TensorBoard (pip install -e .[wandb]): metrics.json's scalars and this
+    # config. mode "offline" writes the run under output_dir/wandb with no network (`wandb sync` uploads
+    # it later), "online" streams it (after `wandb login`), "disabled" writes nothing.
+    wandb=dict(enabled=False, project="libai_lite", name=None, mode="offline"),
     evaluation=dict(
         enabled=True,
         evaluator=LazyCall(PPLEvaluator)(),

@@ -1,0 +1,94 @@
+"""Weights & Biases beside TensorBoard: the scalars of every ``metrics.json`` row and the resolved config.
+
+``train.wandb`` (configs/common/train.py) turns it on::
+
+    train.wandb.enabled=True train.wandb.mode=offline   # pip install -e .[wandb]
+
+``mode="offline"`` needs no network or account: the run is written under ``OUTPUT_DIR/wandb/`` and
+``wandb sync OUTPUT_DIR/wandb/offline-run-*`` uploads it later; ``"online"`` streams it;
+``"disabled"`` makes every call a no-op. The W&B step is the training iteration, so a resumed run's
+rows land on the iterations ``metrics.json`` gives them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from ..utils.errors import UsageError
+
+logger = logging.getLogger("libai_lite")
+
+MODES = ("online", "offline", "disabled")
+INSTALL = "pip install -e .[wandb] (or pip install wandb)"
+
+
+def import_wandb():
+    """The ``wandb`` module, or a one-line UsageError naming the install command."""
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError(f"train.wandb.enabled=True needs the wandb package: {INSTALL}") from None
+    return wandb
+
+
+class WandbWriter:
+    """A W&B run driven like TensorBoard's ``SummaryWriter``: ``add_scalar``, ``flush``, ``close``.
+
+    The config is given once, at the start. Scalars given for one step are merged into one W&B
+    history row (an evaluation result recorded after the step's log line joins that step's row).
+    """
+
+    def __init__(self, output_dir: str, config: dict | None = None, project: str = "libai_lite",
+                 name: str | None = None, mode: str = "offline"):
+        if mode not in MODES:
+            raise UsageError(f"train.wandb.mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+        wandb = import_wandb()
+        os.makedirs(output_dir, exist_ok=True)
+        # console="off": log.txt already holds the log, and W&B's capture of stdout/stderr would wrap
+        # the streams the launcher filters for the one-line error.
+        settings = wandb.Settings(console="off", save_code=False)
+        try:
+            self._run = wandb.init(project=project, name=name, mode=mode, dir=output_dir, config=config or {},
+                                   settings=settings)
+        except Exception as e:  # wandb raises its own types for a missing login, no network, a bad project
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"W&B could not start a run ({first}); train.wandb.mode=offline writes it under "
+                             f"the output directory with no network, for `wandb sync` later") from None
+        if mode == "offline":
+            logger.info(f"W&B run written offline to {self._run.dir.rsplit(os.sep, 1)[0]} (upload with wandb sync)")
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        """Record ``tag`` at step ``global_step`` (the training iteration)."""
+        # A step equal to the last one is merged into its row; W&B commits a row when a later step arrives.
+        self._run.log({tag: float(value)}, step=int(global_step))
+
+    def flush(self) -> None:
+        """Nothing to do: W&B's service writes (or sends) the rows in the background."""
+
+    def close(self) -> None:
+        """Finish the run: the last row is committed and the run's files are complete."""
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def build_wandb_writer(cfg, output_dir: str) -> WandbWriter | None:
+    """The writer ``cfg.train.wandb`` asks for on the main process, else None.
+
+    Its config is ``output_dir/config.yaml``, the resolved config the trainer wrote before building
+    its hooks, so the W&B run shows exactly the values this run used.
+    """
+    from ..utils.distributed import is_main_process
+
+    opts = cfg.train.get("wandb", None) or {}
+    if not opts.get("enabled", False) or not is_main_process():
+        return None
+    import yaml
+
+    path = os.path.join(output_dir, "config.yaml")
+    config = None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    return WandbWriter(output_dir, config, project=opts.get("project") or "libai_lite", name=opts.get("name"),
+                       mode=opts.get("mode") or "offline")
