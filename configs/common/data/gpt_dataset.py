@@ -25,5 +25,7 @@ dataloader = dict(
         num_workers=1,
         # Where the index caches go; null writes them next to the data.
         cache_dir=None,
+        # Document split boundaries as Megatron core computes them; "legacy" for legacy Megatron-LM/LiBai runs.
+        split_rounding="core",
     ),
 )
