@@ -177,9 +177,12 @@ class MultiheadAttention(nn.Module):
         attends only to keys of its own document (``document_mask``).
         """
         bsz, q_len, _ = hidden_states.shape
-        if document_ids is not None and (self.is_cross_attention or kv_cache is not None):
-            raise ValueError("document_ids mask self-attention over a whole sequence; they take no KV cache and "
-                             "no cross-attention")
+        if document_ids is not None:
+            if self.is_cross_attention or kv_cache is not None:
+                raise ValueError("document_ids mask self-attention over a whole sequence; they take no KV cache and "
+                                 "no cross-attention")
+            if document_ids.shape[-1] != q_len:
+                raise ValueError(f"document_ids cover {document_ids.shape[-1]} positions, the sequence {q_len}")
         hd = self.head_size
         if self.is_cross_attention:
             query = self.query(hidden_states).view(bsz, q_len, -1, hd).transpose(1, 2)

@@ -65,11 +65,13 @@ def test_without_document_ids_the_mask_free_causal_kernel_stays():
     assert attn._score_mask(q, k, None, None, None) == (None, True)
 
 
-def test_document_ids_refuse_a_cache_and_cross_attention():
+def test_document_ids_refuse_a_cache_cross_attention_and_another_length():
     x = torch.randn(1, 4, 32)
     docs = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="no KV cache"):
         MultiheadAttention(32, 2)(x, kv_cache=KVCache(), document_ids=docs)
+    with pytest.raises(ValueError, match="cover 3 positions, the sequence 4"):
+        MultiheadAttention(32, 2)(x, document_ids=docs[:, :3])
     with pytest.raises(ValueError, match="no cross-attention"):
         MultiheadAttention(32, 2, is_cross_attention=True, attn_mask_type="padding")(
             x, encoder_states=x, document_ids=docs)
