@@ -31,6 +31,7 @@ from libai_lite.data import (
 )
 from libai_lite.data import gpt_dataset as gd
 
+from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT, env, spawn_ranks
 
 FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "megatron"
@@ -695,3 +696,11 @@ def test_index_not_describing_its_bin_is_refused_at_open_in_one_line(tmp_path, d
     assert "\n" not in msg and f"{prefix}.idx is corrupt" in msg and "re-run tools/preprocess_data.py" in msg
     where = {"pointer_past_bin": "sequence 17 ", "negative_size": "sequence 5 ", "doc_index_unordered": "document index"}
     assert where[damage] in msg
+
+
+def test_split_rounding_core_by_default_legacy_by_key_and_a_bad_value_refused():
+    # Megatron core rounds cumulative shares, legacy rounds each share then shifts to the end.
+    assert get_train_valid_test_split("949,50,1", 10010) == [0, 9499, 10000, 10010]
+    assert get_train_valid_test_split("949,50,1", 10010, "legacy") == [0, 9500, 10000, 10010]
+    with pytest.raises(UsageError, match="split_rounding must be one of core, legacy"):
+        get_train_valid_test_split("949,50,1", 100, "nearest")
