@@ -54,7 +54,8 @@ def check_packing_options(eod_token_id: Optional[int], reset_position_ids: bool 
     if not enabled:
         return False
     if eod_token_id is None:
-        raise UsageError(f"{', '.join(enabled)} need the end-of-document token id: set dataloader.train.eod_token_id "
+        verb = "needs" if len(enabled) == 1 else "need"
+        raise UsageError(f"{', '.join(enabled)} {verb} the end-of-document token id: set dataloader.train.eod_token_id "
                          f"(the tokenizer's eod_id) or turn the option off")
     if isinstance(eod_token_id, bool) or not isinstance(eod_token_id, numbers.Integral) or eod_token_id < 0:
         raise UsageError(f"dataloader.train.eod_token_id must be a non-negative token id, got {eod_token_id!r}")
