@@ -103,14 +103,12 @@ class TokenizersBackend(BaseTokenizer):
         """Encode batches through an exact per-word id cache from now on; False when not possible.
 
         Meant for one long pass over a corpus (preprocessing): the cache holds up to
-        ``max_words`` words. It needs the ``regex`` package; without it nothing changes.
+        ``max_words`` words.
         """
         if self._word_split is None or self._tok.post_processor is not None or self._tok.get_added_tokens_decoder():
             return False
-        try:
-            from .word_cache import WordCache
-        except ImportError:  # the optional regex package is missing: the plain pipeline is as exact
-            return False
+        from .word_cache import WordCache
+
         self._word_cache = WordCache(self._tok, *self._word_split, max_words=max_words)
         return True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .base import TokenizersBackend, check_file
-from .word_cache import BERT_SPLIT, BERT_SPLIT_ASCII
+from .word_cache import BERT_SPLIT_ASCII, bert_split
 
 REQUIRED_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -19,7 +19,7 @@ class BertTokenizer(TokenizersBackend):
     ``]``, as in Megatron). ``eod_id`` is the ``[SEP]`` id: BERT has no end-of-document token.
     """
 
-    _word_split = (BERT_SPLIT, BERT_SPLIT_ASCII)
+    _word_split = (bert_split, BERT_SPLIT_ASCII)
 
     def __init__(self, vocab_file, do_lower_case: bool = True, vocab_extra_ids: int = 0):
         vocab_file = check_file(

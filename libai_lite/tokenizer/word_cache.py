@@ -15,21 +15,37 @@ text with a character whose split differs is encoded by the tokenizer itself.
 """
 from __future__ import annotations
 
+import functools
 import re
+import unicodedata
 from itertools import chain
 from typing import Dict, List, Optional, Sequence
 
-# tokenizers' ByteLevel(use_regex=True) split (GPT-2's), with \s spelt as the Unicode property.
-GPT2_SPLIT = (
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\p{White_Space}\p{L}\p{N}]+"
-    r"|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+"
-)
-# tokenizers' BertPreTokenizer: drop whitespace, isolate every punctuation character (Unicode P* or ASCII).
-_BERT_PUNCT = r"\p{P}!-/:-@\[-`{-~"
-BERT_SPLIT = rf"[^\p{{White_Space}}{_BERT_PUNCT}]+|[{_BERT_PUNCT}]"
+# tokenizers' ByteLevel(use_regex=True) split (GPT-2's) in the stdlib re: a letter is a word
+# character that is not a decimal digit or "_"; "other" is neither whitespace nor a word character.
+# Where Python's Unicode classes differ from the library's (numerals such as "½" count as letters
+# here), the character check below finds it.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"
 
-# The same splits for ASCII-only texts in the stdlib re, about 2.5x faster than the Unicode
-# property classes of the regex package (ASCII White_Space is these six characters).
+
+@functools.lru_cache(maxsize=None)
+def bert_split() -> str:
+    """tokenizers' BertPreTokenizer in the stdlib re: drop whitespace, isolate each punctuation
+    character (ASCII or a Unicode P* category, read from this Python's tables)."""
+    ranges, start = [], None
+    # No punctuation is assigned above U+1FFFF; a character there is checked like any other.
+    for code in range(0x20000):
+        punct = unicodedata.category(chr(code)).startswith("P")
+        if punct and start is None:
+            start = code
+        elif not punct and start is not None:
+            ranges.append((start, code - 1))
+            start = None
+    punct = _ASCII_PUNCT + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+    return rf"[^\s{punct}]+|[{punct}]"
+
+
+# The same splits for ASCII-only texts, spelt out (ASCII whitespace is these six characters).
 _WS = r"\t\n\x0b\x0c\r "
 GPT2_SPLIT_ASCII = (
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
@@ -45,21 +61,18 @@ _PROBES = ("a{}a", "1{}1", "!{}!", " {} ", "{}", "a {}", "{}  a", "'{}")
 class WordCache:
     """Encodes texts with a ``tokenizers.Tokenizer`` through a per-pre-token id cache.
 
-    ``split`` is a ``regex`` pattern that must split a normalised text as ``tok.pre_tokenizer``
-    does, ``ascii_split`` a stdlib ``re`` one for ASCII-only texts (both are checked). At most
+    ``split`` is a ``re`` pattern (or a function returning one) that must split a normalised text
+    as ``tok.pre_tokenizer`` does, ``ascii_split`` one for ASCII-only texts (both are checked). At most
     ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory
     on corpora with unbounded vocabularies and keeps the frequent words hot.
     """
 
-    def __init__(self, tok, split: str, ascii_split: Optional[str] = None, max_words: int = 1 << 20):
-        # The stdlib re has no Unicode properties; regex is optional, so a caller can fall back.
-        import regex
-
+    def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 20):
         self._tok = tok
         self._normalizer = tok.normalizer
         self._pre = tok.pre_tokenizer
         self._model = tok.model
-        self._split = regex.compile(split)
+        self._split = re.compile(split() if callable(split) else split)
         self._findall = self._split.findall
         self._max_words = max_words
         self._cache: Dict[str, List[int]] = {}
@@ -67,13 +80,14 @@ class WordCache:
         self._bad: set = set()
         ascii_chars = [chr(i) for i in range(128)]
         self._check_chars(ascii_chars)
-        # ASCII-only texts (most of a typical corpus) then skip the per-character check.
+        # ASCII-only texts (most of a typical corpus) skip the per-character check, split by
+        # ascii_split when it agrees with the library on every ASCII character.
         self._ascii_ok = not self._bad
         self._ascii_findall = self._findall
         if ascii_split is not None:
             fast = re.compile(ascii_split)
             if all(self._splits_agree(p.format(c), fast) for c in ascii_chars for p in _PROBES):
-                self._ascii_findall = fast.findall
+                self._ascii_findall, self._ascii_ok = fast.findall, True
         self._ascii_normalize = self._ascii_normalizer(ascii_chars)
 
     def _ascii_normalizer(self, ascii_chars):
