@@ -132,3 +132,33 @@ def test_refused_without_the_punkt_model(tmp_path, capsys, monkeypatch):
     rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--split-sentences"] + GPT2_FLAGS)
     _assert_failed_cleanly(capsys, rc, out, "punkt", "python -m nltk.downloader", "--lang english")
     assert not out.exists()
+
+
+def test_t5_dataset_reads_a_sentence_corpus(punkt, tmp_path):
+    """The T5 dataset (span corruption over the token stream of whole documents, not Megatron's
+    sentence-pair sampler) reads a sentence corpus's documents as their sentences back to back:
+    with WordPiece, which drops the spaces between sentences, its samples equal the unsplit corpus's."""
+    from libai_lite.tokenizer import BertTokenizer
+    from projects.MT5.data.t5_dataset import build_t5_train_valid_test_datasets
+
+    rng = np.random.RandomState(1)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "home"]
+    docs = [" ".join(" ".join(rng.choice(words, rng.randint(3, 9))).capitalize() + rng.choice([".", "!", "?"])
+                     for _ in range(rng.randint(1, 5))) for _ in range(40)]
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
+    vocab = str(DEMO / "bert/vocab.txt")
+    common = ["--input", str(src), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
+              "--vocab-extra-ids", "100"]
+    assert preprocess.main(common + ["--output-prefix", str(tmp_path / "doc")]) == 0
+    assert preprocess.main(common + ["--output-prefix", str(tmp_path / "sent"), "--split-sentences"]) == 0
+    split = MMapIndexedDataset(str(tmp_path / "sent_text_sentence"))
+    assert len(split) > split.num_documents == len(docs)
+    tok = BertTokenizer(vocab, vocab_extra_ids=100)
+
+    def samples(prefix):
+        train, _, _ = build_t5_train_valid_test_datasets(
+            str(tmp_path / prefix), tok, "1,0,0", (20, 0, 0), max_seq_length=32, seed=7,
+            cache_dir=str(tmp_path / f"cache_{prefix}"))
+        return [{k: v.tolist() for k, v in train[i].items()} for i in range(len(train))]
+
+    assert samples("sent_text_sentence") == samples("doc_text_document")

@@ -9,6 +9,11 @@ Samples follow the T5 paper's unsupervised objective as its reference code imple
   are disjoint). ``raw_length`` comes from T5's ``random_spans_helper``: the longest window whose
   corrupted encoder input (kept tokens + one sentinel per span + EOS) fits ``max_seq_length``;
   for 512, 15% noise and spans of mean length 3 it is 568, and the targets are 114 tokens;
+* a sentence-split corpus (``tools/preprocess_data.py --split-sentences``, ``*_sentence``
+  prefixes) is read like any other: a document is its sentences back to back. This differs from
+  Megatron-LM's T5 dataset, which samples runs of whole sentences (``get_samples_mapping`` with
+  ``short_seq_prob`` and ``max_num_samples``) and masks n-grams BERT-style; here sentence
+  boundaries play no part, as in the T5 paper's span corruption;
 * document-end tokens are dropped from each window (T5 concatenates documents with no separator;
   only the tokenizer's EOS ends the encoder input and the labels), so a window that held some
   comes out a little shorter and is padded;
