@@ -3,21 +3,30 @@
 
 A corpus of at least ``--corpus-mb`` MB is made in a temporary directory by repeating
 ``data_test/corpus.jsonl``, then the tool is run on it as a user runs it (a subprocess, the
-real command line) with each tokenizer (GPT-2 BPE and SentencePiece from ``data_test/``) and
-each worker count. Two references sit beside each row:
+real command line) with each tokenizer (GPT-2 BPE, BERT WordPiece and SentencePiece from
+``data_test/``) and each worker count. References beside each row:
 
+* same job, the floor: the tokenizer library's own batched encoder over the same texts, already
+  parsed and in memory, on all cores (``tokenizers``' ``Tokenizer.encode_batch_fast`` for GPT-2
+  and WordPiece, ``SentencePieceProcessor.encode`` of the list with ``num_threads`` = cores);
+  "vs encode_batch" is the tool's MB/s over that one's;
 * same job: a naive single-process loop over the same corpus with the same tokenizer
   (``json.loads`` + ``tokenizer.encode`` per document + ``MMapIndexedDatasetBuilder``), the
-  code a user would write without the tool;
+  code a user would write without the tool; every tool output is checked byte for byte
+  against this loop's ``.bin/.idx`` ("identical");
 * recorded figure (NOT measured in this job): Megatron-LM's own ``tools/preprocess_data.py``
   did about 1.8 MB/s with GPT-2 BPE and 2 workers on the same kind of 2-core machine, on the
   shared fixture corpus (``../shared/fixtures/README.md``).
 
 MB/s is reported twice: as the tool reports it (its clock starts when tokenising starts,
 like Megatron's own progress line, so this is the one compared with Megatron's figure) and
-end to end (process start to exit, including imports and tokenizer loading).
+end to end (process start to exit, including imports and tokenizer loading). On a machine
+shared with other work both depend on that load, so the CPU time is reported as well: "MB/CPU-s"
+is MB per CPU-second the tool and its workers used over the span of its own clock (as the tool
+reports it; per CPU-second of the encode calls, all threads, for encode_batch), and "CPU vs eb"
+is the ratio of the two.
 
-    python bench/preprocess.py                  # 50 MB, 1 and 2 workers, GPT-2 BPE and SentencePiece
+    python bench/preprocess.py                  # 50 MB, 1 and 2 workers, GPT-2 BPE, WordPiece, SentencePiece
     python bench/preprocess.py --corpus-mb 200 --workers 1 2 4
 
 The last line of the output is one JSON object with the numbers.
@@ -42,13 +51,14 @@ SOURCE_CORPUS = os.path.join(ROOT, "data_test", "corpus.jsonl")
 TOKENIZERS = {
     "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "data_test/gpt2/vocab.json",
              "--merge-file", "data_test/gpt2/merges.txt"],
+    "bert": ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "data_test/bert/vocab.txt"],
     "spm": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "data_test/spm/spiece.model"],
 }
 # ../shared/fixtures/README.md: Megatron-LM's tools/preprocess_data.py, GPT-2 BPE, --workers 2,
 # on a 2-core machine. A recorded number, not a run in this job.
 MEGATRON_RECORDED_MB_S = 1.8
 MEGATRON_RECORDED = dict(tokenizer="gpt2", workers=2)
-_DONE = re.compile(r"done: (\d+) documents, (\d+) tokens, ([\d.]+) MB in ([\d.]+) s")
+_DONE = re.compile(r"done: (\d+) documents, (\d+) tokens, ([\d.]+) MB in ([\d.]+) s .*, ([\d.]+) CPU-seconds")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus-mb", type=float, default=50.0, help="corpus size in MB (default 50)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
-    p.add_argument("--tokenizers", nargs="+", choices=sorted(TOKENIZERS), default=["gpt2", "spm"])
+    p.add_argument("--tokenizers", nargs="+", choices=sorted(TOKENIZERS),
+                   default=["gpt2", "bert", "spm"])
     p.add_argument("--no-naive", action="store_true", help="skip the naive single-process reference")
     p.add_argument("--tmpdir", default=None, help="where the corpus and outputs go (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="a ~1 MB corpus: checks the script runs")
@@ -93,14 +104,14 @@ def count_tokens(prefix: str) -> int:
     return int(np.asarray(MMapIndexedDataset(prefix).sizes, dtype=np.int64).sum())
 
 
-def run_tool(corpus: str, out_prefix: str, tokenizer: str, workers: int) -> dict:
+def run_tool(corpus: str, out_prefix: str, tokenizer: str, workers: int, append_eod: bool = True) -> dict:
     """Run tools/preprocess_data.py once; the tool's own rates and the end-to-end ones.
 
     The tool prints its time to 0.01 s; MB is taken from the corpus file, exactly.
     """
     cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", out_prefix, "--json-keys", "text", "--append-eod", "--workers", str(workers),
-           "--log-interval", str(10**9), *TOKENIZERS[tokenizer]]
+           "--output-prefix", out_prefix, "--json-keys", "text", "--workers", str(workers),
+           "--log-interval", str(10**9), *TOKENIZERS[tokenizer]] + (["--append-eod"] if append_eod else [])
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -109,18 +120,16 @@ def run_tool(corpus: str, out_prefix: str, tokenizer: str, workers: int) -> dict
     m = _DONE.search(proc.stdout)
     if m is None:
         raise RuntimeError(f"no 'done:' line in the tool's output: {proc.stdout[-500:]}")
-    docs, tokens, seconds = int(m[1]), int(m[2]), max(float(m[4]), 0.01)
+    docs, tokens, seconds, cpu = int(m[1]), int(m[2]), max(float(m[4]), 0.01), max(float(m[5]), 0.01)
     mb = os.path.getsize(corpus) / 1e6
     if tokens != count_tokens(f"{out_prefix}_text_document"):
         raise RuntimeError("the tool's token count does not match the .idx it wrote")
     return {"documents": docs, "tokens": tokens, "mb": mb, "seconds": seconds, "wall_seconds": wall,
             "docs_per_s": docs / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds,
-            "wall_mb_per_s": mb / wall}
+            "wall_mb_per_s": mb / wall, "cpu_seconds": cpu, "mb_per_cpu_s": mb / cpu}
 
 
-def run_naive(corpus: str, out_prefix: str, tokenizer: str) -> dict:
-    """The reference loop: one process, ``tokenizer.encode`` per document, one builder."""
-    from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+def _build(tokenizer: str):
     from libai_lite.tokenizer import build_tokenizer
 
     flags = TOKENIZERS[tokenizer]
@@ -129,7 +138,53 @@ def run_naive(corpus: str, out_prefix: str, tokenizer: str) -> dict:
                       ("--tokenizer-model", "tokenizer_model")):
         if flag in flags:
             kwargs[key] = os.path.join(ROOT, flags[flags.index(flag) + 1])
-    tok = build_tokenizer(**kwargs)
+    return build_tokenizer(**kwargs)
+
+
+def run_encode_batch(corpus: str, tokenizer: str) -> dict:
+    """The library's own batched encoder on the parsed texts, all cores: the tokenizer's floor.
+
+    Only the encode call is timed (no JSON, no writing), in batches of 1,000 texts so that
+    memory stays modest while every call is large enough for the thread pool.
+    """
+    tok = _build(tokenizer)
+    with open(corpus, "rb") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    mb = os.path.getsize(corpus) / 1e6
+    if hasattr(tok, "sp"):
+        threads = os.cpu_count() or 1
+
+        def encode(batch):
+            return tok.sp.encode(batch, out_type=int, num_threads=threads)
+    else:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+
+        def encode(batch):
+            return tok._tok.encode_batch_fast(batch, add_special_tokens=False)
+    tokens = 0
+    start, cpu0 = time.perf_counter(), time.process_time()
+    for i in range(0, len(texts), 1000):
+        tokens += sum(len(e if isinstance(e, list) else e.ids) for e in encode(texts[i:i + 1000]))
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0  # cpu: all its threads
+    return {"documents": len(texts), "tokens": tokens, "mb": mb, "seconds": seconds,
+            "docs_per_s": len(texts) / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds,
+            "cpu_seconds": cpu, "mb_per_cpu_s": mb / cpu}
+
+
+def same_bytes(prefix_a: str, prefix_b: str) -> bool:
+    """Whether two ``.bin/.idx`` pairs are byte-identical."""
+    for ext in (".bin", ".idx"):
+        with open(prefix_a + ext, "rb") as a, open(prefix_b + ext, "rb") as b:
+            if a.read() != b.read():
+                return False
+    return True
+
+
+def run_naive(corpus: str, out_prefix: str, tokenizer: str, append_eod: bool = True) -> dict:
+    """The reference loop: one process, ``tokenizer.encode`` per document, one builder."""
+    from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+
+    tok = _build(tokenizer)
     builder = MMapIndexedDatasetBuilder(f"{out_prefix}_text_document", dtype=best_fitting_dtype(tok.vocab_size))
     docs = tokens = nbytes = 0
     start = time.perf_counter()
@@ -138,7 +193,8 @@ def run_naive(corpus: str, out_prefix: str, tokenizer: str) -> dict:
             nbytes += len(line)
             ids = tok.encode(json.loads(line)["text"])
             if ids:
-                ids.append(tok.eod_id)
+                if append_eod:
+                    ids.append(tok.eod_id)
                 builder.add_item(ids)
             builder.end_document()
             docs += 1
@@ -158,28 +214,49 @@ def main(argv=None) -> dict:
         corpus = os.path.join(tmp, "corpus.jsonl")
         info = make_corpus(corpus, args.corpus_mb)
         print(f"corpus: {info['bytes'] / 1e6:.1f} MB, {info['documents']} documents "
-              f"(data_test/corpus.jsonl repeated), {os.cpu_count()} CPUs")
+              f"(data_test/corpus.jsonl repeated), {os.cpu_count()} CPUs, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (others' work slows MB/s, not MB/CPU-s)")
         for tok in args.tokenizers:
+            # BERT has no end-of-document token of its own ([SEP] stands in): Megatron's BERT
+            # corpora are made without --append-eod.
+            eod = tok != "bert"
+            floor = run_encode_batch(corpus, tok)
+            rows.append({"tokenizer": tok, "workers": os.cpu_count(), "impl": "encode_batch (same job)", **floor})
             naive = None
             if not args.no_naive:
-                naive = run_naive(corpus, os.path.join(tmp, f"naive_{tok}"), tok)
+                naive = run_naive(corpus, os.path.join(tmp, f"naive_{tok}"), tok, eod)
                 rows.append({"tokenizer": tok, "workers": 1, "impl": "naive loop (same job)", **naive})
             for w in args.workers:
-                res = run_tool(corpus, os.path.join(tmp, f"tool_{tok}_{w}"), tok, w)
-                row = {"tokenizer": tok, "workers": w, "impl": "tools/preprocess_data.py", **res}
+                out = os.path.join(tmp, f"tool_{tok}_{w}")
+                res = run_tool(corpus, out, tok, w, eod)
+                row = {"tokenizer": tok, "workers": w, "impl": "tools/preprocess_data.py", **res,
+                       "ratio_vs_encode_batch": res["mb_per_s"] / floor["mb_per_s"],
+                       "cpu_ratio_vs_encode_batch": res["mb_per_cpu_s"] / floor["mb_per_cpu_s"]}
                 if naive is not None:
                     row["ratio_vs_naive"] = res["mb_per_s"] / naive["mb_per_s"]
+                    row["identical_to_naive"] = same_bytes(f"{out}_text_document",
+                                                           os.path.join(tmp, f"naive_{tok}_text_document"))
+                    if not row["identical_to_naive"]:
+                        raise RuntimeError(f"{tok}, {w} worker(s): the tool's .bin/.idx differ from the naive loop's")
+                for ext in (".bin", ".idx"):
+                    os.remove(f"{out}_text_document{ext}")
                 if tok == MEGATRON_RECORDED["tokenizer"] and w == MEGATRON_RECORDED["workers"]:
                     row["ratio_vs_megatron_recorded"] = res["mb_per_s"] / MEGATRON_RECORDED_MB_S
                 rows.append(row)
 
     print(f"{'tokenizer':<9} {'workers':>7} {'impl':<26} {'docs/s':>9} {'MB/s':>7} {'tokens/s':>10} "
-          f"{'MB/s e2e':>8} {'vs naive':>8}")
+          f"{'MB/s e2e':>8} {'vs naive':>8} {'vs encode_batch':>15} {'MB/CPU-s':>8} {'CPU vs eb':>9} "
+          f"{'identical':>9}")
     for r in rows:
         e2e = f"{r['wall_mb_per_s']:.2f}" if "wall_mb_per_s" in r else "-"
         vs = f"{r['ratio_vs_naive']:.2f}x" if "ratio_vs_naive" in r else "-"
+        vs_eb = f"{r['ratio_vs_encode_batch']:.2f}x" if "ratio_vs_encode_batch" in r else "-"
+        per_cpu = f"{r['mb_per_cpu_s']:.2f}" if "mb_per_cpu_s" in r else "-"
+        cpu_eb = f"{r['cpu_ratio_vs_encode_batch']:.2f}x" if "cpu_ratio_vs_encode_batch" in r else "-"
+        same = {True: "yes", False: "NO"}.get(r.get("identical_to_naive"), "-")
         print(f"{r['tokenizer']:<9} {r['workers']:>7} {r['impl']:<26} {r['docs_per_s']:>9.0f} "
-              f"{r['mb_per_s']:>7.2f} {r['tokens_per_s']:>10.0f} {e2e:>8} {vs:>8}")
+              f"{r['mb_per_s']:>7.2f} {r['tokens_per_s']:>10.0f} {e2e:>8} {vs:>8} {vs_eb:>15} {per_cpu:>8} "
+              f"{cpu_eb:>9} {same:>9}")
     mega = [r for r in rows if "ratio_vs_megatron_recorded" in r]
     for r in mega:
         print(f"GPT-2 BPE, 2 workers: {r['mb_per_s']:.2f} MB/s = {r['ratio_vs_megatron_recorded']:.2f}x the "
@@ -187,6 +264,7 @@ def main(argv=None) -> dict:
               f"not run in this job, other corpus)")
     result = {
         "benchmark": "preprocess",
+        "load_average": os.getloadavg(),
         "corpus_mb": info["bytes"] / 1e6,
         "corpus_documents": info["documents"],
         "cpus": os.cpu_count(),

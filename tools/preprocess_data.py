@@ -33,6 +33,7 @@ import errno
 import json
 import multiprocessing
 import os
+import resource
 import signal
 import sys
 import time
@@ -369,6 +370,12 @@ def _ordered_results(tasks, workers: int, initargs):
         executor.shutdown(wait=True, cancel_futures=True)
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished workers: unlike the clock, blind to other load."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
@@ -436,7 +443,7 @@ def main(argv=None) -> int:
     initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1,
                 splitter_args)
     n_docs = n_tokens = n_bytes = 0
-    start = time.time()
+    start, cpu_start = time.time(), _cpu_seconds()
     next_log = args.log_interval
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=None, file=sys.stderr)
     results = None
@@ -488,10 +495,11 @@ def main(argv=None) -> int:
     bar.close()
 
     elapsed = max(time.time() - start, 1e-9)
+    cpu = _cpu_seconds() - cpu_start
     print(
         f"done: {n_docs} documents, {n_tokens} tokens, {n_bytes / 1e6:.2f} MB in {elapsed:.2f} s "
         f"({n_docs / elapsed:.1f} docs/s, {n_bytes / elapsed / 1e6:.2f} MB/s, "
-        f"{n_tokens / elapsed:.0f} tokens/s) with {args.workers} worker(s)"
+        f"{n_tokens / elapsed:.0f} tokens/s) with {args.workers} worker(s), {cpu:.2f} CPU-seconds"
     )
     for prefix in prefixes.values():
         print(f"wrote {prefix}.bin and {prefix}.idx")
