@@ -1,9 +1,10 @@
 """Pipeline parallelism: this rank's stages run by a ``torch.distributed.pipelining`` schedule.
 
 The model is cut by ``pipeline_split`` (by the ``layer_idx`` of its pieces); this module validates the
-schedule (GPipe, 1F1B, interleaved 1F1B), builds the ``PipelineStage``s and runs one step's forward
-and backward (``PipelineStepper``). What flows between stages and how the last stage's output becomes
-a loss is the model's (``libai_lite.model``).
+schedule (GPipe, 1F1B, interleaved 1F1B and the zero-bubble ones: interleaved zero bubble, ZBV and
+DualPipeV, the last two on a V of stages, ``pipeline_split.V_SHAPE_SCHEDULES``), builds the
+``PipelineStage``s and runs one step's forward and backward (``PipelineStepper``). What flows between
+stages and how the last stage's output becomes a loss is the model's (``libai_lite.model``).
 """
 from __future__ import annotations
 
@@ -12,14 +13,39 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from ..utils.errors import UsageError
 from .expert_parallel import PipelineMoE
-from .pipeline_split import local_stage_ids, sync_tied_weight_grads, tied_weight_copies, trainable_parameters
+from .pipeline_split import (
+    V_SHAPE_SCHEDULES,
+    local_stage_ids,
+    stage_ranks,
+    sync_tied_weight_grads,
+    tied_weight_copies,
+    trainable_parameters,
+)
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-_MULTI_STAGE = {"interleaved_1f1b"}  # drives several stages per rank; the others exactly one
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    # Zero bubble (arXiv 2401.10241): the backward split into input and weight gradients, the weight
+    # half filling the bubbles; PipelineStage does the split itself.
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+# Take a list of stages (one or more per rank); the others exactly one stage.
+_MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
 
 
 def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:
@@ -33,18 +59,25 @@ def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches:
         raise UsageError(f"{num_stages} pipeline stages do not divide over {pp_size} pipeline ranks; "
                          f"use a multiple of {pp_size} stages")
     virtual = num_stages // pp_size
-    if name in _MULTI_STAGE:
-        if virtual < 2:
+    if name in V_SHAPE_SCHEDULES:
+        if virtual != 2:
+            raise UsageError(f"schedule {name!r} runs exactly 2 stages per pipeline rank (a V: rank r holds stages "
+                             f"r and 2*pp-1-r), got {virtual}; set train.dist.virtual_pipeline_size=2")
+        if name == "dualpipev" and n_microbatches < num_stages:
+            raise UsageError(f"schedule 'dualpipev' needs n_microbatches ({n_microbatches}) >= the number of stages "
+                             f"({num_stages}); raise train.num_accumulation_steps to {num_stages}")
+    elif name in _MULTI_STAGE:
+        if name == "interleaved_1f1b" and virtual < 2:
             raise UsageError(f"schedule 'interleaved_1f1b' needs at least 2 virtual stages per pipeline rank, got "
                              f"{virtual}; set 2 or more virtual stages or use '1f1b'")
         rounds = max(1, n_microbatches // pp_size)
         if n_microbatches % rounds:
-            raise UsageError(f"schedule 'interleaved_1f1b' needs n_microbatches ({n_microbatches}) to be a "
+            raise UsageError(f"schedule {name!r} needs n_microbatches ({n_microbatches}) to be a "
                              f"multiple of max(1, n_microbatches // pp) = {rounds}; use a multiple of "
                              f"pipeline_parallel_size ({pp_size})")
     elif virtual != 1:
         raise UsageError(f"schedule {name!r} runs one stage per pipeline rank, got {virtual}; "
-                         f"use 'interleaved_1f1b' for virtual stages")
+                         f"use 'interleaved_1f1b' or 'interleaved_zero_bubble' for virtual stages")
     elif name == "1f1b" and n_microbatches < num_stages:
         raise UsageError(f"schedule '1f1b' needs n_microbatches ({n_microbatches}) >= the number of stages "
                          f"({num_stages}); raise train.num_accumulation_steps to {num_stages} or use 'gpipe'")
@@ -80,8 +113,9 @@ class PipelineStepper:
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
         pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        # The last stage sits on pipeline rank (num_stages - 1) % pp = pp - 1.
-        self._last_rank = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
+        name = check_schedule(schedule, num_stages, pp_size, self.n_microbatches)
+        # The last stage sits on pipeline rank pp - 1 (loop placement) or 0 (V-shape).
+        self._last_rank = dist.get_global_rank(pp_group, stage_ranks(pp_size, num_stages, name)[-1])
         self._grad_scaler = None
         self._losses: list[torch.Tensor] = []
         self._metric_records: list[torch.Tensor] = []
@@ -89,8 +123,7 @@ class PipelineStepper:
         self._moe = PipelineMoE(self.stage_modules, pp_group, self.n_microbatches, self.device)
         self.step_metrics: dict = {}
 
-        name = check_schedule(schedule, num_stages, pp_size, self.n_microbatches)
-        expected = local_stage_ids(pp_rank, pp_size, num_stages // pp_size)
+        expected = local_stage_ids(pp_rank, pp_size, num_stages // pp_size, name)
         if self.stage_ids != expected or len(self.stage_modules) != len(expected):
             raise UsageError(f"pipeline rank {pp_rank} of {pp_size} must own stages {expected} of {num_stages}, "
                              f"got stage ids {self.stage_ids} for {len(self.stage_modules)} modules")

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor
 
 from ..model import unwrap
@@ -43,9 +44,27 @@ def pipeline_module(model: nn.Module) -> nn.Module:
     return fn() if callable(fn) else model
 
 
-def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` owns: ``pp_rank, pp_rank + pp_size, ...`` (torch's loop-style placement)."""
-    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+# Schedules whose two stages per rank sit on a V: rank r runs stages r and 2 * pp - 1 - r, so the first
+# and the last stage share rank 0 and each rank's second stage feeds its neighbour back up the V.
+V_SHAPE_SCHEDULES = frozenset({"zbv_zero_bubble", "dualpipev"})
+
+
+def stage_style(schedule: str | None) -> str:
+    """torch's stage placement for ``schedule``: ``"v"`` (ZBV, DualPipeV) or ``"loop"`` (all others)."""
+    return "v" if str(schedule or "").lower() in V_SHAPE_SCHEDULES else "loop"
+
+
+def stage_ranks(pp_size: int, num_stages: int, schedule: str | None = None) -> list[int]:
+    """The pipeline rank of each stage under ``schedule``'s placement (the mapping its torch class uses)."""
+    mapping = generate_stage_to_rank_mapping(pp_size, num_stages, style=stage_style(schedule))
+    return [mapping[s] for s in range(num_stages)]
+
+
+def local_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int = 1, schedule: str | None = None) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` owns, ascending: ``pp_rank, pp_rank + pp_size, ...`` (torch's
+    loop placement), or ``pp_rank, 2 * pp_size - 1 - pp_rank, ...`` for a V-shape ``schedule``."""
+    ranks = stage_ranks(pp_size, pp_size * virtual_stages, schedule)
+    return [s for s, r in enumerate(ranks) if r == pp_rank]
 
 
 class PipelineForward(nn.Module):
@@ -203,19 +222,21 @@ def tied_weight_copies(stage_modules: Sequence[nn.Module]) -> list[nn.Parameter]
     return [p for p in _tied_present(stage_modules, 1) if all(p is not q for q in sources)]
 
 
-def build_tied_weight_group(mesh, pp_dim: str = "pp"):
+def build_tied_weight_group(mesh, pp_dim: str = "pp", schedule: str | None = None, virtual_stages: int = 1):
     """This rank's process group {first-stage rank, last-stage rank} for its (dp, tp) coordinate, None
-    when the pipeline has one rank. Collective (``dist.new_group``): every rank calls it, in order."""
+    when one rank holds both (one pipeline rank, or a V-shape ``schedule``). Collective
+    (``dist.new_group``): every rank calls it, in order."""
     ranks = mesh.mesh
     pp_index = mesh.mesh_dim_names.index(pp_dim)
     pp_size = ranks.shape[pp_index]
-    if pp_size == 1:
+    last = stage_ranks(pp_size, pp_size * virtual_stages, schedule)[-1]
+    if last == 0:
         return None
     columns = ranks.movedim(pp_index, 0).reshape(pp_size, -1)
     me = dist.get_rank()
     mine = None
     for c in range(columns.shape[1]):
-        pair = [int(columns[0, c]), int(columns[-1, c])]
+        pair = [int(columns[0, c]), int(columns[last, c])]
         group = dist.new_group(pair)
         if me in pair:
             mine = group

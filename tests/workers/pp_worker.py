@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node 2|4 tests/workers/pp_worker.py WORKDIR SCHEDULE VIRTUAL_STAGES PHASE[,PHASE...]
 
+SCHEDULE and VIRTUAL_STAGES may be comma-separated lists of equal length: the phases then run for
+each schedule in turn in one launch (tests/parallel/test_pipeline_schedules.py), and `grads` writes
+`{schedule}_v{virtual}_grads_rank{r}.pt`.
+
 WORKDIR holds `data.pt` (model cfg, seed, batch, optimizer settings) written by the test; each
 phase writes `{schedule}_{phase}_rank{r}.pt` there. Phases:
 
@@ -49,7 +53,7 @@ class Pipeline:
         pp = ctx.pipeline_parallel_size
         self.num_stages = pp * virtual
         stage_of_layer = layer_stages(num_layers, self.num_stages, custom)
-        self.stage_ids = local_stage_ids(ctx.pp_rank, pp, virtual)
+        self.stage_ids = local_stage_ids(ctx.pp_rank, pp, virtual, schedule)
         torch.manual_seed(data["seed"])
         if meta:
             with torch.device("meta"):
@@ -67,7 +71,7 @@ class Pipeline:
                     fully_shard(layer, mesh=ctx.mesh["dp"], reshard_after_forward=False)
                 fully_shard(stage, mesh=ctx.mesh["dp"], reshard_after_forward=False)
         self.view = pipeline_model_view(models)
-        self.tied_group = build_tied_weight_group(ctx.mesh)
+        self.tied_group = build_tied_weight_group(ctx.mesh, schedule=schedule, virtual_stages=virtual)
         if meta:
             broadcast_tied_weights(self.stages, self.tied_group)
         self.stepper = PipelineStepper(
@@ -173,13 +177,15 @@ def phase_fsdp(ctx, data, workdir, schedule, virtual):
 
 
 def main():
-    workdir, schedule, virtual, phases = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+    workdir, schedules, virtuals, phases = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), sys.argv[4].split(",")
     data = torch.load(os.path.join(workdir, "data.pt"), weights_only=True)
-    ctx = setup_dist({"pipeline_parallel_size": 2, "timeout": 120})
+    ctx = setup_dist({"pipeline_parallel_size": data.get("pp", 2), "timeout": 120})
     try:
-        for phase in phases:
+        for (schedule, virtual), phase in ((sv, p) for sv in zip(schedules, map(int, virtuals)) for p in phases):
             if phase == "grads":
-                phase_grads(ctx, data, workdir, schedule, virtual)
+                # Several schedules in one launch may repeat a name (virtual 1 and 2): tag by both.
+                tag = f"v{virtual}_grads" if len(schedules) > 1 else "grads"
+                phase_grads(ctx, data, workdir, schedule, virtual, tag=tag)
             elif phase == "grads_custom":
                 phase_grads(ctx, data, workdir, schedule, virtual, custom=data["custom_stage_ids"], tag="grads_custom")
             elif phase == "train":

@@ -1,0 +1,123 @@
+"""Zero-bubble pipeline schedules (interleaved zero bubble, ZBV, DualPipeV) against 1F1B.
+
+One `torchrun --nproc_per_node 2 tests/workers/pp_worker.py` launch (gloo, CPU) runs the tiny GPT's
+step under 1F1B and under each new schedule; each must give 1F1B's loss and every gradient (and,
+with a GradScaler, the scaled ones), the tied embedding / LM head included: under ZBV and DualPipeV
+both copies sit on rank 0 (a V: rank r holds stages r and 2*pp-1-r).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from libai_lite.parallel.pipeline import check_schedule
+from libai_lite.parallel.pipeline_split import local_stage_ids, stage_ranks
+from libai_lite.utils.distributed import layer_stages
+from libai_lite.utils.errors import UsageError
+from tests.launch import torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "workers" / "pp_worker.py"
+EMB = "GPT_model.embeddings.token_embeddings.weight"
+HEAD = "GPT_model.lm_head.weight"
+
+CFG = dict(
+    hidden_layers=4, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+    max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0,
+)
+# 4 micro-batches: DualPipeV needs at least as many as its 2 * pp = 4 stages.
+ACC = 4
+# (schedule, virtual stages per rank, the layers each of the 2 ranks holds)
+NEW = [
+    ("interleaved_zero_bubble", 1, [[0, 1], [2, 3]]),
+    ("interleaved_zero_bubble", 2, [[0, 2], [1, 3]]),
+    ("zbv_zero_bubble", 2, [[0, 3], [1, 2]]),
+    ("dualpipev", 2, [[0, 3], [1, 2]]),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """What each rank wrote for 1F1B and every new schedule, all from one launch."""
+    work = tmp_path_factory.mktemp("pp_schedules")
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, CFG["vocab_size"], (2 * ACC, 16), generator=g)
+    labels = torch.randint(0, CFG["vocab_size"], (2 * ACC, 16), generator=g)
+    labels[0, :9] = -100  # unequal micro-batch token counts: the mean of means is not the token mean
+    torch.save({"cfg": CFG, "seed": 1234, "input_ids": ids, "labels": labels, "n_microbatches": ACC}, work / "data.pt")
+    schedules = [("1f1b", 1)] + [(s, v) for s, v, _ in NEW]
+    torchrun(2, WORKER, work, ",".join(s for s, _ in schedules), ",".join(str(v) for _, v in schedules), "grads",
+             timeout=120)
+    return {(s, v): [torch.load(work / f"{s}_v{v}_grads_rank{r}.pt", weights_only=True) for r in range(2)]
+            for s, v in schedules}
+
+
+def _by_name(ranks, key):
+    out = {}
+    for res in ranks:
+        out.update(res[key])
+    return out
+
+
+@pytest.mark.parametrize("schedule,virtual,layers", NEW, ids=[f"{s}_v{v}" for s, v, _ in NEW])
+def test_zero_bubble_schedule_matches_1f1b(runs, schedule, virtual, layers):
+    base, got = runs[("1f1b", 1)], runs[(schedule, virtual)]
+    assert [r["layers"] for r in got] == layers
+    # The same micro-batch losses, averaged alike; every rank reports the last stage's number.
+    assert got[0]["loss"] == got[1]["loss"] == base[0]["loss"]
+    # Zero-bubble schedules split each backward into an input-gradient and a weight-gradient pass; in
+    # fp32 the weight gradient of a micro-batch is the same sum of products either way, so what
+    # can differ is the order in which micro-batch contributions (and, for the tied weight, its two
+    # copies) are added: at most ACC + 1 roundings of eps32 relative to the summed magnitude.
+    tol = (ACC + 1) * torch.finfo(torch.float32).eps
+    for key in ("grads", "scaled_grads"):
+        want, have = _by_name(base, key), _by_name(got, key)
+        assert set(have) == set(want), set(have) ^ set(want)
+        for name, g in have.items():
+            err = float((g - want[name]).abs().max())
+            assert err <= tol * float(want[name].abs().max()), (key, name, err)
+    assert got[0]["norm"] == pytest.approx(base[0]["norm"], rel=tol) and got[1]["norm"] == got[0]["norm"]
+    # Both tied copies hold the whole tied gradient (on one rank under a V, on two otherwise).
+    owners = [r for r, res in enumerate(got) if EMB in res["grads"]] + [r for r, res in enumerate(got) if HEAD in res["grads"]]
+    assert owners == ([0, 0] if schedule in ("zbv_zero_bubble", "dualpipev") else [0, 1])
+    torch.testing.assert_close(got[owners[0]]["grads"][EMB], got[owners[1]]["grads"][HEAD], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ one process
+
+
+def test_v_shape_placement_is_torchs():
+    assert [local_stage_ids(r, 4, 2, "zbv_zero_bubble") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [local_stage_ids(r, 4, 2, "DualPipeV") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [local_stage_ids(r, 4, 2, "interleaved_zero_bubble") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert stage_ranks(2, 4, "zbv_zero_bubble") == [0, 1, 1, 0] and stage_ranks(2, 4) == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "schedule,num_stages,pp,n_mb,match",
+    [
+        ("zbv_zero_bubble", 2, 2, 4, r"'zbv_zero_bubble' runs exactly 2 stages per pipeline rank .*got 1; "
+                                     r"set train.dist.virtual_pipeline_size=2"),
+        ("dualpipev", 12, 4, 8, "got 3; set train.dist.virtual_pipeline_size=2"),
+        ("dualpipev", 8, 4, 7, r"'dualpipev' needs n_microbatches \(7\) >= the number of stages \(8\)"),
+        ("interleaved_zero_bubble", 8, 4, 9, r"'interleaved_zero_bubble' needs n_microbatches \(9\) to be a multiple"),
+        ("1f1b", 4, 2, 4, "use 'interleaved_1f1b' or 'interleaved_zero_bubble' for virtual stages"),
+    ],
+)
+def test_bad_zero_bubble_settings_are_usage_errors(schedule, num_stages, pp, n_mb, match):
+    with pytest.raises(UsageError, match=match):
+        check_schedule(schedule, num_stages, pp, n_mb)
+
+
+def test_zbv_with_too_few_layers_for_2pp_stages_is_a_usage_error():
+    # pp=4 under ZBV is 8 stages: a 6-layer model cannot fill them.
+    assert check_schedule("ZBV_zero_bubble", 8, 4, 8) == "zbv_zero_bubble"
+    with pytest.raises(UsageError, match="more stages than the model's 6 layers; use at most 6 pipeline stages"):
+        layer_stages(6, 8)
+
+
+def test_good_zero_bubble_settings_pass():
+    assert check_schedule("interleaved_zero_bubble", 2, 2, 4) == "interleaved_zero_bubble"
+    assert check_schedule("interleaved_zero_bubble", 8, 4, 8) == "interleaved_zero_bubble"
+    assert check_schedule("zbv_zero_bubble", 4, 2, 1) == "zbv_zero_bubble"
+    assert check_schedule("dualpipev", 8, 4, 8) == "dualpipev"
