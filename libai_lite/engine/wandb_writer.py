@@ -31,6 +31,13 @@ def import_wandb():
     return wandb
 
 
+def check_wandb_options(mode: str):
+    """The ``wandb`` module for a valid ``mode``, or a one-line UsageError."""
+    if mode not in MODES:
+        raise UsageError(f"train.wandb.mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+    return import_wandb()
+
+
 class WandbWriter:
     """A W&B run driven like TensorBoard's ``SummaryWriter``: ``add_scalar``, ``flush``, ``close``.
 
@@ -40,9 +47,7 @@ class WandbWriter:
 
     def __init__(self, output_dir: str, config: dict | None = None, project: str = "libai_lite",
                  name: str | None = None, mode: str = "offline"):
-        if mode not in MODES:
-            raise UsageError(f"train.wandb.mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
-        wandb = import_wandb()
+        wandb = check_wandb_options(mode)
         os.makedirs(output_dir, exist_ok=True)
         # console="off": log.txt already holds the log, and W&B's capture of stdout/stderr would wrap
         # the streams the launcher filters for the one-line error.
@@ -81,7 +86,12 @@ def build_wandb_writer(cfg, output_dir: str) -> WandbWriter | None:
     from ..utils.distributed import is_main_process
 
     opts = cfg.train.get("wandb", None) or {}
-    if not opts.get("enabled", False) or not is_main_process():
+    if not opts.get("enabled", False):
+        return None
+    mode = opts.get("mode") or "offline"
+    # Every rank checks, so all of them stop on a bad setting, not rank 0 alone.
+    check_wandb_options(mode)
+    if not is_main_process():
         return None
     import yaml
 
@@ -91,4 +101,4 @@ def build_wandb_writer(cfg, output_dir: str) -> WandbWriter | None:
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
     return WandbWriter(output_dir, config, project=opts.get("project") or "libai_lite", name=opts.get("name"),
-                       mode=opts.get("mode") or "offline")
+                       mode=mode)

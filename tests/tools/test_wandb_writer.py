@@ -136,6 +136,10 @@ def test_build_wandb_writer_reads_train_wandb_and_config_yaml(trained, tmp_path)
     history, config = read_offline_run(out)
     assert history == {1: {"total_loss": 1.5}}
     assert config == yaml.safe_load(open(trained / "config.yaml"))
+    cfg.train.wandb.mode = "ofline"
+    with pytest.raises(UsageError, match="^train.wandb.mode must be one of"):
+        build_wandb_writer(cfg, str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists()
 
 
 def test_disabled_mode_writes_nothing(tmp_path):
