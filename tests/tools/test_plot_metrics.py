@@ -64,7 +64,8 @@ def test_a_real_run_is_drawn_into_one_png_of_ten_panels(run_dir, tmp_path):
 def test_the_command_line_overlays_runs_and_keeps_a_resumed_runs_later_rows(run_dir, tmp_path):
     rows = [json.loads(line) for line in open(run_dir / "metrics.json")]
     # Resumed after iteration 2 with a crash before 4: iterations 3 and 4 logged again, differently.
-    resumed = rows + [dict(r, total_loss=r["total_loss"] + 1) for r in rows if r["iteration"] >= 3 and "total_loss" in r]
+    resumed = rows + [dict(r, total_loss=r["total_loss"] + 1) for r in rows
+                      if r["iteration"] >= 3 and "total_loss" in r]
     write_rows(tmp_path / "resumed", resumed)
     r = subprocess.run([sys.executable, "tools/plot_metrics.py", str(run_dir), str(tmp_path / "resumed"), "-o",
                         str(tmp_path / "both.png")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)

@@ -73,6 +73,8 @@ def test_scontrol_is_preferred_where_it_exists(tmp_path):
 
 @pytest.mark.parametrize("slurm,expected", [
     ({}, "error: SLURM_JOB_ID is not set: submit with sbatch (or run tools/train.sh directly)"),
+    ({"LIBAI_LITE_ROOT": "/nonexistent_libai"}, "error: /nonexistent_libai is not a libai_lite checkout (no "
+     "tools/train.sh); submit from the checkout or set LIBAI_LITE_ROOT=/path/to/libai_lite"),
     ({"LIBAI_LITE_SLURM_STEP": "1", "SLURM_JOB_ID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "a"},
      "error: SLURM_JOB_NUM_NODES is not set (is this a Slurm job step?); set it or NODE by hand"),
     ({"LIBAI_LITE_SLURM_STEP": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
