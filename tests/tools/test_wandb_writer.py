@@ -164,6 +164,18 @@ def test_bad_mode_is_one_line(tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+def test_online_without_a_login_is_one_line_pointing_to_offline(monkeypatch, tmp_path):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    with pytest.raises(UsageError) as e:
+        WandbWriter(str(tmp_path / "out"), {"a": 1}, mode="online")
+    message = str(e.value)
+    assert message.startswith("W&B could not start a run (") and "\n" not in message
+    assert message.endswith("; train.wandb.mode=offline writes it under the output directory with no network, "
+                            "for `wandb sync` later")
+
+
 @pytest.mark.skipif("build_wandb_writer" not in inspect.getsource(engine_default),
                     reason="train.wandb is not wired into the trainer's PeriodicWriter yet")
 def test_training_with_train_wandb_writes_the_run(tmp_path):
