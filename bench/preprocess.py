@@ -206,10 +206,19 @@ def run_naive(corpus: str, out_prefix: str, tokenizer: str, append_eod: bool = T
             "docs_per_s": docs / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds}
 
 
+class _ProgressRows(list):
+    """The result rows; each is echoed to stderr when it lands, so a long run shows its progress."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(f"  {row['tokenizer']} {row['impl']} workers={row['workers']}: {row['mb_per_s']:.2f} MB/s",
+              file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> dict:
     """Run the benchmark, print a table and the JSON line; returns the JSON object."""
     args = parse_args(argv)
-    rows = []
+    rows = _ProgressRows()
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_", dir=args.tmpdir) as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
         info = make_corpus(corpus, args.corpus_mb)
@@ -269,7 +278,7 @@ def main(argv=None) -> dict:
         "corpus_documents": info["documents"],
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
-        "rows": rows,
+        "rows": list(rows),
         "megatron_recorded_mb_per_s": MEGATRON_RECORDED_MB_S,
         "ratio_vs_megatron_recorded": mega[0]["ratio_vs_megatron_recorded"] if mega else None,
         "date": datetime.date.today().isoformat(),
