@@ -1,5 +1,6 @@
 """The one launcher of the test suite's processes: tools/train_net.py and tools/train.sh the way a user
 runs them, torchrun for the test workers and tools, and in-process rank workers (spawn_ranks)."""
+import contextlib
 import json
 import os
 import socket
@@ -107,6 +108,28 @@ def tree_snapshot(path) -> dict:
     """Relative path -> (size, mtime) of every file under `path`, to show nothing changed."""
     path = Path(path)
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, size: str):
+    """A real small filesystem: a tmpfs of ``size`` (mount's syntax, "2m") mounted at ``path`` for the
+    block and always unmounted after; the test is skipped where mounting is not permitted."""
+    import pytest
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command: a small real filesystem cannot be made here")
+    if r.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root or CAP_SYS_ADMIN: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)  # busy: detach it anyway
 
 
 def _run_then_exit(rank, fn, args):

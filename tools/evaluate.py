@@ -129,12 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: all of --data, the test split of the config's own prefix)")
     p.add_argument("--seq-length", type=int, default=None, help="ppl window length (default: model.cfg.max_seq_length)")
     p.add_argument("--output", metavar="FILE.json", help="also write the results here as JSON")
+    p.add_argument("--no-verify", action="store_true",
+                   help="load --checkpoint without checking its files against the checksums in its manifest.json")
     p.add_argument("opts", nargs="*", help="config overrides, key=value (flags may come before or after them)")
     return p
 
 
 def evaluate(args) -> dict:
     """Set up the run from `args`, evaluate, and return the results (identical on every rank)."""
+    from libai_lite.checkpoint.checkpointer import set_verification
     from libai_lite.config import LazyConfig
     from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
 
@@ -142,6 +145,8 @@ def evaluate(args) -> dict:
         raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
     if args.data and args.task == "lambada" and not os.path.isfile(args.data):
         raise UsageError(f"data file {args.data} not found (relative paths start at {os.getcwd()})")
+    if args.no_verify:
+        set_verification(False)
     cfg = LazyConfig.load(args.config_file)
     cfg = LazyConfig.apply_overrides(cfg, args.opts or [])
     cfg.train.load_weight = args.checkpoint

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config-file", metavar="FILE", help="lazy config the checkpoint was trained with")
     src.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (model_XXXXXXX, model_final) of that config")
     src.add_argument("--hf-dir", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
+    src.add_argument("--no-verify", action="store_true",
+                     help="load --checkpoint without checking its files against the checksums in its manifest.json")
     src.add_argument("--model", choices=("gpt2", "t5", "mt5", "llama", "mistral", "qwen2", "mixtral"),
                      help="model type of --hf-dir (default: from its config.json)")
     tok = p.add_argument_group("tokenizer (default: the config's, or the files in --hf-dir)")
@@ -186,12 +188,14 @@ def load_model(args):
         from omegaconf import open_dict
 
         from libai_lite.checkpoint import Checkpointer
-        from libai_lite.checkpoint.checkpointer import build_empty, read_metadata
+        from libai_lite.checkpoint.checkpointer import build_empty, read_metadata, set_verification
         from libai_lite.config import LazyConfig, instantiate
 
         if not args.checkpoint:
             raise UsageError("--config-file needs --checkpoint DIR (a model_XXXXXXX or model_final directory)")
         path = args.checkpoint
+        if args.no_verify:
+            set_verification(False)
         read_metadata(path)  # a missing or corrupt checkpoint is refused before the config is read
         cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), args.opts)
         ctx = _setup_dist(_explicit_tp(args.opts))

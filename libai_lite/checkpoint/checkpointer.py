@@ -5,23 +5,40 @@ A checkpoint is a directory `model_XXXXXXX/` holding
     name, so a later run can load them under another parallel layout;
   - `trainer_state.json`: iteration, consumed samples, scheduler and loss-scaler state;
   - `rng_state_{rank}.pt`: each rank's RNG states (tensors and ints only, loaded with weights_only).
-It is written under `model_XXXXXXX.tmp/` and renamed when every rank has finished; only then is
-`last_checkpoint` (a one-line text file) replaced. Nothing here unpickles arbitrary objects.
+  - `manifest.json`: the size and CRC-32 of every other file, written last, so a complete
+    checkpoint can be told from a partial one and flipped or truncated bytes are refused at load.
+
+Replacing a checkpoint (`model_best`, `model_final`, a periodic one saved again) never leaves
+`last_checkpoint` naming a directory that is gone for good:
+  1. everything is written under `NAME.tmp/`, `manifest.json` last;
+  2. an existing `NAME/` is renamed `NAME.old/`;
+  3. `NAME.tmp/` is renamed `NAME/`;
+  4. `last_checkpoint` (a one-line text file) is replaced, atomically;
+  5. `NAME.old/` is deleted.
+A crash at any point is repaired at the next start (`recover_interrupted`): a `NAME.tmp/` with
+its manifest is complete and is published, a `NAME.old/` whose `NAME/` is missing is put back,
+and only a `NAME.tmp/` without a manifest (never published) is deleted.
+Nothing here unpickles arbitrary objects.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import time
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,25 +48,216 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..optim.container import optimizer_parts
-from ..utils.distributed import all_reduce_max, barrier, broadcast_object, get_rank
+from ..utils.distributed import barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
+from ..utils.events import format_bytes
 
 logger = logging.getLogger("libai_lite")
 
 LAST_CHECKPOINT = "last_checkpoint"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+_ASIDE = ".old"
 _PERIODIC = re.compile(r"^model_(\d{7})$")
 # Optimizer state flattened to one key per parameter name ("state.<fqn>.exp_avg"), so the
 # state of several model parts (pipeline stages) merges and splits by name, whatever the layout.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+# Checksums are checked at load unless the user turned that off for this process (--no-verify).
+_VERIFY = {"enabled": True}
+# (real path, its files' sizes and mtimes) of the checkpoints verified in this process: the engine
+# checks a checkpoint before building the model and loads it after, and the files are read once.
+_VERIFIED: set = set()
+_CORRUPT_FIX = ("restore the directory from a copy, or resume from an earlier checkpoint (write its name into "
+                "last_checkpoint); --no-verify loads it unchecked")
+
+
+def set_verification(enabled: bool) -> None:
+    """Check (default) or skip checking loaded checkpoints against their manifest, for this process (--no-verify)."""
+    _VERIFY["enabled"] = bool(enabled)
+
+
 def _write_text_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk must not leave a half-written sibling behind.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames inside ``path`` durable: a power cut after a rename must not undo it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: str) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits (zlib: about 3 GB/s, so a check costs little beside the load)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
+    if _world_size() == 1:
+        return [obj]
+    out = [None] * _world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _spread(fn: Callable, items: list) -> list:
+    """``[fn(item) for item in items]`` on every rank, each rank computing every world-size-th item.
+
+    ``fn`` must not raise: a rank that left the collective would leave the others waiting.
+    """
+    world, rank = _world_size(), get_rank()
+    done = {}
+    for part in _gather({i: fn(items[i]) for i in range(rank, len(items), world)}):
+        done.update(part)
+    return [done[i] for i in range(len(items))]
+
+
+def _file_record(path: str) -> dict:
+    try:
+        return {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _write_manifest(directory: str) -> str:
+    """Write ``directory/manifest.json`` with every file's size and CRC-32 (collective); returns an error or ""."""
+    names = broadcast_object(sorted(
+        n for n in os.listdir(directory) if n != MANIFEST and os.path.isfile(os.path.join(directory, n))
+    ) if get_rank() == 0 else None)
+    records = _spread(lambda n: _file_record(os.path.join(directory, n)), names)
+    error = next((r["error"] for r in records if "error" in r), "")
+    if get_rank() == 0 and not error:
+        text = json.dumps({"checksum": "crc32", "files": dict(zip(names, records))}, indent=1, sort_keys=True)
+        try:
+            _write_text_atomic(os.path.join(directory, MANIFEST), text)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    return error
+
+
+def _file_problem(path: str, name: str, record) -> str:
+    """Why ``path/name`` differs from its manifest ``record`` ("" when it matches)."""
+    full = os.path.join(path, name)
+    try:
+        expected_bytes, expected_crc = int(record["bytes"]), str(record["crc32"])
+    except (TypeError, KeyError, ValueError):
+        return f"checkpoint {path} is corrupt: its {MANIFEST} entry for {name} is garbled; {_CORRUPT_FIX}"
+    try:
+        size = os.path.getsize(full)
+        if size != expected_bytes:
+            return (f"checkpoint {path} is corrupt: {full} has {size} bytes but {expected_bytes} were saved "
+                    f"(truncated or overwritten); {_CORRUPT_FIX}")
+        if _crc32(full) != expected_crc:
+            return (f"checkpoint {path} is corrupt: the bytes of {full} differ from those saved (CRC-32 "
+                    f"mismatch); {_CORRUPT_FIX}")
+    except FileNotFoundError:
+        return f"checkpoint {path} is corrupt: {full}, listed in its {MANIFEST}, is missing; {_CORRUPT_FIX}"
+    except OSError as e:
+        return f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); {_CORRUPT_FIX}"
+    return ""
+
+
+def _stat_key(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+        return (st.st_size, st.st_mtime_ns, st.st_ino)
+    except OSError:
+        return ()
+
+
+def verify_checkpoint(path: str) -> None:
+    """Refuse (UsageError naming the file) a checkpoint whose files differ from its ``manifest.json``.
+
+    Collective when distributed: each rank checks a share of the files and every rank raises the
+    same first mismatch. A checkpoint saved before manifests were written loads with a warning;
+    ``set_verification(False)`` (--no-verify) skips the check.
+    """
+    manifest = os.path.join(path, MANIFEST)
+    if not _VERIFY["enabled"] or not os.path.isfile(os.path.join(path, ".metadata")):
+        return  # a missing checkpoint is read_metadata's to report
+    if not os.path.isfile(manifest):
+        if (os.path.realpath(path), None) not in _VERIFIED:
+            _VERIFIED.add((os.path.realpath(path), None))
+            logger.warning(f"checkpoint {path} has no {MANIFEST} (saved by an older version): its files cannot "
+                           f"be checked for corruption and are loaded as they are")
+        return
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+        names = sorted(files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"checkpoint {path} is corrupt: {manifest} is unreadable ({type(e).__name__}: {e}); "
+                         f"{_CORRUPT_FIX}") from None
+    key = (os.path.realpath(path), tuple(_stat_key(os.path.join(path, n)) for n in [MANIFEST, *names]))
+    if key in _VERIFIED:
+        return
+    t = time.perf_counter()
+    problem = next((p for p in _spread(lambda n: _file_problem(path, n, files[n]), names) if p), "")
+    if problem:
+        raise UsageError(problem)
+    _VERIFIED.add(key)
+    total = sum(int(files[n]["bytes"]) for n in names)
+    logger.info(f"Checked the {len(names)} files ({format_bytes(total)}) of {path} against its {MANIFEST} "
+                f"in {time.perf_counter() - t:.2f}s")
+
+
+def read_trainer_state(path: str, fix: str = "resume from an earlier checkpoint") -> dict:
+    """``path/trainer_state.json`` as a dict; a one-line UsageError naming the file when it is missing or garbled."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; {fix}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{file} is truncated or garbled ({type(e).__name__}: {e}): the checkpoint is "
+                         f"corrupt; {fix}") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{file} holds a {type(state).__name__}, not a trainer state: the checkpoint is corrupt; "
+                         f"{fix}")
+    return state
+
+
+def _pause_for_test(name: str, step: str) -> None:
+    """Test hook: with LIBAI_LITE_TEST_PAUSE_SAVE="NAME:STEP:FLAG_FILE", rank 0 creates FLAG_FILE and waits
+    forever at ``step`` of saving checkpoint NAME, so a test can kill the process exactly there."""
+    spec = os.environ.get("LIBAI_LITE_TEST_PAUSE_SAVE")
+    if not spec:
+        return
+    want_name, want_step, flag = spec.split(":", 2)
+    if (want_name, want_step) == (name, step):
+        open(flag, "w").close()
+        while True:
+            time.sleep(1)
 
 
 def rng_state() -> dict:
@@ -88,6 +296,64 @@ def _read_marker(save_dir: str) -> str | None:
         return None
     with open(marker) as f:
         return f.read().strip()
+
+
+def _interrupted(save_dir: str, name: str, marker: str | None) -> str | None:
+    """What a killed save left for checkpoint ``name``: "publish" (``NAME.tmp`` is complete),
+    "restore" (``NAME.old`` is the only complete copy) or None."""
+    final, tmp, aside = (os.path.join(save_dir, name + suffix) for suffix in ("", ".tmp", _ASIDE))
+    if is_complete(tmp) and (
+        os.path.isfile(os.path.join(tmp, MANIFEST))
+        # Saved by a version without manifests, killed between deleting NAME and renaming NAME.tmp.
+        or (name == marker and not os.path.isdir(final) and not os.path.isdir(aside))
+    ):
+        return "publish"
+    if os.path.isdir(aside) and not os.path.isdir(final) and is_complete(aside):
+        return "restore"
+    return None
+
+
+def _current_location(save_dir: str, name: str) -> str:
+    """Where checkpoint ``name`` is now: the directory ``recover_interrupted`` will rename to ``name``, if any."""
+    action = _interrupted(save_dir, name, _read_marker(save_dir))
+    return os.path.join(save_dir, name + {"publish": ".tmp", "restore": _ASIDE}.get(action, ""))
+
+
+def recover_interrupted(save_dir: str, remove_partial: bool = True) -> None:
+    """Repair what a save killed part-way left in ``save_dir`` (rank 0, holding the directory's lock).
+
+    A ``NAME.tmp/`` holding its manifest was completely written: it is published as the save would
+    have done. A ``NAME.old/`` whose ``NAME/`` is gone is put back; one beside a complete ``NAME/``
+    was replaced and is deleted. With ``remove_partial``, a ``NAME.tmp/`` without a manifest (never
+    published, so nothing names it) is deleted. ``last_checkpoint`` is left alone: it names a
+    complete checkpoint, or one this repair puts back, at every step of the save. Raises OSError
+    when the disk refuses a rename.
+    """
+    if not os.path.isdir(save_dir):
+        return
+    marker = _read_marker(save_dir)
+    entries = os.listdir(save_dir)
+    names = sorted({e[: -len(suffix)] for e in entries for suffix in (".tmp", _ASIDE)
+                    if e.endswith(suffix) and os.path.isdir(os.path.join(save_dir, e))})
+    for name in names:
+        final, tmp, aside = (os.path.join(save_dir, name + suffix) for suffix in ("", ".tmp", _ASIDE))
+        action = _interrupted(save_dir, name, marker)
+        if action == "publish":
+            if os.path.isdir(final):
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+            os.replace(tmp, final)
+            logger.warning(f"Published {final}: its save was interrupted after every file had been written")
+        elif action == "restore":
+            os.replace(aside, final)
+            logger.warning(f"Restored {final} from {aside}: a save replacing it was interrupted")
+        if os.path.isdir(aside) and is_complete(final):
+            shutil.rmtree(aside)
+            logger.info(f"Removed {aside}, the checkpoint {final} replaced")
+        if remove_partial and os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+            logger.warning(f"Removed partial checkpoint {tmp} left by an interrupted save")
+    _fsync_dir(save_dir)
 
 
 def read_metadata(path: str) -> dict:
@@ -132,18 +398,25 @@ def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
     return model
 
 
-def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None) -> None:
-    """Refuse (UsageError) a checkpoint that is unreadable or lacks a tensor of ``model_state`` at its global shape.
+def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None,
+                            all_keys: set | None = None) -> None:
+    """Refuse (UsageError naming the first mismatch) a checkpoint that does not fit the model exactly.
 
-    ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model built on the meta
-    device checks a checkpoint before any data or weights are touched).
+    Its files must match its manifest (``verify_checkpoint``, collective when distributed), every
+    tensor of ``model_state`` must be stored at its global shape, and no model tensor may be stored
+    that the model lacks. ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model
+    built on the meta device checks a checkpoint before any data or weights are touched);
+    ``all_keys`` (the names read, over all ranks) replaces its keys in the last check when this
+    rank holds only part of the model (a pipeline stage).
     """
+    aliases = aliases or {}
+    verify_checkpoint(path)
     meta = read_metadata(path)
     for key, tensor in model_state.items():
-        stored = meta.get(f"model.{(aliases or {}).get(key, key)}")
+        stored = meta.get(f"model.{aliases.get(key, key)}")
         if stored is None:
-            raise UsageError(f"checkpoint {path} has no parameter '{key}': it was saved from another model; "
-                             f"check train.load_weight and model.cfg")
+            raise UsageError(f"checkpoint {path} has no parameter '{key}': it was saved from another model or model "
+                             f"size; check train.load_weight and model.cfg")
         # A DTensor's shape is the global one.
         shape, full = tuple(getattr(stored, "size", ())), tuple(tensor.shape)
         if shape != full:
@@ -151,6 +424,55 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
                 f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
                 f"the checkpoint is of another model shape; make model.cfg match it"
             )
+    expected = all_keys if all_keys is not None else {aliases.get(k, k) for k in model_state}
+    stored_model = [k[len("model."):] for k in meta if k.startswith("model.")]
+    extra = next((k for k in stored_model if k not in expected), None)
+    if extra is not None:
+        raise UsageError(f"checkpoint {path} holds '{extra}', which this config does not build: the checkpoint is of "
+                         f"a larger or another model; make model.cfg match it (e.g. model.cfg.hidden_layers)")
+
+
+def _state_bytes(tree) -> int:
+    """Bytes of the tensors in a (nested) state dict at their global size: about what a save writes."""
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_state_bytes(v) for v in tree)
+    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or the first one a rank reported in DCP's CheckpointException."""
+    if isinstance(exc, OSError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _write_failure(exc: BaseException, directory: str, needed: int | None) -> str:
+    """The one-line reason writing a checkpoint under ``directory`` failed; "" when ``exc`` is no write failure.
+
+    torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos"), not an
+    OSError, so a write that failed on a filesystem with less room left than the checkpoint
+    needs is reported as the full disk it is.
+    """
+    os_error = _os_error_in(exc)
+    if os_error is not None:
+        return _describe(os_error)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    if needed is not None and free < needed:
+        return _describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    return ""
 
 
 class Checkpointer:
@@ -186,40 +508,102 @@ class Checkpointer:
         return state
 
     def save(self, name: str, trainer_state: dict) -> str:
-        """Write checkpoint `name` with the given trainer state; returns its final path."""
+        """Write checkpoint `name` with the given trainer state; returns its final path.
+
+        Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
+        removes the partial files and raises a UsageError on every rank; the previous checkpoints
+        and ``last_checkpoint`` are untouched.
+        """
         final = os.path.join(self.save_dir, name)
         tmp = final + ".tmp"
         rank = get_rank()
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier()
+        # Test hooks pause only a save that replaces an existing checkpoint (the dangerous case).
+        replacing = os.path.isdir(final)
         error = ""
+        if rank == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as e:
+                error = _describe(e)
+        self._raise_if_failed(error, final, None)
+        state = None
         try:
-            dcp.save(self._merged(self._part_states(with_optim=True)), checkpoint_id=tmp)
+            state = self._merged(self._part_states(with_optim=True))
+            dcp.save(state, checkpoint_id=tmp)
             torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
             if rank == 0:
                 text = json.dumps(trainer_state, indent=1, sort_keys=True)
                 _write_text_atomic(os.path.join(tmp, TRAINER_STATE), text)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-        if all_reduce_max([float(bool(error))])[0]:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            barrier()
-            previous = self.last_checkpoint()
-            kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
-            raise UsageError(
-                f"saving checkpoint {final} failed ({error or 'on another rank'}); the partial files were removed "
-                f"and {kept}: free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
-            )
+        except (OSError, RuntimeError, CheckpointException) as e:
+            # DCP reports a rank's failed write as a CheckpointException (a BaseException) on every rank.
+            error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
+            if not error:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if not error and replacing and rank == 0:
+            _pause_for_test(name, "partial")
+        # Written last: its presence is what makes the directory a complete checkpoint.
+        error = error or _write_manifest(tmp)
+        self._raise_if_failed(error, final, state)
         if rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _write_text_atomic(os.path.join(self.save_dir, LAST_CHECKPOINT), name)
-            self._prune(keep=name)
-        barrier()
+            error = self._publish(name, replacing)
+        self._raise_if_failed(error, final, state)
         return final
+
+    def _publish(self, name: str, replacing: bool) -> str:
+        """Rank 0: move the complete ``NAME.tmp`` into place (steps 2-5 of the module docstring).
+
+        Returns the error that stopped it, or "".
+        """
+        final = os.path.join(self.save_dir, name)
+        tmp, aside = final + ".tmp", final + _ASIDE
+        pause = _pause_for_test if replacing else (lambda *_: None)
+        try:
+            pause(name, "written")
+            shutil.rmtree(aside, ignore_errors=True)
+            if os.path.isdir(final):
+                os.replace(final, aside)
+                pause(name, "aside")
+            os.replace(tmp, final)
+            _fsync_dir(self.save_dir)
+            pause(name, "published")
+            _write_text_atomic(os.path.join(self.save_dir, LAST_CHECKPOINT), name)
+            pause(name, "marked")
+            shutil.rmtree(aside, ignore_errors=True)
+            self._prune(keep=name)
+            return ""
+        except OSError as e:
+            # Leave what the next start would: NAME complete (old or new) and no aside copy.
+            try:
+                recover_interrupted(self.save_dir, remove_partial=False)
+            except OSError:
+                pass
+            return _describe(e)
+
+    def _raise_if_failed(self, error: str, final: str, state) -> None:
+        """Collective: when any rank reports ``error``, remove the partial save and raise the first one everywhere."""
+        errors = _gather(error)
+        first = next((f"{e} on rank {r}" if len(errors) > 1 else e for r, e in enumerate(errors) if e), "")
+        if not first:
+            return
+        if get_rank() == 0:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+        barrier()
+        space = ""
+        try:
+            free = shutil.disk_usage(self.save_dir).free
+            needed = f"about {format_bytes(_state_bytes(state))}" if state is not None else "space"
+            space = f"it needs {needed} and {format_bytes(free)} are free there; "
+        except OSError:
+            pass
+        previous = self.last_checkpoint()
+        kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+        raise UsageError(
+            f"saving checkpoint {final} failed ({first}); {space}the partial files were removed and {kept}: "
+            f"free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
+        )
 
     def _prune(self, keep: str) -> None:
         if not self.max_to_keep or self.max_to_keep <= 0:
@@ -240,31 +624,43 @@ class Checkpointer:
         return os.path.join(self.save_dir, name) if name else None
 
     def remove_partial(self) -> None:
-        """Delete `*.tmp` checkpoint directories left by a run killed while saving (rank 0 only)."""
-        if get_rank() != 0 or not os.path.isdir(self.save_dir):
+        """Rank 0 at start-up: finish or undo a save a killed run left half done, and delete never-published
+        ``*.tmp`` directories (``recover_interrupted``); no complete checkpoint is deleted."""
+        if get_rank() != 0:
             return
-        for d in sorted(os.listdir(self.save_dir)):
-            path = os.path.join(self.save_dir, d)
-            if d.endswith(".tmp") and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                logger.warning(f"Removed partial checkpoint {path} left by an interrupted save")
+        try:
+            recover_interrupted(self.save_dir, remove_partial=True)
+        except OSError as e:
+            raise UsageError(f"cannot repair the checkpoints an interrupted save left in {self.save_dir} "
+                             f"({_describe(e)}): check the permissions and free space there") from None
+
+    def _model_keys_read(self, own: dict) -> set:
+        """The checkpoint names the model reads, over every rank (a pipeline stage holds only its own)."""
+        mine = sorted({self.aliases.get(k, k) for k in own})
+        return {k for keys in _gather(mine) for k in keys}
 
     def load(self, path: str, weights_only: bool = False) -> dict:
-        """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state."""
+        """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state.
+
+        Collective when distributed. The checkpoint is verified first (``check_checkpoint_shapes``):
+        corrupt files or tensors that do not fit the model are refused in one line.
+        """
         from ..parallel.pipeline_split import alias_state_dict_keys
 
         full = not weights_only and self.optimizer is not None
         part_states = self._part_states(with_optim=full)
-        check_checkpoint_shapes(path, self._merged(part_states)["model"], self.aliases)
-        trainer_state = {}
-        if full:
-            if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
-                raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; "
-                                 f"remove it to resume from an earlier one")
-            with open(os.path.join(path, TRAINER_STATE)) as f:
-                trainer_state = json.load(f)
+        own = self._merged(part_states)["model"]
+        check_checkpoint_shapes(path, own, self.aliases, all_keys=self._model_keys_read(own))
+        trainer_state = read_trainer_state(path) if full else {}
         state = alias_state_dict_keys(self._merged(part_states), self.aliases)
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:
+            failures = getattr(e, "failures", {})
+            cause = next(iter(failures.values()), (e,))
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            raise UsageError(f"checkpoint {path} cannot be loaded ({_describe(cause)}): it is corrupt; "
+                             f"{_CORRUPT_FIX}") from e
         # Non-tensor entries are replaced, not loaded in place: take every part's keys from the loaded dict.
         state = alias_state_dict_keys(state, {v: k for k, v in self.aliases.items()})
         strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
@@ -278,28 +674,49 @@ class Checkpointer:
         if full:
             rng_path = os.path.join(path, f"rng_state_{get_rank()}.pt")
             if os.path.isfile(rng_path):
-                set_rng_state(torch.load(rng_path, weights_only=True))
+                try:
+                    rng = torch.load(rng_path, weights_only=True)
+                except Exception as e:  # noqa: BLE001 - any unreadable file here means corrupt bytes
+                    raise UsageError(f"{rng_path} cannot be read ({_describe(e)}): the checkpoint is corrupt; "
+                                     f"{_CORRUPT_FIX}") from e
+                set_rng_state(rng)
             else:
                 logger.warning(f"{rng_path} not found (the checkpoint was saved with fewer ranks): "
                                f"RNG streams start fresh")
         return trainer_state
 
 
+def _resume_verdict(save_dir: str) -> tuple[str | None, str | None]:
+    """Rank 0: ``(checkpoint to resume from or None, error or None)``, reading only.
+
+    After a save killed part-way, the checkpoint ``last_checkpoint`` names may still be in
+    ``NAME.tmp/`` or ``NAME.old/``: that directory is loaded, and renamed to ``NAME/`` only once this
+    run holds the output directory (``Checkpointer.remove_partial``), so a run refused as a second
+    one in the directory changes nothing.
+    """
+    name = _read_marker(save_dir)
+    if name is None:
+        return None, None
+    marker, path = os.path.join(save_dir, LAST_CHECKPOINT), _current_location(save_dir, name)
+    fix = (f"write the name of an earlier complete model_XXXXXXX directory into {marker}, "
+           f"or start without --resume")
+    if not is_complete(path):
+        return None, f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; {fix}"
+    try:
+        read_trainer_state(path, fix)
+    except UsageError as e:
+        return None, str(e)
+    return path, None
+
+
 def resolve_resume(save_dir: str) -> str | None:
     """The checkpoint `--resume` should continue from, agreed by all ranks (None: start fresh).
 
-    Rank 0 reads the directory and every rank gets its verdict, so a corrupt checkpoint stops
-    all ranks with the same message instead of leaving the others waiting.
+    Rank 0 reads the directory (the checkpoint may be in ``NAME.tmp/`` or ``NAME.old/`` after a
+    killed save: see ``_resume_verdict``) and every rank gets its verdict, so a corrupt checkpoint
+    stops all ranks with the same message instead of leaving the others waiting.
     """
-    verdict: tuple[str | None, str | None] = (None, None)
-    name = _read_marker(save_dir) if get_rank() == 0 else None
-    if name is not None:
-        marker, path = os.path.join(save_dir, LAST_CHECKPOINT), os.path.join(save_dir, name)
-        verdict = (path, None) if is_complete(path) else (None, (
-            f"{marker} names {path}, which is missing or incomplete: the checkpoint is corrupt; "
-            f"write the name of an earlier complete model_XXXXXXX directory into {marker}, "
-            f"or start without --resume"
-        ))
+    verdict = _resume_verdict(save_dir) if get_rank() == 0 else (None, None)
     path, error = broadcast_object(verdict)
     if error:
         raise UsageError(error)

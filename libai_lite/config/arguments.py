@@ -24,6 +24,20 @@ Check that everything works with a few iterations:
 """
 
 
+class _NoVerify(argparse.Action):
+    """``--no-verify``: this process loads checkpoints without checking their files against their manifest."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        # Set where the checkpoints are loaded (lazily imported: the config package loads no torch code).
+        from ..checkpoint.checkpointer import set_verification
+
+        set_verification(False)
+        setattr(namespace, self.dest, True)
+
+
 class _FlagsAnywhereParser(argparse.ArgumentParser):
     """Accepts the flags before or after the ``key=value`` overrides (``... train.train_iter=100 --resume``)."""
 
@@ -32,7 +46,7 @@ class _FlagsAnywhereParser(argparse.ArgumentParser):
 
 
 def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentParser:
-    """Parser with ``--config-file``, ``--resume``, ``--eval-only``, ``--fast-dev-run`` and ``opts``."""
+    """Parser with ``--config-file``, ``--resume``, ``--eval-only``, ``--no-verify``, ``--fast-dev-run``, ``opts``."""
     parser = _FlagsAnywhereParser(
         epilog=epilog if epilog is not None else _EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -47,6 +61,12 @@ def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentPa
         "Without it, train.load_weight (if set) only initialises the model weights.",
     )
     parser.add_argument("--eval-only", action="store_true", help="Perform evaluation only")
+    parser.add_argument(
+        "--no-verify",
+        action=_NoVerify,
+        help="Load checkpoints without checking their files against the CRC-32 checksums saved in their "
+        "manifest.json (accept the risk of training on from corrupt bytes)",
+    )
     parser.add_argument(
         "--fast-dev-run",
         action="store_true",
