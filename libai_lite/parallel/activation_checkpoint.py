@@ -1,13 +1,20 @@
 """Activation checkpointing: recompute a transformer layer's activations in backward instead of keeping them.
 
-Apply it after tensor parallelism and before data parallelism (FSDP2 then shards the wrapped layers,
-torchtitan's order). The layers are the children of every ``layers`` ModuleDict/ModuleList, or one
-whose name ends in ``_layers`` (``encoder_layers``), so stacks and pipeline stages need no registration.
+Apply it after tensor parallelism and before compilation and data parallelism (FSDP2 then shards the
+wrapped layers, torchtitan's order). The layers are the children of every ``layers`` ModuleDict/ModuleList,
+or one whose name ends in ``_layers`` (``encoder_layers``), so stacks and pipeline stages need no registration.
+
+Two modes: ``full`` keeps only each layer's input and recomputes the whole layer in backward;
+``selective`` keeps the outputs of the matmuls and of attention (the FLOPs) and recomputes only the
+cheap ops between them (norms, activations, dropout, residual adds, casts), through
+``torch.utils.checkpoint``'s op-level policy (``create_selective_checkpoint_contexts``).
 """
 from __future__ import annotations
 
 import logging
+from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -15,11 +22,42 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
 from ..utils.errors import UsageError
 
 logger = logging.getLogger("libai_lite")
 
 LAYER_CONTAINER_NAME = "layers"
+AC_MODES = ("full", "selective")
+
+
+def _selective_save_ops() -> frozenset:
+    """The ops whose outputs ``selective`` keeps: every matmul and fused attention, plus the collectives
+    that end a tensor-parallel block (recomputing those would repeat the communication in backward).
+
+    torchtitan keeps every other matmul to trade a little more recomputation for memory; here every
+    matmul is kept, so recomputation costs no matmul FLOPs and the saving is the elementwise and
+    normalisation intermediates, which outnumber the matmul outputs in a transformer layer.
+    """
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_mm"]
+    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    ops |= {c10d.reduce_scatter_tensor.default, c10d.all_reduce.default}
+    return frozenset(ops)
+
+
+def _selective_policy(save_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # MUST_SAVE also under torch.compile, whose partitioner might otherwise choose to recompute a matmul.
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context():
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for ``selective`` mode (a fresh pair of
+    contexts per call, as checkpoint requires)."""
+    return create_selective_checkpoint_contexts(partial(_selective_policy, _selective_save_ops()))
 
 
 def transformer_layer_slots(model: nn.Module) -> list[tuple[nn.Module, str | int]]:
@@ -46,13 +84,23 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, CheckpointWrapper)
 
 
-def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> None:
+def check_ac_mode(mode) -> str:
+    """``mode`` if it is one of ``AC_MODES``, else a UsageError naming the key and the choices."""
+    if mode not in AC_MODES:
+        raise UsageError(f"train.activation_checkpoint.mode={mode!r} is not a mode; use one of "
+                         f"{', '.join(AC_MODES)}")
+    return mode
+
+
+def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, mode: str = "full") -> None:
     """Wrap every ``every_n_layers``-th transformer layer (the N-th, 2N-th, ... in order) in place.
 
-    Non-reentrant ``checkpoint_wrapper``, so it composes with FSDP2 and DTensor parameters and keeps
-    RNG state for dropout. ``state_dict()`` and DCP strip the wrapper's ``_checkpoint_wrapped_module.``
+    Non-reentrant ``checkpoint_wrapper``, so it composes with FSDP2, DTensor parameters and
+    ``torch.compile`` and keeps RNG state for dropout. ``mode``: ``full`` or ``selective`` (see the
+    module docstring). ``state_dict()`` and DCP strip the wrapper's ``_checkpoint_wrapped_module.``
     prefix, so checkpoints keep their keys; ``named_parameters()`` does show it.
     """
+    check_ac_mode(mode)
     every_n_layers = int(every_n_layers)
     if every_n_layers < 1:
         raise UsageError(f"activation checkpointing every_n_layers={every_n_layers} must be at least 1 "
@@ -62,9 +110,12 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) ->
         raise UsageError(f"activation checkpointing found no transformer layers in {type(model).__name__}: it "
                          f"wraps the children of a '{LAYER_CONTAINER_NAME}' ModuleDict/ModuleList; keep the layers "
                          f"in such a container")
+    options = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
     wrapped = 0
     for count, (container, key) in enumerate(slots, start=1):
         if count % every_n_layers == 0 and not is_checkpointed(container[key]):
-            container[key] = checkpoint_wrapper(container[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            container[key] = checkpoint_wrapper(container[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                **options)
             wrapped += 1
-    logger.info(f"Activation checkpointing on {wrapped} of {len(slots)} transformer layers (every {every_n_layers})")
+    logger.info(f"Activation checkpointing ({mode}) on {wrapped} of {len(slots)} transformer layers "
+                f"(every {every_n_layers})")

@@ -1,7 +1,8 @@
 """From a built model and the run's ``Layout`` to what this rank trains: torchtitan's order, one job per step.
 
 Pipeline split (by the pieces' ``layer_idx``), then on each stage expert parallel, tensor parallel
-(from the layers' SBP declarations), activation checkpointing and data parallel / ZeRO. Everything
+(from the layers' SBP declarations), activation checkpointing, torch.compile per layer and data
+parallel / ZeRO. Everything
 comes from the layout and from the model itself (``libai_lite.model``); no config key is read.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..utils.distributed import Layout
 from ..utils.errors import UsageError
 from . import pipeline_split as ps
 from .activation_checkpoint import apply_activation_checkpointing
+from .compile import CompileOptions, apply_compile
 from .data_parallel import apply_data_parallel, check_zero1
 from .expert_parallel import apply_expert_parallel, build_expert_mesh, check_moe_layout
 from .pipeline import PipelineStepper, check_schedule
@@ -73,9 +75,10 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp
 
 
 def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None = None,
-                     activation_checkpoint_every: int = 0, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Expert, tensor parallel, activation checkpointing and data parallel for one model part. ``moe``: the
-    whole model's MoE settings (building the expert mesh is a collective, whatever this part holds)."""
+                     activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
+                     compile: CompileOptions | None = None, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Expert, tensor parallel, activation checkpointing, compilation and data parallel for one model part.
+    ``moe``: the whole model's MoE settings (building the expert mesh is a collective, whatever this part holds)."""
     expert_mesh = None
     if moe is not None and moe.ep_size > 1:
         # First, so later steps only touch this rank's experts.
@@ -86,7 +89,11 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
     if tp > 1:
         apply_tensor_parallel(module, layout.mesh["tp"], layout.sequence_parallel)
     if activation_checkpoint_every:
-        apply_activation_checkpointing(module, activation_checkpoint_every)
+        apply_activation_checkpointing(module, activation_checkpoint_every, activation_checkpoint_mode)
+    if compile is not None:
+        # After TP and AC, so the compiled layers hold DTensor parameters and the checkpoint region;
+        # before FSDP2, whose hooks then stay outside the compiled code.
+        apply_compile(module, compile)
     return apply_data_parallel(module, layout.mesh["dp"], layout.zero_stage, offload=layout.offload,
                                param_dtype=param_dtype, tp_enabled=tp > 1,
                                pipeline=layout.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
@@ -111,14 +118,19 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
 
 
 def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1, *,
-                      activation_checkpoint_every: int = 0, param_dtype: torch.dtype | None = None) -> ParallelModel:
+                      activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
+                      compile: CompileOptions | None = None,
+                      param_dtype: torch.dtype | None = None) -> ParallelModel:
     """Make ``model`` (built whole on this rank's device) what this rank trains under ``layout``.
 
     ``n_microbatches``: the step's micro-batches (a pipeline schedule's). ``activation_checkpoint_every``:
-    recompute every N-th transformer layer (0: off). ``param_dtype``: FSDP's mixed-precision parameters.
+    recompute every N-th transformer layer (0: off), ``activation_checkpoint_mode`` ``full`` or
+    ``selective``. ``compile``: torch.compile per transformer layer (``libai_lite.parallel.compile``).
+    ``param_dtype``: FSDP's mixed-precision parameters.
     """
     metrics = output_metrics(model)
     options = dict(moe=model_moe_config(model), activation_checkpoint_every=activation_checkpoint_every,
+                   activation_checkpoint_mode=activation_checkpoint_mode, compile=compile,
                    param_dtype=param_dtype)
     if layout.pipeline_parallel_size == 1:
         return ParallelModel(model, parallelize_part(model, layout, **options), [model], metrics)

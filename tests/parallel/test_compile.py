@@ -1,0 +1,183 @@
+"""train.compile: torch.compile per transformer layer trains the eager loss curve, without recompiling.
+
+The default test trains a tiny GPT in this process, compiled (inductor: C++ built with the machine's
+compiler) and eager, and compares the losses step for step. The layout tests launch this file as a
+torchrun worker (``python -m torch.distributed.run ... tests/parallel/test_compile.py OUT LAYOUT``):
+the compiled layers under tp=2, pp=2, ZeRO-3 and activation checkpointing give the one-process eager
+losses. Both check that nothing compiles after the first step (``error_on_recompile`` from step 2 on,
+and dynamo's graph count unchanged). Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``, under the temporary
+directory by default) makes every run after the first start in seconds.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_options
+from libai_lite.utils.errors import UsageError
+
+CFG = dict(hidden_layers=2, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+           max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)
+GLOBAL_BATCH, SEQ, STEPS, LR = 4, 16, 3, 0.5
+# Inductor fuses and reorders the reductions (layer norm over `hidden`, softmax over keys, the cross
+# entropy over `vocab`): each result may move by ~n ulp for a sum of n terms. The widest sum is the
+# vocabulary's, and each SGD step carries the difference forward, so STEPS x vocab ulp of the loss.
+RTOL = STEPS * CFG["vocab_size"] * torch.finfo(torch.float32).eps
+
+# name -> (processes, train.dist, zero stage, activation checkpointing mode or None)
+LAYOUTS = {
+    "tp2": (2, dict(tensor_parallel_size=2), 0, None),
+    "pp2": (2, dict(pipeline_parallel_size=2, pipeline_schedule="gpipe"), 0, None),
+    "dp2_zero3_selective_ac": (2, dict(), 3, "selective"),
+    "tp2_full_ac": (2, dict(tensor_parallel_size=2), 0, "full"),
+    "tp2_selective_ac": (2, dict(tensor_parallel_size=2), 0, "selective"),
+}
+
+
+def build_model(**cfg):
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    torch.manual_seed(0)
+    return GPTForPreTraining({**CFG, **cfg})
+
+
+def batches():
+    """STEPS fixed global batches of (input_ids, labels)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CFG["vocab_size"], (STEPS, GLOBAL_BATCH, SEQ + 1), generator=g)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo built, frames it compiled) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+
+
+def train(step_fn, params, steps=STEPS) -> tuple[list[float], list[tuple[int, int]]]:
+    """SGD on the fixed batches; the losses and the compile counts after each step. From the second step
+    on a recompilation raises (``error_on_recompile``)."""
+    import torch._dynamo
+
+    opt = torch.optim.SGD(params, lr=LR)
+    curve, counts = [], []
+    try:
+        for i, (x, y) in enumerate(batches()[:steps]):
+            torch._dynamo.config.error_on_recompile = i > 0
+            curve.append(float(step_fn(x, y)))
+            opt.step()
+            opt.zero_grad()
+            counts.append(compile_counts())
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    return curve, counts
+
+
+def eager_step(model):
+    def step(x, y):
+        loss = model(x, labels=y)["lm_loss"]
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def test_compiled_layers_train_the_eager_losses_and_compile_once():
+    eager = build_model()
+    reference, _ = train(eager_step(eager), eager.parameters())
+    model = build_model()
+    apply_compile(model, CompileOptions(enabled=True))
+    curve, counts = train(eager_step(model), model.parameters())
+    assert curve == pytest.approx(reference, rel=RTOL, abs=0)
+    assert counts[0][0] > 0, "nothing was compiled"
+    assert len(set(counts)) == 1, f"compiled again after step 1: {counts}"
+    # Compiled in place: the parameter names and checkpoint keys stay the eager model's.
+    assert list(model.state_dict()) == list(eager.state_dict())
+
+
+@pytest.mark.slow
+def test_compiled_loss_trains_the_eager_losses():
+    """``loss=True`` compiles the cross entropy over the logits (the unfused head)."""
+    eager = build_model(fused_cross_entropy=False)
+    reference, _ = train(eager_step(eager), eager.parameters())
+    model = build_model(fused_cross_entropy=False)
+    apply_compile(model, CompileOptions(enabled=True, loss=True))
+    curve, counts = train(eager_step(model), model.parameters())
+    assert curve == pytest.approx(reference, rel=RTOL, abs=0)
+    assert len(set(counts)) == 1, f"compiled again after step 1: {counts}"
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (dict(enabled=True, mode="max-autotune"), "train.compile has no key 'mode'"),
+    (dict(enabled=True, backend="nope"), "train.compile.backend='nope' is not a torch.compile backend"),
+])
+def test_bad_compile_config_is_one_line(cfg, needle):
+    with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
+        compile_options(cfg)
+    assert compile_options(None) == CompileOptions()
+
+
+# ---------------------------------------------------------------------------------------------- torchrun
+def _worker(out: str, name: str) -> None:
+    """One torchrun rank: the tiny GPT parallelized as LAYOUTS[name] says, compiled, trained; rank 0 writes
+    the losses and compile counts to ``out``."""
+    import torch.distributed as dist
+
+    from libai_lite.parallel.parallelize import parallelize_model
+    from libai_lite.parallel.tensor_parallel import loss_parallel_context
+    from libai_lite.utils.distributed import setup_dist
+
+    _, dist_cfg, zero, ac = LAYOUTS[name]
+    layout = setup_dist(dist_cfg, dict(enabled=bool(zero), stage=zero))
+    pm = parallelize_model(build_model(), layout, n_microbatches=2,
+                           activation_checkpoint_every=1 if ac else 0, activation_checkpoint_mode=ac or "full",
+                           compile=CompileOptions(enabled=True))
+    dp, rank = layout.data_parallel_size, layout.dp_rank
+    tp = layout.tensor_parallel_size > 1
+
+    def step(x, y):
+        per_rank = GLOBAL_BATCH // dp
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        if pm.pipeline is not None:
+            args, kwargs, labels = pm.pipeline.split_batch({"input_ids": x, "labels": y})
+            return pm.pipeline.step(args, labels, kwargs=kwargs)
+        with loss_parallel_context(tp):
+            loss = pm.module(x, labels=y)["lm_loss"]
+            loss.backward()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=layout.group("dp"))
+        return loss / dp
+
+    curve, counts = train(step, pm.parameters())
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": curve, "counts": counts}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_process_eager():
+    model = build_model()
+    return train(eager_step(model), model.parameters())[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_layout_matches_one_process(tmp_path, one_process_eager, name):
+    from tests.launch import torchrun
+
+    out = tmp_path / "result.json"
+    torchrun(LAYOUTS[name][0], "tests/parallel/test_compile.py", out, name, timeout=600)
+    result = json.loads(out.read_text())
+    # The layout's own reductions (tensor-parallel partial sums, data-parallel gradient averages) add to
+    # inductor's reordering; both are bounded by the same ulp count.
+    assert result["losses"] == pytest.approx(one_process_eager, rel=2 * RTOL, abs=0), name
+    assert len({tuple(c) for c in result["counts"]}) == 1, f"{name} compiled again after step 1: {result['counts']}"
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
