@@ -152,9 +152,15 @@ class LazyConfig:
         os.makedirs(os.path.dirname(os.path.abspath(filename)), exist_ok=True)
         # Write-then-rename: a crash mid-save never leaves a truncated config.yaml.
         tmp = f"{filename}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, filename)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, filename)
+        except BaseException:
+            # A full disk mid-write: no temporary is left behind, the previous file stays as it was.
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         if not problems:
             return
         logger.warning("Config keys %s cannot be written as YAML; %s holds placeholders for them.",

@@ -23,7 +23,7 @@ from ..model import sample_throughput
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import Layout, broadcast_object
-from ..utils.errors import UsageError
+from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
 from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
@@ -316,24 +316,31 @@ class DefaultTrainer:
     def _setup_output(self) -> None:
         refused = None
         if self.layout.rank == 0:
-            os.makedirs(self.output_dir, exist_ok=True)  # writable: precheck_output_dir said so
             # Before anything is written there: a second run in the directory is refused untouched.
             try:
+                os.makedirs(self.output_dir, exist_ok=True)  # writable: precheck_output_dir said so
                 OutputDirLock(self.output_dir).acquire()
             except UsageError as e:
                 refused = str(e)
+            except OSError as e:
+                refused = str(write_error(self.output_dir, e))
         # Every rank learns the outcome, so none waits for a rank 0 that gave up.
         refused = broadcast_object(refused)
         if refused:
             raise UsageError(refused)
-        attach_log_file(self.output_dir, self.layout.rank)
-        if self.layout.rank == 0:
-            self.checkpointer.remove_partial()
-            path = os.path.join(self.output_dir, "config.yaml")
-            # Interpolations are resolved so config.yaml shows the values this run used.
-            resolved = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True), flags={"allow_objects": True})
-            LazyConfig.save(resolved, path)
-            logger.info(f"Full config saved to {path}")
+        path = os.path.join(self.output_dir, "log.txt")
+        try:
+            attach_log_file(self.output_dir, self.layout.rank)
+            if self.layout.rank == 0:
+                self.checkpointer.remove_partial()
+                path = os.path.join(self.output_dir, "config.yaml")
+                # Interpolations are resolved so config.yaml shows the values this run used.
+                resolved = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True),
+                                            flags={"allow_objects": True})
+                LazyConfig.save(resolved, path)
+                logger.info(f"Full config saved to {path}")
+        except OSError as e:
+            raise write_error(path, e) from e
 
     # ---------------------------------------------------------------- run
     def eval_context(self):

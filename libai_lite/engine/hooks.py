@@ -12,8 +12,9 @@ import time
 import torch
 
 from ..utils.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, is_main_process
-from ..utils.errors import UsageError
+from ..utils.errors import UsageError, write_error
 from ..utils.events import format_bytes, format_eta
+from ..utils.logger import log_file_error
 from ..utils.process import defer_stop_signals, stop_requested
 from .trainer import HookBase, StopTraining
 
@@ -131,6 +132,30 @@ class IterationTimer(HookBase):
             logger.info(f"Total training time: {format_eta(total)} ({total / done:.4f} s / it over {done} iterations)")
 
 
+def _event_file(tb) -> str:
+    """The path of a SummaryWriter's event file (its directory where tensorboard hides it)."""
+    name = getattr(tb._get_file_writer().event_writer, "_file_name", None)
+    return os.fsdecode(name) if name else tb.get_logdir()
+
+
+def _quiet_tensorboard_write_errors() -> None:
+    """TensorBoard writes in a thread which, on a full disk, prints its traceback and dies; the same
+    error comes back to the writer hook at its next flush, which reports it in one line."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_libai_lite", False):
+        return
+
+    def hook(args):
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    hook._libai_lite = True
+    threading.excepthook = hook
+
+
 class PeriodicWriter(HookBase):
     """Every `period` iterations: the log line, a `metrics.json` row and TensorBoard scalars (rank 0).
 
@@ -148,13 +173,18 @@ class PeriodicWriter(HookBase):
         self.layout = layout
         self.metrics = dict(metrics)
         self.main = is_main_process()
-        self._json = open(os.path.join(output_dir, "metrics.json"), "a") if self.main else None
+        self._json_path = os.path.join(output_dir, "metrics.json")
+        # Unbuffered: a row either reaches the file or fails on the spot, and nothing is left in a
+        # buffer for close() to fail on again.
+        self._json = open(self._json_path, "ab", buffering=0) if self.main else None
+        self._failed: UsageError | None = None
         self._tb = None
         if self.main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(output_dir)
+                _quiet_tensorboard_write_errors()
             except ImportError:
                 logger.warning("tensorboard is not installed: no event files will be written")
         self._window: list[dict] = []
@@ -168,13 +198,28 @@ class PeriodicWriter(HookBase):
                              dynamic_ncols=True)
 
     def _record(self, iteration: int, scalars: dict) -> None:
-        self._json.write(json.dumps({"iteration": iteration, **scalars}, sort_keys=True) + "\n")
-        self._json.flush()
-        if self._tb is not None:
-            for k, v in scalars.items():
-                if k != "consumed_samples":
-                    self._tb.add_scalar(k, v, iteration)
-            self._tb.flush()
+        """One metrics.json row and its TensorBoard scalars; a failed write (full disk) stops the run
+        with one error line, metrics.json cut back to its last whole row."""
+        row = (json.dumps({"iteration": iteration, **scalars}, sort_keys=True) + "\n").encode()
+        size, path = os.fstat(self._json.fileno()).st_size, self._json_path
+        try:
+            view = memoryview(row)
+            while view:
+                view = view[self._json.write(view):]
+            if self._tb is not None:
+                path = _event_file(self._tb)
+                for k, v in scalars.items():
+                    if k != "consumed_samples":
+                        self._tb.add_scalar(k, v, iteration)
+                self._tb.flush()
+        except OSError as e:
+            self._failed = write_error(path, e)
+            if path == self._json_path:
+                try:
+                    os.truncate(self._json_path, size)
+                except OSError:
+                    pass
+            raise self._failed from e
 
     def _record_valid(self, iteration: int) -> None:
         """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
@@ -183,6 +228,8 @@ class PeriodicWriter(HookBase):
             self._record(iteration, valid)
 
     def after_step(self):
+        if log_file_error() is not None:
+            raise log_file_error()
         self._window.append(self.trainer.storage.latest())
         if self._bar is not None:
             self._bar.update(1)
@@ -235,7 +282,14 @@ class PeriodicWriter(HookBase):
 
     def after_train(self):
         # Evaluation at the end stores valid/* after the last log line; record it too.
-        self._record_valid(self.trainer.iter)
+        if self._failed is None:
+            self._record_valid(self.trainer.iter)
         for closing in (self._bar, self._json, self._tb):
-            if closing is not None:
-                closing.close()
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError as e:
+                # After a failed write, closing fails the same way: the first error is the one to report.
+                if self._failed is None:
+                    self._failed = write_error(_event_file(self._tb) if closing is self._tb else self._json_path, e)
+                    raise self._failed from e

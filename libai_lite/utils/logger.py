@@ -33,12 +33,45 @@ def setup_logger(rank: int = 0) -> logging.Logger:
     return logger
 
 
+class _LogFile(logging.FileHandler):
+    """log.txt that stops writing at its first failed write (a full disk) instead of printing a
+    traceback for every record; ``log_file_error`` then holds the error for the trainer to stop on."""
+
+    error = None
+    broken = False
+
+    def emit(self, record):
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record):
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            return super().handleError(record)
+        from .errors import write_error
+
+        self.broken = True
+        if _LogFile.error is None:
+            _LogFile.error = write_error(self.baseFilename, exc)
+
+    def close(self):
+        try:
+            super().close()
+        except OSError:  # the buffered tail of a full disk's log
+            pass
+
+
+def log_file_error():
+    """The UsageError of a failed log.txt write, or None."""
+    return _LogFile.error
+
+
 def attach_log_file(output_dir: str, rank: int = 0) -> str:
     """Start writing `log.txt` (rank 0) or `log.txt.rank{r}` and flush everything logged so far into it."""
     global _buffer
     logger = logging.getLogger("libai_lite")
     path = os.path.join(output_dir, "log.txt" if rank == 0 else f"log.txt.rank{rank}")
-    fh = logging.FileHandler(path, mode="a")
+    fh = _LogFile(path, mode="a")
     fh.setFormatter(_FORMAT)
     if _buffer is not None:
         _buffer.setTarget(fh)

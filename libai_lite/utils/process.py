@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from .errors import UsageError
+from .errors import UsageError, write_error
 
 logger = logging.getLogger("libai_lite")
 
@@ -205,10 +205,14 @@ class OutputDirLock:
                         f"{gone} (that run ended without releasing it)")
         record = json.dumps({"host": host, "pid": os.getpid(),
                              "started": datetime.datetime.now().isoformat(timespec="seconds")})
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, record.encode(), 0)
         self._fd = fd
         _HELD.append(self)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+        except OSError as e:
+            self.release()
+            raise write_error(self.path, e) from e
 
     def release(self) -> None:
         """Remove the lock file and drop the flock (idempotent)."""

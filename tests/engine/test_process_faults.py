@@ -181,3 +181,48 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_and_released_at_exit(tmp_p
                        "train.warmup_ratio=0"))
     assert r.returncode == 1 and "diverged" in one_error_line(r)
     assert (out / "log.txt").exists() and not (out / ".lock").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 192 KiB filesystem (tmpfs) at tmp_path/disk; skipped where mounting is not permitted."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_full_disk_while_logging_stops_with_one_error_line_and_whole_rows(tmp_path, small_disk):
+    """metrics.json, TensorBoard and log.txt fill the disk: one `error:` line naming the file, exit 1,
+    every metrics.json line a whole row, and the run's earlier outputs kept."""
+    out = small_disk / "run"
+    r = train_net(tiny(out, tmp_path / "cache", *BASE, "train.train_iter=100000"))
+    assert r.returncode == 1
+    line = one_error_line(r)
+    assert line.startswith(f"error: cannot write {out}/") and "No space left on device" in line, line
+    assert "--resume" in line
+    rows = [json.loads(x) for x in (out / "metrics.json").read_text().splitlines()]
+    assert len(rows) > 10 and [row["iteration"] for row in rows] == list(range(1, len(rows) + 1))
+    assert (out / "config.yaml").exists() and not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_full_disk_before_training_leaves_no_temporary(tmp_path, small_disk):
+    out = small_disk / "run"
+    out.mkdir()
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    r = train_net(tiny(out, tmp_path / "cache", *BASE, "train.train_iter=5"))
+    assert r.returncode == 1
+    line = one_error_line(r)
+    assert line.startswith(f"error: cannot write {out}/") and "No space left on device" in line, line
+    assert not [p for p in out.iterdir() if ".tmp" in p.name], list(out.iterdir())
