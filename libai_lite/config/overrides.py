@@ -114,6 +114,33 @@ def _checked_value(key: str, node: Any, new: Any) -> Any:
     return new
 
 
+def _check_shape(key: str, node: Any, new: Any) -> None:
+    """A dict override of a dict key names only keys it has; a dict or list replaces only its own kind."""
+    if new is None or isinstance(new, str) and "${" in new:
+        return
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+        if not isinstance(new, dict):
+            raise ConfigTypeError(f"Cannot override config key '{key}' (a dict) with {new!r}; give a dict "
+                                  f"({key}={{name: value, ...}}) or set its keys one by one ({key}.name=value)")
+        for name, value in new.items():
+            path = join_key(key, str(name))
+            child = node._get_node(name, throw_on_missing_key=False)
+            if child is None:
+                raise ConfigKeyError(f"Unknown config key '{path}' in the override of '{key}' (its keys: "
+                                     f"{', '.join(map(str, node.keys()))}); use ++{path}=... to add a new key")
+            _check_shape(path, child, value)
+        return
+    if isinstance(node, ListConfig) and not node._is_none() and not node._is_interpolation():
+        if not isinstance(new, (list, tuple)):
+            raise ConfigTypeError(f"Cannot override config key '{key}' (a list) with {new!r}; give a list, "
+                                  f"{key}=[a,b,...]")
+        return
+    if isinstance(new, (dict, list, tuple)) and not node._is_none() and not node._is_interpolation() \
+            and not node._is_missing():
+        raise ConfigTypeError(f"Cannot override config key '{key}' ({type(node._value()).__name__}, currently "
+                              f"{node._value()!r}) with a {'dict' if isinstance(new, dict) else 'list'}: {new!r}")
+
+
 def apply_overrides(cfg: Any, overrides: Optional[Sequence[str]]) -> Any:
     """Apply command-line overrides in Hydra's grammar to ``cfg`` in place and return it.
 
@@ -150,6 +177,8 @@ def apply_overrides(cfg: Any, overrides: Optional[Sequence[str]]) -> Any:
                 )
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)
         else:
+            if exists and not override.is_force_add():
+                _check_shape(key, node, value)
             value = _checked_value(key, node, value) if exists else value
             OmegaConf.update(cfg, key, value, merge=True, force_add=override.is_force_add())
     return cfg

@@ -11,6 +11,7 @@ import torch
 from omegaconf import open_dict
 
 from ..config import InstantiationError, LazyConfig
+from ..config.validate import check_ranges
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
@@ -64,6 +65,8 @@ def default_setup(cfg, args) -> Layout:
         cfg = LazyConfig.apply_overrides(cfg, ["train.train_epoch=0", "train.train_iter=20", "train.log_period=1",
                                                "train.evaluation.eval_period=10", "train.evaluation.eval_iter=2",
                                                "train.checkpointer.period=10"])
+    # Every numeric setting against its range before any of them is used (or quietly replaced).
+    check_ranges(cfg)
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     with open_dict(cfg):
         cfg.train.dist.data_parallel_size = layout.data_parallel_size

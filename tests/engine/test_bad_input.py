@@ -209,3 +209,68 @@ def test_the_documented_table_lists_every_case_with_the_message_this_test_checks
     assert set(rows) == tested, f"docs/bad_input.md rows {sorted(rows)} != tested cases {sorted(tested)}"
     for case, needle in NEEDLES.items():
         assert needle in rows[case][-2].replace("\\|", "|"), (case, needle)
+
+
+# Values out of their range (libai_lite/config/validate.py's table) and overrides of the wrong shape:
+# override -> the part of the one-line message checked.
+BAD_VALUES = {
+    "optim.lr=-1": "optim.lr=-1.0 is out of range: it must be a number > 0",
+    "optim.lr=null": "optim.lr=null is out of range",
+    "optim.eps=0": "optim.eps=0.0 is out of range",
+    "optim.weight_decay=-0.1": "optim.weight_decay=-0.1 is out of range: it must be a number >= 0",
+    "optim.betas=[0.9]": "optim.betas=[0.9] is out of range: it must be a list of 2 numbers",
+    "optim.betas=[0.9,1.5]": "each >= 0 and < 1",
+    "train.dist.tensor_parallel_size=0": "train.dist.tensor_parallel_size=0 is out of range: it must be an integer >= 1",
+    "train.dist.pipeline_parallel_size=-1": "train.dist.pipeline_parallel_size=-1 is out of range",
+    "train.dist.timeout=0": "train.dist.timeout=0 is out of range",
+    "train.log_period=0": "train.log_period=0 is out of range",
+    "train.seed=-5": "train.seed=-5 is out of range",
+    "train.warmup_ratio=2": "train.warmup_ratio=2.0 is out of range: it must be a number >= 0 and <= 1",
+    "train.train_iter=2.5": "train.train_iter=2.5 is out of range: it must be an integer",
+    "train.test_micro_batch_size=0": "train.test_micro_batch_size=0 is out of range",
+    "train.evaluation.eval_iter=0": "train.evaluation.eval_iter=0 is out of range",
+    "train.amp.growth_interval=0": "train.amp.growth_interval=0 is out of range",
+    "dataloader.train.num_workers=-1": "dataloader.train.num_workers=-1 is out of range",
+    "model.cfg.attention_dropout_prob=1.5": "model.cfg.attention_dropout_prob=1.5 is out of range",
+    "model.cfg.hidden_size=0": "model.cfg.hidden_size=0 is out of range",
+    "train.checkpointer={period:5,foo:1}": "Unknown config key 'train.checkpointer.foo'",
+    "train.dist=5": "Cannot override config key 'train.dist' (a dict) with 5",
+    "optim.betas=0.9": "Cannot override config key 'optim.betas' (a list)",
+    "train.train_iter=[1,2]": "Cannot override config key 'train.train_iter' (int, currently",
+}
+
+
+@pytest.mark.parametrize("override", list(BAD_VALUES))
+def test_out_of_range_values_and_wrong_shapes_are_refused_where_they_enter(override):
+    """In process (fast): the config as the launcher loads it, the override, then the range table."""
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_ranges
+    from libai_lite.utils.errors import UsageError
+
+    cfg = LazyConfig.load(str(ROOT / CONFIG))
+    with pytest.raises(UsageError) as e:
+        LazyConfig.apply_overrides(cfg, [override])
+        check_ranges(cfg)
+    assert BAD_VALUES[override] in str(e.value), str(e.value)
+
+
+def test_every_shipped_config_is_within_the_ranges():
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_ranges
+
+    for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
+        cfg = LazyConfig.load(str(path))
+        if "train" in cfg:
+            check_ranges(cfg)
+
+
+@pytest.mark.parametrize("override", ["train.dist.tensor_parallel_size=0", "optim.lr=-1",
+                                      "train.checkpointer={period:5,foo:1}"])
+def test_bad_values_through_train_sh_are_one_line_and_write_nothing(tmp_path, override):
+    """As a user meets them: train.sh with two ranks, one `error:` line, nothing written."""
+    out = tmp_path / "out"
+    before = tree_snapshot(tmp_path)
+    r = train_sh(2, tiny(out, tmp_path / "cache", "train.train_iter=2", override), timeout=120)
+    assert r.returncode == 1
+    assert BAD_VALUES[override] in one_error_line(r)
+    assert not out.exists() and tree_snapshot(tmp_path) == before

@@ -1,0 +1,175 @@
+"""The ranges of a run's numeric settings, checked in one place before anything is built.
+
+A value out of range is refused in one line naming the key, the value and the range, rather
+than crash later in a traceback or be quietly replaced (``tensor_parallel_size=0`` ran as 1).
+Keys a config does not have are skipped; ``*`` matches any run of characters in a key path
+(``model.cfg.*dropout*``), for settings every model of the toolbox names alike.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from ..utils.errors import UsageError
+
+__all__ = ["Range", "RANGES", "check_ranges"]
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number (``integer`` or not) in [low, high], with open ends where ``*_open``; ``null`` only if ``nullable``.
+
+    ``length`` makes the value a list of that many such numbers (``optim.betas``).
+    """
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    nullable: bool = False
+    low_open: bool = False
+    high_open: bool = False
+    length: int | None = None
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
+        if self.high is not None:
+            bounds.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
+        text = f"{kind} {' and '.join(bounds)}".strip()
+        if self.length is not None:
+            text = f"a list of {self.length} numbers, each {text.split(' ', 2)[-1]}"
+        return text + (", or null" if self.nullable else "")
+
+    def _number_ok(self, v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return False
+        if self.integer and (not float(v).is_integer() or math.isinf(v)):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        if self.high is not None and (v >= self.high if self.high_open else v > self.high):
+            return False
+        return True
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if self.length is not None:
+            return isinstance(value, (list, tuple)) and len(value) == self.length and all(
+                self._number_ok(v) for v in value)
+        return self._number_ok(value)
+
+
+_COUNT = Range(low=1, integer=True)
+_COUNT_OR_NULL = Range(low=1, integer=True, nullable=True)
+_NON_NEGATIVE_INT = Range(low=0, integer=True)
+_POSITIVE = Range(low=0, low_open=True)
+_NON_NEGATIVE = Range(low=0)
+_FRACTION = Range(low=0, high=1)
+
+# key path (or pattern) -> its range. Periods of 0 mean "never" (only at the end) where the hooks say so.
+RANGES: dict[str, Range] = {
+    "train.train_micro_batch_size": _COUNT_OR_NULL,
+    "train.global_batch_size": _COUNT_OR_NULL,
+    "train.num_accumulation_steps": _COUNT_OR_NULL,
+    "train.test_micro_batch_size": _COUNT,
+    "train.train_iter": Range(low=0, integer=True, nullable=True),
+    "train.train_epoch": Range(low=0, nullable=True),
+    "train.warmup_ratio": Range(low=0, high=1, nullable=True),
+    "train.log_period": _COUNT,
+    "train.seed": Range(low=0, high=2**32 - 1, integer=True),
+    "train.max_skipped_nonfinite": Range(low=0, integer=True, nullable=True),
+    "train.checkpointer.period": _NON_NEGATIVE_INT,
+    "train.checkpointer.max_to_keep": _COUNT_OR_NULL,
+    "train.evaluation.eval_period": _NON_NEGATIVE_INT,
+    "train.evaluation.eval_iter": _COUNT,
+    "train.amp.initial_scale": _POSITIVE,
+    "train.amp.growth_interval": _COUNT,
+    "train.activation_checkpoint.every_n_layers": _COUNT_OR_NULL,
+    "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
+    "train.dist.data_parallel_size": _COUNT_OR_NULL,
+    "train.dist.tensor_parallel_size": _COUNT,
+    "train.dist.pipeline_parallel_size": _COUNT,
+    "train.dist.pipeline_num_layers": _COUNT_OR_NULL,
+    "train.dist.virtual_pipeline_size": _COUNT,
+    "train.dist.timeout": _POSITIVE,
+    "train.scheduler.warmup_factor": _FRACTION,
+    "train.scheduler.alpha": _FRACTION,
+    "train.scheduler.min_lr_ratio": _FRACTION,
+    "train.scheduler.end_learning_rate": _NON_NEGATIVE,
+    "train.scheduler.gamma": Range(low=0, high=1, low_open=True),
+    "train.scheduler.power": _POSITIVE,
+    "optim.lr": _POSITIVE,
+    "optim.weight_decay": _NON_NEGATIVE,
+    "optim.eps": _POSITIVE,
+    "optim.momentum": _FRACTION,
+    "optim.betas": Range(low=0, high=1, high_open=True, length=2),
+    "optim.params.clip_grad_max_norm": Range(low=0, low_open=True, nullable=True),
+    "optim.params.clip_grad_norm_type": _POSITIVE,
+    "optim.params.weight_decay_norm": Range(low=0, nullable=True),
+    "optim.params.weight_decay_bias": Range(low=0, nullable=True),
+    "dataloader.*.num_workers": _NON_NEGATIVE_INT,
+    "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
+    "tokenization.make_vocab_size_divisible_by": _COUNT,
+    "model.cfg.*dropout*": _FRACTION,
+    "model.cfg.hidden_size": _COUNT,
+    "model.cfg.ffn_hidden_size": _COUNT_OR_NULL,
+    "model.cfg.intermediate_size": _COUNT_OR_NULL,
+    "model.cfg.hidden_layers": _COUNT,
+    "model.cfg.num_layers": _COUNT,
+    "model.cfg.num_attention_heads": _COUNT,
+    "model.cfg.num_key_value_heads": _COUNT_OR_NULL,
+    "model.cfg.max_seq_length": _COUNT,
+    "model.cfg.max_position_embeddings": _COUNT,
+    "model.cfg.layernorm_epsilon": _POSITIVE,
+    "model.cfg.initializer_range": _NON_NEGATIVE,
+}
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            child = node._get_node(key)
+            if child._is_interpolation():
+                continue  # checked at the key it refers to, the one a user sets
+            if isinstance(child, DictConfig) and not child._is_none():
+                yield from _leaf_paths(child, path)
+            else:
+                yield path
+
+
+def _value(cfg, path: str) -> Any:
+    value = OmegaConf.select(cfg, path, throw_on_missing=False)
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def check_ranges(cfg, ranges: dict[str, Range] | None = None) -> None:
+    """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``)."""
+    ranges = RANGES if ranges is None else ranges
+    exact = {k: r for k, r in ranges.items() if "*" not in k}
+    patterns = {k: r for k, r in ranges.items() if "*" in k}
+    for path in _leaf_paths(cfg):
+        rng = exact.get(path) or next((r for p, r in patterns.items() if fnmatch.fnmatchcase(path, p)), None)
+        if rng is None:
+            continue
+        try:
+            value = _value(cfg, path)
+        except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported where it is used
+            continue
+        if not rng.accepts(value):
+            shown = "null" if value is None else repr(value)
+            raise UsageError(f"{path}={shown} is out of range: it must be {rng.describe()}; "
+                             f"set {path} to such a value")
