@@ -38,8 +38,14 @@ train = dict(
     # A NaN/inf loss stops the run (0) or skips up to this many batches (fp32/bf16; fp16 relies on
     # the loss scaler, which skips overflowed steps on its own).
     max_skipped_nonfinite=0,
-    # Recompute every N-th transformer layer's activations in backward instead of storing them.
-    activation_checkpoint=dict(enabled=False, every_n_layers=1),
+    # Recompute every N-th transformer layer's activations in backward instead of storing them:
+    # mode "full" keeps only each layer's input, "selective" keeps the matmul and attention outputs
+    # and recomputes the cheap ops between them (less memory than none, less recomputation than full).
+    activation_checkpoint=dict(enabled=False, every_n_layers=1, mode="full"),
+    # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on GPUs; the first steps
+    # compile, cached under TORCHINDUCTOR_CACHE_DIR). loss: also the cross entropy of unfused heads;
+    # backend "aot_eager" to debug; fullgraph: a graph break inside a layer is an error.
+    compile=dict(enabled=False, loss=False, backend="inductor", fullgraph=False),
     # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
     # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
     zero_optimization=dict(enabled=False, stage=1, offload=False),

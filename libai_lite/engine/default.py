@@ -20,6 +20,8 @@ from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import sample_throughput
+from ..parallel.activation_checkpoint import check_ac_mode
+from ..parallel.compile import compile_options
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import Layout, broadcast_object
@@ -196,6 +198,8 @@ class DefaultTrainer:
         every = int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0
         return parallelize_model(model, self.layout, int(cfg.train.num_accumulation_steps),
                                  activation_checkpoint_every=every,
+                                 activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")),
+                                 compile=compile_options(cfg.train.get("compile")),
                                  param_dtype=self.fsdp_param_dtype(cfg, self.layout))
 
     def build_optimizer(self, cfg, model: ParallelModel):
