@@ -49,8 +49,10 @@ CONFIGS = {
     "no_zero_unfused_ce": (0, False, False, False),
 }
 MODEL_DEFAULTS = dict(layers=6, hidden=512, heads=8, vocab=16384, seq=128, micro_batch=4)
-SMOKE = dict(layers=2, hidden=32, heads=4, vocab=128, seq=16, micro_batch=2)
+SMOKE = dict(layers=2, hidden=256, heads=4, vocab=8192, seq=64, micro_batch=4)
 ACCEPT_ZERO3_STATIC_RATIO = 0.30
+# tools/estimate_memory.py's peak step per rank must be within this fraction of the measured one.
+ACCEPT_ESTIMATE_ERROR = 0.15
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,10 +153,7 @@ def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
     gc.collect()
     baseline = probe.current()
     torch.manual_seed(0)
-    cfg = dict(hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
-               num_attention_heads=args.heads, max_seq_length=args.seq, embedding_dropout_prob=0.0,
-               attention_dropout_prob=0.0, output_dropout_prob=0.0, fused_cross_entropy=fused_ce)
-    model = GPTForPreTraining(cfg).to(device)
+    model = GPTForPreTraining(model_cfg(args, fused_ce)).to(device)
     n_params = model.num_parameters()
     if ac:
         apply_activation_checkpointing(model)
@@ -246,6 +245,44 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ the planner's estimate
+
+
+def model_cfg(args, fused_ce: bool) -> dict:
+    """The GPT's constructor settings for this job (also what the planner builds)."""
+    return dict(hidden_layers=args.layers, vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
+                num_attention_heads=args.heads, max_seq_length=args.seq, embedding_dropout_prob=0.0,
+                attention_dropout_prob=0.0, output_dropout_prob=0.0, fused_cross_entropy=fused_ce)
+
+
+def estimate_configs(args, device: str) -> dict:
+    """``libai_lite.utils.memory_planner``'s per-rank estimate of each configuration (name -> its numbers), whose
+    ``peak_step_bytes`` is comparable to the measured "peak step": the device peak, planned for this job's
+    device (on a CPU, offload moves nothing)."""
+    import torch
+
+    from libai_lite.optim.build import get_default_optimizer_params
+    from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    sample = {"input_ids": torch.zeros(args.seq, dtype=torch.long), "labels": torch.zeros(args.seq, dtype=torch.long)}
+    planners, out = {}, {}
+    for name in args.configs.split(","):
+        stage, offload, ac, fused_ce = CONFIGS[name]
+        if fused_ce not in planners:
+            planners[fused_ce] = MemoryPlanner(
+                lambda f=fused_ce: GPTForPreTraining(model_cfg(args, f)), sample,
+                optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4),
+                param_groups=lambda m: get_default_optimizer_params(m, weight_decay=0.01))
+        settings = PlanSettings(world_size=args.nproc, data_parallel_size=args.nproc, zero_stage=stage, offload=offload,
+                                activation_checkpoint_every=int(ac), micro_batch_size=args.micro_batch, device=device)
+        est = planners[fused_ce].estimate(settings)
+        out[name] = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+                     "activations": est.activations, "peak": est.peak, "host": est.host,
+                     "peak_step_bytes": est.peak}
+    return out
+
+
 # ------------------------------------------------------------------ launcher
 
 
@@ -265,13 +302,16 @@ def format_table(configs: dict) -> str:
     cols = ["param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes", "activation_bytes",
             "peak_fwd_bwd_bytes", "peak_step_bytes"]
     heads = ["params", "grads", "optim", "static", "activ.", "pk f+b", "pk step"]
-    lines = [f"{'config (MiB/rank)':18s}" + "".join(f"{h:>10s}" for h in heads) + f"{'static/no_zero':>16s}{'activ./no_AC':>14s}"]
+    lines = [f"{'config (MiB/rank)':18s}" + "".join(f"{h:>10s}" for h in heads) + f"{'static/no_zero':>16s}{'activ./no_AC':>14s}"
+             + f"{'estimated':>11s}{'est/meas':>10s}"]
     for name, row in configs.items():
         ac_ref = configs.get(name[: -len("_ac")]) if name.endswith("_ac") else None
         ac_ratio = f"{row['activation_bytes'] / ac_ref['activation_bytes']:14.2f}" if ac_ref and ac_ref["activation_bytes"] > 0 else f"{'':14s}"
+        estimate = (f"{_mib(row['estimated_peak_step_bytes']):>11s}{row['estimate_ratio']:10.3f}"
+                    if "estimated_peak_step_bytes" in row else "")
         lines.append(
             f"{name:18s}" + "".join(f"{_mib(row[c]):>10s}" for c in cols)
-            + f"{row['static_bytes'] / ref['static_bytes']:16.3f}" + ac_ratio
+            + f"{row['static_bytes'] / ref['static_bytes']:16.3f}" + ac_ratio + estimate
         )
     return "\n".join(lines)
 
@@ -303,6 +343,11 @@ def main(argv=None) -> int:
         return 0
     result = launch(args)
     configs = result["configs"]
+    for name, est in estimate_configs(args, result["device"]).items():
+        row = configs[name]
+        row["estimated"] = est
+        row["estimated_peak_step_bytes"] = est["peak_step_bytes"]
+        row["estimate_ratio"] = round(est["peak_step_bytes"] / max(1, row["peak_step_bytes"]), 4)
     model = {k: getattr(args, k) for k in MODEL_DEFAULTS}
     model["num_parameters"] = configs["no_zero"]["num_parameters"]
     summary = {
@@ -326,6 +371,12 @@ def main(argv=None) -> int:
         verdict = "meets" if summary["zero3_static_at_most_30pct"] else "MISSES"
         print(f"ZeRO-3 param+grad+optimizer bytes per rank = {summary['zero3_static_ratio']:.1%} of no-ZeRO "
               f"({verdict} the <= 30% target)")
+    worst = max(configs, key=lambda n: abs(configs[n]["estimate_ratio"] - 1))
+    summary["estimate_worst_ratio"] = configs[worst]["estimate_ratio"]
+    summary["estimate_within_15pct"] = all(abs(r["estimate_ratio"] - 1) <= ACCEPT_ESTIMATE_ERROR for r in configs.values())
+    verdict = "meets" if summary["estimate_within_15pct"] else "MISSES"
+    print(f"tools/estimate_memory.py's peak step against the measured one: worst {worst} at "
+          f"{configs[worst]['estimate_ratio']:.3f} ({verdict} the within-15% target)")
     print(json.dumps(summary, sort_keys=True))
     return 0
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Will it fit? Memory per rank of a config before the job is queued.
+
+    python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --nproc 8 --device-memory 80GiB
+    python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --device-memory 16GiB \\
+        train.dist.tensor_parallel_size=2 train.train_micro_batch_size=2
+
+Prints parameters, gradients, optimizer state, activations and the expected peak per rank (the fullest
+one) for the config's model, layout (data, tensor, pipeline, expert parallel; sequence parallel), ZeRO
+stage and offload, activation checkpointing, micro-batch, sequence length and mixed precision, from the
+model built on the meta device and one forward+backward traced on fake tensors
+(libai_lite/utils/memory_planner.py). With --device-memory it answers "fits", or "does not fit" with the
+cheapest single change that fits (more ZeRO, activation checkpointing, a smaller micro-batch, more tensor
+or pipeline parallelism), re-estimated. Overrides are the training command's (key=value).
+
+Exit status: 0 fits (or no --device-memory), 2 does not fit, 1 bad input (one `error:` line).
+"""
+import argparse
+import sys
+
+from libai_lite.config import LazyConfig
+from libai_lite.engine.launch import report_cli_error
+from libai_lite.utils.memory_planner import format_estimate, gib, parse_bytes, planner_from_config, suggest
+
+DOES_NOT_FIT = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", metavar="CONFIG", help="lazy config file (.py) or a run's config.yaml")
+    p.add_argument("opts", nargs="*", metavar="key=value", help="config overrides, as for tools/train_net.py")
+    p.add_argument("--nproc", type=int, default=1, help="processes in the job (the world size; default 1)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="memory of one device, e.g. 80GiB, 16GB: answer fits / does not fit")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="what the job trains on: an accelerator (offload moves state to the host; default) or "
+                        "the CPU (offload moves nothing)")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
+        cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.opts)
+        planner, settings = planner_from_config(cfg, args.nproc, args.device)
+        est = planner.estimate(settings)
+        print(format_estimate(est))
+        if budget is None:
+            return 0
+        if est.peak <= budget:
+            print(f"fits in {gib(budget)} per device (peak {gib(est.peak)})")
+            return 0
+        found = suggest(planner, settings, budget)
+        if found is None:
+            print(f"does not fit in {gib(budget)} per device (peak {gib(est.peak)}), and no single change tried "
+                  f"fits (ZeRO-3, activation checkpointing, micro-batch 1, more tensor or pipeline parallelism "
+                  f"on {args.nproc} processes); launch more processes (--nproc)")
+        else:
+            change, better = found
+            print(f"does not fit in {gib(budget)} per device (peak {gib(est.peak)}): try {change} "
+                  f"(estimated {gib(better.peak)})")
+        return DOES_NOT_FIT
+    except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; report_cli_error finds them
+        return report_cli_error(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
