@@ -58,8 +58,9 @@ def test_node_rank_addr_and_port_come_from_slurm(nodelist, first):
 def test_older_variable_names_and_the_users_own_values():
     r = dry_run(SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_PROCID="1", SLURM_NODELIST="x[3-4]")
     assert r.stdout.startswith("NODE=2 NODE_RANK=1 ADDR=x3 PORT=10007 "), r.stderr
+    # ADDR and PORT from the user win; NODE and NODE_RANK copied from the submitting shell do not.
     r = dry_run(SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_PROCID="1", SLURM_NODELIST="x[3-4]", ADDR="10.0.0.1",
-                PORT="2222")
+                PORT="2222", NODE="5", NODE_RANK="0")
     assert r.stdout.startswith("NODE=2 NODE_RANK=1 ADDR=10.0.0.1 PORT=2222 "), r.stderr
 
 
@@ -76,7 +77,7 @@ def test_scontrol_is_preferred_where_it_exists(tmp_path):
     ({"LIBAI_LITE_ROOT": "/nonexistent_libai"}, "error: /nonexistent_libai is not a libai_lite checkout (no "
      "tools/train.sh); submit from the checkout or set LIBAI_LITE_ROOT=/path/to/libai_lite"),
     ({"LIBAI_LITE_SLURM_STEP": "1", "SLURM_JOB_ID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "a"},
-     "error: SLURM_JOB_NUM_NODES is not set (is this a Slurm job step?); set it or NODE by hand"),
+     "error: SLURM_JOB_NUM_NODES is not set (is this a Slurm job step?); run it through sbatch"),
     ({"LIBAI_LITE_SLURM_STEP": "1", "SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
       "SLURM_JOB_NODELIST": "a[1-"}, "error: cannot read the Slurm node list 'a[1-'; set ADDR=first-node-hostname"),
 ])
