@@ -55,7 +55,9 @@ train = dict(
         pipeline_parallel_size=1,
         pipeline_num_layers=None,
         custom_pipeline_stage_id=None,
-        # Pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b" (with virtual_pipeline_size stages per rank).
+        # Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b" or "interleaved_zero_bubble" (with
+        # virtual_pipeline_size stages per rank), or "zbv_zero_bubble" / "dualpipev" (virtual_pipeline_size=2:
+        # a V of stages, rank r holding r and 2*pp-1-r; DualPipeV needs num_accumulation_steps >= 2*pp).
         pipeline_schedule="1f1b",
         virtual_pipeline_size=1,
         # Split activations along the sequence between tensor-parallel ranks outside attention/MLP.
