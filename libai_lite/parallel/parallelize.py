@@ -58,7 +58,8 @@ def model_moe_config(model: nn.Module) -> MoEConfig | None:
 
 def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp16: bool) -> None:
     """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take.
-    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect."""
+    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect. ``fp16``
+    no longer restricts anything: the pipeline scales each micro-batch loss like the eager trainer."""
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
     if layout.zero_stage == 1 and layout.data_parallel_size > 1:
@@ -70,8 +71,6 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp
                          f"set train.dist.pipeline_parallel_size=1")
     layout.place_layers(pipeline_num_layers(model))
     check_schedule(layout.pipeline_schedule, layout.num_stages, layout.pipeline_parallel_size, n_microbatches)
-    if fp16:
-        raise UsageError("fp16 loss scaling is not supported with pipeline parallelism yet; use train.amp.dtype=bf16")
 
 
 def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None = None,
@@ -101,12 +100,14 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
 
 def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metrics: dict, **part_options):
     num_stages, stage_of_layer = layout.num_stages, layout.stage_of_layer
-    ids = ps.local_stage_ids(layout.pp_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_size)
+    ids = ps.local_stage_ids(layout.pp_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_size,
+                             layout.pipeline_schedule)
     tied = ps.pipeline_tied(ps.pipeline_module(model))
     stages, models = ps.build_stage_modules(model, ids, num_stages, stage_of_layer)
     wrapped = [parallelize_part(stage, layout, **part_options) for stage in stages]
     # new_group is collective: every rank sees the same model, so all skip it together for an untied one.
-    tied_group = ps.build_tied_weight_group(layout.mesh) if tied else None
+    tied_group = (ps.build_tied_weight_group(layout.mesh, schedule=layout.pipeline_schedule,
+                                             virtual_stages=layout.virtual_pipeline_size) if tied else None)
     view = ps.pipeline_model_view(models)
     stepper = PipelineStepper(
         wrapped, ids, num_stages, layout.group("pp"), layout.device, layout.pipeline_schedule, n_microbatches,

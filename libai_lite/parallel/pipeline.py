@@ -88,8 +88,8 @@ class PipelineStepper:
     """Runs one optimizer step's forward and backward through the pipeline.
 
     ``stage_modules`` are this rank's stages (``stage_ids``: ``local_stage_ids``). ``loss_fn(output,
-    target)`` is the mean loss of one micro-batch; the schedule divides the accumulated gradients by
-    ``n_microbatches``. ``step`` takes the step's micro-batches concatenated on dim 0 (every rank may
+    target)`` is the mean loss of one micro-batch; each is divided by ``n_microbatches`` before its
+    backward, as the eager trainer does. ``step`` takes the step's micro-batches concatenated on dim 0 (every rank may
     pass them; only stage 0 uses the inputs and only the last stage the labels) and leaves in the
     stage parameters the gradient of the mean micro-batch loss, the tied copies already summed.
     ``batch_fn``, ``metrics_fn`` and ``metric_names``: the model's ``pipeline_batch``,
@@ -130,7 +130,7 @@ class PipelineStepper:
         stages = [PipelineStage(module, sid, num_stages, self.device, group=pp_group)
                   for module, sid in zip(self.stage_modules, self.stage_ids)]
         self.schedule = SCHEDULES[name](stages if name in _MULTI_STAGE else stages[0],
-                                        n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=True)
+                                        n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # torch also calls this on placeholder outputs while inferring backward metadata, so
@@ -139,9 +139,12 @@ class PipelineStepper:
         if self.metric_names:
             metrics = self.metrics_fn(output.detach(), target)
             self._metric_records.append(torch.stack([metrics[k].float() for k in self.metric_names]))
-        if self._grad_scaler is not None and torch.is_grad_enabled():
-            return self._grad_scaler.scale(loss)
-        return loss
+        if not torch.is_grad_enabled():  # evaluation: the plain micro-batch loss
+            return loss
+        # Divided before backward, not the gradients afterwards (torch's scale_grads): fp16 gradients
+        # then overflow at the same loss scale as the eager trainer's.
+        loss = loss / self.n_microbatches
+        return self._grad_scaler.scale(loss) if self._grad_scaler is not None else loss
 
     def split_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
         """``(first-stage inputs, every-stage kwargs, labels)`` of a loader batch (the model's ``pipeline_batch``)."""
@@ -192,8 +195,13 @@ class PipelineStepper:
         for m in self.stage_modules:
             m.train()
         self._grad_scaler = grad_scaler
+        if grad_scaler is not None:
+            # Only the last stage's rank scales a loss, and a GradScaler allocates its scale on the
+            # first scale(): without this the other ranks' unscale_() finds none.
+            grad_scaler.scale(torch.zeros((), device=self.device))
         loss_scale = float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
-        self._moe.begin_step(loss_scale)
+        # The auxiliary losses' gradients scaled like the main loss's: loss scale / micro-batches.
+        self._moe.begin_step(loss_scale / self.n_microbatches)
         try:
             self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels, kwargs)
         finally:
@@ -203,7 +211,7 @@ class PipelineStepper:
         values = [0.0] * (1 + len(self.metric_names))
         if self.is_last:
             # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
-            values[0] = float(torch.stack([l.detach().float() for l in self._losses]).mean()) / loss_scale
+            values[0] = float(torch.stack([l.detach().float() for l in self._losses]).sum()) / loss_scale
             if self.metric_names:
                 # The last n: on its first step torch also calls the loss on placeholder outputs.
                 values[1:] = torch.stack(self._metric_records[-self.n_microbatches:]).mean(0).tolist()

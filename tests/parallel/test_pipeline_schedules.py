@@ -27,6 +27,9 @@ CFG = dict(
 )
 # 4 micro-batches: DualPipeV needs at least as many as its 2 * pp = 4 stages.
 ACC = 4
+SEED, LR, WD, MAX_NORM = 1234, 1e-2, 0.01, 0.05
+# An initial loss scale so large that the first fp16 steps overflow and are skipped.
+FP16_STEPS, FP16_SCALE = 6, 2.0 ** 20
 # (schedule, virtual stages per rank, the layers each of the 2 ranks holds)
 NEW = [
     ("interleaved_zero_bubble", 1, [[0, 1], [2, 3]]),
@@ -44,12 +47,18 @@ def runs(tmp_path_factory):
     ids = torch.randint(0, CFG["vocab_size"], (2 * ACC, 16), generator=g)
     labels = torch.randint(0, CFG["vocab_size"], (2 * ACC, 16), generator=g)
     labels[0, :9] = -100  # unequal micro-batch token counts: the mean of means is not the token mean
-    torch.save({"cfg": CFG, "seed": 1234, "input_ids": ids, "labels": labels, "n_microbatches": ACC}, work / "data.pt")
+    torch.save({"cfg": CFG, "seed": SEED, "input_ids": ids, "labels": labels, "n_microbatches": ACC, "lr": LR,
+                "weight_decay": WD, "max_norm": MAX_NORM, "fp16_steps": FP16_STEPS, "fp16_init_scale": FP16_SCALE},
+               work / "data.pt")
     schedules = [("1f1b", 1)] + [(s, v) for s, v, _ in NEW]
-    torchrun(2, WORKER, work, ",".join(s for s, _ in schedules), ",".join(str(v) for _, v in schedules), "grads",
-             timeout=120)
-    return {(s, v): [torch.load(work / f"{s}_v{v}_grads_rank{r}.pt", weights_only=True) for r in range(2)]
-            for s, v in schedules}
+    torchrun(2, WORKER, work, ",".join(s for s, _ in schedules), ",".join(str(v) for _, v in schedules),
+             "grads,fp16", timeout=180)
+    out = {"data": (ids, labels)}
+    for s, v in schedules:
+        for phase in ("grads", "fp16"):
+            out[(s, v, phase)] = [torch.load(work / f"{s}_v{v}_{phase}_rank{r}.pt", weights_only=True)
+                                  for r in range(2)]
+    return out
 
 
 def _by_name(ranks, key):
@@ -61,7 +70,7 @@ def _by_name(ranks, key):
 
 @pytest.mark.parametrize("schedule,virtual,layers", NEW, ids=[f"{s}_v{v}" for s, v, _ in NEW])
 def test_zero_bubble_schedule_matches_1f1b(runs, schedule, virtual, layers):
-    base, got = runs[("1f1b", 1)], runs[(schedule, virtual)]
+    base, got = runs[("1f1b", 1, "grads")], runs[(schedule, virtual, "grads")]
     assert [r["layers"] for r in got] == layers
     # The same micro-batch losses, averaged alike; every rank reports the last stage's number.
     assert got[0]["loss"] == got[1]["loss"] == base[0]["loss"]
@@ -121,3 +130,48 @@ def test_good_zero_bubble_settings_pass():
     assert check_schedule("interleaved_zero_bubble", 8, 4, 8) == "interleaved_zero_bubble"
     assert check_schedule("zbv_zero_bubble", 4, 2, 1) == "zbv_zero_bubble"
     assert check_schedule("dualpipev", 8, 4, 8) == "dualpipev"
+
+
+def _fp16_one_process(ids, labels):
+    """The eager trainer's fp16 steps on one process: autocast, scaled micro-batch losses / ACC,
+    unscale, clip, scaler step and update."""
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    torch.manual_seed(SEED)
+    model = GPTForPreTraining(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, growth_interval=1000)
+    losses, norms, scales = [], [], []
+    for _ in range(FP16_STEPS):
+        total = 0.0
+        for mb_ids, mb_labels in zip(ids.chunk(ACC), labels.chunk(ACC)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(mb_ids, labels=mb_labels)["lm_loss"]
+            scaler.scale(loss / ACC).backward()
+            total += float(loss.detach()) / ACC
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        scales.append(float(scaler.get_scale()))
+    return losses, norms, scales
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1)] + [(s, v) for s, v, _ in NEW],
+                         ids=["1f1b_v1"] + [f"{s}_v{v}" for s, v, _ in NEW])
+def test_fp16_loss_scaling_under_pp2_matches_one_process(runs, schedule, virtual):
+    """fp16 with dynamic loss scaling through the pipeline: the same overflow-skipped steps and loss
+    scales as one process, then the same losses within fp16 rounding."""
+    losses, norms, scales = _fp16_one_process(*runs["data"])
+    skipped = [i for i in range(1, FP16_STEPS) if scales[i] < scales[i - 1]] + ([0] if scales[0] < FP16_SCALE else [])
+    assert skipped and len(skipped) < FP16_STEPS - 2, f"the test needs skipped and taken steps: scales {scales}"
+    for res in runs[(schedule, virtual, "fp16")]:
+        assert res["scales"] == scales
+        # Each layer computes in fp16 either way; what differs is fp32 summation order, carried
+        # through a few AdamW steps: well inside one fp16 rounding (2**-11 relative).
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=2.0 ** -11, atol=0)
+        taken = [i for i in range(FP16_STEPS) if i not in skipped]
+        torch.testing.assert_close(torch.tensor(res["norms"])[taken], torch.tensor(norms)[taken], rtol=2.0 ** -11,
+                                   atol=0)

@@ -16,6 +16,8 @@ phase writes `{schedule}_{phase}_rank{r}.pt` there. Phases:
                 optimizer to `ckpt_pp2_{schedule}/`, and the final parameters
   resume        a meta-device build materialised per stage, tied copies broadcast, then the
                 one-process checkpoint `ckpt_pp1/` loaded (model + optimizer) and trained on
+  fp16          `fp16_steps` AdamW steps the fp16 trainer's way (autocast, synced loss scaler from
+                `fp16_init_scale`, unscale, clip, step, update): losses, norms, loss scales
   fsdp          (4 processes: pp=2 x dp=2) stage modules under FSDP2 `fully_shard`; each dp rank
                 steps on its half of `dp_input_ids`, with clipping over DTensor gradients
 """
@@ -143,6 +145,29 @@ def phase_train(ctx, data, workdir, schedule, virtual):
     })
 
 
+def phase_fp16(ctx, data, workdir, schedule, virtual):
+    """The trainer's fp16 step under the pipeline: autocast, a loss scaler whose overflow check agrees
+    on every rank, unscale, clip over the pipeline, scaler step and update; an initial scale large
+    enough that the first steps overflow and are skipped."""
+    from libai_lite.engine.amp import build_loss_scaler
+
+    pipe = Pipeline(ctx, data, schedule, virtual)
+    opt = pipe.optimizer(data)
+    scaler = build_loss_scaler(ctx.device, data["fp16_init_scale"], 1000)
+    losses, norms, scales = [], [], []
+    for _ in range(data["fp16_steps"]):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = pipe.step(data, grad_scaler=scaler)
+        scaler.unscale_(opt)
+        norms.append(float(pipe.stepper.clip_grad_norm_(data["max_norm"])))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        scales.append(float(scaler.get_scale()))
+    _save(workdir, f"{schedule}_v{virtual}_fp16", ctx.rank, {"losses": losses, "norms": norms, "scales": scales})
+
+
 def phase_resume(ctx, data, workdir, schedule, virtual):
     pipe = Pipeline(ctx, data, schedule, virtual, meta=True)
     on_meta = [n for n, t in list(pipe.view.named_parameters()) + list(pipe.view.named_buffers()) if t.is_meta]
@@ -190,6 +215,8 @@ def main():
                 phase_grads(ctx, data, workdir, schedule, virtual, custom=data["custom_stage_ids"], tag="grads_custom")
             elif phase == "train":
                 phase_train(ctx, data, workdir, schedule, virtual)
+            elif phase == "fp16":
+                phase_fp16(ctx, data, workdir, schedule, virtual)
             elif phase == "fsdp":
                 phase_fsdp(ctx, data, workdir, schedule, virtual)
             elif phase == "resume":
