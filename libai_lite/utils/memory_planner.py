@@ -63,6 +63,7 @@ class PlanSettings:
     zero_stage: int = 0
     offload: bool = False
     activation_checkpoint_every: int = 0  # 0: off; N: every N-th transformer layer
+    activation_checkpoint_mode: str = "full"  # or "selective" (libai_lite.parallel.activation_checkpoint)
     micro_batch_size: int = 1
     num_microbatches: int = 1  # gradient accumulation steps: a pipeline schedule's micro-batches
     amp_dtype: torch.dtype | None = None
@@ -81,7 +82,8 @@ class PlanSettings:
         parts.append(f"ZeRO-{self.zero_stage}{' + offload' if self.offload else ''}" if self.zero_stage else "no ZeRO")
         if self.activation_checkpoint_every:
             every = self.activation_checkpoint_every
-            parts.append("activation checkpointing" + (f" every {every} layers" if every > 1 else ""))
+            parts.append(f"{self.activation_checkpoint_mode} activation checkpointing"
+                         + (f" every {every} layers" if every > 1 else ""))
         parts.append(f"micro-batch {self.micro_batch_size}")
         parts.append(_DTYPE_NAMES.get(self.amp_dtype, str(self.amp_dtype)))
         return ", ".join(parts)
@@ -361,7 +363,7 @@ def _split_regions(model: nn.Module, root: str) -> tuple[set[str], set[str]]:
 
 def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.Tensor], *,
                       amp_dtype: torch.dtype | None = None, activation_checkpoint_every: int = 0,
-                      device: str = "cpu") -> ActivationTrace:
+                      activation_checkpoint_mode: str = "full", device: str = "cpu") -> ActivationTrace:
     """Forward ``build()`` on ``batch`` (real tensors of one micro-batch) and back-propagate its loss under
     ``FakeTensorMode``, recording every storage allocated and freed (``ActivationTrace``). Parameters'
     gradients are dropped as soon as they are made: the caller counts them with the static bytes. ``device``:
@@ -379,7 +381,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     with FakeTensorMode() as fake:
         model = build()
         if activation_checkpoint_every:
-            apply_activation_checkpointing(model, activation_checkpoint_every)
+            apply_activation_checkpointing(model, activation_checkpoint_every, activation_checkpoint_mode)
         fake_batch = {k: fake.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
     root = type(model).__name__
     names = {id(m): f"{root}.{n}" if n else root for n, m in model.named_modules()}
@@ -509,14 +511,15 @@ class MemoryPlanner:
             raise UsageError(f"train.train_micro_batch_size={s.micro_batch_size} must be at least 1")
 
     # ---------------------------------------------------------------- pieces
-    def trace(self, micro_batch: int, amp: torch.dtype | None, ac_every: int, device: str) -> ActivationTrace:
+    def trace(self, micro_batch: int, amp: torch.dtype | None, ac_every: int, ac_mode: str,
+              device: str) -> ActivationTrace:
         """The activation trace of one micro-batch of ``micro_batch`` samples (cached)."""
-        key = (micro_batch, amp, ac_every, device)
+        key = (micro_batch, amp, ac_every, ac_mode if ac_every else None, device)
         if key not in self._traces:
             batch = {k: v.unsqueeze(0).expand(micro_batch, *v.shape).contiguous() if torch.is_tensor(v) else v
                      for k, v in self.sample.items()}
             self._traces[key] = trace_activations(self.build, batch, amp_dtype=amp, activation_checkpoint_every=ac_every,
-                                                  device=device)
+                                                  activation_checkpoint_mode=ac_mode, device=device)
         return self._traces[key]
 
     def _stages(self, s: PlanSettings) -> list[tuple[list[nn.Module], set[int] | None]]:
@@ -567,7 +570,7 @@ class MemoryPlanner:
         """Bytes per rank under ``settings`` (checked first): the pipeline rank with the largest peak."""
         self.check(settings)
         trace = self.trace(settings.micro_batch_size, settings.amp_dtype, settings.activation_checkpoint_every,
-                           settings.device)
+                           settings.activation_checkpoint_mode, settings.device)
         stages = self._stages(settings)
         best = None
         for rank, (modules, layers) in enumerate(stages):
@@ -681,8 +684,8 @@ def candidate_changes(s: PlanSettings) -> list[PlanSettings]:
     for stage in range(s.zero_stage + 1, 4):
         current = dataclasses.replace(current, zero_stage=stage)
         out.append(current)
-    if s.activation_checkpoint_every != 1:
-        current = dataclasses.replace(current, activation_checkpoint_every=1)
+    if (s.activation_checkpoint_every, s.activation_checkpoint_mode) != (1, "full"):
+        current = dataclasses.replace(current, activation_checkpoint_every=1, activation_checkpoint_mode="full")
         out.append(current)
     micro = s.micro_batch_size
     while micro > 1:
@@ -723,9 +726,12 @@ def _overrides_from(old: PlanSettings, new: PlanSettings) -> str:
     out = []
     if new.zero_stage != old.zero_stage:
         out += ["train.zero_optimization.enabled=True", f"train.zero_optimization.stage={new.zero_stage}"]
-    if new.activation_checkpoint_every != old.activation_checkpoint_every:
+    if (new.activation_checkpoint_every, new.activation_checkpoint_mode) != (
+            old.activation_checkpoint_every, old.activation_checkpoint_mode):
         out += ["train.activation_checkpoint.enabled=True",
                 f"train.activation_checkpoint.every_n_layers={new.activation_checkpoint_every}"]
+        if new.activation_checkpoint_mode != old.activation_checkpoint_mode:
+            out.append(f"train.activation_checkpoint.mode={new.activation_checkpoint_mode}")
     if new.micro_batch_size != old.micro_batch_size:
         out += [f"train.train_micro_batch_size={new.micro_batch_size}",
                 f"train.num_accumulation_steps={new.num_microbatches}"]
@@ -769,6 +775,7 @@ def settings_from_config(cfg, world_size: int, device: str = "cuda") -> PlanSett
     ``train.activation_checkpoint``) for ``world_size`` processes; ``cfg.train`` gets its batch sizes resolved."""
     from ..engine.amp import amp_dtype
     from ..engine.launch import resolve_batch_sizes
+    from ..parallel.activation_checkpoint import check_ac_mode
     from .distributed import _zero_settings, resolve_layout
 
     if world_size < 1:
@@ -783,6 +790,7 @@ def settings_from_config(cfg, world_size: int, device: str = "cuda") -> PlanSett
         world_size=world_size, pipeline_parallel_size=pp, data_parallel_size=dp, tensor_parallel_size=tp,
         sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)), zero_stage=int(stage or 0),
         offload=bool(offload), activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled") else 0,
+        activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")),
         micro_batch_size=int(cfg.train.train_micro_batch_size), num_microbatches=int(cfg.train.num_accumulation_steps),
         amp_dtype=amp_dtype(cfg.train.amp), pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),
         virtual_pipeline_size=int(dist_cfg.get("virtual_pipeline_size", 1) or 1),
@@ -836,6 +844,7 @@ def startup_estimate(cfg, layout, sample: Mapping[str, torch.Tensor]) -> str:
             data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
             sequence_parallel=layout.sequence_parallel, zero_stage=int(layout.zero_stage or 0), offload=layout.offload,
             activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled") else 0,
+            activation_checkpoint_mode=str(ac.get("mode", "full")),
             micro_batch_size=int(cfg.train.train_micro_batch_size),
             num_microbatches=int(cfg.train.num_accumulation_steps), amp_dtype=amp_dtype(cfg.train.amp),
             pipeline_schedule=layout.pipeline_schedule, virtual_pipeline_size=layout.virtual_pipeline_size,

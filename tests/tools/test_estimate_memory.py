@@ -1,0 +1,165 @@
+"""tools/estimate_memory.py and libai_lite.utils.memory_planner against what runs.
+
+The benchmark's smoke rows (bench/memory.py: a 4-rank torchrun job measuring each configuration's peak
+per rank) must agree with the planner within 15%; a 1.3B GPT on 16 GiB devices must not fit and the
+suggested overrides, applied to the config, must fit; a layout the world size does not divide, and a
+size that is not one, are one `error:` line each.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from libai_lite.utils.errors import UsageError
+from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings, parse_bytes
+from tests.launch import ROOT
+
+GPT_1_3B = "projects/GPT/configs/gpt2_1.3B.py"
+TOLERANCE = 0.15  # the issue's acceptance: estimate within 15% of the measured peak
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "tools" / "estimate_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tool(capsys, *argv):
+    """(exit status, stdout, stderr) of tools/estimate_memory.py run in this process (from the repo root)."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rc = _load_tool().main([str(a) for a in argv])
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _bench_rows(configs: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "bench/memory.py", "--smoke", "--configs", configs], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["configs"]
+
+
+def _assert_within(rows: dict) -> None:
+    for name, row in rows.items():
+        measured, estimated = row["peak_step_bytes"], row["estimated_peak_step_bytes"]
+        assert abs(estimated / measured - 1) <= TOLERANCE, (
+            f"{name}: estimated {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+
+
+def test_smoke_rows_within_15_percent():
+    """DDP's persistent buckets and ZeRO-3's gathered layers (every row, with activation checkpointing and the
+    unfused loss, runs with -m slow: four ranks on two busy cores take about 25 s a row)."""
+    _assert_within(_bench_rows("no_zero,zero3"))
+
+
+@pytest.mark.slow
+def test_all_smoke_rows_within_15_percent():
+    _assert_within(_bench_rows("no_zero,zero1,zero2,zero3,zero3_offload,no_zero_ac,zero3_ac,no_zero_unfused_ce"))
+
+
+def test_1_3b_gpt_does_not_fit_16gib_and_the_suggestion_fits(capsys):
+    rc, out, err = run_tool(capsys, GPT_1_3B, "--nproc", 8, "--device-memory", "16GiB")
+    assert rc == 2, out + err
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("does not fit in 16.00 GiB per device"), verdict
+    assert " try " in verdict, verdict
+    overrides = verdict.split(" try ", 1)[1].split(" (estimated")[0].split()
+    assert overrides and all("=" in o for o in overrides), verdict
+    # The suggestion is a config change: applied to the config, the tool says it fits.
+    rc, out, err = run_tool(capsys, GPT_1_3B, "--nproc", 8, "--device-memory", "16GiB", *overrides)
+    assert rc == 0, out + err
+    assert out.strip().splitlines()[-1].startswith("fits in 16.00 GiB per device"), out
+
+
+def test_layout_that_does_not_divide_is_one_line(capsys):
+    rc, out, err = run_tool(capsys, GPT_1_3B, "--nproc", 6, "train.dist.tensor_parallel_size=4")
+    assert rc == 1 and out == ""
+    assert err.strip().splitlines() == [
+        "error: world size 6 is not divisible by pipeline_parallel_size(1) x tensor_parallel_size(4); launch a "
+        "multiple of 4 processes or change train.dist"]
+
+
+def test_device_memory_that_is_not_a_size_is_one_line(capsys):
+    rc, out, err = run_tool(capsys, GPT_1_3B, "--device-memory", "lots")
+    assert rc == 1
+    assert err.strip() == "error: device memory 'lots' is not a size; write it like 80GiB, 16GB or 512MiB"
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("16 GB") == 16 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1e9") == 10**9
+
+
+# ------------------------------------------------------------------ the planner's counting, on a tiny GPT
+
+
+def _tiny_gpt_planner(layers=4):
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    cfg = dict(hidden_layers=layers, vocab_size=256, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+               max_seq_length=32, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)
+    sample = {"input_ids": torch.zeros(32, dtype=torch.long), "labels": torch.zeros(32, dtype=torch.long)}
+    return MemoryPlanner(lambda: GPTForPreTraining(cfg), sample), GPTForPreTraining, cfg
+
+
+def test_pipeline_stages_hold_what_the_splitter_keeps():
+    """Per pipeline rank, the planner's parameters are those the pipeline splitter leaves on that stage."""
+    from libai_lite.model import pipeline_num_layers
+    from libai_lite.parallel.pipeline_split import split_pipeline_stage
+    from libai_lite.utils.distributed import layer_stages
+
+    planner, cls, cfg = _tiny_gpt_planner(layers=4)
+    settings = PlanSettings(world_size=2, pipeline_parallel_size=2, num_microbatches=4)
+    for rank, (modules, _layers) in enumerate(planner._stages(settings)):
+        counted = sum(p.numel for _i, p in planner._params(modules, 1))
+        with torch.device("meta"):
+            model = cls(cfg)
+        stage = split_pipeline_stage(model, rank, 2, layer_stages(pipeline_num_layers(model), 2))
+        assert counted == sum(p.numel() for p in {id(p): p for p in stage.parameters()}.values())
+
+
+def test_tensor_parallel_splits_what_the_layers_declare():
+    """Megatron's split under tp=2, counted by hand for the tiny GPT: the vocabulary, QKV, the attention output
+    weight and both MLP weights (and the column-split biases) halve; norms, position embeddings and
+    row-split biases stay whole."""
+    planner, _cls, _cfg = _tiny_gpt_planner(layers=4)
+    h, ffn, vocab, seq, layers = 64, 256, 256, 32, 4
+    split_per_layer = 3 * h * h + 3 * h + h * h + ffn * h + ffn + h * ffn
+    whole_per_layer = 4 * h + 2 * h  # two layer norms (weight, bias), two row-split biases
+    whole = planner.estimate(PlanSettings(device="cpu"))
+    tp2 = planner.estimate(PlanSettings(world_size=2, tensor_parallel_size=2, device="cpu"))
+    assert whole.num_parameters == vocab * h + seq * h + layers * (split_per_layer + whole_per_layer) + 2 * h
+    assert tp2.num_parameters == vocab * h // 2 + seq * h + layers * (split_per_layer // 2 + whole_per_layer) + 2 * h
+    assert tp2.params == tp2.num_parameters * 4
+    # Activations in the split regions (attention, MLP interior) halve; the residual stream does not.
+    assert whole.activations / 2 < tp2.activations < whole.activations
+
+
+def test_activation_checkpointing_and_zero_reduce_the_peak():
+    planner, _cls, _cfg = _tiny_gpt_planner()
+    base = PlanSettings(world_size=4, data_parallel_size=4, micro_batch_size=4, device="cpu")
+    plain = planner.estimate(base)
+    assert planner.estimate(PlanSettings(**{**base.__dict__, "activation_checkpoint_every": 1})).activations < plain.activations
+    zero3 = planner.estimate(PlanSettings(**{**base.__dict__, "zero_stage": 3}))
+    assert zero3.params * 4 >= plain.params and zero3.params < plain.params / 3
+    assert zero3.peak < plain.peak
+
+
+def test_bad_layout_is_refused():
+    planner, _cls, _cfg = _tiny_gpt_planner()
+    with pytest.raises(UsageError, match="does not match the world size"):
+        planner.estimate(PlanSettings(world_size=4, data_parallel_size=3))
+    with pytest.raises(UsageError, match="tensor_parallel_size=3 does not divide"):
+        planner.estimate(PlanSettings(world_size=3, tensor_parallel_size=3))
