@@ -51,10 +51,10 @@ def compile_options(cfg: Mapping | None) -> CompileOptions:
     options = CompileOptions(**cfg)
     import torch._dynamo
 
-    backends = torch._dynamo.list_backends(exclude_tags=())
-    if options.enabled and options.backend not in backends:
+    # Debug and experimental backends are accepted but not suggested.
+    if options.enabled and options.backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"train.compile.backend={options.backend!r} is not a torch.compile backend; use one of "
-                         f"{', '.join(backends)}")
+                         f"{', '.join(torch._dynamo.list_backends())}")
     return options
 
 

@@ -179,5 +179,26 @@ def test_compiled_layout_matches_one_process(tmp_path, one_process_eager, name):
     assert len({tuple(c) for c in result["counts"]}) == 1, f"{name} compiled again after step 1: {result['counts']}"
 
 
+@pytest.mark.slow
+def test_train_sh_with_compile_and_selective_ac_matches_eager_one_process(tmp_path):
+    """By config alone: tools/train.sh, tp=2, train.compile and selective checkpointing, against
+    tools/train_net.py eager on one process."""
+    from tests.launch import losses, tiny, train_net, train_sh
+
+    common = ["train.train_iter=3", "train.evaluation.enabled=False", "model.cfg.attention_dropout_prob=0.0",
+              "model.cfg.output_dropout_prob=0.0", "tokenization.make_vocab_size_divisible_by=256"]
+    r = train_net(tiny(tmp_path / "eager", tmp_path / "cache", *common))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_sh(2, tiny(tmp_path / "compiled", tmp_path / "cache", *common, "train.dist.tensor_parallel_size=2",
+                         "train.compile.enabled=True", "train.activation_checkpoint.enabled=True",
+                         "train.activation_checkpoint.mode=selective"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference, curve = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert sorted(curve) == sorted(reference) == [1, 2, 3]
+    # The demo vocabulary (8192 padded ids) is the widest sum here.
+    rtol = 3 * 8192 * torch.finfo(torch.float32).eps
+    assert [curve[i] for i in (1, 2, 3)] == pytest.approx([reference[i] for i in (1, 2, 3)], rel=rtol, abs=0)
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
