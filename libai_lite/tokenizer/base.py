@@ -99,7 +99,7 @@ class TokenizersBackend(BaseTokenizer):
     _word_split: Optional[tuple] = None
     _word_cache = None
 
-    def enable_word_cache(self, max_words: int = 1 << 20) -> bool:
+    def enable_word_cache(self, max_words: int = 1 << 18) -> bool:
         """Encode batches through an exact per-word id cache from now on; False when not possible.
 
         Meant for one long pass over a corpus (preprocessing): the cache holds up to

@@ -64,11 +64,12 @@ class WordCache:
 
     ``split`` is a ``re`` pattern (or a function returning one) that must split a normalised text
     as ``tok.pre_tokenizer`` does, ``ascii_split`` one for ASCII-only texts (both are checked). At most
-    ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory
-    on corpora with unbounded vocabularies and keeps the frequent words hot.
+    ``max_words`` pre-tokens are kept (about 225 bytes each: the default is ~60 MB per process);
+    past that the cache starts afresh, which bounds memory on corpora with unbounded
+    vocabularies and keeps the frequent words hot.
     """
 
-    def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 20):
+    def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 18):
         self._tok = tok
         self._normalizer = tok.normalizer
         self._pre = tok.pre_tokenizer
