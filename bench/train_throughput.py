@@ -13,6 +13,11 @@ dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) in o
 load on a shared machine hits both alike; the ratio reported is the median of the per-block
 ratios ours/HF. The shapes and builders of each family live in ``bench/throughput_models.py``.
 
+``--compile`` instead puts our model compiled as ``train.compile`` does it (``torch.compile`` per
+transformer layer, ``libai_lite.parallel.compile``) beside the same model eager, in the same
+alternating blocks: the ratio is compiled/eager, and the one-off compile time (the compiled model's
+warm-up steps less the eager one's) is reported apart from the timed blocks.
+
 MFU is model FLOPs per token (6N + 12·L·H·T) x tokens/s over a peak: on CPU the best rate of a
 large matmul measured in this same job (fp32, and bf16 with ``--dtype bf16``), on GPU the
 datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
@@ -22,6 +27,7 @@ datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
     python bench/train_throughput.py --size 345M --device cuda --dtype bf16 --micro-batch 8
     python bench/train_throughput.py --model llama --size demo
     python bench/train_throughput.py --model llama --size 100M
+    python bench/train_throughput.py --size demo --compile
 
 The last line of the output is one JSON object with the numbers.
 """
@@ -65,7 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per model before the blocks")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
-    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--compile", action="store_true",
+                   help="our model compiled per transformer layer (train.compile) against our model eager, "
+                        "instead of against HF")
+    p.add_argument("--compile-loss", action="store_true",
+                   help="with --compile: also compile the cross entropy (train.compile.loss; with "
+                        "--unfused-cross-entropy, else our fused head never calls it)")
     p.add_argument("--fused-adamw", action="store_true",
                    help="torch's fused AdamW on both sides (ours through the config's optim.fused=True; "
                         "recent HF Trainers default to it); by default each side uses what it is configured with")
@@ -88,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, shape[key])
         elif getattr(args, key) < (0 if key == "warmup" else 1):
             p.error(f"--{key.replace('_', '-')} must be {'>= 0' if key == 'warmup' else '>= 1'}")
+    if args.compile_loss and not args.compile:
+        p.error("--compile-loss needs --compile")
+    if args.compile and args.warmup < 1:
+        p.error("--compile needs --warmup >= 1: the first step compiles")
     args.shape, args.family = shape, family
     if args.smoke:
         args.size = "smoke"
@@ -104,7 +119,7 @@ def hf_attn_implementation(model) -> str:
 class OursStepper:
     """Steps our model through Trainer.run_step, the exact code path of a training run."""
 
-    def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
+    def __init__(self, model, batches, device, amp_dtype, fused_adamw: bool = False):
         from configs.common.optim import optim as optim_cfg
         from libai_lite.config.instantiate import instantiate_with
         from libai_lite.engine.trainer import Trainer
@@ -120,10 +135,9 @@ class OursStepper:
         optimizer = instantiate_with(optim_cfg, params=params)
         self.optimizer = optimizer
         scheduler = WarmupDecayLR(optimizer, max_iter=10**9, decay="constant")
-        stepped = torch.compile(model) if compile_model else model
         # The trainer moves each batch to the device itself, as it does for a DataLoader.
         loader = [{"input_ids": x, "labels": y} for x, y in batches]
-        self.trainer = Trainer(stepped, loader, optimizer, scheduler, output_metrics(model), device=device,
+        self.trainer = Trainer(model, loader, optimizer, scheduler, output_metrics(model), device=device,
                                amp_dtype=amp_dtype,
                                clip_grad_max_norm=CLIP, clip_grad_norm_type=2.0)
         self.trainer.storage = EventStorage(0)
@@ -138,8 +152,8 @@ class OursStepper:
 class HFStepper:
     """A plain PyTorch loop over the HF model: autocast forward with labels, backward, clip, AdamW."""
 
-    def __init__(self, model, batches, device, amp_dtype, compile_model: bool, fused_adamw: bool = False):
-        self.model = torch.compile(model) if compile_model else model
+    def __init__(self, model, batches, device, amp_dtype, fused_adamw: bool = False):
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                            fused=True if fused_adamw else None)
@@ -323,6 +337,87 @@ def _quantile(values, q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def make_batches(args, device: torch.device) -> list:
+    """A few distinct (input_ids, labels) batches, pinned when a GPU will receive them, as the DataLoader does."""
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, args.shape["vocab"], (args.micro_batch, args.shape["seq"] + 1), generator=gen)
+        pair = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
+    return batches
+
+
+def timed_warmup(stepper, steps: int, device: torch.device) -> float:
+    """Seconds for ``steps`` untimed warm-up steps (where compilation happens)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        stepper.step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def compile_main(args, device: torch.device, amp_dtype) -> dict:
+    """``--compile``: our model compiled per layer against itself eager; prints a table and the JSON line."""
+    from torch._dynamo.utils import counters
+
+    from libai_lite.parallel.compile import CompileOptions, apply_compile
+    from libai_lite.utils.flops import transformer_flops_per_token
+
+    shape, family = args.shape, args.family
+    peak_meter = Peak(device, amp_dtype, args.smoke)
+    models = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(args.seed)
+        models[name] = family.build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
+    options = CompileOptions(enabled=True, loss=args.compile_loss)
+    apply_compile(models["compiled"], options)
+    batches = make_batches(args, device)
+    steppers = {name: OursStepper(m, batches, device, amp_dtype, args.fused_adamw) for name, m in models.items()}
+    warmup_s = {name: timed_warmup(s, args.warmup, device) for name, s in steppers.items()}
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    tokens_per_step = args.micro_batch * shape["seq"]
+    rates = run_blocks(steppers, args.steps, args.blocks, 0, tokens_per_step, device, between=peak_meter.measure)
+    n_params = models["eager"].num_parameters(non_embedding=True)
+    flops_per_token = transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
+    eager_tps, compiled_tps = statistics.median(rates["eager"]), statistics.median(rates["compiled"])
+    ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"])]
+    result = {
+        "benchmark": "train_throughput_compile",
+        "model": args.model, "size": args.size, "device": str(device), "dtype": args.dtype,
+        "threads": torch.get_num_threads(), "backend": options.backend, "compile_loss": options.loss,
+        "layers": shape["layers"], "hidden": shape["hidden"], "seq_length": shape["seq"], "vocab": shape["vocab"],
+        "micro_batch": args.micro_batch, "steps_per_block": args.steps, "blocks": args.blocks,
+        "warmup": args.warmup, "ours_fused_cross_entropy": not args.unfused_cross_entropy,
+        "eager_tokens_per_s": eager_tps, "compiled_tokens_per_s": compiled_tps,
+        "ratio": statistics.median(ratios),
+        "ratio_p25": _quantile(ratios, 0.25), "ratio_p75": _quantile(ratios, 0.75),
+        "eager_block_tokens_per_s": rates["eager"], "compiled_block_tokens_per_s": rates["compiled"],
+        # One-off: what the first steps cost beyond the eager ones (inductor's cache makes reruns cheaper).
+        "compile_seconds": warmup_s["compiled"] - warmup_s["eager"],
+        "graphs": graphs_after_warmup,
+        # Anything compiled during the timed blocks is a recompilation, and a bug.
+        "graphs_compiled_in_blocks": counters["stats"]["unique_graphs"] - graphs_after_warmup,
+        "flops_per_token": flops_per_token, "peak_flops": peak_meter.flops, "peak_source": peak_meter.source,
+        "mfu_eager": flops_per_token * eager_tps / peak_meter.flops,
+        "mfu_compiled": flops_per_token * compiled_tps / peak_meter.flops,
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    }
+    print(f"{family.label} {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, seq {shape['seq']}, "
+          f"vocab {shape['vocab']}, micro batch {args.micro_batch}, {args.dtype}, {result['threads']} threads; "
+          f"train.compile ({options.backend}, per layer{', loss' if options.loss else ''}) against eager")
+    print(f"compile: {result['compile_seconds']:.1f} s over the {args.warmup} warm-up steps, {result['graphs']} "
+          f"graphs, {result['graphs_compiled_in_blocks']} compiled during the timed blocks")
+    print(f"{'block':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'compiled/eager':>15}")
+    for b, (e, c) in enumerate(zip(rates["eager"], rates["compiled"])):
+        print(f"{b:>5} {e:>12.1f} {c:>15.1f} {c / e:>15.3f}")
+    print(f"median: eager {eager_tps:.1f} tok/s (MFU {result['mfu_eager']:.1%}), compiled {compiled_tps:.1f} tok/s "
+          f"(MFU {result['mfu_compiled']:.1%}), compiled/eager {result['ratio']:.3f} "
+          f"(per-block quartiles {result['ratio_p25']:.3f}-{result['ratio_p75']:.3f})")
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def main(argv=None) -> dict:
     """Run the benchmark, print a table and the JSON line; returns the JSON object."""
     args = parse_args(argv)
@@ -332,6 +427,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     amp_dtype = DTYPES[args.dtype]
     warnings.filterwarnings("ignore", message=".*bos_token_id.*|.*eos_token_id.*|.*loss_type.*")
+    if args.compile:
+        return compile_main(args, device, amp_dtype)
 
     from libai_lite.utils.flops import transformer_flops_per_token
 
@@ -342,13 +439,7 @@ def main(argv=None) -> dict:
     ours = family.build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
     torch.manual_seed(args.seed)
     hf = family.build_hf(shape, device)
-    gen = torch.Generator().manual_seed(args.seed)
-    # A few distinct batches, pinned when a GPU will receive them, as the DataLoader does.
-    batches = []
-    for _ in range(4):
-        x = torch.randint(0, shape["vocab"], (args.micro_batch, shape["seq"] + 1), generator=gen)
-        pair = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
-        batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
+    batches = make_batches(args, device)
 
     n_params = ours.num_parameters(non_embedding=True)
     n_hf = family.hf_non_embedding_parameters(hf)
@@ -357,8 +448,8 @@ def main(argv=None) -> dict:
     attn_impl = hf_attn_implementation(hf)
 
     steppers = {
-        "ours": OursStepper(ours, batches, device, amp_dtype, args.compile, args.fused_adamw),
-        "hf": HFStepper(hf, batches, device, amp_dtype, args.compile, args.fused_adamw),
+        "ours": OursStepper(ours, batches, device, amp_dtype, args.fused_adamw),
+        "hf": HFStepper(hf, batches, device, amp_dtype, args.fused_adamw),
     }
     tokens_per_step = args.micro_batch * shape["seq"]
     rates = run_blocks(steppers, args.steps, args.blocks, args.warmup, tokens_per_step, device,
@@ -378,7 +469,6 @@ def main(argv=None) -> dict:
         or platform.machine(),
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "compile": bool(args.compile),
         "layers": shape["layers"], "hidden": shape["hidden"], "heads": shape["heads"],
         "kv_heads": shape.get("kv_heads", shape["heads"]), "ffn_hidden": ffn_size(shape),
         "seq_length": shape["seq"], "vocab": shape["vocab"], "micro_batch": args.micro_batch,
@@ -411,7 +501,7 @@ def main(argv=None) -> dict:
     print(f"{family.label} {args.size}: {shape['layers']} layers, hidden {shape['hidden']}, "
           f"heads {shape['heads']}{kv}, ffn {result['ffn_hidden']}, seq {shape['seq']}, "
           f"vocab {shape['vocab']}, micro batch {args.micro_batch}, {args.dtype}, {result['threads']} threads, "
-          f"compile {'on' if args.compile else 'off'}, HF attention '{attn_impl}', AdamW ours "
+          f"HF attention '{attn_impl}', AdamW ours "
           f"{result['ours_adamw']} / HF {result['hf_adamw']}, our LM head + loss "
           f"{'fused' if result['ours_fused_cross_entropy'] else 'unfused'}")
     print(f"parameters: {n_total / 1e6:.1f}M, {n_params / 1e6:.1f}M without the lookup-only embedding (the N of "
