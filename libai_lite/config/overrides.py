@@ -115,30 +115,22 @@ def _checked_value(key: str, node: Any, new: Any) -> Any:
 
 
 def _check_shape(key: str, node: Any, new: Any) -> None:
-    """A dict override of a dict key names only keys it has; a dict or list replaces only its own kind."""
+    """A dict key is replaced by a dict naming only keys it has (lists and scalars are checked by
+    type in ``_checked_value`` and by range in ``validate.check_ranges``)."""
+    if not isinstance(node, DictConfig) or node._is_none() or node._is_interpolation():
+        return
     if new is None or isinstance(new, str) and "${" in new:
         return
-    if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
-        if not isinstance(new, dict):
-            raise ConfigTypeError(f"Cannot override config key '{key}' (a dict) with {new!r}; give a dict "
-                                  f"({key}={{name: value, ...}}) or set its keys one by one ({key}.name=value)")
-        for name, value in new.items():
-            path = join_key(key, str(name))
-            child = node._get_node(name, throw_on_missing_key=False)
-            if child is None:
-                raise ConfigKeyError(f"Unknown config key '{path}' in the override of '{key}' (its keys: "
-                                     f"{', '.join(map(str, node.keys()))}); use ++{path}=... to add a new key")
-            _check_shape(path, child, value)
-        return
-    if isinstance(node, ListConfig) and not node._is_none() and not node._is_interpolation():
-        if not isinstance(new, (list, tuple)):
-            raise ConfigTypeError(f"Cannot override config key '{key}' (a list) with {new!r}; give a list, "
-                                  f"{key}=[a,b,...]")
-        return
-    if isinstance(new, (dict, list, tuple)) and not node._is_none() and not node._is_interpolation() \
-            and not node._is_missing():
-        raise ConfigTypeError(f"Cannot override config key '{key}' ({type(node._value()).__name__}, currently "
-                              f"{node._value()!r}) with a {'dict' if isinstance(new, dict) else 'list'}: {new!r}")
+    if not isinstance(new, dict):
+        raise ConfigTypeError(f"Cannot override config key '{key}' (a dict) with {new!r}; give a dict "
+                              f"({key}={{name: value, ...}}) or set its keys one by one ({key}.name=value)")
+    for name, value in new.items():
+        path = join_key(key, str(name))
+        child = node._get_node(name, throw_on_missing_key=False)
+        if child is None:
+            raise ConfigKeyError(f"Unknown config key '{path}' in the override of '{key}' (its keys: "
+                                 f"{', '.join(map(str, node.keys()))}); use ++{path}=... to add a new key")
+        _check_shape(path, child, value)
 
 
 def apply_overrides(cfg: Any, overrides: Optional[Sequence[str]]) -> Any:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
 
-__all__ = ["Range", "RANGES", "check_ranges"]
+__all__ = ["Range", "OneOf", "RANGES", "check_ranges"]
 
 
 def _number(x: float) -> str:
@@ -70,6 +70,19 @@ class Range:
         return self._number_ok(value)
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """One of a few named values (a schedule, a precision, a mode)."""
+
+    values: tuple
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(v) for v in self.values)
+
+    def accepts(self, value: Any) -> bool:
+        return value in self.values
+
+
 _COUNT = Range(low=1, integer=True)
 _COUNT_OR_NULL = Range(low=1, integer=True, nullable=True)
 _NON_NEGATIVE_INT = Range(low=0, integer=True)
@@ -78,7 +91,7 @@ _NON_NEGATIVE = Range(low=0)
 _FRACTION = Range(low=0, high=1)
 
 # key path (or pattern) -> its range. Periods of 0 mean "never" (only at the end) where the hooks say so.
-RANGES: dict[str, Range] = {
+RANGES: dict[str, "Range | OneOf"] = {
     "train.train_micro_batch_size": _COUNT_OR_NULL,
     "train.global_batch_size": _COUNT_OR_NULL,
     "train.num_accumulation_steps": _COUNT_OR_NULL,
@@ -121,6 +134,11 @@ RANGES: dict[str, Range] = {
     "dataloader.*.num_workers": _NON_NEGATIVE_INT,
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
     "tokenization.make_vocab_size_divisible_by": _COUNT,
+    "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b")),
+    "train.amp.dtype": OneOf(("bf16", "fp16")),
+    "train.evaluation.eval_mode": OneOf(("min", "max")),
+    "train.scheduler.warmup_method": OneOf(("linear", "constant")),
+    "dataloader.*.split_rounding": OneOf(("core", "legacy")),
     "model.cfg.*dropout*": _FRACTION,
     "model.cfg.hidden_size": _COUNT,
     "model.cfg.ffn_hidden_size": _COUNT_OR_NULL,
@@ -156,7 +174,7 @@ def _value(cfg, path: str) -> Any:
     return value
 
 
-def check_ranges(cfg, ranges: dict[str, Range] | None = None) -> None:
+def check_ranges(cfg, ranges: dict | None = None) -> None:
     """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``)."""
     ranges = RANGES if ranges is None else ranges
     exact = {k: r for k, r in ranges.items() if "*" not in k}
@@ -171,5 +189,6 @@ def check_ranges(cfg, ranges: dict[str, Range] | None = None) -> None:
             continue
         if not rng.accepts(value):
             shown = "null" if value is None else repr(value)
-            raise UsageError(f"{path}={shown} is out of range: it must be {rng.describe()}; "
+            problem = "is out of range" if isinstance(rng, Range) else "is not allowed"
+            raise UsageError(f"{path}={shown} {problem}: it must be {rng.describe()}; "
                              f"set {path} to such a value")

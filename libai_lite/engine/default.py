@@ -90,6 +90,8 @@ class DefaultTrainer:
     @staticmethod
     def precheck_output_dir(output_dir: str) -> None:
         """Refuse an output directory that cannot be created or written, before anything is written anywhere."""
+        if not output_dir or not str(output_dir).strip():
+            raise UsageError("train.output_dir is empty; set it to the directory for this run's checkpoints and logs")
         path = os.path.abspath(output_dir)
         while not os.path.exists(path) and os.path.dirname(path) != path:
             path = os.path.dirname(path)

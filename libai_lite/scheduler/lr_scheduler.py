@@ -10,6 +10,8 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from ..utils.errors import UsageError
+
 _DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant")
 
 
@@ -20,9 +22,9 @@ class WarmupDecayLR(LRScheduler):
                  warmup_method: str = "linear", decay: str = "cosine", min_lr_ratio: float = 0.0, power: float = 1.0,
                  gamma: float = 0.999, last_epoch: int = -1):
         if decay not in _DECAYS:
-            raise ValueError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
+            raise UsageError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
         if warmup_method not in ("linear", "constant"):
-            raise ValueError(f"unknown warmup_method {warmup_method!r}; choose 'linear' or 'constant'")
+            raise UsageError(f"unknown warmup_method {warmup_method!r}; choose 'linear' or 'constant'")
         self.max_iter = int(max_iter)
         self.warmup_iter = int(warmup_iter)
         self.warmup_factor = float(warmup_factor)

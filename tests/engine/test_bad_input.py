@@ -235,8 +235,12 @@ BAD_VALUES = {
     "model.cfg.hidden_size=0": "model.cfg.hidden_size=0 is out of range",
     "train.checkpointer={period:5,foo:1}": "Unknown config key 'train.checkpointer.foo'",
     "train.dist=5": "Cannot override config key 'train.dist' (a dict) with 5",
-    "optim.betas=0.9": "Cannot override config key 'optim.betas' (a list)",
+    "optim.betas=0.9": "optim.betas=0.9 is out of range: it must be a list of 2 numbers",
     "train.train_iter=[1,2]": "Cannot override config key 'train.train_iter' (int, currently",
+    "train.dist.pipeline_schedule=foo": "train.dist.pipeline_schedule='foo' is not allowed: it must be one of 'gpipe'",
+    "train.scheduler.warmup_method=foo": "train.scheduler.warmup_method='foo' is not allowed",
+    "train.evaluation.eval_mode=x": "train.evaluation.eval_mode='x' is not allowed: it must be one of 'min', 'max'",
+    "train.output_dir=": "train.output_dir is empty",
 }
 
 
@@ -247,10 +251,13 @@ def test_out_of_range_values_and_wrong_shapes_are_refused_where_they_enter(overr
     from libai_lite.config.validate import check_ranges
     from libai_lite.utils.errors import UsageError
 
+    from libai_lite.engine.default import DefaultTrainer
+
     cfg = LazyConfig.load(str(ROOT / CONFIG))
     with pytest.raises(UsageError) as e:
         LazyConfig.apply_overrides(cfg, [override])
         check_ranges(cfg)
+        DefaultTrainer.precheck_output_dir(cfg.train.output_dir)
     assert BAD_VALUES[override] in str(e.value), str(e.value)
 
 
