@@ -277,6 +277,16 @@ def _worst_case_dispatch(func, args, kwargs):
         return x.new_empty((x.numel(), x.dim()), dtype=torch.long)
     if func is _aten.masked_select.default:
         return args[0].new_empty((torch.broadcast_shapes(args[0].shape, args[1].shape).numel(),))
+    if func is _aten.bincount.default:
+        minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        return args[0].new_zeros((max(int(minlength), 1),), dtype=torch.long if len(args) < 2 or args[1] is None
+                                 else args[1].dtype)
+    if func is _aten.split_with_sizes.default and sum(args[1]) != args[0].shape[args[2] if len(args) > 2 else 0]:
+        # Sizes read back from values (tokens per expert) are unknown: an even share each, balanced routing.
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        total, parts = args[0].shape[dim], len(args[1])
+        sizes = [total // parts + (i < total % parts) for i in range(parts)]
+        return func(args[0], sizes, dim)
     if func is _aten._local_scalar_dense.default:
         return False if args[0].dtype == torch.bool else 0
     if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
@@ -306,6 +316,11 @@ class _AcceleratorKernels:
 
         def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                             enable_gqa=False):
+            if attn_mask is not None and attn_mask.requires_grad:
+                # A learned bias (T5's relative positions) needs its gradient: the accelerator's memory-efficient
+                # kernel takes it, a flash kernel does not; the math path stands in for it.
+                return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
             if enable_gqa and key.shape[-3] != query.shape[-3]:
                 repeat = query.shape[-3] // key.shape[-3]
                 key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
@@ -579,8 +594,8 @@ class MemoryPlanner:
             if best is None or est.peak > best.peak:
                 best = est
         if self.experts:
-            best.notes += ("expert activations are counted as if no token reached an expert (routing is decided "
-                           "by values, which the shape-only trace does not have)",)
+            best.notes += ("MoE routing is taken as balanced and without drops: each expert gets an even share of "
+                           "the tokens (the shape-only trace has no values to route by)",)
         return best
 
     def _estimate_stage(self, s: PlanSettings, trace: ActivationTrace, rank: int, params: list[tuple[int, _Param]],
@@ -637,11 +652,12 @@ class MemoryPlanner:
                 # reshard_after_forward=False: a layer stays gathered from its forward to the end of backward.
                 extra = g_root + (all_layers if backward else gathered_so_far)
             elif stage == 3:
-                # The root (embeddings, head) while the forward runs and again in backward; the running layer;
-                # the last layer, never resharded after forward, until its backward is done.
+                # The root (embeddings, head) while the forward runs and again in backward; the running layer, and
+                # in backward the one before it, whose all-gather FSDP2 prefetches; the last layer, never
+                # resharded after forward, until its backward is done.
                 extra = g_root if i < trace.forward_end or backward else 0.0
                 if unit is not None:
-                    extra += gathered.get(unit, 0.0)
+                    extra += gathered.get(unit, 0.0) + (gathered.get(unit - 1, 0.0) if backward else 0.0)
                 if last_unit in seen_fwd and last_unit <= lowest_bw and unit != last_unit:
                     extra += gathered[last_unit]
             high = max(high, live + grads_live + extra)

@@ -163,3 +163,28 @@ def test_bad_layout_is_refused():
         planner.estimate(PlanSettings(world_size=4, data_parallel_size=3))
     with pytest.raises(UsageError, match="tensor_parallel_size=3 does not divide"):
         planner.estimate(PlanSettings(world_size=3, tensor_parallel_size=3))
+
+
+def test_startup_line_is_the_tools_estimate():
+    """The line the trainer logs at start-up states the estimate tools/estimate_memory.py prints for the run."""
+    from libai_lite.config import LazyConfig
+    from libai_lite.utils.distributed import Layout
+    from libai_lite.utils.memory_planner import gib, planner_from_config, startup_estimate
+
+    def load():
+        cfg = LazyConfig.load(str(ROOT / "projects/GPT/configs/gpt2_pretrain.py"))
+        return LazyConfig.apply_overrides(cfg, ["model.cfg.hidden_layers=2", "model.cfg.max_seq_length=32",
+                                                f"dataloader.train.data_prefix={ROOT}/data_test/gpt2/demo_gpt2_text_document",
+                                                f"tokenization.tokenizer.vocab_file={ROOT}/data_test/gpt2/vocab.json",
+                                                f"tokenization.tokenizer.merges_file={ROOT}/data_test/gpt2/merges.txt"])
+
+    planner, settings = planner_from_config(load(), 1, "cpu")
+    expected = planner.estimate(settings)
+    cfg = load()
+    planner_from_config(cfg, 1, "cpu")  # resolves batch sizes and pads the vocabulary, as the trainer does
+    layout = Layout(1, 0, 0, torch.device("cpu"), 1, 1, 1, None)
+    line = startup_estimate(cfg, layout, planner.sample)
+    assert line.startswith("Memory estimate per rank (pp=1 dp=1 tp=1, no ZeRO, micro-batch 8, fp32): ")
+    assert f"peak {gib(expected.peak)}" in line and f"params {gib(expected.params)}" in line
+    # An estimate that cannot be made says so instead of stopping the run.
+    assert startup_estimate(cfg, layout, {}).startswith("Memory estimate not available (")
