@@ -10,7 +10,10 @@ rank reports:
   - activation bytes: memory the forward leaves alive for the backward (after forward minus
     before forward; under ZeRO-2 this includes the parameters FSDP keeps gathered);
   - peak fwd+bwd: the high-water mark during forward+backward above the memory before forward;
-  - peak step: the high-water mark during a whole step above the memory before the model existed.
+  - peak step: the high-water mark during a whole step above the memory before the model existed;
+  - estimated: what ``tools/estimate_memory.py`` (``libai_lite.utils.memory_planner``) predicts for that
+    peak before anything runs, planned for this job's device, and est/meas its ratio to the measured one
+    (the planner's acceptance: within 15% on every row).
 
 Memory is the process RSS on CPU (the peak reset through /proc/self/clear_refs, and glibc told
 to return large frees at once so RSS follows live memory) and `torch.cuda` allocator statistics
@@ -18,7 +21,7 @@ on GPU. The table shows each configuration next to no-ZeRO; the last line of the
 JSON object with every number (the maximum over ranks).
 
     python bench/memory.py                 # defaults: ~30M-parameter GPT, 4 ranks, a few minutes on 2 CPU cores
-    python bench/memory.py --smoke         # tiny model, seconds
+    python bench/memory.py --smoke         # 3.7M-parameter GPT, about a minute (big enough for RSS to measure)
     python bench/memory.py --hidden 1024 --layers 12 --nproc 8
 """
 from __future__ import annotations

@@ -21,8 +21,9 @@ formula written for one architecture. This planner asks the model instead, so a 
 
 The replay adds what data parallelism holds at each moment: gradients as the backward produces them
 (DDP's buckets hold them from the start), and FSDP's gathered parameters (ZeRO-2: every layer from its
-forward to the end of backward; ZeRO-3: the layer running, the last layer from forward to backward, and
-the root's parameters while they are used). ``offload`` (ZeRO-2/3) moves parameters, gradients and
+forward to the end of backward; ZeRO-3: the layer running and, in backward, the one FSDP2 prefetches, the
+last layer from forward to backward, the root's parameters while they are used). The optimizer step's own
+temporaries are measured the same way, on fake parameters of the rank's shapes. ``offload`` (ZeRO-2/3) moves parameters, gradients and
 optimizer state to host memory, reported as ``host`` beside the device peak. ``suggest`` tries the
 cheapest changes in turn (ZeRO stage up, activation checkpointing on, a smaller micro-batch, more tensor
 then pipeline parallelism), each checked against the world size and the model and re-estimated.
@@ -43,7 +44,6 @@ from torch import nn
 from .errors import UsageError
 
 GiB = 2**30
-MiB = 2**20
 
 _DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -117,7 +117,7 @@ class MemoryEstimate:
 
 def parse_bytes(text: str) -> int:
     """``"80GiB"``, ``"16 GB"``, ``"512MiB"``, ``"1e9"`` -> bytes (GB/MB are decimal, GiB/MiB binary)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m:
         raise UsageError(f"device memory {text!r} is not a size; write it like 80GiB, 16GB or 512MiB")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B") or "B"
@@ -380,7 +380,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
                       amp_dtype: torch.dtype | None = None, activation_checkpoint_every: int = 0,
                       activation_checkpoint_mode: str = "full", device: str = "cpu") -> ActivationTrace:
     """Forward ``build()`` on ``batch`` (real tensors of one micro-batch) and back-propagate its loss under
-    ``FakeTensorMode``, recording every storage allocated and freed (``ActivationTrace``). Parameters'
+    ``FakeTensorMode`` (the sum of its declared losses, as the trainer does), recording every storage allocated and freed (``ActivationTrace``). Parameters'
     gradients are dropped as soon as they are made: the caller counts them with the static bytes. ``device``:
     the job's device kind; for an accelerator the kernels it would pick stand in (``_AcceleratorKernels``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -389,7 +389,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from ..model import loss_name, output_metrics
+    from ..model import output_metrics
     from ..parallel.activation_checkpoint import apply_activation_checkpointing, transformer_layers
     from ..parallel.pipeline_split import _layer_of, _pieces, pipeline_module
 
@@ -409,7 +409,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     for table in (piece_layer, unit_of):
         table.update({f"{k}._checkpoint_wrapped_module": v for k, v in list(table.items())})
     param_shapes = {(tuple(p.shape), p.dtype) for p in model.parameters()}
-    loss_key = loss_name(output_metrics(model))
+    losses = [name for name, metric in output_metrics(model).items() if metric.backward]
     events: list = []
     live = weakref.WeakKeyDictionary()  # storage -> (bytes, tag, finalizer recording its free)
     tracker = ModTracker()
@@ -452,7 +452,8 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
                    for p in model.parameters() if p.requires_grad]
         with autocast:
             out = model(**fake_batch)
-        loss = out[loss_key]
+        # What the trainer back-propagates: the sum of the outputs the model declares as losses.
+        loss = sum(out[name] for name in losses if name in out)
         del out
         forward_end = len(events)
         loss.backward()
