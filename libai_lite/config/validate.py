@@ -134,7 +134,9 @@ RANGES: dict[str, "Range | OneOf"] = {
     "dataloader.*.num_workers": _NON_NEGATIVE_INT,
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
     "tokenization.make_vocab_size_divisible_by": _COUNT,
-    "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b")),
+    # The names of libai_lite.parallel.pipeline.SCHEDULES (tests/parallel/test_pipeline_schedules.py checks).
+    "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
+                                           "zbv_zero_bubble", "dualpipev")),
     "train.amp.dtype": OneOf(("bf16", "fp16")),
     "train.evaluation.eval_mode": OneOf(("min", "max")),
     "train.scheduler.warmup_method": OneOf(("linear", "constant")),
