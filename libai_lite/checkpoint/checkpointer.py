@@ -542,11 +542,12 @@ class Checkpointer:
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        if not error and replacing and rank == 0:
+        # Also the barrier before the manifest: every rank has written all its files.
+        self._raise_if_failed(error, final, state)
+        if replacing and rank == 0:
             _pause_for_test(name, "partial")
         # Written last: its presence is what makes the directory a complete checkpoint.
-        error = error or _write_manifest(tmp)
-        self._raise_if_failed(error, final, state)
+        self._raise_if_failed(_write_manifest(tmp), final, state)
         if rank == 0:
             error = self._publish(name, replacing)
         self._raise_if_failed(error, final, state)
@@ -575,11 +576,15 @@ class Checkpointer:
             self._prune(keep=name)
             return ""
         except OSError as e:
-            # Leave what the next start would: NAME complete (old or new) and no aside copy.
+            # Back to one complete NAME and no aside copy (the caller removes NAME.tmp): the old NAME
+            # when the new one could not be moved in, else the new one, which only the marker missed.
             try:
-                recover_interrupted(self.save_dir, remove_partial=False)
+                if os.path.isdir(aside) and not os.path.isdir(final):
+                    os.replace(aside, final)
+                else:
+                    shutil.rmtree(aside, ignore_errors=True)
             except OSError:
-                pass
+                pass  # the next start repairs it (recover_interrupted)
             return _describe(e)
 
     def _raise_if_failed(self, error: str, final: str, state) -> None:
@@ -593,9 +598,9 @@ class Checkpointer:
         barrier()
         space = ""
         try:
-            free = shutil.disk_usage(self.save_dir).free
-            needed = f"about {format_bytes(_state_bytes(state))}" if state is not None else "space"
-            space = f"it needs {needed} and {format_bytes(free)} are free there; "
+            space = f"{format_bytes(shutil.disk_usage(self.save_dir).free)} are free there; "
+            if state is not None:
+                space = f"it needs about {format_bytes(_state_bytes(state))} and {space}"
         except OSError:
             pass
         previous = self.last_checkpoint()

@@ -283,3 +283,34 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
         assert (out / "last_checkpoint").read_text() == "model_0000001"
         verify_checkpoint(str(out / "model_0000001"))  # every byte as saved
         assert shutil.disk_usage(disk).free > 5 * 2**20  # the partial files are gone
+
+
+def test_read_only_filesystem_during_a_save_is_one_error_and_changes_nothing(tmp_path):
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.utils.errors import UsageError
+
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
+        ck = Checkpointer(torch.nn.Linear(8, 8), save_dir=str(disk))
+        ck.save("model_0000001", {"iteration": 1})
+        before = tree_snapshot(disk)
+        assert subprocess.run(["mount", "-o", "remount,ro", str(disk)]).returncode == 0
+        with pytest.raises(UsageError, match=r"model_0000002 failed \(OSError: \[Errno 30\] Read-only file system.*"
+                                             r"model_0000001 is kept"):
+            ck.save("model_0000002", {"iteration": 2})
+        assert tree_snapshot(disk) == before
+
+
+def test_replacement_killed_by_an_older_version_is_restored_not_deleted(tmp_path):
+    """Saved without manifests and killed between deleting model_best and renaming model_best.tmp (the
+    window of the old protocol): the complete model_best.tmp that last_checkpoint names is put back."""
+    from libai_lite.checkpoint import Checkpointer, resolve_resume
+
+    model = torch.nn.Linear(8, 8)
+    Checkpointer(model, save_dir=str(tmp_path)).save("model_best", {"iteration": 7})
+    (tmp_path / "model_best" / "manifest.json").unlink()
+    (tmp_path / "model_best").rename(tmp_path / "model_best.tmp")
+    assert resolve_resume(str(tmp_path)) == str(tmp_path / "model_best.tmp")
+    Checkpointer(model, save_dir=str(tmp_path)).remove_partial()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_best"]
+    assert json.loads((tmp_path / "model_best" / "trainer_state.json").read_text())["iteration"] == 7
+    Checkpointer(model).load(str(tmp_path / "model_best"), weights_only=True)  # the old format still loads
