@@ -62,6 +62,8 @@ filter_report() {
 # which save a checkpoint at the next step boundary and stop. Waiting again after each signal keeps
 # this script alive until torchrun has ended, so no worker trains on unsupervised.
 set +e
+# Workers end when this script does, however it ends (libai_lite.utils.process.die_with_parent).
+export LIBAI_LITE_LAUNCHER_PID=$$
 "$PYTHON" -m torch.distributed.run \
   --nproc_per_node "$NPROC" --nnodes "$NODE" --node_rank "$NODE_RANK" \
   --master_addr "$ADDR" --master_port "$PORT" --max-restarts "$MAX_RESTARTS" \

@@ -6,8 +6,13 @@
 """
 import sys
 
-from libai_lite.engine.launch import launch
-from libai_lite.config import default_argument_parser
+# First, before torch loads: a job killed while its workers start must not leave them orphaned.
+from libai_lite.utils.process import die_with_launcher
+
+die_with_launcher()
+
+from libai_lite.engine.launch import launch  # noqa: E402
+from libai_lite.config import default_argument_parser  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ from ..config.validate import check_ranges
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
-from ..utils.process import die_with_parent, install_stop_signals, release_locks
+from ..utils.process import die_with_launcher, install_stop_signals, release_locks
 
 logger = logging.getLogger("libai_lite")
 
@@ -134,8 +134,7 @@ def launch(args) -> int:
     # A stop signal before training ends the process through `finally` (lock released); during
     # training the SignalCheckpointer hook saves first.
     install_stop_signals()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()
+    die_with_launcher()
     try:
         cfg = LazyConfig.load(args.config_file)
         cfg = LazyConfig.apply_overrides(cfg, args.opts)

@@ -112,8 +112,33 @@ def shield_workers_from_stop_signals(loader) -> None:
         loader.worker_init_fn = _LeaveJobGroupThen(loader.worker_init_fn)
 
 
+# ------------------------------------------------------------------------- rank-local failures
+_FAILURE: list = []
+
+
+def fail_at_step_boundary(error: Exception) -> None:
+    """Record a rank-local failure (a write to a full disk) for the step-boundary check to stop on.
+
+    Raising on the spot would stop this rank alone and leave the others waiting in the next
+    collective; at the boundary every rank learns of it and stops with the same one-line error.
+    """
+    if not _FAILURE:
+        _FAILURE.append(error)
+
+
+def pending_failure() -> Exception | None:
+    """The first failure recorded on this rank (also a failed log.txt write), or None."""
+    from .logger import log_file_error
+
+    return _FAILURE[0] if _FAILURE else log_file_error()
+
+
 # --------------------------------------------------------------------------------- parent death
 _PR_SET_PDEATHSIG = 1
+
+
+LAUNCHER_PID_ENV = "LIBAI_LITE_LAUNCHER_PID"
+_watching = False
 
 
 def die_with_parent(poll_s: float = 1.0) -> None:
@@ -122,9 +147,20 @@ def die_with_parent(poll_s: float = 1.0) -> None:
     torchrun starts each worker in a session of its own, so killing the launcher's process group
     (kill -9, a dying agent) would otherwise leave the workers training on as orphans. Linux kills
     us through PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` with the original
-    parent covers other systems and a parent that died before the prctl.
+    parent covers other systems. A parent that died before this call cannot be recognised by its
+    pid any more, so ``tools/train.sh`` also exports its own pid (``LIBAI_LITE_LAUNCHER_PID``): a
+    worker whose launcher is gone ends too, also when it was killed while the worker was still
+    starting. Calling it again is a no-op.
     """
+    global _watching
+    if _watching:
+        return
+    _watching = True
     parent = os.getppid()
+    try:
+        launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    except ValueError:
+        launcher = 0
     libc_name = ctypes.util.find_library("c")
     if libc_name and hasattr(os, "sched_getaffinity"):  # Linux
         try:
@@ -132,14 +168,27 @@ def die_with_parent(poll_s: float = 1.0) -> None:
         except (OSError, AttributeError):
             pass
 
+    def orphaned() -> bool:
+        return os.getppid() != parent or (launcher > 0 and not _pid_alive(launcher))
+
     def watch():
-        while os.getppid() == parent:
+        while not orphaned():
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if os.getppid() != parent:
+    if orphaned():
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def die_with_launcher() -> None:
+    """``die_with_parent`` for a worker of torchrun (a no-op otherwise); call it first thing in a tool.
+
+    Before this, the worker spends seconds importing torch: a job killed then would leave it
+    orphaned and waiting forever on the dead launcher's rendezvous.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
 
 
 # ----------------------------------------------------------------------------- output dir lock
