@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.launch import (CONFIG, ROOT, env, losses, mounted_tmpfs, one_error_line, tiny, train_cmd, train_net,
-                          tree_snapshot)
+                          train_sh, tree_snapshot)
 
 BASE = ["train.evaluation.enabled=False", "model.cfg.hidden_layers=4"]
 # generate.py builds the model from the same config and overrides the run used.
@@ -265,14 +265,17 @@ def test_run_killed_while_replacing_model_best_resumes_from_it(tmp_path):
 # ------------------------------------------------------------------ a full disk
 
 
-def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
-    """A real 16 MiB filesystem: the first checkpoint (about 9.4 MiB) fits, the second does not."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, nproc):
+    """A real 16 MiB filesystem: the first checkpoint (about 9.4 MiB) fits, the second does not; with two
+    data-parallel ranks DCP's CheckpointException reaches both and rank 0 prints the one line."""
     from libai_lite.checkpoint.checkpointer import verify_checkpoint
 
     with mounted_tmpfs(tmp_path / "disk", "16m") as disk:
         out = disk / "run"
-        r = train_net(tiny(out, tmp_path / "cache", "train.evaluation.enabled=False", "train.train_iter=6",
-                           "train.checkpointer.period=2"))
+        args = tiny(out, tmp_path / "cache", "train.evaluation.enabled=False", "train.train_iter=6",
+                    "train.checkpointer.period=2")
+        r = train_net(args) if nproc == 1 else train_sh(nproc, args)
         assert r.returncode == 1, r.stderr[-3000:]
         line = one_error_line(r)
         assert line.startswith(f"error: saving checkpoint {out / 'model_0000003'} failed (OSError: [Errno 28] No "
