@@ -18,6 +18,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -43,11 +44,10 @@ def validate_zero_config(zero_stage: int | None, offload: bool = False, param_dt
     return stage
 
 
-def check_zero1(pipeline: bool = False, tensor_parallel: bool = False, expert_parallel: bool = False) -> None:
+def check_zero1(tensor_parallel: bool = False, expert_parallel: bool = False) -> None:
     """Refuse ZeRO stage 1 (DDP + ``ZeroRedundancyOptimizer``, over more than one data-parallel rank) with
     what it cannot hold."""
-    why = ("under pipeline parallelism" if pipeline
-           else "with tensor-parallel DTensor parameters" if tensor_parallel
+    why = ("with tensor-parallel DTensor parameters" if tensor_parallel
            else "with expert parallelism: it would overwrite each rank's experts with another's" if expert_parallel
            else None)
     if why:
@@ -117,7 +117,7 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
     dp_size = dp_mesh.size()
     dtensor_params = tp_enabled or any(isinstance(p, DTensor) for p in model.parameters())
     if stage == 1 and dp_size > 1:
-        check_zero1(pipeline, dtensor_params, expert_mesh is not None)
+        check_zero1(dtensor_params, expert_mesh is not None)
     if stage in (0, 1):
         if expert_mesh is not None:
             return apply_replicate(model, dp_mesh, expert_mesh)
@@ -139,6 +139,15 @@ class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     ``state_dict()`` holds the owned parameters' states plus an empty entry for every other one, so
     DCP writes each state once, from its owner, loadable under any layout.
     """
+
+    def _broadcast_params_from_rank(self, rank: int):
+        """Upstream's per-parameter broadcast of ``rank``'s updated shard, on the local tensor of a
+        replicated DTensor (a pipeline stage under FSDP2 ``replicate``), which ``broadcast`` cannot take."""
+        if self.parameters_as_bucket_view:
+            return super()._broadcast_params_from_rank(rank)
+        src = dist.get_global_rank(self.process_group, rank)
+        return [dist.broadcast(_local_tensor(p.data), src=src, group=self.process_group, async_op=True)
+                for group in self._partition_parameters()[rank] for p in group["params"]]
 
     @property
     def state(self):
@@ -175,6 +184,15 @@ class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
         groups = [{**saved, "params": [self._param_to_index[p] for p in ours["params"]]}
                   for saved, ours in zip(saved_groups, self.param_groups)]
         super().load_state_dict({"state": owned, "param_groups": groups})
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        if not all(p.is_replicate() for p in t.placements):
+            raise UsageError(f"ZeRO stage 1 cannot broadcast a parameter sharded as {t.placements}; "
+                             f"use train.zero_optimization.stage=2")
+        return t.to_local()
+    return t
 
 
 def build_zero1_optimizer(optimizer_cls: type[Optimizer], param_groups, dp_group, **kwargs) -> ZeroRedundancyOptimizer:

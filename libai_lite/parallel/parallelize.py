@@ -63,7 +63,7 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
     if layout.zero_stage == 1 and layout.data_parallel_size > 1:
-        check_zero1(pipeline=layout.pipeline_parallel_size > 1, tensor_parallel=layout.tensor_parallel_size > 1)
+        check_zero1(tensor_parallel=layout.tensor_parallel_size > 1)
     if layout.pipeline_parallel_size == 1:
         return
     if not supports_pipeline(model):
