@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options; see ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--smoke", action="store_true", help="tiny model: checks the benchmark runs (seconds)")
+    p.add_argument("--smoke", action="store_true", help="a 3.7M-parameter GPT: checks the benchmark and the planner (about a minute)")
     p.add_argument("--nproc", type=int, default=4, help="data-parallel ranks (default 4)")
     for key, value in MODEL_DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value} (smoke {SMOKE[key]})")
