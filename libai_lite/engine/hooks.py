@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from ..utils.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, is_main_process
+from ..utils.distributed import (all_reduce_max, all_reduce_mean, all_reduce_sum, broadcast_object, get_rank,
+                                 is_main_process)
 from ..utils.errors import UsageError, write_error
 from ..utils.events import format_bytes, format_eta
-from ..utils.logger import log_file_error
-from ..utils.process import defer_stop_signals, stop_requested
+from ..utils.process import defer_stop_signals, fail_at_step_boundary, pending_failure, stop_requested
 from .trainer import HookBase, StopTraining
 
 logger = logging.getLogger("libai_lite")
@@ -56,10 +56,12 @@ class PeriodicCheckpointer(HookBase):
 
 
 class SignalCheckpointer(HookBase):
-    """On SIGTERM, SIGINT or SIGHUP, save a checkpoint at the next step boundary and stop cleanly.
+    """At each step boundary, all ranks agree whether to stop: after SIGTERM, SIGINT or SIGHUP on any
+    rank, save a checkpoint and stop cleanly; after a rank-local failure (a write to a full disk),
+    stop every rank with that rank's one-line error.
 
-    The handler itself is ``libai_lite.utils.process``'s, installed at start-up so DataLoader
-    workers forked later ignore the signal; during training it only records the signal.
+    The signal handler itself is ``libai_lite.utils.process``'s, installed at start-up; during
+    training it only records the signal.
     """
 
     def __init__(self, periodic: PeriodicCheckpointer):
@@ -69,9 +71,16 @@ class SignalCheckpointer(HookBase):
         defer_stop_signals(True)
 
     def after_step(self):
-        received = stop_requested()
-        # Every rank must agree, or one would enter the save's collectives alone.
-        if all_reduce_mean([1.0 if received is not None else 0.0])[0] > 0:
+        received, failure = stop_requested(), pending_failure()
+        # One collective for both questions; every rank must agree, or one would enter the save's
+        # collectives (or the next step's) alone. The lowest failing rank's error is the one reported.
+        signalled, failed = all_reduce_max([1.0 if received is not None else 0.0,
+                                            -float(get_rank()) if failure is not None else -math.inf])
+        if failed > -math.inf:
+            src = int(-failed)
+            message = broadcast_object(str(failure) if get_rank() == src else None, src=src)
+            raise UsageError(message) from failure
+        if signalled > 0:
             it = self.trainer.iter
             self.periodic.save(f"model_{it:07d}")
             name = signal.Signals(received).name if received else "a signal on another rank"
@@ -199,7 +208,9 @@ class PeriodicWriter(HookBase):
 
     def _record(self, iteration: int, scalars: dict) -> None:
         """One metrics.json row and its TensorBoard scalars; a failed write (full disk) stops the run
-        with one error line, metrics.json cut back to its last whole row."""
+        at the step boundary with one error line, metrics.json cut back to its last whole row."""
+        if self._failed is not None:
+            return
         row = (json.dumps({"iteration": iteration, **scalars}, sort_keys=True) + "\n").encode()
         size, path = os.fstat(self._json.fileno()).st_size, self._json_path
         try:
@@ -219,7 +230,7 @@ class PeriodicWriter(HookBase):
                     os.truncate(self._json_path, size)
                 except OSError:
                     pass
-            raise self._failed from e
+            fail_at_step_boundary(self._failed)
 
     def _record_valid(self, iteration: int) -> None:
         """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
@@ -228,8 +239,6 @@ class PeriodicWriter(HookBase):
             self._record(iteration, valid)
 
     def after_step(self):
-        if log_file_error() is not None:
-            raise log_file_error()
         self._window.append(self.trainer.storage.latest())
         if self._bar is not None:
             self._bar.update(1)

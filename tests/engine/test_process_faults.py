@@ -197,11 +197,16 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-def test_full_disk_while_logging_stops_with_one_error_line_and_whole_rows(tmp_path, small_disk):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_full_disk_while_logging_stops_with_one_error_line_and_whole_rows(tmp_path, small_disk, nproc):
     """metrics.json, TensorBoard and log.txt fill the disk: one `error:` line naming the file, exit 1,
-    every metrics.json line a whole row, and the run's earlier outputs kept."""
+    every metrics.json line a whole row, and the run's earlier outputs kept. With two ranks the one
+    whose write failed stops the other at the step boundary (no rank waits in a collective)."""
+    from tests.launch import train_sh
+
     out = small_disk / "run"
-    r = train_net(tiny(out, tmp_path / "cache", *BASE, "train.train_iter=100000"))
+    args = tiny(out, tmp_path / "cache", *BASE, "train.train_iter=100000")
+    r = train_net(args) if nproc == 1 else train_sh(nproc, args, timeout=240)
     assert r.returncode == 1
     line = one_error_line(r)
     assert line.startswith(f"error: cannot write {out}/") and "No space left on device" in line, line
