@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,9 +62,6 @@ def generate():
     def call(checkpoint, *extra):
         cwd = os.getcwd()
         os.chdir(ROOT)
-        from io import StringIO
-        from contextlib import redirect_stderr, redirect_stdout
-
         out, err = StringIO(), StringIO()
         try:
             with redirect_stdout(out), redirect_stderr(err):
