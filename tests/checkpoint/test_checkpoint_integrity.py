@@ -316,3 +316,20 @@ def test_replacement_killed_by_an_older_version_is_restored_not_deleted(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_best"]
     assert json.loads((tmp_path / "model_best" / "trainer_state.json").read_text())["iteration"] == 7
     Checkpointer(model).load(str(tmp_path / "model_best"), weights_only=True)  # the old format still loads
+
+
+def test_flipped_bytes_found_by_another_rank_stop_every_rank_with_one_line(run):
+    """Under tp=2 each rank checks half the files; the shard is rank 1's share (the files in name order:
+    .metadata, __0_0.distcp, ...), and rank 0 prints the refusal while neither waits for the other."""
+    from tests.launch import torchrun
+
+    out, _ = run
+    shard = out / "model_final" / "__0_0.distcp"
+    _flip_bits(shard)
+    r = torchrun(2, "tools/generate.py", "--config-file", CONFIG, "--checkpoint", out / "model_final",
+                 "--prompt-ids", "5 6 7", "--max-new-tokens", "2", *MODEL, timeout=240, check=False)
+    assert r.returncode != 0
+    # Bare torchrun logs the failed worker and adds its own ChildFailedError traceback; the workers print
+    # one line and no traceback (a rank left waiting would have run into the timeout instead).
+    workers = SimpleNamespace(stderr=r.stderr.split("torch/distributed/elastic/")[0])
+    assert f"the bytes of {shard} differ from those saved" in one_error_line(workers)
