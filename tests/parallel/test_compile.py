@@ -98,6 +98,47 @@ def test_compiled_layers_train_the_eager_losses_and_compile_once():
     assert list(model.state_dict()) == list(eager.state_dict())
 
 
+def build_llama():
+    from projects.Llama.configs.model import cfg
+    from projects.Llama.modeling.llama_model import LlamaForPreTraining
+
+    torch.manual_seed(0)
+    return LlamaForPreTraining({**cfg, **dict(hidden_layers=2, vocab_size=CFG["vocab_size"], hidden_size=32,
+                                              ffn_hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                              max_seq_length=SEQ)})
+
+
+def build_mt5():
+    from projects.MT5 import MT5ForPreTraining
+
+    torch.manual_seed(0)
+    return MT5ForPreTraining(dict(vocab_size=CFG["vocab_size"], hidden_size=32, hidden_layers=2,
+                                  num_attention_heads=4, head_size=8, intermediate_size=64, embedding_dropout_prob=0.0,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def seq2seq_step(model):
+    """MT5: the batch's first half of positions as the decoder's input and labels."""
+    def step(x, y):
+        loss = model(x, x[:, : SEQ // 2].contiguous(), labels=y[:, : SEQ // 2].contiguous())["lm_loss"]
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "mt5"])
+def test_other_models_compile_once_and_train_the_eager_losses(name):
+    build, step = {"llama": (build_llama, eager_step), "mt5": (build_mt5, seq2seq_step)}[name]
+    eager = build()
+    reference, _ = train(step(eager), eager.parameters())
+    model = build()
+    apply_compile(model, CompileOptions(enabled=True))
+    curve, counts = train(step(model), model.parameters())
+    assert curve == pytest.approx(reference, rel=RTOL, abs=0)
+    assert len(set(counts)) == 1, f"compiled again after step 1: {counts}"
+
+
 @pytest.mark.slow
 def test_compiled_loss_trains_the_eager_losses():
     """``loss=True`` compiles the cross entropy over the logits (the unfused head)."""
