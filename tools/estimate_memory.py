@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         if found is None:
             print(f"does not fit in {gib(budget)} per device (peak {gib(est.peak)}), and no single change tried "
                   f"fits (ZeRO-3, activation checkpointing, micro-batch 1, more tensor or pipeline parallelism "
-                  f"on {args.nproc} processes); launch more processes (--nproc)")
+                  f"with {args.nproc} process{'es' if args.nproc > 1 else ''}); launch more processes (--nproc)")
         else:
             change, better = found
             print(f"does not fit in {gib(budget)} per device (peak {gib(est.peak)}): try {change} "

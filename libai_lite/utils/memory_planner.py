@@ -299,18 +299,18 @@ def _worst_case_dispatch(func, args, kwargs):
 class _AcceleratorKernels:
     """Trace on CPU fake tensors as the job's accelerator would run: attention through the fused (flash)
     kernel, which keeps no ``[seq, seq]`` scores whatever the dropout (the CPU picks the math path under
-    attention dropout), and the fused loss's softmax scratch at its accelerator size."""
+    attention dropout), and the fused loss's softmax scratch at its accelerator size. Both are swapped in
+    for the trace only, as module attributes, so activation checkpointing's recomputation in backward
+    takes the same path as the forward."""
 
     def __init__(self, device: str):
         self.device = device
+        self.patches: list = []
 
     def __enter__(self):
-        from torch.overrides import TorchFunctionMode
-
         from ..layers import loss
 
         if self.device == "cpu":
-            self.patches = []
             return self
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -327,27 +327,15 @@ class _AcceleratorKernels:
             return _aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func is sdpa:
-                    return fused_attention(*args, **(kwargs or {}))
-                return func(*args, **(kwargs or {}))
-
-        original = loss._scratch_rows
+        scratch_rows = loss._scratch_rows
         device = torch.device(self.device)
-
-        def scratch_rows(probs):
-            return original(SimpleNamespace(device=device, shape=probs.shape))
-
-        loss._scratch_rows = scratch_rows
-        self.patches = [(loss, "_scratch_rows", original)]
-        self.mode = _Mode()
-        self.mode.__enter__()
+        self.patches = [(torch.nn.functional, "scaled_dot_product_attention", sdpa),
+                        (loss, "_scratch_rows", scratch_rows)]
+        torch.nn.functional.scaled_dot_product_attention = fused_attention
+        loss._scratch_rows = lambda probs: scratch_rows(SimpleNamespace(device=device, shape=probs.shape))
         return self
 
     def __exit__(self, *exc):
-        if self.device != "cpu":
-            self.mode.__exit__(*exc)
         for module, name, value in self.patches:
             setattr(module, name, value)
         return False
@@ -691,38 +679,51 @@ class MemoryPlanner:
 # ------------------------------------------------------------------------------------------------ suggestions
 
 
-def candidate_changes(s: PlanSettings) -> list[PlanSettings]:
-    """The settings ``suggest`` tries, cheapest change first: ZeRO stage up, activation checkpointing on, the
-    micro-batch halved down to 1 (more accumulation steps keep the global batch), then tensor and pipeline
-    parallelism doubled (the data-parallel size shrinks to keep the world size). Each builds on the previous
-    kinds' strongest setting, so a model that needs several changes still finds them."""
-    out: list[PlanSettings] = []
-    current = s
-    for stage in range(s.zero_stage + 1, 4):
-        current = dataclasses.replace(current, zero_stage=stage)
-        out.append(current)
-    if (s.activation_checkpoint_every, s.activation_checkpoint_mode) != (1, "full"):
-        current = dataclasses.replace(current, activation_checkpoint_every=1, activation_checkpoint_mode="full")
-        out.append(current)
-    micro = s.micro_batch_size
+def _changes(base: PlanSettings, world_size: int, num_microbatches: int, micro_batch: int) -> list[list[PlanSettings]]:
+    """Per kind of change, cheapest kind first, its settings from ``base`` in increasing strength."""
+    zero = [dataclasses.replace(base, zero_stage=stage) for stage in range(base.zero_stage + 1, 4)]
+    ac = ([dataclasses.replace(base, activation_checkpoint_every=1, activation_checkpoint_mode="full")]
+          if (base.activation_checkpoint_every, base.activation_checkpoint_mode) != (1, "full") else [])
+    micro, smaller = base.micro_batch_size, []
     while micro > 1:
         micro //= 2
-        current = dataclasses.replace(current, micro_batch_size=micro,
-                                      num_microbatches=s.num_microbatches * s.micro_batch_size // micro)
-        out.append(current)
-    for key, size in (("tensor_parallel_size", current.tensor_parallel_size),
-                      ("pipeline_parallel_size", current.pipeline_parallel_size)):
-        base = current
-        size *= 2
-        while size <= s.world_size:
+        # More accumulation steps keep the global batch.
+        smaller.append(dataclasses.replace(base, micro_batch_size=micro,
+                                           num_microbatches=num_microbatches * micro_batch // micro))
+    parallel = []
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        more, size = [], getattr(base, key) * 2
+        while size <= world_size:
             tp = size if key == "tensor_parallel_size" else base.tensor_parallel_size
             pp = size if key == "pipeline_parallel_size" else base.pipeline_parallel_size
-            if s.world_size % (tp * pp) == 0:
-                current = dataclasses.replace(base, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                              data_parallel_size=s.world_size // (tp * pp), custom_pipeline_stage_id=None)
-                out.append(current)
+            if world_size % (tp * pp) == 0:
+                more.append(dataclasses.replace(base, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                data_parallel_size=world_size // (tp * pp), custom_pipeline_stage_id=None))
             size *= 2
-    return out
+        parallel.append(more)
+    return [zero, ac, smaller, *parallel]
+
+
+def candidate_changes(s: PlanSettings) -> list[PlanSettings]:
+    """The settings ``suggest`` tries, in order: each single change alone, cheapest kind first (ZeRO stage up,
+    activation checkpointing on, the micro-batch halved down to 1 with more accumulation steps for the same
+    global batch, tensor then pipeline parallelism doubled with the data-parallel size shrinking to keep the
+    world size), then the kinds stacked, each on the previous kinds' strongest setting, for a model that
+    needs several."""
+    out = [c for kind in _changes(s, s.world_size, s.num_microbatches, s.micro_batch_size) for c in kind]
+    current = s
+    for i in range(3):  # ZeRO, activation checkpointing, micro-batch: each on the previous ones' strongest
+        kind = _changes(current, s.world_size, s.num_microbatches, s.micro_batch_size)[i]
+        out += kind
+        current = kind[-1] if kind else current
+    for kind in _changes(current, s.world_size, s.num_microbatches, s.micro_batch_size)[3:]:
+        out += kind  # more tensor or more pipeline parallelism on top of all three
+    seen, unique = set(), []
+    for c in out:
+        if c not in seen and c != s:
+            seen.add(c)
+            unique.append(c)
+    return unique
 
 
 def suggest(planner: MemoryPlanner, settings: PlanSettings, device_memory: int) -> tuple[str, MemoryEstimate] | None:

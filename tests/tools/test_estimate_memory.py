@@ -188,3 +188,23 @@ def test_startup_line_is_the_tools_estimate():
     assert f"peak {gib(expected.peak)}" in line and f"params {gib(expected.params)}" in line
     # An estimate that cannot be made says so instead of stopping the run.
     assert startup_estimate(cfg, layout, {}).startswith("Memory estimate not available (")
+
+
+def test_accelerator_kernels_hold_under_activation_checkpointing():
+    """Planned for an accelerator, attention runs the fused kernel in the forward and in the checkpointed
+    layers' recomputation alike (else the recomputed tensors would not match the saved ones); with attention
+    dropout the fused kernel keeps less than the CPU's math path, which stores the [seq, seq] probabilities."""
+    from libai_lite.utils.memory_planner import trace_activations
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    cfg = dict(hidden_layers=2, vocab_size=256, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+               max_seq_length=64, attention_dropout_prob=0.1)
+    batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long), "labels": torch.zeros(2, 64, dtype=torch.long)}
+
+    def kept(**options):
+        trace = trace_activations(lambda: GPTForPreTraining(cfg), batch, **options)
+        return sum(e[0] for e in trace.events[:trace.forward_end])
+
+    for amp in (None, torch.bfloat16):
+        assert kept(amp_dtype=amp, activation_checkpoint_every=1, device="cuda") > 0
+    assert kept(device="cuda") < kept(device="cpu")
