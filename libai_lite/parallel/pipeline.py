@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -46,6 +47,8 @@ SCHEDULES = {
 }
 # Take a list of stages (one or more per rank); the others exactly one stage.
 _MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
+# Run each backward as an input-gradient then a weight-gradient pass.
+_SPLIT_BACKWARD = {"interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
 
 
 def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:
@@ -84,6 +87,21 @@ def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches:
     return name
 
 
+def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> None:
+    """Refuse a zero-bubble schedule over torch.compile'd layers: a compiled region's backward computes
+    input and weight gradients in one graph, which the input-gradient pass cannot take apart (torch
+    fails there, and the other ranks wait until the timeout)."""
+    if str(schedule).lower() not in _SPLIT_BACKWARD:
+        return
+    for stage in stage_modules:
+        for m in stage.modules():
+            # nn.Module.compile() (libai_lite.parallel.compile) compiles in place; torch.compile() wraps.
+            if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule):
+                raise UsageError(f"pipeline schedule {schedule!r} splits each backward into input and weight "
+                                 f"gradients, which torch.compile'd layers cannot run; set "
+                                 f"train.compile.enabled=False or use 'interleaved_1f1b'")
+
+
 class PipelineStepper:
     """Runs one optimizer step's forward and backward through the pipeline.
 
@@ -114,6 +132,7 @@ class PipelineStepper:
         self.is_last = num_stages - 1 in self.stage_ids
         pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         name = check_schedule(schedule, num_stages, pp_size, self.n_microbatches)
+        check_split_backward(name, self.stage_modules)
         # The last stage sits on pipeline rank pp - 1 (loop placement) or 0 (V-shape).
         self._last_rank = dist.get_global_rank(pp_group, stage_ranks(pp_size, num_stages, name)[-1])
         self._grad_scaler = None

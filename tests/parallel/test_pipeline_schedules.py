@@ -239,3 +239,19 @@ def test_config_validation_accepts_every_schedule():
     from libai_lite.parallel.pipeline import SCHEDULES
 
     assert set(RANGES["train.dist.pipeline_schedule"].values) == set(SCHEDULES)
+
+
+def test_zero_bubble_over_compiled_layers_is_a_usage_error():
+    from libai_lite.parallel.pipeline import check_split_backward
+
+    in_place = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    in_place[1].compile(backend="eager")  # how libai_lite.parallel.compile compiles a layer
+    wrapped = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        for stage in (in_place, wrapped):
+            with pytest.raises(UsageError, match=f"schedule '{schedule}' splits each backward .* torch.compile'd "
+                                                 f"layers cannot run; set train.compile.enabled=False"):
+                check_split_backward(schedule, [torch.nn.Linear(2, 2), stage])
+        check_split_backward(schedule, [torch.nn.Linear(2, 2)])
+    check_split_backward("1f1b", [in_place])
+    check_split_backward("interleaved_1f1b", [wrapped])
