@@ -881,10 +881,13 @@ def format_estimate(est: MemoryEstimate) -> str:
     if est.host:
         rows.append(("host (offloaded)", est.host))
     where = f" (pipeline rank {est.stage}, the fullest)" if est.settings.pipeline_parallel_size > 1 else ""
-    lines = [f"{est.num_parameters / 1e6:.1f}M parameters on this rank{where}; {est.settings.describe()}",
+    lines = [f"{est.num_parameters / 1e6:.1f}M parameters per rank before ZeRO sharding{where}; {est.settings.describe()}",
              f"{'per rank':18s}{'GiB':>10s}"]
     lines += [f"{name:18s}{value / GiB:10.3f}" for name, value in rows]
     lines += [f"note: {n}" for n in est.notes]
+    if est.settings.device != "cpu":
+        lines.append("note: the peak counts tensors (torch.cuda.max_memory_allocated); the CUDA context and the "
+                     "allocator's cache take some of the device besides")
     return "\n".join(lines)
 
 
