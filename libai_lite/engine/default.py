@@ -169,15 +169,22 @@ class DefaultTrainer:
                         f"train.train_iter set to {cfg.train.train_iter}")
         if not cfg.train.train_iter or cfg.train.train_iter < 1:
             raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
-        eval_samples = 0
+        valid_samples = test_samples = 0
         if cfg.train.evaluation.get("enabled", False) or self.eval_only:
             # A pipeline schedule evaluates num_accumulation_steps batches at once: whole schedules.
             group = int(cfg.train.num_accumulation_steps) if self.layout.pipeline_parallel_size > 1 else 1
             eval_batches = -(-int(cfg.train.evaluation.eval_iter) // group) * group
-            eval_samples = eval_batches * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
+            read = eval_batches * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
+            # The valid and test splits are sized as Megatron-LM sizes them (eval_iters global batches
+            # per evaluation, one evaluation per eval_interval and one at the end), so their indices
+            # are Megatron's; every evaluation reads the first samples of that order, as Megatron's
+            # first one does (Megatron moves on to the next window at each later evaluation).
+            eval_iter, period = int(cfg.train.evaluation.eval_iter), int(cfg.train.evaluation.eval_period)
+            valid_samples = max(read, (int(cfg.train.train_iter) // max(period, 1) + 1) * eval_iter * glob)
+            test_samples = max(read, eval_iter * glob)
         return instantiate_with(
             loader_cfg,
-            train_valid_test_num_samples=[int(cfg.train.train_iter) * glob, eval_samples, eval_samples],
+            train_valid_test_num_samples=[int(cfg.train.train_iter) * glob, valid_samples, test_samples],
             micro_batch_size=int(cfg.train.train_micro_batch_size),
             eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
             consumed_samples=self.consumed_samples,

@@ -224,7 +224,13 @@ class OutputDirLock:
             return {}
 
     def acquire(self) -> None:
-        """Take the lock or raise ``UsageError`` naming the run that holds it."""
+        """Take the lock or raise ``UsageError`` naming the run that holds it.
+
+        A process that already holds the lock of this directory keeps it (a tool evaluating several
+        tasks in one process builds one trainer per task over the same output directory).
+        """
+        if any(os.path.realpath(held.path) == os.path.realpath(self.path) for held in _HELD):
+            return
         host = socket.gethostname()
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
