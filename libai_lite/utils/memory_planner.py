@@ -244,15 +244,18 @@ def optimizer_step_temporaries(optimizer_factory: Callable | None, groups: Seque
 class ActivationTrace:
     """One micro-batch's forward+backward as storage allocations and frees, in order.
 
-    ``events``: ``(bytes, layer, unit, split, backward)``, bytes negative for a free; ``layer``: the pipeline
-    layer index of the piece running (None outside every piece); ``unit``: the transformer layer (FSDP unit)
-    running, None for the root; ``split``: the tensor lies in a tensor-parallel split region; ``backward``:
-    it happened in backward. ``forward_end``: index of the first event after the forward.
+    ``events``: ``(bytes, layer, unit, split, backward, allocation)``, bytes negative for a free; ``layer``: the
+    pipeline layer index of the piece running (None outside every piece); ``unit``: the transformer layer
+    (FSDP unit) running, None for the root; ``split``: the tensor lies in a tensor-parallel split region;
+    ``backward``: it happened in backward; ``allocation``: the index of the storage's allocation event.
+    ``forward_end``: index of the first event after the forward. ``block_inputs``: allocations that were
+    the input of a split block, which sequence parallelism gathers whole before the block keeps it.
     """
 
-    events: list[tuple[int, int | None, int | None, bool, bool]]
+    events: list[tuple[int, int | None, int | None, bool, bool, int]]
     forward_end: int
     num_units: int
+    block_inputs: set[int] = field(default_factory=set)
 
 
 _aten = torch.ops.aten
@@ -341,10 +344,11 @@ class _AcceleratorKernels:
         return False
 
 
-def _split_regions(model: nn.Module, root: str) -> tuple[set[str], set[str]]:
-    """ModTracker names of the blocks whose interior tensor parallelism splits (a block holding a split
-    layer: attention, MLP) and of the layers inside them whose output is whole again (row-split, norms)."""
-    from torch.distributed.tensor import Shard
+def _split_regions(model: nn.Module, root: str) -> tuple[dict[str, nn.Module], set[str]]:
+    """ModTracker names of the blocks whose interior tensor parallelism splits (those declaring whole inputs
+    and holding a split layer: attention, MLP; sequence parallelism gathers their inputs) with the blocks,
+    and the names of the layers inside them whose output is whole again (row-split, norms)."""
+    from torch.distributed.tensor import Replicate, Shard
 
     from ..parallel.sbp import placements
     from ..parallel.tensor_parallel import declared_sbp
@@ -353,15 +357,34 @@ def _split_regions(model: nn.Module, root: str) -> tuple[set[str], set[str]]:
         d = declared_sbp(m)
         return d is not None and d.weight is not None and isinstance(placements(d.weight, ("tp",))[0], Shard)
 
-    blocks, whole = set(), set()
+    blocks, whole = {}, set()
     for name, m in model.named_modules():
         decl = declared_sbp(m)
+        if decl is None:
+            continue
         full = f"{root}.{name}" if name else root
-        if decl is not None and decl.weight is None and any(splits_weight(c) for c in m.modules()):
-            blocks.add(full)
-        elif decl is not None and decl.weight is not None and not isinstance(placements(decl.output, ("tp",))[0], Shard):
+        if decl.weight is None:
+            if isinstance(placements(decl.input, ("tp",), True)[0], Replicate) and any(splits_weight(c) for c in m.modules()):
+                blocks[full] = m
+        elif not isinstance(placements(decl.output, ("tp",))[0], Shard):
             whole.add(full)
     return blocks, whole
+
+
+def _head_split_sizes(model: nn.Module) -> set[int]:
+    """Full sizes of the dimensions split over tp of layers reading the residual stream (an LM head's vocabulary)."""
+    from torch.distributed.tensor import Shard
+
+    from ..parallel.sbp import hidden, placements
+    from ..parallel.tensor_parallel import declared_sbp
+
+    sizes = set()
+    for m in model.modules():
+        decl = declared_sbp(m)
+        weight = m._parameters.get("weight") if decl is not None and decl.weight is not None else None
+        if weight is not None and decl.input[1] is hidden and isinstance(tp := placements(decl.weight, ("tp",))[0], Shard):
+            sizes.add(weight.shape[tp.dim % weight.ndim])
+    return sizes
 
 
 def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.Tensor], *,
@@ -389,6 +412,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     root = type(model).__name__
     names = {id(m): f"{root}.{n}" if n else root for n, m in model.named_modules()}
     blocks, whole = _split_regions(model, root)
+    heads = _head_split_sizes(model)
     piece_layer = {names[id(m)]: idx for _c, key, m in _pieces(pipeline_module(model))
                    if (idx := _layer_of(m, key)) is not None}
     units = transformer_layers(model)
@@ -399,11 +423,19 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     param_shapes = {(tuple(p.shape), p.dtype) for p in model.parameters()}
     losses = [name for name, metric in output_metrics(model).items() if metric.backward]
     events: list = []
-    live = weakref.WeakKeyDictionary()  # storage -> (bytes, tag, finalizer recording its free)
+    live = weakref.WeakKeyDictionary()  # storage -> (bytes, tag, allocation index, finalizer recording its free)
+    block_inputs: set[int] = set()
     tracker = ModTracker()
 
-    def watch(st, nbytes, tag):
-        live[st] = (nbytes, tag, weakref.finalize(st, events.append, (-nbytes, *tag)))
+    def watch(st, nbytes, tag, index):
+        live[st] = (nbytes, tag, index, weakref.finalize(st, events.append, (-nbytes, *tag, index)))
+
+    def mark_inputs(_module, args, kwargs):
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                for st in get_untyped_storages(t):
+                    if (entry := live.get(st)) is not None and entry[0]:
+                        block_inputs.add(entry[2])
 
     class _Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -415,29 +447,34 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
                    tracker.is_bw)
             if (tag[3] and func is _aten.add.Tensor and isinstance(out, torch.Tensor)
                     and (tuple(out.shape), out.dtype) in param_shapes and isinstance(args[0], torch.Tensor)
-                    and (old := live.get(args[0].untyped_storage())) is not None and old[0] and old[2].alive):
+                    and (old := live.get(args[0].untyped_storage())) is not None and old[0] and old[3].alive):
                 # Autograd sums the gradients of a weight used twice (a tied embedding and head) into the
                 # first one in place; on fake tensors it allocates a new one. The sum takes the first's bytes.
-                old[2].detach()
-                watch(out.untyped_storage(), old[0], old[1])
+                old[3].detach()
+                watch(out.untyped_storage(), old[0], old[1], old[2])
                 return out
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
+                    # The loss over a vocabulary-split head is this rank's slice of the vocabulary, wherever it
+                    # is computed: a tensor with a vocabulary-sized end is split.
+                    t_tag = tag if tag[2] or not t.dim() or {t.shape[0], t.shape[-1]}.isdisjoint(heads) else (
+                        tag[0], tag[1], True, tag[3])
                     for st in get_untyped_storages(t):
                         if st not in live:
-                            events.append((st.nbytes(), *tag))
-                            watch(st, st.nbytes(), tag)
+                            events.append((st.nbytes(), *t_tag, len(events)))
+                            watch(st, st.nbytes(), t_tag, len(events) - 1)
             return out
 
     # What exists before the forward (parameters, buffers, the batch) is no activation: views of it
     # pass through the recorder and must not count.
     for t in [*model.parameters(), *model.buffers(), *(v for v in fake_batch.values() if torch.is_tensor(v))]:
         for st in get_untyped_storages(t):
-            live[st] = (0, None, weakref.finalize(st, lambda: None))
+            live[st] = (0, None, None, weakref.finalize(st, lambda: None))
     autocast = torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None)
     with fake, _AcceleratorKernels(device), tracker, _Record():
         handles = [p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
                    for p in model.parameters() if p.requires_grad]
+        handles += [m.register_forward_pre_hook(mark_inputs, with_kwargs=True) for m in blocks.values()]
         with autocast:
             out = model(**fake_batch)
         # What the trainer back-propagates: the sum of the outputs the model declares as losses.
@@ -448,7 +485,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
         del loss
         for h in handles:
             h.remove()
-    return ActivationTrace(events, forward_end, len(units))
+    return ActivationTrace(events, forward_end, len(units), block_inputs)
 
 
 # ------------------------------------------------------------------------------------------------ the planner
@@ -620,12 +657,14 @@ class MemoryPlanner:
         lowest_bw = trace.num_units  # the earliest layer backward has reached
         current_layer = 0  # work outside every piece goes with the piece that ran last (the loss with the head)
         retained = high = 0.0
-        for i, (nbytes, layer, unit, split, backward) in enumerate(trace.events):
+        for i, (nbytes, layer, unit, split, backward, allocation) in enumerate(trace.events):
             if i == trace.forward_end:
                 retained, current_layer = live, last_layer
             current_layer = layer if layer is not None else current_layer
             if layers is None or current_layer in layers:
-                live += nbytes * (1.0 / tp if tp > 1 and (split or s.sequence_parallel) else 1.0)
+                # Sequence parallelism splits the residual stream too, but the blocks gather their input whole.
+                sp_split = s.sequence_parallel and allocation not in trace.block_inputs
+                live += nbytes * (1.0 / tp if tp > 1 and (split or sp_split) else 1.0)
             if backward:
                 # Backward runs the layers last to first (hooks interleave the tags of neighbours): every layer
                 # after the earliest one seen in backward is done, its gradients made.
