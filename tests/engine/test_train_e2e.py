@@ -161,3 +161,15 @@ def test_two_node_launch_forms_one_job(tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert "Rank 0 of 2; layout pp=1 dp=2 tp=1" in (out / "log.txt").read_text()
     assert sorted(losses(out)) == [1, 2, 3, 4]
+
+
+def test_valid_and_test_splits_are_sized_as_megatron_sizes_them(tmp_path):
+    # Megatron-LM: valid = (train_iters // eval_interval + 1) x eval_iters x global batch, test =
+    # eval_iters x global batch; the sizes decide the epochs and so the order of every sample.
+    cache = tmp_path / "cache"
+    r = train_net(tiny(tmp_path / "out", cache, "train.train_iter=4", "train.evaluation.enabled=True",
+                       "train.evaluation.eval_period=2", "train.evaluation.eval_iter=2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = {p.name.split("_indexmap_")[0].rsplit("_", 1)[-1]: p.name.split("_indexmap_")[1].split("_")[0]
+             for p in cache.glob("*_indexmap_*_desc.json")}
+    assert names == {"train": f"{4 * 8}ns", "valid": f"{(4 // 2 + 1) * 2 * 8}ns", "test": f"{2 * 8}ns"}
