@@ -255,3 +255,27 @@ def test_zero_bubble_over_compiled_layers_is_a_usage_error():
         check_split_backward(schedule, [torch.nn.Linear(2, 2)])
     check_split_backward("1f1b", [in_place])
     check_split_backward("interleaved_1f1b", [wrapped])
+
+
+@pytest.mark.slow
+def test_trainer_moe_gpt_under_zbv_logs_the_one_process_curve(tmp_path):
+    """MoE layers back-propagate their auxiliary loss themselves; through ZBV's split backward (and the
+    V, two stages per rank) the losses, MoE statistics and gradient norm stay the one-process ones."""
+    from tests.launch import train_net, train_sh
+    from tests.layers.test_moe import GPT_MOE, PIPELINE_KEYS, _metrics as moe_metrics, _tiny_gpt_moe
+
+    common = ["train.train_iter=3", "model.cfg.moe.every_n_layers=1", "model.cfg.attention_dropout_prob=0.0",
+              "model.cfg.output_dropout_prob=0.0", "model.cfg.hidden_layers=4", "train.num_accumulation_steps=4",
+              "train.global_batch_size=32"]
+    r = train_net(_tiny_gpt_moe(tmp_path / "one", tmp_path / "cache", *common), config=GPT_MOE)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = train_sh(2, _tiny_gpt_moe(tmp_path / "zbv", tmp_path / "cache", *common, "train.dist.pipeline_parallel_size=2",
+                                  "train.dist.pipeline_schedule=zbv_zero_bubble", "train.dist.virtual_pipeline_size=2"),
+                 config=GPT_MOE)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got, want = moe_metrics(tmp_path / "zbv"), moe_metrics(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key in PIPELINE_KEYS:
+            # fp32; the same per-micro-batch arithmetic, summed in another order (as test_moe's pipeline test).
+            assert g[key] == pytest.approx(w[key], rel=2e-5, abs=2e-5), (step, key)
