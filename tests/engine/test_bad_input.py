@@ -220,7 +220,8 @@ BAD_VALUES = {
     "optim.weight_decay=-0.1": "optim.weight_decay=-0.1 is out of range: it must be a number >= 0",
     "optim.betas=[0.9]": "optim.betas=[0.9] is out of range: it must be a list of 2 numbers",
     "optim.betas=[0.9,1.5]": "each >= 0 and < 1",
-    "train.dist.tensor_parallel_size=0": "train.dist.tensor_parallel_size=0 is out of range: it must be an integer >= 1",
+    "train.dist.tensor_parallel_size=0":
+        "train.dist.tensor_parallel_size=0 is out of range: it must be an integer >= 1",
     "train.dist.pipeline_parallel_size=-1": "train.dist.pipeline_parallel_size=-1 is out of range",
     "train.dist.timeout=0": "train.dist.timeout=0 is out of range",
     "train.log_period=0": "train.log_period=0 is out of range",
