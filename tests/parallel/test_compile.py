@@ -27,13 +27,16 @@ GLOBAL_BATCH, SEQ, STEPS, LR = 4, 16, 3, 0.5
 # vocabulary's, and each SGD step carries the difference forward, so STEPS x vocab ulp of the loss.
 RTOL = STEPS * CFG["vocab_size"] * torch.finfo(torch.float32).eps
 
-# name -> (processes, train.dist, zero stage, activation checkpointing mode or None)
+# name -> (processes, train.dist, zero stage, activation checkpointing mode or None[, model cfg changes])
 LAYOUTS = {
     "tp2": (2, dict(tensor_parallel_size=2), 0, None),
     "pp2": (2, dict(pipeline_parallel_size=2, pipeline_schedule="gpipe"), 0, None),
     "dp2_zero3_selective_ac": (2, dict(), 3, "selective"),
     "tp2_full_ac": (2, dict(tensor_parallel_size=2), 0, "full"),
     "tp2_selective_ac": (2, dict(tensor_parallel_size=2), 0, "selective"),
+    # The unfused head: vocab-parallel logits into the compiled cross entropy (train.compile.loss) under
+    # loss_parallel.
+    "tp2_compiled_loss": (2, dict(tensor_parallel_size=2), 0, None, dict(fused_cross_entropy=False)),
 }
 
 
@@ -171,11 +174,12 @@ def _worker(out: str, name: str) -> None:
     from libai_lite.parallel.tensor_parallel import loss_parallel_context
     from libai_lite.utils.distributed import setup_dist
 
-    _, dist_cfg, zero, ac = LAYOUTS[name]
+    _, dist_cfg, zero, ac, *model_cfg = LAYOUTS[name]
+    model_cfg = model_cfg[0] if model_cfg else {}
     layout = setup_dist(dist_cfg, dict(enabled=bool(zero), stage=zero))
-    pm = parallelize_model(build_model(), layout, n_microbatches=2,
+    pm = parallelize_model(build_model(**model_cfg), layout, n_microbatches=2,
                            activation_checkpoint_every=1 if ac else 0, activation_checkpoint_mode=ac or "full",
-                           compile=CompileOptions(enabled=True))
+                           compile=CompileOptions(enabled=True, loss="fused_cross_entropy" in model_cfg))
     dp, rank = layout.data_parallel_size, layout.dp_rank
     tp = layout.tensor_parallel_size > 1
 
