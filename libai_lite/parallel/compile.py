@@ -2,11 +2,11 @@
 
 Each layer is compiled in place (``nn.Module.compile``) after tensor parallelism and activation
 checkpointing and before FSDP2, so pipeline stages, FSDP2 and checkpointing still see ordinary layer
-modules and parameter names and ``state_dict()`` keys do not change. Every layer of a stack has the
-same code, so one compiled graph serves them all: a model compiles once per distinct layer class, not
-once per layer. ``loss=True`` also compiles the cross entropy over the logits
+modules and parameter names and ``state_dict()`` keys do not change. The layers of a stack share their
+code, so one compiled graph serves them all: a model compiles once per kind of layer (GPT and Llama 1,
+MT5 4: the first layer of each stack computes the position bias), not once per layer. ``loss=True`` also compiles the cross entropy over the logits
 (``ParallelCrossEntropyLoss``); a model that fuses its LM head with the cross entropy
-(``fused_cross_entropy``) never calls it, so there it changes nothing.
+(``fused_cross_entropy``) never calls it, nor does a pipeline (its loss runs outside the stages).
 
 On the CPU the inductor backend builds C++ with the machine's compiler; its cache
 (``TORCHINDUCTOR_CACHE_DIR``, by default under the temporary directory) makes later runs start fast.
