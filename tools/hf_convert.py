@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--checkpoint", required=True, help="checkpoint directory (e.g. OUTPUT_DIR/model_final)")
     exp.add_argument("--output", required=True, help="Hugging Face directory to create")
     exp.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    exp.add_argument("--no-verify", action="store_true",
+                     help="load --checkpoint without checking its files against the checksums in its manifest.json")
     exp.add_argument("opts", nargs=argparse.REMAINDER, default=[],
                      help="config overrides, as for train_net.py (e.g. model.cfg.hidden_layers=6)")
     return parser
@@ -235,12 +237,13 @@ def cmd_export(args) -> int:
     from omegaconf import OmegaConf, open_dict
 
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import build_empty, read_metadata
+    from libai_lite.checkpoint.checkpointer import build_empty, read_metadata, set_verification
     from libai_lite.checkpoint.hf import checkpoint_vocab_size, mapping_for_model, save_hf_model
     from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
     from libai_lite.config import instantiate
 
     check_output_dir(args.output, args.force)
+    set_verification(not args.no_verify)
     read_metadata(args.checkpoint)  # a missing or corrupt checkpoint is refused before the config is read
     cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])
     mapping_for_model(model_class)  # a class without a mapping is refused before the checkpoint is read

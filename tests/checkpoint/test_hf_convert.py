@@ -445,3 +445,29 @@ def test_a_copied_project_converts_through_its_own_registered_mapping(tmp_path):
         expected = hf(input_ids=ids, attention_mask=mask).logits
         got = back(input_ids=ids, attention_mask=mask).logits[..., :100]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_export_refuses_a_corrupt_checkpoint_and_no_verify_exports_it(tmp_path):
+    """Flipped bits in a shard stop the export in one line; --no-verify (the user's risk) exports it."""
+    import subprocess
+
+    from tests.launch import env, tiny, train_net
+
+    run = tmp_path / "run"
+    r = train_net(tiny(run, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    shard = sorted((run / "model_final").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    cmd = [sys.executable, "tools/hf_convert.py", "export", "--config-file", "projects/GPT/configs/gpt2_pretrain.py",
+           "--checkpoint", str(run / "model_final")]
+    small = [f"model.cfg.{k}" for k in ("hidden_layers=2", "hidden_size=64", "ffn_hidden_size=128",
+                                         "num_attention_heads=2", "max_seq_length=32")]
+    r = subprocess.run(cmd + ["--output", str(tmp_path / "hf"), *small], cwd=ROOT, env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "CRC-32 mismatch" in r.stderr and not (tmp_path / "hf").exists(), r.stderr[-2000:]
+    r = subprocess.run(cmd + ["--output", str(tmp_path / "hf2"), "--no-verify", *small], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "hf2" / "config.json").exists()

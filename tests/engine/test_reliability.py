@@ -82,7 +82,9 @@ def test_sigkill_during_checkpoint_save_keeps_previous_and_resume_matches(tmp_pa
     assert (out / name / ".metadata").exists()
     _resume_and_compare(out, tmp_path, args, expected, name)
     if partial:
-        assert "Removed partial checkpoint" in (out / "log.txt").read_text()
+        # A kill after the manifest was written leaves a complete .tmp, which start-up publishes.
+        log = (out / "log.txt").read_text()
+        assert "Removed partial checkpoint" in log or "Published" in log
     assert not [d for d in out.iterdir() if d.suffix == ".tmp"]
 
 
