@@ -202,7 +202,8 @@ def phase_fsdp(ctx, data, workdir, schedule, virtual):
 
 
 def main():
-    workdir, schedules, virtuals, phases = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), sys.argv[4].split(",")
+    workdir, phases = sys.argv[1], sys.argv[4].split(",")
+    schedules, virtuals = sys.argv[2].split(","), sys.argv[3].split(",")
     data = torch.load(os.path.join(workdir, "data.pt"), weights_only=True)
     ctx = setup_dist({"pipeline_parallel_size": data.get("pp", 2), "timeout": 120})
     try:
