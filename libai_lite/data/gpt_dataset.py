@@ -223,16 +223,18 @@ def _cache_lock(path: str, exclusive: bool):
 
 
 def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], what: str,
-                    open_cache: Callable[[], None] | None = None) -> None:
+                    open_cache: Callable[[], None] | None = None, lock: bool = True) -> None:
     """Rank 0 builds when the cache is not valid; every rank then waits, checks and opens it.
 
-    The check and the build happen under one exclusive lock, and every rank checks and opens the
-    cache under a shared one, so another job rebuilding the same files can never be caught half-way.
+    With ``lock`` (caches of several files) the check and the build happen under one exclusive
+    lock, and every rank checks and opens the cache under a shared one, so another job rebuilding
+    the same files can never be caught half-way. A one-file cache written atomically needs none.
     """
+    guard = _cache_lock if lock else (lambda path, exclusive: contextlib.nullcontext())
     error = None
     if get_rank() == 0:
         try:
-            with _cache_lock(what, exclusive=True):
+            with guard(what, exclusive=True):
                 if not is_valid():
                     build()
         except Exception as e:  # reach the barrier anyway, or the other ranks hang until timeout
@@ -240,7 +242,7 @@ def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], wha
     barrier()
     if error is not None:
         raise error
-    with _cache_lock(what, exclusive=False):
+    with guard(what, exclusive=False):
         if not is_valid():
             raise RuntimeError(
                 f"rank {get_rank()}: {what} is missing or stale after rank 0 built it; rank 0 failed "
@@ -275,7 +277,9 @@ def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = No
         logger.info(f"scanned {expect['num_tokens']} tokens of {data_prefix} for their id range "
                     f"in {time.perf_counter() - start:.1f}s")
 
-    _build_on_rank0(valid, build, path)
+    # One JSON file written atomically: readers see all of it or none, and a refused corpus
+    # (ids beyond the vocabulary) leaves no lock file behind.
+    _build_on_rank0(valid, build, path, lock=False)
     cached = _load_json(path)
     if vocab_size is not None:
         check_id_range(data_prefix, cached["min_token_id"], cached["max_token_id"], vocab_size)

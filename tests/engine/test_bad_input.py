@@ -107,6 +107,9 @@ def _case(tmp_path, case):
         extra = _data(tmp_path, _poke(0, b"NOTANIDX!"))
     elif case == "idx_wrong_version":
         extra = _data(tmp_path, _poke(9, struct.pack("<Q", 7)))
+    elif case == "idx_pointer_past_bin":
+        # The 101st sequence's byte offset (after the 9+8+1+8+8 header and 3189 int32 sizes) runs past the .bin.
+        extra = _data(tmp_path, _poke(34 + 3189 * 4 + 100 * 8, struct.pack("<q", 10 ** 9)))
     elif case == "ids_beyond_vocab":
         extra = _ids_beyond_vocab(tmp_path)
     elif case == "missing_tokenizer_file":
@@ -153,7 +156,8 @@ NEEDLES = {
     "batch_not_divisible": "not divisible",
     "layout_not_fitting_world": "world size",
     "layout_not_fitting_model": "does not divide model.cfg.num_attention_heads=3",
-    "resume_corrupt_checkpoint": "cannot be read",
+    "idx_pointer_past_bin": "is corrupt: sequence 100 ",
+    "resume_corrupt_checkpoint": "has 7 bytes but",
     "load_weight_other_shape": "another model shape",
     "output_dir_not_writable": "not writable",
 }
@@ -192,6 +196,15 @@ def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path):
     assert "has no last_checkpoint: starting from scratch" in (out / "log.txt").read_text()
 
 
+# Rows of docs/bad_input.md whose cases are tested in the files their rows name.
+TESTED_ELSEWHERE = {
+    "value_out_of_range", "unknown_key_in_dict_override", "output_dir_in_use", "disk_full_while_logging",
+    "checkpoint_bytes_flipped", "checkpoint_of_a_larger_model", "trainer_state_garbled", "preprocess_disk_full",
+    "split_sentences_without_nltk", "packing_without_eod", "wandb_not_installed", "plot_without_metrics",
+    "slurm_outside_a_job",
+}
+
+
 def _doc_rows():
     rows = {}
     for line in DOC.read_text().splitlines():
@@ -205,7 +218,7 @@ def _doc_rows():
 def test_the_documented_table_lists_every_case_with_the_message_this_test_checks():
     rows = _doc_rows()
     tested = set(NEEDLES) | {"port_in_use", "resume_without_checkpoint", "disk_full_during_save",
-                             "collective_timeout"}
+                             "collective_timeout"} | TESTED_ELSEWHERE
     assert set(rows) == tested, f"docs/bad_input.md rows {sorted(rows)} != tested cases {sorted(tested)}"
     for case, needle in NEEDLES.items():
         assert needle in rows[case][-2].replace("\\|", "|"), (case, needle)
