@@ -424,7 +424,9 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
                 f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
                 f"the checkpoint is of another model shape; make model.cfg match it"
             )
-    expected = all_keys if all_keys is not None else {aliases.get(k, k) for k in model_state}
+    # A tied copy (a pipeline stage's LM head) reads its source's entry, but a checkpoint saved
+    # under pipeline parallelism stores the copy under its own name too: both are the model's.
+    expected = all_keys if all_keys is not None else {aliases.get(k, k) for k in model_state} | set(model_state)
     stored_model = [k[len("model."):] for k in meta if k.startswith("model.")]
     extra = next((k for k in stored_model if k not in expected), None)
     if extra is not None:
@@ -641,7 +643,7 @@ class Checkpointer:
 
     def _model_keys_read(self, own: dict) -> set:
         """The checkpoint names the model reads, over every rank (a pipeline stage holds only its own)."""
-        mine = sorted({self.aliases.get(k, k) for k in own})
+        mine = sorted({self.aliases.get(k, k) for k in own} | set(own))
         return {k for keys in _gather(mine) for k in keys}
 
     def load(self, path: str, weights_only: bool = False) -> dict:

@@ -333,3 +333,20 @@ def test_flipped_bytes_found_by_another_rank_stop_every_rank_with_one_line(run):
     # one line and no traceback (a rank left waiting would have run into the timeout instead).
     workers = SimpleNamespace(stderr=r.stderr.split("torch/distributed/elastic/")[0])
     assert f"the bytes of {shard} differ from those saved" in one_error_line(workers)
+
+
+def test_a_pipelined_run_with_a_tied_head_resumes_at_its_own_layout(tmp_path):
+    """pp=2 stores the tied LM head copy under its own name too; the fit check must count it as the
+    model's, and a resume from the middle of the run continues its losses exactly."""
+    args = [*BASE, "train.dist.pipeline_parallel_size=2", "train.checkpointer.period=2", "train.train_iter=4"]
+    ref = tmp_path / "ref"
+    r = train_sh(2, tiny(ref, tmp_path / "cache", *args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(ref / "model_0000001", out / "model_0000001")
+    (out / "last_checkpoint").write_text("model_0000001")
+    r = train_sh(2, tiny(out, tmp_path / "cache", *args) + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected, got = losses(ref), losses(out)
+    assert sorted(got) == [3, 4] and all(got[i] == expected[i] for i in (3, 4)), (got, expected)
