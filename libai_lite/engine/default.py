@@ -32,6 +32,7 @@ from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
 from . import hooks
 from .amp import amp_dtype, build_loss_scaler
 from .trainer import Trainer
+from .wandb_writer import build_wandb_writer
 
 logger = logging.getLogger("libai_lite")
 
@@ -285,6 +286,7 @@ class DefaultTrainer:
                 self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
                 device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None),
                 lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
+                wandb=build_wandb_writer(cfg, self.output_dir),
             )
         )
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.

@@ -174,7 +174,8 @@ class PeriodicWriter(HookBase):
     """
 
     def __init__(self, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
-                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics):
+                 flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics,
+                 wandb=None):
         self.period = max(int(period), 1)
         self.global_batch_size = global_batch_size
         self.tokens_per_sample, self.flops_per_sample, self.peak_flops = tokens_per_sample, flops_per_sample, peak_flops
@@ -188,6 +189,8 @@ class PeriodicWriter(HookBase):
         self._json = open(self._json_path, "ab", buffering=0) if self.main else None
         self._failed: UsageError | None = None
         self._tb = None
+        # A WandbWriter (libai_lite/engine/wandb_writer.py) on the main process, or None.
+        self._wandb = wandb
         if self.main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -231,6 +234,13 @@ class PeriodicWriter(HookBase):
                 except OSError:
                     pass
             fail_at_step_boundary(self._failed)
+            return
+        # After the row is safely in metrics.json: the W&B run holds the same values (its own
+        # service process writes them).
+        if self._wandb is not None:
+            for k, v in scalars.items():
+                self._wandb.add_scalar(k, v, iteration)
+            self._wandb.flush()
 
     def _record_valid(self, iteration: int) -> None:
         """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
@@ -293,7 +303,7 @@ class PeriodicWriter(HookBase):
         # Evaluation at the end stores valid/* after the last log line; record it too.
         if self._failed is None:
             self._record_valid(self.trainer.iter)
-        for closing in (self._bar, self._json, self._tb):
+        for closing in (self._bar, self._json, self._tb, self._wandb):
             try:
                 if closing is not None:
                     closing.close()
