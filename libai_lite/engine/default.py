@@ -114,8 +114,7 @@ class DefaultTrainer:
         if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
-        check_model_layout(model, layout, int(cfg.train.num_accumulation_steps),
-                           amp_dtype(cfg.train.amp) is torch.float16)
+        check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
         if layout.stage_of_layer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.

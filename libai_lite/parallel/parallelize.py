@@ -56,10 +56,9 @@ def model_moe_config(model: nn.Module) -> MoEConfig | None:
     return layers[0].moe_config if layers else None
 
 
-def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int, fp16: bool) -> None:
+def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) -> None:
     """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take.
-    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect. ``fp16``
-    no longer restricts anything: the pipeline scales each micro-batch loss like the eager trainer."""
+    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect."""
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
     if layout.zero_stage == 1 and layout.data_parallel_size > 1:

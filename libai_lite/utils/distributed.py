@@ -125,8 +125,12 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int]:
     return pp, dp, tp
 
 
-def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
-    """Stage of each layer: an even split (earlier stages take the remainder) or the user's list."""
+def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
+    """Stage of each layer: an even split (earlier stages take the remainder) or the user's list.
+
+    ``num_stages`` counts every stage of the pipeline: pipeline_parallel_size x stages per rank.
+    """
+    pp = num_stages
     if custom_stage_ids is not None:
         ids = [int(s) for s in custom_stage_ids]
         if len(ids) != num_layers:
@@ -137,8 +141,8 @@ def layer_stages(num_layers: int, pp: int, custom_stage_ids: Sequence[int] | Non
                              f"stage 0..{pp - 1}")
         return ids
     if num_layers < pp:
-        raise UsageError(f"pipeline_parallel_size={pp} is more stages than the model's {num_layers} layers; "
-                         f"use at most {num_layers} pipeline stages")
+        raise UsageError(f"the pipeline's {pp} stages (pipeline_parallel_size x stages per rank) are more stages "
+                         f"than the model's {num_layers} layers; use at most {num_layers} pipeline stages")
     base, extra = divmod(num_layers, pp)
     return [s for s in range(pp) for _ in range(base + (s < extra))]
 
