@@ -5,6 +5,7 @@ per rank) must agree with the planner within 15%; a 1.3B GPT on 16 GiB devices m
 suggested overrides, applied to the config, must fit; a layout the world size does not divide, and a
 size that is not one, are one `error:` line each.
 """
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings, parse_bytes
-from tests.launch import ROOT
+from tests.launch import ROOT, free_port
 
 GPT_1_3B = "projects/GPT/configs/gpt2_1.3B.py"
 TOLERANCE = 0.15  # the issue's acceptance: estimate within 15% of the measured peak
@@ -151,8 +152,8 @@ def test_activation_checkpointing_and_zero_reduce_the_peak():
     planner, _cls, _cfg = _tiny_gpt_planner()
     base = PlanSettings(world_size=4, data_parallel_size=4, micro_batch_size=4, device="cpu")
     plain = planner.estimate(base)
-    assert planner.estimate(PlanSettings(**{**base.__dict__, "activation_checkpoint_every": 1})).activations < plain.activations
-    zero3 = planner.estimate(PlanSettings(**{**base.__dict__, "zero_stage": 3}))
+    assert planner.estimate(dataclasses.replace(base, activation_checkpoint_every=1)).activations < plain.activations
+    zero3 = planner.estimate(dataclasses.replace(base, zero_stage=3))
     assert zero3.params * 4 >= plain.params and zero3.params < plain.params / 3
     assert zero3.peak < plain.peak
 
@@ -208,3 +209,29 @@ def test_accelerator_kernels_hold_under_activation_checkpointing():
     for amp in (None, torch.bfloat16):
         assert kept(amp_dtype=amp, activation_checkpoint_every=1, device="cuda") > 0
     assert kept(device="cuda") < kept(device="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_tensor_parallel_activations_match_a_tp2_run(tmp_path, sequence_parallel):
+    """What the forward keeps per rank under tp=2 (split attention/MLP interiors and vocabulary slice; with
+    sequence parallelism the residual stream too, the blocks' gathered inputs whole), measured on two ranks."""
+    worker = ROOT / "tests" / "tools" / "tp_memory_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="0")
+    out = tmp_path / "kept.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), str(worker), str(int(sequence_parallel)), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(out.read_text())
+    sys.path.insert(0, str(ROOT / "tests" / "tools"))
+    from tp_memory_worker import CFG, MICRO_BATCH
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    seq = CFG["max_seq_length"]
+    sample = {"input_ids": torch.zeros(seq, dtype=torch.long), "labels": torch.zeros(seq, dtype=torch.long)}
+    planner = MemoryPlanner(lambda: GPTForPreTraining(CFG), sample)
+    est = planner.estimate(PlanSettings(world_size=2, tensor_parallel_size=2, sequence_parallel=sequence_parallel,
+                                        micro_batch_size=MICRO_BATCH, device="cpu"))
+    assert abs(est.activations / measured - 1) <= TOLERANCE, (est.activations, measured)
