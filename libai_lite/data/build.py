@@ -17,6 +17,7 @@ import torch
 
 from .gpt_dataset import GPTDataset, check_token_ids, token_id_range
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+from .packing import check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
 
@@ -264,18 +265,29 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
                                        split_rounding: str = "core", *, train_valid_test_num_samples,
                                        micro_batch_size: int, consumed_samples: int = 0, data_parallel_rank: int = 0,
                                        data_parallel_size: int = 1, vocab_size: int | None = None,
-                                       eval_micro_batch_size: int | None = None) -> tuple:
+                                       eval_micro_batch_size: int | None = None, reset_position_ids: bool = False,
+                                       reset_attention_mask: bool = False, eod_mask_loss: bool = False,
+                                       eod_token_id: int | None = None) -> tuple:
     """``(train_loader, valid_loader, test_loader)`` yielding ``{"input_ids", "labels"}`` micro-batches.
 
     The train loader starts after ``consumed_samples`` (resume) and drops the final incomplete
     global batch. Valid/test loaders cover exactly their requested number of samples once,
     padding the last global batch with ``labels == IGNORE_INDEX`` samples so all ranks stay in
     step. A split asked for 0 samples gets None.
+
+    Megatron's packed-document options (``libai_lite.data.packing``), each needing ``eod_token_id``:
+    ``reset_position_ids`` adds ``position_ids``, ``reset_attention_mask`` adds ``document_ids`` and
+    ``eod_mask_loss`` ignores the labels whose input token is the end of a document, in every split.
     """
     nums = check_num_samples(train_valid_test_num_samples)
+    packing = dict(reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                   eod_mask_loss=eod_mask_loss)
+    # Refused before any index is built, so a bad config leaves nothing behind.
+    check_packing_options(eod_token_id, **packing)
     datasets = build_gpt_train_valid_test_datasets(
         data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=vocab_size,
         split_rounding=split_rounding)
+    datasets = tuple(wrap_packed_documents(ds, eod_token_id, **packing) for ds in datasets)
     return build_loaders_for_datasets(datasets, nums, micro_batch_size, eval_micro_batch_size, consumed_samples,
                                       data_parallel_rank, data_parallel_size, num_workers)
 

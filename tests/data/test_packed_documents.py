@@ -270,3 +270,53 @@ def test_pipeline_parallel_pp2_gives_the_one_process_packed_loss(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["loss"] == pytest.approx(got["expected"], rel=RTOL)
+
+
+# ---------------------------------------------------------------- the loader options (libai_lite/data/build.py)
+
+DEMO = "data_test/gpt2/demo_gpt2_text_document"  # its documents end with the GPT-2 tokenizer's eod, id 0
+
+
+def _loaders(cache, **options):
+    from libai_lite.data import build_gpt_train_valid_test_loaders
+
+    return build_gpt_train_valid_test_loaders(str(ROOT / DEMO), seq_length=64, num_workers=0, cache_dir=str(cache),
+                                              train_valid_test_num_samples=[8, 6, 0], micro_batch_size=4, **options)
+
+
+def test_loaders_carry_the_fields_in_every_split_and_nothing_when_off(tmp_path):
+    plain = _loaders(tmp_path)
+    packed = _loaders(tmp_path, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True,
+                      eod_token_id=EOD)
+    assert packed[2] is None
+    documents = 0
+    for plain_loader, packed_loader in zip(plain[:2], packed[:2]):
+        for p, q in zip(plain_loader, packed_loader, strict=True):
+            assert set(p) == {"input_ids", "labels"}
+            assert set(q) == {"input_ids", "labels", "position_ids", "document_ids"}
+            assert torch.equal(p["input_ids"], q["input_ids"])
+            for key, value in packed_document_fields(p["input_ids"], p["labels"], EOD, True, True, True).items():
+                assert torch.equal(q[key], value), key
+            documents = max(documents, int(q["document_ids"].max()) + 1)
+    assert documents >= 2  # the demo's short documents: a 64-token sample spans several
+
+
+def test_loaders_refuse_an_option_without_the_eod_id_before_building_anything(tmp_path):
+    cache = tmp_path / "cache"
+    with pytest.raises(UsageError, match=r"^reset_attention_mask needs the end-of-document token id: set "
+                                         r"dataloader\.train\.eod_token_id"):
+        _loaders(cache, reset_attention_mask=True)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_training_with_the_options_from_the_config(tmp_path):
+    """tools/train_net.py with the three options set on the command line: trains and evaluates."""
+    from tests.launch import losses, tiny, train_net
+
+    out = tmp_path / "run"
+    options = ["dataloader.train.reset_position_ids=True", "dataloader.train.reset_attention_mask=True",
+               "dataloader.train.eod_mask_loss=True", f"dataloader.train.eod_token_id={EOD}"]
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=3", "train.evaluation.eval_period=3", *options))
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = losses(out)
+    assert sorted(curve) == [1, 2, 3] and all(0 < v < 20 for v in curve.values())

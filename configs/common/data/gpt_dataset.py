@@ -27,5 +27,13 @@ dataloader = dict(
         cache_dir=None,
         # Document split boundaries as Megatron core computes them; "legacy" for legacy Megatron-LM/LiBai runs.
         split_rounding="core",
+        # Megatron's packed-document options (libai_lite/data/packing.py), for samples that span several
+        # documents: positions restart after each end-of-document token, attention never crosses one, and
+        # no loss is taken where the input token ends a document. Each needs eod_token_id, the tokenizer's
+        # eod_id (0 for data_test/gpt2's tokenizer).
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        eod_token_id=None,
     ),
 )
