@@ -182,8 +182,13 @@ class DefaultTrainer:
             eval_iter, period = int(cfg.train.evaluation.eval_iter), int(cfg.train.evaluation.eval_period)
             valid_samples = max(read, (int(cfg.train.train_iter) // max(period, 1) + 1) * eval_iter * glob)
             test_samples = max(read, eval_iter * glob)
+        extra = {}
+        if self.tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
+            # Packed-document options need the end-of-document id: the run's tokenizer knows it.
+            extra["eod_token_id"] = self.tokenizer.eod_id
         return instantiate_with(
             loader_cfg,
+            **extra,
             train_valid_test_num_samples=[int(cfg.train.train_iter) * glob, valid_samples, test_samples],
             micro_batch_size=int(cfg.train.train_micro_batch_size),
             eval_micro_batch_size=int(cfg.train.test_micro_batch_size),

@@ -310,12 +310,13 @@ def test_loaders_refuse_an_option_without_the_eod_id_before_building_anything(tm
 
 
 def test_training_with_the_options_from_the_config(tmp_path):
-    """tools/train_net.py with the three options set on the command line: trains and evaluates."""
+    """tools/train_net.py with the three options set on the command line: trains and evaluates; the
+    trainer fills in eod_token_id from the run's tokenizer, which the loader alone refuses without."""
     from tests.launch import losses, tiny, train_net
 
     out = tmp_path / "run"
     options = ["dataloader.train.reset_position_ids=True", "dataloader.train.reset_attention_mask=True",
-               "dataloader.train.eod_mask_loss=True", f"dataloader.train.eod_token_id={EOD}"]
+               "dataloader.train.eod_mask_loss=True"]
     r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=3", "train.evaluation.eval_period=3", *options))
     assert r.returncode == 0, r.stderr[-3000:]
     curve = losses(out)

@@ -29,8 +29,8 @@ dataloader = dict(
         split_rounding="core",
         # Megatron's packed-document options (libai_lite/data/packing.py), for samples that span several
         # documents: positions restart after each end-of-document token, attention never crosses one, and
-        # no loss is taken where the input token ends a document. Each needs eod_token_id, the tokenizer's
-        # eod_id (0 for data_test/gpt2's tokenizer).
+        # no loss is taken where the input token ends a document. They use eod_token_id, which the trainer
+        # fills in with the tokenizer's eod_id when it is left null.
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
