@@ -19,7 +19,7 @@ from ..checkpoint.checkpointer import check_checkpoint_shapes
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
-from ..model import sample_throughput
+from ..model import max_seq_length, sample_throughput
 from ..parallel.activation_checkpoint import check_ac_mode
 from ..parallel.compile import compile_options
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
@@ -115,6 +115,11 @@ class DefaultTrainer:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
         check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
+        seq, tp = max_seq_length(model), layout.tensor_parallel_size
+        if layout.sequence_parallel and tp > 1 and seq is not None and seq % tp:
+            raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, but the "
+                             f"model's sequences are {seq} tokens: use a sequence length divisible by {tp} or set "
+                             f"train.dist.sequence_parallel=False")
         if layout.stage_of_layer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.

@@ -283,6 +283,20 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
             gathered.add(name)
 
 
+def _sequence_divides(tp: int):
+    """Forward pre-hook: token ids ``[batch, seq]`` whose ``seq`` the tp ranks cannot share evenly are
+    refused in one line (gloo aborts the process on the uneven reduce-scatter otherwise)."""
+
+    def check(module, args, kwargs):
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point() and t.shape[1] % tp:
+                raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, "
+                                 f"but a batch has sequences of {t.shape[1]} tokens: use a sequence length "
+                                 f"divisible by {tp} or set train.dist.sequence_parallel=False")
+
+    return check
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` over the 1-D ``tp_mesh`` as its layers' SBP declares, in place, and return it.
 
@@ -296,6 +310,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         return model
     check_declared_splits(model, tp_mesh.size())
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel))
+    if sequence_parallel:
+        model.register_forward_pre_hook(_sequence_divides(tp_mesh.size()), with_kwargs=True)
     for m in model.modules():
         if callable(tie := getattr(m, "tie_weights", None)):
             tie()

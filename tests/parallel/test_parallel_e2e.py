@@ -86,8 +86,11 @@ def test_layout_matches_one_process(tmp_path, reference, name):
         (2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3", "model.cfg.hidden_size=66"],
          "does not divide model.cfg.num_attention_heads=3"),
         (2, ["train.dist.pipeline_parallel_size=2", "model.cfg.hidden_layers=1"], "more stages than the model's 1 layers"),
-        (2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"], "ZeRO stage 4"),
+        (2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"],
+         "train.zero_optimization.stage=4 is out of range"),
         (2, ["train.zero_optimization.offload=True"], "offload"),
+        (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True", "model.cfg.max_seq_length=31"],
+         "sequences are 31 tokens: use a sequence length divisible by 2"),
     ],
 )
 def test_invalid_layouts_fail_fast_with_one_line(tmp_path, nproc, extra, needle):
