@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, activation checkpointing, fused loss.
+"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, activation checkpointing (full and
+selective), fused loss.
 
 One torchrun job (gloo on CPU, nccl on GPU; 4 processes by default) trains a GPT of a few tens
 of millions of parameters for three steps in each configuration, one after another, and every
@@ -38,8 +39,9 @@ import sys
 import tempfile
 import time
 
-# name -> (zero_stage, offload, activation checkpointing, fused LM head + loss); "no_zero" is the
-# reference column. Every row but the last fuses the LM head with the loss, as training does;
+# name -> (zero_stage, offload, activation checkpointing mode or False, fused LM head + loss); "no_zero" is the
+# reference column; the "_ac" rows checkpoint every layer ("full"), "no_zero_selective_ac" keeps the matmul
+# outputs ("selective"). Every row but the last fuses the LM head with the loss, as training does;
 # "no_zero_unfused_ce" materialises the logits, to show what the fusion saves.
 CONFIGS = {
     "no_zero": (0, False, False, True),
@@ -47,8 +49,9 @@ CONFIGS = {
     "zero2": (2, False, False, True),
     "zero3": (3, False, False, True),
     "zero3_offload": (3, True, False, True),
-    "no_zero_ac": (0, False, True, True),
-    "zero3_ac": (3, False, True, True),
+    "no_zero_ac": (0, False, "full", True),
+    "no_zero_selective_ac": (0, False, "selective", True),
+    "zero3_ac": (3, False, "full", True),
     "no_zero_unfused_ce": (0, False, False, False),
 }
 MODEL_DEFAULTS = dict(layers=6, hidden=512, heads=8, vocab=16384, seq=128, micro_batch=4)
@@ -159,7 +162,7 @@ def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
     model = GPTForPreTraining(model_cfg(args, fused_ce)).to(device)
     n_params = model.num_parameters()
     if ac:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, 1, ac)
     model = apply_data_parallel(model, dp_mesh, stage, offload=offload)
     raw = model.module if hasattr(model, "module") else model
     groups = get_default_optimizer_params(raw, weight_decay=0.01)
@@ -278,7 +281,8 @@ def estimate_configs(args, device: str) -> dict:
                 optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4),
                 param_groups=lambda m: get_default_optimizer_params(m, weight_decay=0.01))
         settings = PlanSettings(world_size=args.nproc, data_parallel_size=args.nproc, zero_stage=stage, offload=offload,
-                                activation_checkpoint_every=int(ac), micro_batch_size=args.micro_batch, device=device)
+                                activation_checkpoint_every=int(bool(ac)),
+                                activation_checkpoint_mode=ac or "full", micro_batch_size=args.micro_batch, device=device)
         est = planners[fused_ce].estimate(settings)
         out[name] = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                      "activations": est.activations, "peak": est.peak, "host": est.host,
@@ -305,16 +309,20 @@ def format_table(configs: dict) -> str:
     cols = ["param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes", "activation_bytes",
             "peak_fwd_bwd_bytes", "peak_step_bytes"]
     heads = ["params", "grads", "optim", "static", "activ.", "pk f+b", "pk step"]
-    lines = [f"{'config (MiB/rank)':18s}" + "".join(f"{h:>10s}" for h in heads) + f"{'static/no_zero':>16s}{'activ./no_AC':>14s}"
-             + f"{'estimated':>11s}{'est/meas':>10s}"]
+    lines = [f"{'config (MiB/rank)':20s}" + "".join(f"{h:>10s}" for h in heads) + f"{'static/no_zero':>16s}{'activ./no_AC':>14s}"
+             + f"{'step s':>8s}{'time/no_AC':>12s}{'estimated':>11s}{'est/meas':>10s}"]
     for name, row in configs.items():
-        ac_ref = configs.get(name[: -len("_ac")]) if name.endswith("_ac") else None
+        base = name.removesuffix("_ac").removesuffix("_selective") if name.endswith("_ac") else None
+        ac_ref = configs.get(base) if base else None
         ac_ratio = f"{row['activation_bytes'] / ac_ref['activation_bytes']:14.2f}" if ac_ref and ac_ref["activation_bytes"] > 0 else f"{'':14s}"
+        # One measured step each: a rough figure on a shared machine, beside the exact byte counts.
+        time_ratio = f"{row['step_time_s'] / ac_ref['step_time_s']:12.2f}" if ac_ref else f"{'':12s}"
         estimate = (f"{_mib(row['estimated_peak_step_bytes']):>11s}{row['estimate_ratio']:10.3f}"
                     if "estimated_peak_step_bytes" in row else "")
         lines.append(
-            f"{name:18s}" + "".join(f"{_mib(row[c]):>10s}" for c in cols)
-            + f"{row['static_bytes'] / ref['static_bytes']:16.3f}" + ac_ratio + estimate
+            f"{name:20s}" + "".join(f"{_mib(row[c]):>10s}" for c in cols)
+            + f"{row['static_bytes'] / ref['static_bytes']:16.3f}" + ac_ratio + f"{row['step_time_s']:8.2f}" + time_ratio
+            + estimate
         )
     return "\n".join(lines)
 
