@@ -103,7 +103,7 @@ class DefaultTrainer:
     def check_layout(self, cfg, model: torch.nn.Module) -> None:
         """Refuse, before any work, parallel settings the model (built on ``meta``) or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
-        from ..parallel.tensor_parallel import check_declared_splits
+        from ..parallel.tensor_parallel import check_declared_splits, check_sequence_divides
 
         layout = self.layout
         validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
@@ -115,11 +115,8 @@ class DefaultTrainer:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
         check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
-        seq, tp = max_seq_length(model), layout.tensor_parallel_size
-        if layout.sequence_parallel and tp > 1 and seq is not None and seq % tp:
-            raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, but the "
-                             f"model's sequences are {seq} tokens: use a sequence length divisible by {tp} or set "
-                             f"train.dist.sequence_parallel=False")
+        if layout.sequence_parallel and max_seq_length(model) is not None:
+            check_sequence_divides(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
         if layout.stage_of_layer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
@@ -127,15 +124,14 @@ class DefaultTrainer:
 
     def check_sequence_parallel(self, loader) -> None:
         """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
+        from ..parallel.tensor_parallel import check_sequence_divides
+
         tp, dataset = self.layout.tensor_parallel_size, getattr(loader, "dataset", None)
         if not self.layout.sequence_parallel or tp == 1 or not dataset:
             return
         for name, value in dataset[0].items():
-            if len(getattr(value, "shape", ())) == 1 and value.shape[0] % tp:
-                raise UsageError(
-                    f"tensor_parallel_size={tp} does not divide the sequence length {value.shape[0]} ({name}), "
-                    f"which sequence parallelism splits; use a length that is a multiple of {tp} or turn sequence "
-                    f"parallelism off")
+            if len(getattr(value, "shape", ())) == 1:
+                check_sequence_divides(value.shape[0], tp, f"the samples' {name}")
 
     # ------------------------------------------------------------ building
     def build_meta_model(self, cfg) -> torch.nn.Module:

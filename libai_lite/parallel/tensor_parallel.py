@@ -283,16 +283,22 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
             gathered.add(name)
 
 
+def check_sequence_divides(length: int, tp: int, what: str = "the sequences") -> None:
+    """Refuse, in one line, a sequence length that sequence parallelism cannot split over ``tp`` ranks
+    (gloo aborts the process on the uneven reduce-scatter otherwise)."""
+    if tp > 1 and length % tp:
+        raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, but "
+                         f"{what} have {length} tokens: use a sequence length divisible by {tp} or set "
+                         f"train.dist.sequence_parallel=False")
+
+
 def _sequence_divides(tp: int):
-    """Forward pre-hook: token ids ``[batch, seq]`` whose ``seq`` the tp ranks cannot share evenly are
-    refused in one line (gloo aborts the process on the uneven reduce-scatter otherwise)."""
+    """Forward pre-hook refusing token ids ``[batch, seq]`` whose ``seq`` the tp ranks cannot share."""
 
     def check(module, args, kwargs):
         for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point() and t.shape[1] % tp:
-                raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, "
-                                 f"but a batch has sequences of {t.shape[1]} tokens: use a sequence length "
-                                 f"divisible by {tp} or set train.dist.sequence_parallel=False")
+            if isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point():
+                check_sequence_divides(t.shape[1], tp, "a batch's sequences")
 
     return check
 

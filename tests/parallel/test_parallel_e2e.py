@@ -90,7 +90,7 @@ def test_layout_matches_one_process(tmp_path, reference, name):
          "train.zero_optimization.stage=4 is out of range"),
         (2, ["train.zero_optimization.offload=True"], "offload"),
         (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True", "model.cfg.max_seq_length=31"],
-         "sequences are 31 tokens: use a sequence length divisible by 2"),
+         "the model's sequences have 31 tokens: use a sequence length divisible by 2"),
     ],
 )
 def test_invalid_layouts_fail_fast_with_one_line(tmp_path, nproc, extra, needle):
