@@ -31,6 +31,8 @@ def tiny(out, cache, *extra):
         "train.test_micro_batch_size=4",
         "train.log_period=1",
         "train.evaluation.eval_iter=2",
+        # Tests that want the start-up memory estimate turn it back on.
+        "train.log_memory_estimate=False",
         *extra,
     ]
 

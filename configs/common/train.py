@@ -16,6 +16,8 @@ train = dict(
     train_epoch=0,
     warmup_ratio=0.01,
     log_period=20,
+    # Log the memory planner's per-rank estimate for this run at start-up (a second or more of tracing).
+    log_memory_estimate=True,
     seed=1234,
     # A checkpoint directory to load weights from (not optimizer or data position); "" for none.
     load_weight="",

@@ -67,6 +67,12 @@ class DefaultTrainer:
             # Before their workers start: a job's stop signal is the trainer's to handle.
             shield_workers_from_stop_signals(loader)
         self.check_sequence_parallel(self.train_loader)
+        if (cfg.train.get("log_memory_estimate", True) and self.layout.rank == 0
+                and getattr(self.train_loader, "dataset", None) is not None):
+            from ..utils.memory_planner import startup_estimate
+
+            # What the planner expects this run to need per rank (tools/estimate_memory.py explains it).
+            logger.info(startup_estimate(cfg, self.layout, self.train_loader.dataset[0]))
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)

@@ -235,3 +235,14 @@ def test_tensor_parallel_activations_match_a_tp2_run(tmp_path, sequence_parallel
     est = planner.estimate(PlanSettings(world_size=2, tensor_parallel_size=2, sequence_parallel=sequence_parallel,
                                         micro_batch_size=MICRO_BATCH, device="cpu"))
     assert abs(est.activations / measured - 1) <= TOLERANCE, (est.activations, measured)
+
+
+def test_a_training_run_logs_its_memory_estimate_at_start_up(tmp_path):
+    from tests.launch import tiny, train_net
+
+    out = tmp_path / "run"
+    r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=1", "train.evaluation.enabled=False",
+                       "train.log_memory_estimate=True"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in (out / "log.txt").read_text().splitlines() if "Memory estimate per rank" in line]
+    assert len(lines) == 1 and "peak" in lines[0] and "not available" not in lines[0], lines
