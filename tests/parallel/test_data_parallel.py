@@ -228,6 +228,7 @@ def test_dp2_tp2_data_parallel_composes_with_tensor_parallel(tmp_path):
         _assert_tensors_close(r["params_after_first_step"], ref["params_after_first_step"], f"{name} params", rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # tests/tools/test_estimate_memory.py runs two of its rows by default
 def test_memory_benchmark_smoke():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "bench/memory.py", "--smoke"], cwd=REPO, env=env,
