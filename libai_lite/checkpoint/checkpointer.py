@@ -51,6 +51,7 @@ from ..optim.container import optimizer_parts
 from ..utils.distributed import barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
+from ..utils.files import atomic_write
 
 logger = logging.getLogger("libai_lite")
 
@@ -79,18 +80,7 @@ def set_verification(enabled: bool) -> None:
 
 
 def _write_text_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # A full disk must not leave a half-written sibling behind.
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def _fsync_dir(path: str) -> None:

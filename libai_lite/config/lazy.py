@@ -8,7 +8,6 @@ import dataclasses
 import errno
 import logging
 import os
-import uuid
 from collections import abc
 from pathlib import Path
 from typing import Any, List, Sequence, Union
@@ -20,6 +19,7 @@ from .instantiate import join_key, locate, target_to_string
 from .loader import IMPORT_ROOTS_KEY, ConfigLoadError, add_import_root, cast_to_config, exec_config, one_line
 from .loader import restore_import_roots
 from .overrides import ConfigKeyError, ConfigTypeError, apply_overrides
+from ..utils.files import atomic_write
 
 __all__ = ["LazyCall", "LazyConfig", "ConfigKeyError", "ConfigTypeError", "ConfigLoadError", "IMPORT_ROOTS_KEY",
            "add_import_root", "try_get_key"]
@@ -150,17 +150,8 @@ class LazyConfig:
         text = yaml.safe_dump(data, default_flow_style=None, allow_unicode=True, sort_keys=False, width=9999)
 
         os.makedirs(os.path.dirname(os.path.abspath(filename)), exist_ok=True)
-        # Write-then-rename: a crash mid-save never leaves a truncated config.yaml.
-        tmp = f"{filename}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, filename)
-        except BaseException:
-            # A full disk mid-write: no temporary is left behind, the previous file stays as it was.
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        # A crash or a full disk mid-save never leaves a truncated config.yaml or a temporary.
+        atomic_write(filename, lambda f: f.write(text), mode="w", fsync=False)
         if not problems:
             return
         logger.warning("Config keys %s cannot be written as YAML; %s holds placeholders for them.",

@@ -36,6 +36,7 @@ import torch
 from .indexed_dataset import MMapIndexedDataset
 from ..utils.distributed import barrier, get_rank
 from ..utils.errors import UsageError
+from ..utils.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -131,21 +132,10 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 # ----------------------------------------------------------------------------------------------
 def _atomic_write(path: str, data) -> None:
     """Write an array as ``.npy`` or a dict as JSON so that readers see the whole file or none."""
-    # The pid keeps two jobs sharing a cache from clobbering each other's half-written file.
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            if isinstance(data, np.ndarray):
-                np.save(f, data, allow_pickle=False)
-            else:
-                f.write(json.dumps(data, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    if isinstance(data, np.ndarray):
+        atomic_write(path, lambda f: np.save(f, data, allow_pickle=False))
+    else:
+        atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
 
 
 def _load_json(path: str) -> dict | None:
