@@ -113,6 +113,7 @@ def test_sigterm_to_train_sh_is_passed_on_and_no_process_remains(tmp_path):
     _check_saved_and_resume(out, r, expected, args, tmp_path)
 
 
+@pytest.mark.slow  # tests/engine/test_crash_resume.py checks no process outlives each kill by default
 def test_kill_9_of_the_launcher_group_leaves_no_worker_and_resume_on_the_same_port_works(tmp_path):
     """kill -9 of train.sh's process group (torchrun's workers live in sessions of their own): the
     workers die with torchrun, and a --resume on the same port starts and finishes."""

@@ -46,6 +46,7 @@ def _resume_and_compare(out, tmp_path, args, expected, resumed_from):
     return r
 
 
+@pytest.mark.slow  # tests/engine/test_process_faults.py sends SIGTERM to torchrun and to train.sh by default
 def test_sigterm_saves_at_step_boundary_then_resume_matches(tmp_path):
     args = [*BASE, "train.train_iter=30", "train.checkpointer.period=1000"]
     expected = _reference(tmp_path, args)
@@ -63,6 +64,7 @@ def test_sigterm_saves_at_step_boundary_then_resume_matches(tmp_path):
     _resume_and_compare(out, tmp_path, args, expected, name)
 
 
+@pytest.mark.slow  # tests/engine/test_crash_resume.py kills the whole job during saves by default
 @pytest.mark.parametrize("delay_rows", [3, 7])
 def test_sigkill_during_checkpoint_save_keeps_previous_and_resume_matches(tmp_path, delay_rows):
     # A wider model makes a save take long enough to be caught in the act.

@@ -38,6 +38,7 @@ def test_training_writes_outputs_and_loss_falls(tmp_path):
     assert any("valid/PPL" in row for row in rows)
 
 
+@pytest.mark.slow  # tests/engine/test_crash_resume.py kills and resumes the job by default
 def test_kill_9_then_resume_reproduces_losses(tmp_path):
     """SIGKILL mid-run, --resume, and every step after the checkpoint matches an uninterrupted run."""
     args = ["train.train_iter=30", "train.checkpointer.period=4", "train.evaluation.enabled=False"]

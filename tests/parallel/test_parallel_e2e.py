@@ -159,13 +159,17 @@ def mt5_reference(tmp_path_factory):
 @pytest.mark.parametrize("name,nproc,extra", [
     ("tp2", 2, ["train.dist.tensor_parallel_size=2"]),
     ("dp2_zero2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"]),
-    ("dp2_tp2_zero2_actckpt", 4, ["train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
-                                  "train.zero_optimization.stage=2", "train.activation_checkpoint.enabled=True"]),
+    # Four processes: with -m slow (the GPT layouts run dp x tp and tp x pp by default).
+    pytest.param("dp2_tp2_zero2_actckpt", 4,
+                 ["train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
+                  "train.zero_optimization.stage=2", "train.activation_checkpoint.enabled=True"],
+                 marks=pytest.mark.slow),
     # 4 stages of one layer each: cuts inside the encoder (the encoder bias travels), at the
     # encoder/decoder boundary and inside the decoder (the decoder bias travels).
     ("pp2_interleaved_1f1b", 2, ["train.dist.pipeline_parallel_size=2", "train.dist.pipeline_schedule=interleaved_1f1b",
                                  "train.dist.virtual_pipeline_size=2"]),
-    ("tp2_pp2", 4, ["train.dist.pipeline_parallel_size=2", "train.dist.tensor_parallel_size=2"]),
+    pytest.param("tp2_pp2", 4, ["train.dist.pipeline_parallel_size=2", "train.dist.tensor_parallel_size=2"],
+                 marks=pytest.mark.slow),
 ])
 def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, extra):
     out = tmp_path / "out"
