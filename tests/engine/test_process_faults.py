@@ -94,6 +94,7 @@ def _check_saved_and_resume(out, r, expected, args, tmp_path):
         assert got[it] == expected[it], (it, got[it], expected[it])
 
 
+@pytest.mark.slow  # the train.sh test below takes the same path (torchrun forwards it) with a DataLoader worker
 def test_sigterm_to_torchrun_with_a_dataloader_worker_saves_then_resume_matches(tmp_path):
     """torchrun sends SIGTERM to each worker's process group, DataLoader workers included: the
     trainer still saves at the step boundary instead of crashing on a killed DataLoader worker."""

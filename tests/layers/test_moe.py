@@ -481,7 +481,8 @@ def test_gpt2_moe_under_pipeline_parallelism_logs_the_one_process_curve(tmp_path
         _assert_same_curve(_metrics(out), _metrics(one))
 
 
-@pytest.mark.parametrize("family", ["gpt", pytest.param("t5", marks=pytest.mark.slow)])
+# With -m slow: test_gpt2_moe_under_pipeline_parallelism_logs_the_one_process_curve runs MoE under pp by default.
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.slow), pytest.param("t5", marks=pytest.mark.slow)])
 def test_moe_pipeline_with_expert_parallel_zero2_matches_data_parallel(tmp_path, family):
     """pp=2 x dp=2 with ep=2 and ZeRO-2 (4 ranks) logs the dp=2, ep=1 curve (GPT); T5: pp=2 against one process."""
     if family == "gpt":
