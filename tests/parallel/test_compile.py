@@ -11,13 +11,21 @@ directory by default) makes every run after the first start in seconds.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_options
 from libai_lite.utils.errors import UsageError
+
+# Inductor's on-disk kernels are not keyed by ATEN_CPU_CAPABILITY: kernels cached under the machine's
+# own vector ISA gave NaN losses when reused with the ISA capped (avx2 on an AVX-512 machine), so a
+# run with a capped ISA gets a cache of its own (a user's TORCHINDUCTOR_CACHE_DIR is kept).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_libai_lite_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
 
 CFG = dict(hidden_layers=2, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
            max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)
