@@ -30,7 +30,9 @@ setup(
     extras_require={
         # nltk: the --split-sentences tests run (on a punkt model they write themselves).
         # wandb, matplotlib: the W&B writer and tools/plot_metrics.py tests run (skipped without them).
-        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7"],
+        # lm-eval: the harness adapter's tests (it depends on no torch of its own).
+        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7",
+                 "lm-eval>=0.4.13,<0.5"],
         # tools/preprocess_data.py --split-sentences: nltk's punkt (its model is installed apart,
         # python -m nltk.downloader punkt_tab, never fetched at run time).
         "sentences": ["nltk>=3.8"],
@@ -40,5 +42,7 @@ setup(
         "wandb": ["wandb>=0.16"],
         # tools/plot_metrics.py.
         "plot": ["matplotlib>=3.7"],
+        # tools/eval_harness.py: lm-evaluation-harness tasks on a checkpoint.
+        "eval": ["lm-eval>=0.4.13,<0.5"],
     },
 )

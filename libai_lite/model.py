@@ -13,6 +13,10 @@ Optional (the feature that needs it says so in one line when it is missing)
     ``tokens_per_sample(sample) -> int`` and ``flops_per_sample(sample) -> float`` of one unbatched
         training sample, for tokens/s and MFU (count FLOPs at construction: a pipeline removes pieces).
     ``max_seq_length``: the longest sequence the model takes (evaluators, generation).
+    ``generate(input_ids, attention_mask, **options)`` (``libai_lite.inference.decode``'s options); an
+        encoder-decoder's takes ``encoder_input_ids`` and ``decoder_start_token_id`` instead.
+    ``special_token_ids(tokenizer) -> {"eos", "pad", "decoder_start"}``: the conventions the model's
+        data was built with, when they are not the tokenizer's eos and pad (a T5 decoder starts at pad).
     Pipeline parallelism: ``pipeline_module()`` (the module to cut: its pieces carry
     ``layer_idx``, see ``libai_lite.parallel.pipeline``), ``pipeline_num_layers``, ``pipeline_tied``
     (``(source, copy)`` parameter paths shared by first and last stage, or None),
@@ -100,3 +104,34 @@ def supports_pipeline(model: nn.Module) -> bool:
 def pipeline_num_layers(model: nn.Module) -> int:
     """Layers the pipeline places (one stage id each)."""
     return int(getattr(unwrap(model), "pipeline_num_layers"))
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """Whether the model reads an encoder input beside the decoder's (its ``forward`` takes ``encoder_input_ids``)."""
+    import inspect
+
+    return "encoder_input_ids" in inspect.signature(unwrap(model).forward).parameters
+
+
+def special_token_ids(model: nn.Module, tokenizer) -> dict:
+    """``eos``, ``pad`` and (encoder-decoder) ``decoder_start`` ids the model generates and scores with.
+
+    The model's ``special_token_ids(tokenizer)`` when it has one; otherwise the tokenizer's eos (its
+    end-of-document id when it names no eos), pad (else eos) and, for an encoder-decoder, bos (else pad).
+    """
+    fn = getattr(unwrap(model), "special_token_ids", None)
+    if callable(fn):
+        ids = dict(fn(tokenizer))
+    elif tokenizer is None:
+        ids = {"eos": None, "pad": 0}
+    else:
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else getattr(tokenizer, "eod_id", None)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        ids = {"eos": eos, "pad": pad}
+        if is_encoder_decoder(model):
+            bos = getattr(tokenizer, "bos_token_id", None)
+            ids["decoder_start"] = bos if bos is not None else pad
+    ids["pad"] = ids.get("pad") if ids.get("pad") is not None else 0
+    if is_encoder_decoder(model) and ids.get("decoder_start") is None:
+        ids["decoder_start"] = ids["pad"]
+    return ids

@@ -13,74 +13,10 @@ results as JSON. The log goes to `<train.output_dir>/evaluate/`.
 """
 import argparse
 import json
-import logging
 import os
 import sys
 
-from libai_lite.engine.default import DefaultTrainer
-from libai_lite.engine.launch import default_setup
 from libai_lite.utils.errors import UsageError
-
-
-class EvalOnlyTrainer(DefaultTrainer):
-    """`DefaultTrainer` set up for evaluation alone: the model from a checkpoint, no optimizer, no hooks.
-
-    `data_loader_fn(trainer)` builds the one loader to evaluate (or returns None for an
-    evaluator that reads its own data); the training data of the config is never opened.
-    """
-
-    def __init__(self, cfg, layout, data_loader_fn):
-        self._data_loader_fn = data_loader_fn
-        super().__init__(cfg, layout, eval_only=True)
-
-    def build_tokenizer(self, cfg):
-        """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
-
-        Training pads the vocabulary to a multiple of 128 x its tensor-parallel size, so a checkpoint
-        saved at tp=2 has more rows than tp=1 would pad to; the checkpoint's size wins, which lets any
-        layout evaluate it.
-        """
-        tokenizer = super().build_tokenizer(cfg)
-        rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight)
-        if tokenizer is not None and rows is not None and rows != cfg.model.cfg.vocab_size:
-            logging.getLogger("libai_lite").info(f"Model vocabulary set to the checkpoint's {rows} rows")
-            cfg.model.cfg.vocab_size = rows
-        return tokenizer
-
-    def build_loaders(self, cfg):
-        # The base builds the train loader from the config's data; evaluation needs none of it.
-        # The empty "train loader" is only there for the step runner the trainer still builds.
-        return [], None, self._data_loader_fn(self)
-
-    def build_optimizer(self, cfg, model):
-        return None
-
-    def build_lr_scheduler(self, cfg, optimizer):
-        return None
-
-    def build_hooks(self):
-        return []
-
-
-def checkpoint_vocab_rows(cfg, path: str) -> int | None:
-    """Rows of the token embedding stored in the DCP checkpoint at `path` (None when it cannot tell)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from libai_lite.config import instantiate
-    from libai_lite.layers import VocabEmbedding
-
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - the checkpointer reports a missing or corrupt checkpoint in one line
-        return None
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
-    for name, module in model.named_modules():
-        stored = meta.get(f"model.{name}.weight") if isinstance(module, VocabEmbedding) else None
-        if stored is not None:
-            return int(stored.size[0])
-    return None
 
 
 def ppl_loader_fn(data, json_key, stride, split, seq_length):
@@ -137,30 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate(args) -> dict:
     """Set up the run from `args`, evaluate, and return the results (identical on every rank)."""
-    from libai_lite.checkpoint.checkpointer import set_verification
-    from libai_lite.config import LazyConfig
+    from libai_lite.engine.eval_only import build_eval_trainer
     from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
 
     if args.task == "lambada" and not args.data:
         raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
     if args.data and args.task == "lambada" and not os.path.isfile(args.data):
         raise UsageError(f"data file {args.data} not found (relative paths start at {os.getcwd()})")
-    if args.no_verify:
-        set_verification(False)
-    cfg = LazyConfig.load(args.config_file)
-    cfg = LazyConfig.apply_overrides(cfg, args.opts or [])
-    cfg.train.load_weight = args.checkpoint
-    # The log and config.yaml of this evaluation go beside, not over, the training run's.
-    cfg.train.output_dir = os.path.join(cfg.train.output_dir, "evaluate")
-    cfg.train.evaluation.enabled = False
-    # Training's global batch need not fit this layout; evaluation batches are test_micro_batch_size
-    # per data-parallel rank (and num_accumulation_steps micro-batches per pipeline schedule).
-    cfg.train.global_batch_size = None
-    layout = default_setup(cfg, argparse.Namespace(fast_dev_run=False))
     if args.task == "lambada":
-        trainer = EvalOnlyTrainer(cfg, layout, lambda trainer: None)
+        trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, verify=not args.no_verify)
         return trainer._inference(None, LambadaEvaluator(args.data, json_key=args.json_key), None)
-    trainer = EvalOnlyTrainer(cfg, layout, ppl_loader_fn(args.data, args.json_key, args.stride, args.split, args.seq_length))
+    trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, verify=not args.no_verify,
+                                 data_loader_fn=ppl_loader_fn(args.data, args.json_key, args.stride, args.split,
+                                                              args.seq_length))
     return trainer._inference(trainer.test_loader, PPLEvaluator(), None)
 
 

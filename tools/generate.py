@@ -248,24 +248,10 @@ def _device(args, ctx) -> torch.device:
 # ------------------------------------------------------------------------------- generation
 
 
-def special_ids(tokenizer, encoder_decoder: bool) -> dict:
-    """``eos``, ``pad`` and (encoder-decoder) ``decoder_start`` ids, the conventions the data was built with."""
-    if tokenizer is None:
-        return {"eos": None, "pad": 0, "decoder_start": 0}
-    if encoder_decoder:
-        from projects.MT5.data.t5_dataset import t5_special_ids
-
-        ids = t5_special_ids(tokenizer)
-        return {"eos": ids["eos"], "pad": ids["pad"] if ids["pad"] is not None else 0,
-                "decoder_start": ids["decoder_start"] if ids["decoder_start"] is not None else 0}
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.eod_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    return {"eos": eos, "pad": pad if pad is not None else 0}
-
-
 def run(args) -> int:
     """Load, generate for every prompt in batches, print (rank 0) and report the speed."""
     from libai_lite.inference import build_logits_processors, pad_prompts
+    from libai_lite.model import special_token_ids
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -277,7 +263,7 @@ def run(args) -> int:
     model, tokenizer, encoder_decoder, ctx = load_model(args)
     vocab_size = tokenizer.vocab_size if tokenizer is not None else _model_vocab_size(model)
     prompts = encode_prompts(prompts, tokenizer, vocab_size)
-    ids = special_ids(tokenizer, encoder_decoder)
+    ids = special_token_ids(model, tokenizer)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(args.seed)
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,

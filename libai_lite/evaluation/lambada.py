@@ -14,16 +14,14 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from ..data.gpt_dataset import IGNORE_INDEX
 from ..data.jsonl_dataset import read_jsonl
 from ..utils.distributed import all_reduce_sum
 from ..utils.errors import UsageError
-from .evaluator import EvalContext, ModelEvaluator, eval_mode, format_results
+from .evaluator import EvalContext, ModelEvaluator, format_results
+from .scoring import ScoringExample, score
 
 logger = logging.getLogger("libai_lite")
 
@@ -48,15 +46,7 @@ def load_lambada(path, json_key: str = "text") -> list[tuple[str, str]]:
     return pairs
 
 
-@dataclass
-class LambadaExample:
-    """Token ids of context + target (context cut on the left to fit) and how many are target."""
-
-    ids: list[int]
-    num_target: int
-
-
-def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[LambadaExample], int]:
+def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[ScoringExample], int]:
     """Tokenize `(context, word)` pairs as context + `" " + word`; returns the examples and how many were cut.
 
     The model reads `ids[:-1]`, so an example fits when it has at most `max_seq_length + 1`
@@ -76,7 +66,7 @@ def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[Lambad
         if len(ids) > max_seq_length + 1:
             ids = ids[-(max_seq_length + 1):]
             cut += 1
-        examples.append(LambadaExample(ids, len(tgt)))
+        examples.append(ScoringExample(ids, len(tgt)))
     return examples, cut
 
 
@@ -90,28 +80,6 @@ def check_decoder_only(model: nn.Module) -> None:
     if "input_ids" not in params or required - {"input_ids"}:
         raise UsageError(f"LAMBADA needs a decoder-only language model called as model(input_ids); "
                          f"{type(inner).__name__} needs {sorted(required)}: evaluate a causal language model")
-
-
-def greedy_tokens(logits, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Argmax over the first `vocab_size` ids (never a padding row) at the `mask` positions of `[batch, seq, vocab]`
-    logits, lowest id on ties.
-
-    Logits whose vocabulary is split over tensor-parallel ranks (a DTensor sharded on its last
-    dim) are gathered only at the masked positions: a few rows, not the whole batch.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    if isinstance(logits, DTensor):
-        placements = logits.placements
-        if len(placements) == 1 and placements[0].is_shard() and placements[0].dim % logits.ndim == logits.ndim - 1:
-            # The padded vocabulary divides evenly over tensor-parallel ranks (check_declared_splits).
-            picked = DTensor.from_local(logits.to_local()[mask], logits.device_mesh, [Shard(1)], run_check=False)
-            logits = picked.full_tensor()
-        else:
-            logits = logits.full_tensor()[mask]
-    else:
-        logits = logits[mask]
-    return logits[:, :vocab_size].float().argmax(-1)
 
 
 class LambadaEvaluator(ModelEvaluator):
@@ -169,45 +137,19 @@ class LambadaEvaluator(ModelEvaluator):
         mine = list(range(rank * per, min(n, (rank + 1) * per)))
         return mine + [-1] * (per - len(mine))
 
-    def _run(self, model, context: EvalContext, examples: list[LambadaExample], batch_size: int,
+    def _run(self, model, context: EvalContext, examples: list[ScoringExample], batch_size: int,
              max_len: int) -> list[float]:
-        from ..layers import ParallelCrossEntropyLoss
-
+        """`[passages right, target NLL, target tokens, passages]` of this rank's share."""
         order = self._shard(len(examples), context.dp_rank, context.dp_size)
-        # Longest first: less padding per batch, and memory trouble shows at once.
-        order.sort(key=lambda i: -len(examples[i].ids) if i >= 0 else 0)
-        vocab = int(context.tokenizer.vocab_size)
-        pad = getattr(context.tokenizer, "eod_id", None) or 0
-        multiple = max(int(context.tensor_parallel_size), 1)
-        cross_entropy = ParallelCrossEntropyLoss()
-        totals = torch.zeros(4, dtype=torch.float64)
-        with eval_mode(model):
-            for b in range(0, len(order), batch_size):
-                idx = order[b:b + batch_size]
-                batch = [examples[max(i, 0)] for i in idx]
-                weight = torch.tensor([1.0 if i >= 0 else 0.0 for i in idx], dtype=torch.float64)
-                # Sequence parallelism splits the sequence over tp ranks: keep it divisible.
-                length = min(-(-max(len(e.ids) - 1 for e in batch) // multiple) * multiple, max_len)
-                input_ids = torch.full((len(batch), length), pad, dtype=torch.long)
-                labels = torch.full((len(batch), length), IGNORE_INDEX, dtype=torch.long)
-                for row, ex in enumerate(batch):
-                    n = len(ex.ids) - 1
-                    input_ids[row, :n] = torch.tensor(ex.ids[:-1])
-                    labels[row, n - ex.num_target:n] = torch.tensor(ex.ids[-ex.num_target:])
-                input_ids, labels = input_ids.to(context.device), labels.to(context.device)
-                mask = labels != IGNORE_INDEX
-                with context.loss_context():
-                    with context.autocast():
-                        outputs = model(input_ids=input_ids)
-                    logits = outputs["logits"] if isinstance(outputs, dict) else outputs
-                    nll = cross_entropy(logits, labels)
-                    # Teacher forcing over the target span equals greedy generation of the whole
-                    # word: while every earlier target token is predicted right, the model's
-                    # greedy prefix is exactly the target prefix fed here, and the first miss
-                    # makes the passage wrong either way.
-                    hits = greedy_tokens(logits, mask, vocab) == labels[mask]
-                misses = torch.zeros(len(batch), device=context.device).index_add_(0, mask.nonzero()[:, 0],
-                                                                                  (~hits).float())
-                rows = torch.stack([(misses == 0).double(), nll.double().sum(-1), mask.sum(-1).double()]).cpu()
-                totals += torch.cat([(rows * weight).sum(-1), weight.sum()[None]])
-        return totals.tolist()
+        tokenizer = context.tokenizer
+        pad = getattr(tokenizer, "eod_id", None) or 0
+        # Teacher forcing over the target span equals greedy generation of the whole word: while
+        # every earlier target token is predicted right, the model's greedy prefix is exactly the
+        # target prefix fed here, and the first miss makes the passage wrong either way.
+        scored = score(model, context, [examples[max(i, 0)] for i in order], batch_size=batch_size,
+                       max_seq_length=max_len, vocab_size=int(tokenizer.vocab_size), pad_id=pad)
+        totals = [0.0, 0.0, 0.0, 0.0]
+        for i, (logprob, greedy) in zip(order, scored):
+            if i >= 0:
+                totals = [totals[0] + greedy, totals[1] - logprob, totals[2] + examples[i].num_target, totals[3] + 1]
+        return totals

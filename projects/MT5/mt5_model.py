@@ -552,6 +552,14 @@ class MT5ForPreTraining(nn.Module):
         return outputs
 
     # ------------------------------------------------------------------ the model protocol (libai_lite.model)
+    @staticmethod
+    def special_token_ids(tokenizer) -> dict:
+        """``eos``, ``pad`` and ``decoder_start`` as the span-corruption data uses them (``t5_special_ids``)."""
+        from .data.t5_dataset import t5_special_ids
+
+        ids = t5_special_ids(tokenizer)
+        return {k: ids[k] for k in ("eos", "pad", "decoder_start")}
+
     def output_metrics(self) -> dict:
         """``lm_loss`` is back-propagated, ``token_acc`` logged; MoE layers add their loss and statistics."""
         return {"lm_loss": LOSS, "token_acc": MEAN, **(MOE_METRICS if moe_layers(self.mt5_model) else {})}

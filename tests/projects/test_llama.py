@@ -328,17 +328,19 @@ def test_evaluate_tool_on_an_imported_llama_gives_transformers_lambada_and_perpl
         assert r.returncode == 0, r.stderr[-3000:]
         results[task] = json.loads(record.read_text())["results"]
     max_len = int(LazyConfig.load(out / "config.py").model.cfg.max_seq_length)
-    # Our model carries the vocabulary padded to 8064 rows (zeros after import), and like Megatron
-    # its log-softmax runs over them; give transformers' model the same rows to compare like for like.
-    hf.resize_token_embeddings(8064, mean_resizing=False)
-    with torch.no_grad():
-        hf.get_input_embeddings().weight[VOCAB:] = 0
-        hf.get_output_embeddings().weight[VOCAB:] = 0
+    # Our model carries the vocabulary padded to 8064 rows; probabilities are over the real ids only,
+    # as in transformers' model with its VOCAB rows.
     acc, ppl = reference_lambada(hf, hf_tok, texts, max_len, real_vocab=VOCAB)
     assert results["lambada"]["lambada_examples"] == len(texts)
     assert results["lambada"]["lambada_acc"] == pytest.approx(acc)
     # fp32 logits over a 2-layer model, accumulated in float64 on both sides: 1e-5 relative.
     assert results["lambada"]["lambada_ppl"] == pytest.approx(ppl, rel=1e-5)
+    # Perplexity comes from the model's own loss, whose log-softmax runs over the padded rows
+    # (zeros after import) as Megatron's does: give transformers' model the same rows.
+    hf.resize_token_embeddings(8064, mean_resizing=False)
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[VOCAB:] = 0
+        hf.get_output_embeddings().weight[VOCAB:] = 0
     ppl, count = reference_ppl(hf, hf_tok, texts, 33, 16)
     assert results["ppl"]["tokens"] == count
     assert results["ppl"]["PPL"] == pytest.approx(ppl, rel=1e-5)

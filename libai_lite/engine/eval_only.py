@@ -1,0 +1,93 @@
+"""A run set up to evaluate a checkpoint and nothing else: `tools/evaluate.py`, the lm-evaluation-harness adapter."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .default import DefaultTrainer
+
+
+class EvalOnlyTrainer(DefaultTrainer):
+    """`DefaultTrainer` set up for evaluation alone: the model from a checkpoint, no optimizer, no hooks.
+
+    `data_loader_fn(trainer)` builds the one loader to evaluate (or returns None for an
+    evaluator that reads its own data); the training data of the config is never opened.
+    """
+
+    def __init__(self, cfg, layout, data_loader_fn):
+        self._data_loader_fn = data_loader_fn
+        super().__init__(cfg, layout, eval_only=True)
+
+    def build_tokenizer(self, cfg):
+        """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
+
+        Training pads the vocabulary to a multiple of 128 x its tensor-parallel size, so a checkpoint
+        saved at tp=2 has more rows than tp=1 would pad to; the checkpoint's size wins, which lets any
+        layout evaluate it.
+        """
+        tokenizer = super().build_tokenizer(cfg)
+        rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight)
+        if tokenizer is not None and rows is not None and rows != cfg.model.cfg.vocab_size:
+            logging.getLogger("libai_lite").info(f"Model vocabulary set to the checkpoint's {rows} rows")
+            cfg.model.cfg.vocab_size = rows
+        return tokenizer
+
+    def build_loaders(self, cfg):
+        # The base builds the train loader from the config's data; evaluation needs none of it.
+        # The empty "train loader" is only there for the step runner the trainer still builds.
+        return [], None, self._data_loader_fn(self)
+
+    def build_optimizer(self, cfg, model):
+        return None
+
+    def build_lr_scheduler(self, cfg, optimizer):
+        return None
+
+    def build_hooks(self):
+        return []
+
+
+def checkpoint_vocab_rows(cfg, path: str) -> int | None:
+    """Rows of the token embedding stored in the DCP checkpoint at `path` (None when it cannot tell)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from libai_lite.config import instantiate
+    from libai_lite.layers import VocabEmbedding
+
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - the checkpointer reports a missing or corrupt checkpoint in one line
+        return None
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    for name, module in model.named_modules():
+        stored = meta.get(f"model.{name}.weight") if isinstance(module, VocabEmbedding) else None
+        if stored is not None:
+            return int(stored.size[0])
+    return None
+
+
+def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: str = "evaluate",
+                       data_loader_fn=lambda trainer: None, verify: bool = True) -> EvalOnlyTrainer:
+    """The config's model loaded from `checkpoint` on the layout the config and `opts` give.
+
+    The log and config.yaml go to `<train.output_dir>/<subdir>`, beside the training run's. Training's
+    global batch need not fit this layout: evaluation batches are `train.test_micro_batch_size` per
+    data-parallel rank.
+    """
+    from ..checkpoint.checkpointer import set_verification
+    from ..config import LazyConfig
+    from .launch import default_setup
+
+    if not verify:
+        set_verification(False)
+    cfg = LazyConfig.load(config_file)
+    cfg = LazyConfig.apply_overrides(cfg, list(opts or []))
+    cfg.train.load_weight = checkpoint
+    cfg.train.output_dir = os.path.join(cfg.train.output_dir, subdir)
+    cfg.train.evaluation.enabled = False
+    cfg.train.global_batch_size = None
+    layout = default_setup(cfg, argparse.Namespace(fast_dev_run=False))
+    return EvalOnlyTrainer(cfg, layout, data_loader_fn)
