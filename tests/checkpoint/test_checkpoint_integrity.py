@@ -264,7 +264,8 @@ def test_run_killed_while_replacing_model_best_resumes_from_it(tmp_path):
 # ------------------------------------------------------------------ a full disk
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+# One process with -m slow: the two-process run takes the same path and the rank coordination too.
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, nproc):
     """A real 16 MiB filesystem: the first checkpoint (about 9.4 MiB) fits, the second does not; with two
     data-parallel ranks DCP's CheckpointException reaches both and rank 0 prints the one line."""

@@ -286,8 +286,10 @@ def test_every_shipped_config_is_within_the_ranges():
             check_ranges(cfg)
 
 
-@pytest.mark.parametrize("override", ["train.dist.tensor_parallel_size=0", "optim.lr=-1",
-                                      "train.checkpointer={period:5,foo:1}"])
+# One case by default (the range table is checked in process above); the others with -m slow.
+@pytest.mark.parametrize("override", [pytest.param("train.dist.tensor_parallel_size=0", marks=pytest.mark.slow),
+                                      "optim.lr=-1",
+                                      pytest.param("train.checkpointer={period:5,foo:1}", marks=pytest.mark.slow)])
 def test_bad_values_through_train_sh_are_one_line_and_write_nothing(tmp_path, override):
     """As a user meets them: train.sh with two ranks, one `error:` line, nothing written."""
     out = tmp_path / "out"

@@ -199,7 +199,8 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+# One process with -m slow: the two-process run takes the same path and the rank coordination too.
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_full_disk_while_logging_stops_with_one_error_line_and_whole_rows(tmp_path, small_disk, nproc):
     """metrics.json, TensorBoard and log.txt fill the disk: one `error:` line naming the file, exit 1,
     every metrics.json line a whole row, and the run's earlier outputs kept. With two ranks the one

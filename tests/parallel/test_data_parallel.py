@@ -213,6 +213,8 @@ def test_dcp_checkpoints_move_between_zero_dp2_and_one_process(tmp_path):
         assert fresh_opt.param_groups[0]["weight_decay"] == 0.1
 
 
+# With -m slow: test_parallel_e2e's dp2_tp2_zero2 runs the same composition by default.
+@pytest.mark.slow
 def test_dp2_tp2_data_parallel_composes_with_tensor_parallel(tmp_path):
     """dp=2 x tp=2: FSDP2 replicate (no ZeRO), ZeRO-2 and ZeRO-3+AC over DTensor (tp) parameters."""
     torchrun(4, "tests/workers/dp_worker.py", "tp", str(tmp_path))

@@ -62,8 +62,11 @@ LAYOUTS = {
 }
 
 
-# Eight processes on a 2-core CI machine: the composition of tp2_pp2 and dp2_tp2_zero2, both in the default run.
-SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2"}
+# With -m slow: eight processes on a 2-core CI machine (the composition of dp2_tp2_zero2 and the
+# 4-rank checkpoint test's tp2_pp2), and layouts whose path a default test already takes: tp2
+# (test_tensor_parallel, the copied projects), dp2 and dp2_zero2 (dp2_tp2_zero2, dp2_zero1,
+# test_train_e2e), pp2_1f1b (the copied projects, Llama), tp2_pp2 (the resharding checkpoint test).
+SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2_pp2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -86,8 +89,9 @@ def test_layout_matches_one_process(tmp_path, reference, name):
         (2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3", "model.cfg.hidden_size=66"],
          "does not divide model.cfg.num_attention_heads=3"),
         (2, ["train.dist.pipeline_parallel_size=2", "model.cfg.hidden_layers=1"], "more stages than the model's 1 layers"),
-        (2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"],
-         "train.zero_optimization.stage=4 is out of range"),
+        # The range table refuses it in process too (tests/engine/test_bad_input.py).
+        pytest.param(2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"],
+                     "train.zero_optimization.stage=4 is out of range", marks=pytest.mark.slow),
         (2, ["train.zero_optimization.offload=True"], "offload"),
         (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True", "model.cfg.max_seq_length=31"],
          "the model's sequences have 31 tokens: use a sequence length divisible by 2"),
@@ -158,7 +162,9 @@ def mt5_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name,nproc,extra", [
     ("tp2", 2, ["train.dist.tensor_parallel_size=2"]),
-    ("dp2_zero2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"]),
+    # ZeRO-2 does not see which model it shards (the GPT layouts and MoE tests run it by default).
+    pytest.param("dp2_zero2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"],
+                 marks=pytest.mark.slow),
     # Four processes: with -m slow (the GPT layouts run dp x tp and tp x pp by default).
     pytest.param("dp2_tp2_zero2_actckpt", 4,
                  ["train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",

@@ -243,6 +243,8 @@ def test_loss_parallel_never_gathers_the_vocabulary(tp2, sp):
     assert info["comms"] and set(info["comms"]) == {"c10d_functional.all_reduce"}
 
 
+# With -m slow: test_parallel_e2e's dp2_tp2_zero2 runs the same composition by default.
+@pytest.mark.slow
 def test_dp2_tp2_matches_one_process_mean_over_batch_halves(tmp_path):
     """("dp", "tp") = (2, 2), FSDP2 over dp and sequence-parallel TP: each dp rank trains on half
     of every batch, and the dp mean equals one process accumulating both halves."""

@@ -189,7 +189,6 @@ def test_demo_trains_on_one_process_with_falling_loss(reference):
 LAYOUTS = {
     "tp2": ["train.dist.tensor_parallel_size=2"],
     "pp2_1f1b": ["train.dist.pipeline_parallel_size=2", "train.dist.pipeline_schedule=1f1b"],
-    "dp2_zero3": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"],
 }
 
 ZERO = "train.zero_optimization.enabled=True"
@@ -199,6 +198,7 @@ LAYOUTS["dp2_zero2_activation_checkpoint"] = [ZERO, "train.zero_optimization.sta
 
 SLOW_LAYOUTS = {
     "dp2_zero1": (2, [ZERO, "train.zero_optimization.stage=1"]),
+    "dp2_zero3": (2, [ZERO, "train.zero_optimization.stage=3"]),
     "dp2_zero3_offload": (2, [ZERO, "train.zero_optimization.stage=3", "train.zero_optimization.offload=True"]),
     "tp2_sequence_parallel": (2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "tp2_pp2": (4, ["train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"]),
