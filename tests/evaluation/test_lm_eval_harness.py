@@ -3,7 +3,6 @@ downloads), each answer checked against tools/evaluate.py or transformers scorin
 import glob
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -228,27 +227,26 @@ def test_seq2seq_loglikelihood_and_generation_equal_transformers_t5(tmp_path):
         assert row["resps"][0][0] == tok.decode(new).split("e")[0], text
 
 
-def test_bad_model_args_and_a_missing_extra_are_one_line(trained, tmp_path):
+def test_bad_model_args_are_refused_before_any_work():
+    """In process: the model refuses its arguments before it sets up a run (nothing is written)."""
+    from libai_lite.evaluation.harness import LibaiLiteLM
+    from libai_lite.utils.errors import UsageError
+
+    with pytest.raises(UsageError) as e:
+        LibaiLiteLM(config="projects/GPT/configs/gpt2_pretrain.py")
+    assert str(e.value) == "the libai_lite model needs --model_args config=CONFIG.py,checkpoint=DIR"
+    with pytest.raises(UsageError) as e:
+        LibaiLiteLM(config="projects/GPT/configs/gpt2_pretrain.py", checkpoint="ckpt", batch=4)
+    assert str(e.value) == ("unknown libai_lite model_args ['batch']: use config, checkpoint, max_length, max_gen_toks, "
+                            "verify or a dotted config override such as train.dist.tensor_parallel_size=2")
+
+
+def test_a_missing_extra_is_one_line(tmp_path):
     from tests.launch import env
 
-    _, ckpt, _ = trained
-    r = run_harness(tmp_path, "config=projects/GPT/configs/gpt2_pretrain.py", "lambada_local")
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        "error: the libai_lite model needs --model_args config=CONFIG.py,checkpoint=DIR"), r.stderr[-2000:]
-    r = run_harness(tmp_path, f"{GPT_ARGS},checkpoint={ckpt},batch=4,train.output_dir={tmp_path / 'run'}",
-                    "lambada_local")
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        "error: unknown libai_lite model_args ['batch']: use config, checkpoint, max_length, max_gen_toks, verify "
-        "or a dotted config override such as train.dist.tensor_parallel_size=2"), r.stderr[-2000:]
-    r = run_harness(tmp_path, f"{GPT_ARGS},checkpoint={tmp_path / 'nowhere'},train.output_dir={tmp_path / 'run'}",
-                    "lambada_local")
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr[-2000:]
-    assert "nowhere" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
-    # Without the [eval] extra: one line naming the install command.
     hide = "import sys, runpy; sys.modules['lm_eval'] = None; sys.argv = ['tools/eval_harness.py']; " \
            "runpy.run_path('tools/eval_harness.py', run_name='__main__')"
     r = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip() == ("error: lm-evaluation-harness is not installed; install the extra: "
                                 "pip install -e '.[eval]'"), r.stderr[-2000:]
-    assert not os.path.exists(tmp_path / "out")
