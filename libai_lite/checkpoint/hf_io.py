@@ -107,6 +107,59 @@ class HFTokenizer:
     import_line: str
 
 
+# What a HuggingFaceTokenizer reads beside a tokenizer.json (the ids it names, add_bos_token).
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+GPT2_FILES = ("vocab.json", "merges.txt")
+TOKENIZER_FORMATS = ("tokenizer.json", "gpt2")
+
+
+def _tokenizer_json(hf_dir: str) -> HFTokenizer | None:
+    from ..tokenizer import HuggingFaceTokenizer
+
+    if not os.path.isfile(os.path.join(hf_dir, TOKENIZER_JSON)):
+        return None
+    names = (TOKENIZER_JSON, *TOKENIZER_JSON_SIDE_FILES)
+    files = {n: os.path.join(hf_dir, n) for n in names if os.path.isfile(os.path.join(hf_dir, n))}
+    return HFTokenizer(HuggingFaceTokenizer(hf_dir), files, "LazyCall(HuggingFaceTokenizer)(path=_here)",
+                       "from libai_lite.tokenizer import HuggingFaceTokenizer")
+
+
+def _gpt2_files(hf_dir: str) -> HFTokenizer | None:
+    from ..tokenizer import GPT2Tokenizer
+
+    vocab, merges = (os.path.join(hf_dir, n) for n in GPT2_FILES)
+    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
+        return None
+    try:
+        tok = GPT2Tokenizer(vocab, merges)
+    except ValueError as e:
+        raise UsageError(f"the GPT-2 tokenizer files in {hf_dir} cannot be loaded: {e}") from e
+    return HFTokenizer(tok, {"vocab.json": vocab, "merges.txt": merges},
+                       'LazyCall(GPT2Tokenizer)(vocab_file=os.path.join(_here, "vocab.json"), '
+                       'merges_file=os.path.join(_here, "merges.txt"))',
+                       "from libai_lite.tokenizer import GPT2Tokenizer")
+
+
+def find_hf_tokenizer(hf_dir: str, formats=TOKENIZER_FORMATS) -> HFTokenizer | None:
+    """Our tokenizer for the tokenizer files of a Hugging Face directory, or None when it holds none of ``formats``.
+
+    ``formats`` are tried in order: ``"tokenizer.json"`` (a ``HuggingFaceTokenizer``; the side files transformers
+    reads with it are taken along) and ``"gpt2"`` (``vocab.json`` + ``merges.txt``, a ``GPT2Tokenizer``). A
+    project's ``find_tokenizer`` names those its models ship in the order it prefers them: GPT-2's Hub
+    directories hold both, and GPT reads them as GPT-2 files.
+    """
+    finders = {"tokenizer.json": _tokenizer_json, "gpt2": _gpt2_files}
+    unknown = [f for f in formats if f not in finders]
+    if unknown:
+        raise ValueError(f"unknown tokenizer format {unknown[0]!r}; known: {', '.join(finders)}")
+    for fmt in formats:
+        found = finders[fmt](hf_dir)
+        if found is not None:
+            return found
+    return None
+
+
 def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
     """``({name: source path}, tokenizer_config or None, notes)`` to make an exported directory usable."""
     from ..tokenizer import BertTokenizer, GPT2Tokenizer, SentencePieceTokenizer

@@ -18,12 +18,12 @@ module registers them for ``GPTForPreTraining`` on import, and ``modeling/__init
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Mapping
 
 import torch
 
 from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.checkpoint.hf_io import find_hf_tokenizer
 from libai_lite.utils.errors import UsageError
 
 from .gpt_model import GPTForPreTraining, GPTModel
@@ -140,19 +140,8 @@ def special_token_ids(tokenizer) -> dict:
 
 def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
     """Our GPT2Tokenizer for a directory's ``vocab.json`` + ``merges.txt``, or None when it has none."""
-    from libai_lite.tokenizer import GPT2Tokenizer
-
-    vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
-    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
-        return None
-    try:
-        tok = GPT2Tokenizer(vocab, merges)
-    except ValueError as e:
-        raise UsageError(f"the GPT-2 tokenizer files in {hf_dir} cannot be loaded: {e}") from e
-    return HFTokenizer(tok, {"vocab.json": vocab, "merges.txt": merges},
-                       'LazyCall(GPT2Tokenizer)(vocab_file=os.path.join(_here, "vocab.json"), '
-                       'merges_file=os.path.join(_here, "merges.txt"))',
-                       "from libai_lite.tokenizer import GPT2Tokenizer")
+    # The Hub's GPT-2 directories also hold a tokenizer.json: the GPT-2 files are read, as GPT2Tokenizer.
+    return find_hf_tokenizer(hf_dir, formats=("gpt2",))
 
 
 def _sizes(cfg: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -19,12 +19,12 @@ changes nothing for sequences within the window (4096 for Mistral 7B v0.1, none 
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Mapping
 
 import torch
 
 from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.checkpoint.hf_io import find_hf_tokenizer
 from libai_lite.utils.errors import UsageError
 
 from .llama_model import LlamaForPreTraining, LlamaModel
@@ -162,24 +162,7 @@ def special_token_ids(tokenizer) -> dict:
 def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
     """Our tokenizer for a directory: ``tokenizer.json`` (Llama 3, Mistral, Qwen2 ship it) as a
     ``HuggingFaceTokenizer``, else GPT-2's ``vocab.json`` + ``merges.txt`` (the demo's), else None."""
-    from libai_lite.tokenizer import GPT2Tokenizer, HuggingFaceTokenizer
-
-    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-        files = {n: os.path.join(hf_dir, n) for n in names if os.path.isfile(os.path.join(hf_dir, n))}
-        return HFTokenizer(HuggingFaceTokenizer(hf_dir), files, "LazyCall(HuggingFaceTokenizer)(path=_here)",
-                           "from libai_lite.tokenizer import HuggingFaceTokenizer")
-    vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
-    if not (os.path.isfile(vocab) and os.path.isfile(merges)):
-        return None
-    try:
-        tok = GPT2Tokenizer(vocab, merges)
-    except ValueError as e:
-        raise UsageError(f"the GPT-2 tokenizer files in {hf_dir} cannot be loaded: {e}") from e
-    return HFTokenizer(tok, {"vocab.json": vocab, "merges.txt": merges},
-                       'LazyCall(GPT2Tokenizer)(vocab_file=os.path.join(_here, "vocab.json"), '
-                       'merges_file=os.path.join(_here, "merges.txt"))',
-                       "from libai_lite.tokenizer import GPT2Tokenizer")
+    return find_hf_tokenizer(hf_dir, formats=("tokenizer.json", "gpt2"))
 
 
 def _sizes(cfg: Mapping[str, Any]) -> tuple[int, int, int, int]:
