@@ -32,7 +32,7 @@ setup(
         # wandb, matplotlib: the W&B writer and tools/plot_metrics.py tests run (skipped without them).
         # lm-eval: the harness adapter's tests (it depends on no torch of its own).
         "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7",
-                 "lm-eval>=0.4.13,<0.5"],
+                 "lm-eval>=0.4.13,<0.5", "torchao>=0.12"],
         # tools/preprocess_data.py --split-sentences: nltk's punkt (its model is installed apart,
         # python -m nltk.downloader punkt_tab, never fetched at run time).
         "sentences": ["nltk>=3.8"],
@@ -44,5 +44,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # tools/eval_harness.py: lm-evaluation-harness tasks on a checkpoint.
         "eval": ["lm-eval>=0.4.13,<0.5"],
+        # train.fp8: torchao's float8 linears (on GPUs of compute capability 8.9+); it depends on no torch.
+        "fp8": ["torchao>=0.12"],
     },
 )

@@ -21,7 +21,10 @@ train = dict(
     seed=1234,
     # A checkpoint directory to load weights from (not optimizer or data position); "" for none.
     load_weight="",
-    checkpointer=dict(period=1000, max_to_keep=3),
+    # async_save: stage each checkpoint in CPU memory (one more copy of the model and optimizer state)
+    # and write it in the background while training goes on; it is published, and old ones pruned,
+    # once written. At most one is in flight: a save waits for the previous one.
+    checkpointer=dict(period=1000, max_to_keep=3, async_save=False),
     # Weights & Biases beside TensorBoard (pip install -e .[wandb]): metrics.json's scalars and this
     # config. mode "offline" writes the run under output_dir/wandb with no network (`wandb sync` uploads
     # it later), "online" streams it (after `wandb login`), "disabled" writes nothing.
@@ -48,6 +51,9 @@ train = dict(
     # compile, cached under TORCHINDUCTOR_CACHE_DIR). loss: also the cross entropy of unfused heads;
     # backend "aot_eager" to debug; fullgraph: a graph break inside a layer is an error.
     compile=dict(enabled=False, loss=False, backend="inductor", fullgraph=False),
+    # FP8 linears through torchao (pip install -e .[fp8]) on GPUs of compute capability 8.9+ (H100):
+    # recipe tensorwise or rowwise; skip: module names kept in high precision (libai_lite/parallel/float8.py).
+    fp8=dict(enabled=False, recipe="tensorwise", skip=["lm_head"]),
     # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
     # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
     zero_optimization=dict(enabled=False, stage=1, offload=False),
@@ -55,6 +61,9 @@ train = dict(
         data_parallel_size=None,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
+        # Split each sample's sequence over this many ranks (decoder-only models; load-balanced causal
+        # chunks, keys and values all-gathered in attention; libai_lite/parallel/context_parallel.py).
+        context_parallel_size=1,
         pipeline_num_layers=None,
         custom_pipeline_stage_id=None,
         # Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b" or "interleaved_zero_bubble" (with

@@ -107,9 +107,11 @@ class HFTokenizer:
     import_line: str
 
 
-# What a HuggingFaceTokenizer reads beside a tokenizer.json (the ids it names, add_bos_token).
+# What a HuggingFaceTokenizer reads beside a tokenizer.json (the ids it names, add_bos_token), and the chat
+# template transformers reads, kept so that an export of the import carries it.
 TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                             "chat_template.jinja")
 GPT2_FILES = ("vocab.json", "merges.txt")
 TOKENIZER_FORMATS = ("tokenizer.json", "gpt2")
 
@@ -160,10 +162,35 @@ def find_hf_tokenizer(hf_dir: str, formats=TOKENIZER_FORMATS) -> HFTokenizer | N
     return None
 
 
+def _tokenizer_json_files(tokenizer) -> tuple[dict, dict, list[str]]:
+    """A ``HuggingFaceTokenizer``'s files and a ``tokenizer_config.json`` naming every token it has an id for."""
+    from ..tokenizer.huggingface import NAMED
+
+    folder = os.path.dirname(os.path.abspath(tokenizer.tokenizer_file))
+    files = {TOKENIZER_JSON: tokenizer.tokenizer_file}
+    # generation_config.json is the model's (written from config.json), not the tokenizer's.
+    for name in ("special_tokens_map.json", "chat_template.jinja"):
+        if os.path.isfile(os.path.join(folder, name)):
+            files[name] = os.path.join(folder, name)
+    config = dict(tokenizer.tokenizer_config)
+    # Without a class transformers 4 picks the model type's tokenizer class, which rewrites the tokenizer.json
+    # template from add_bos_token; PreTrainedTokenizerFast (Llama 3's) loads the file as it is.
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    for key in NAMED:
+        # An id our tokenizer took from generation_config.json, or a token named only in special_tokens_map.json,
+        # is written down so that AutoTokenizer sees it too.
+        token_id = getattr(tokenizer, f"{key}_id", None)
+        if key not in config and token_id is not None:
+            config[key] = tokenizer.id_to_token(token_id)
+    return files, config, []
+
+
 def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
     """``({name: source path}, tokenizer_config or None, notes)`` to make an exported directory usable."""
-    from ..tokenizer import BertTokenizer, GPT2Tokenizer, SentencePieceTokenizer
+    from ..tokenizer import BertTokenizer, GPT2Tokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        return _tokenizer_json_files(tokenizer)
     if isinstance(tokenizer, GPT2Tokenizer):
         return {"vocab.json": tokenizer.vocab_file, "merges.txt": tokenizer.merges_file}, None, []
     if isinstance(tokenizer, SentencePieceTokenizer):

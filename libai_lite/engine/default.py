@@ -22,6 +22,7 @@ from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.activation_checkpoint import check_ac_mode
 from ..parallel.compile import compile_options
+from ..parallel.float8 import check_float8, float8_options
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import Layout, broadcast_object
@@ -67,6 +68,7 @@ class DefaultTrainer:
             # Before their workers start: a job's stop signal is the trainer's to handle.
             shield_workers_from_stop_signals(loader)
         self.check_sequence_parallel(self.train_loader)
+        self.check_context_parallel(self.train_loader)
         if (cfg.train.get("log_memory_estimate", True) and self.layout.rank == 0
                 and getattr(self.train_loader, "dataset", None) is not None):
             from ..utils.memory_planner import startup_estimate
@@ -121,6 +123,7 @@ class DefaultTrainer:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
         check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
+        check_float8(float8_options(cfg.train.get("fp8")), layout.device, layout.tensor_parallel_size)
         if layout.sequence_parallel and max_seq_length(model) is not None:
             check_sequence_divides(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
         if layout.stage_of_layer:
@@ -138,6 +141,22 @@ class DefaultTrainer:
         for name, value in dataset[0].items():
             if len(getattr(value, "shape", ())) == 1:
                 check_sequence_divides(value.shape[0], tp, f"the samples' {name}")
+
+    def check_context_parallel(self, loader) -> None:
+        """Under context parallelism every sequence of a sample must cut into 2 x cp equal chunks (and, with
+        sequence parallelism, each rank's part split evenly over the tp ranks)."""
+        from ..parallel.context_parallel import check_sequence_divides as check_cp_divides
+        from ..parallel.tensor_parallel import check_sequence_divides
+
+        cp, dataset = self.layout.context_parallel_size, getattr(loader, "dataset", None)
+        if cp == 1 or not dataset:
+            return
+        for name, value in dataset[0].items():
+            if len(getattr(value, "shape", ())) == 1:
+                check_cp_divides(value.shape[0], cp, f"the samples' {name}")
+                if self.layout.sequence_parallel:
+                    check_sequence_divides(value.shape[0] // cp, self.layout.tensor_parallel_size,
+                                           f"each context-parallel rank's part of the samples' {name}")
 
     # ------------------------------------------------------------ building
     def build_meta_model(self, cfg) -> torch.nn.Module:
@@ -212,6 +231,7 @@ class DefaultTrainer:
 
     def build_model(self, cfg) -> ParallelModel:
         """``cfg.model`` on this rank's device, parallelized as the layout says (``parallelize_model``)."""
+        float8 = float8_options(cfg.train.get("fp8"))
         model = instantiate(cfg.model).to(self.layout.device)
         logger.info(f"Model {type(model).__name__} with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
                     f"parameters")
@@ -221,7 +241,7 @@ class DefaultTrainer:
                                  activation_checkpoint_every=every,
                                  activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")),
                                  compile=compile_options(cfg.train.get("compile")),
-                                 param_dtype=self.fsdp_param_dtype(cfg, self.layout))
+                                 param_dtype=self.fsdp_param_dtype(cfg, self.layout), float8=float8)
 
     def build_optimizer(self, cfg, model: ParallelModel):
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
@@ -235,11 +255,13 @@ class DefaultTrainer:
         optimizers = []
         for part in model.parts:
             opt = instantiate_with(cfg.optim, params=instantiate_with(cfg.optim.params, model=part))
-            if self.layout.zero_stage == 1 and self.layout.data_parallel_size > 1:
+            if self.layout.zero_stage == 1 and self.layout.replica_size > 1:
                 # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
                 accepted = inspect.signature(type(opt).__init__).parameters
                 kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
-                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.group("dp"), **kwargs)
+                # Over dp x cp, the group the gradients are reduced over.
+                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_mesh.get_group(),
+                                            **kwargs)
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 
@@ -279,6 +301,7 @@ class DefaultTrainer:
             max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
             loss_context=lambda: loss_parallel_context(tp),
             pipeline=model.pipeline,
+            context_parallel=model.context_parallel,
         )
 
     def build_hooks(self):

@@ -20,8 +20,10 @@ from ..utils.errors import UsageError
 from . import pipeline_split as ps
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import CompileOptions, apply_compile
+from .context_parallel import apply_context_parallel, check_context_parallel
 from .data_parallel import apply_data_parallel, check_zero1
 from .expert_parallel import apply_expert_parallel, build_expert_mesh, check_moe_layout
+from .float8 import Float8Options, apply_float8
 from .pipeline import PipelineStepper, check_schedule
 from .tensor_parallel import apply_tensor_parallel
 
@@ -36,6 +38,7 @@ class ParallelModel:
     checkpoints and optimizers only). ``parts``: the modules this rank trains and checkpoints, one
     optimizer each. ``pipeline``: the ``PipelineStepper``, or None. ``checkpoint_aliases``: FQNs this
     rank reads from another's entries (a pipelined tied weight). ``metrics``: the declared outputs.
+    ``context_parallel``: the run's ``ContextParallel`` (cp > 1), which shards the trainer's batches.
     """
 
     source: nn.Module
@@ -44,6 +47,7 @@ class ParallelModel:
     metrics: dict
     pipeline: object | None = None
     checkpoint_aliases: dict = field(default_factory=dict)
+    context_parallel: object | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
@@ -61,7 +65,9 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) ->
     Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect."""
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
-    if layout.zero_stage == 1 and layout.data_parallel_size > 1:
+    check_context_parallel(model, layout.context_parallel_size, layout.pipeline_parallel_size,
+                           model_moe_config(model) is not None)
+    if layout.zero_stage == 1 and layout.replica_size > 1:
         check_zero1(tensor_parallel=layout.tensor_parallel_size > 1)
     if layout.pipeline_parallel_size == 1:
         return
@@ -74,9 +80,14 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) ->
 
 def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None = None,
                      activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
-                     compile: CompileOptions | None = None, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Expert, tensor parallel, activation checkpointing, compilation and data parallel for one model part.
-    ``moe``: the whole model's MoE settings (building the expert mesh is a collective, whatever this part holds)."""
+                     compile: CompileOptions | None = None, param_dtype: torch.dtype | None = None,
+                     float8: Float8Options | None = None) -> nn.Module:
+    """FP8 linears, expert, tensor parallel, activation checkpointing, compilation and data parallel for one
+    model part. ``moe``: the whole model's MoE settings (building the expert mesh is a collective, whatever
+    this part holds)."""
+    if float8 is not None:
+        # First, as torchtitan does: checkpointing, compilation and FSDP2 then wrap the float8 linears.
+        apply_float8(module, float8)
     expert_mesh = None
     if moe is not None and moe.ep_size > 1:
         # First, so later steps only touch this rank's experts.
@@ -92,7 +103,8 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
         # After TP and AC, so the compiled layers hold DTensor parameters and the checkpoint region;
         # before FSDP2, whose hooks then stay outside the compiled code.
         apply_compile(module, compile)
-    return apply_data_parallel(module, layout.mesh["dp"], layout.zero_stage, offload=layout.offload,
+    # Over dp x cp under context parallelism: every cp rank holds the whole parameters.
+    return apply_data_parallel(module, layout.replica_mesh, layout.zero_stage, offload=layout.offload,
                                param_dtype=param_dtype, tp_enabled=tp > 1,
                                pipeline=layout.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
 
@@ -120,20 +132,23 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
 def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1, *,
                       activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
                       compile: CompileOptions | None = None,
-                      param_dtype: torch.dtype | None = None) -> ParallelModel:
+                      param_dtype: torch.dtype | None = None, float8: Float8Options | None = None) -> ParallelModel:
     """Make ``model`` (built whole on this rank's device) what this rank trains under ``layout``.
 
     ``n_microbatches``: the step's micro-batches (a pipeline schedule's). ``activation_checkpoint_every``:
     recompute every N-th transformer layer (0: off), ``activation_checkpoint_mode`` ``full`` or
     ``selective``. ``compile``: torch.compile per transformer layer (``libai_lite.parallel.compile``).
-    ``param_dtype``: FSDP's mixed-precision parameters.
+    ``param_dtype``: FSDP's mixed-precision parameters. ``float8``: FP8 linears (``libai_lite.parallel.float8``).
     """
     metrics = output_metrics(model)
     options = dict(moe=model_moe_config(model), activation_checkpoint_every=activation_checkpoint_every,
                    activation_checkpoint_mode=activation_checkpoint_mode, compile=compile,
-                   param_dtype=param_dtype)
+                   param_dtype=param_dtype, float8=float8)
     if layout.pipeline_parallel_size == 1:
-        return ParallelModel(model, parallelize_part(model, layout, **options), [model], metrics)
+        # Before the part is wrapped: the attention layers are reached through the model as built.
+        cp = apply_context_parallel(model, layout.mesh["cp"]) if layout.context_parallel_size > 1 else None
+        return ParallelModel(model, parallelize_part(model, layout, **options), [model], metrics,
+                             context_parallel=cp)
     if not layout.stage_of_layer:
         layout.place_layers(pipeline_num_layers(model))
     return _build_pipeline(model, layout, n_microbatches, metrics, **options)

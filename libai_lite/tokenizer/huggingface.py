@@ -48,6 +48,7 @@ class HuggingFaceTokenizer(TokenizersBackend):
     ``special_tokens_map.json`` beside it name the bos/eos/pad/unk tokens as transformers reads them (a named
     token missing from ``tokenizer.json`` is added after it, growing the vocabulary as transformers does), and
     ``generation_config.json`` gives an id that neither file names (its first one when it lists several).
+    ``tokenizer_config`` is the ``tokenizer_config.json`` read (``{}`` when absent).
 
     ``encode(text)`` gives the bare ids (``add_special_tokens=False``); ``encode(text, add_special_tokens=True)``
     adds what the ``tokenizer.json`` template adds, which is the family's convention: a BOS for Llama 2/3,
@@ -71,6 +72,8 @@ class HuggingFaceTokenizer(TokenizersBackend):
                              f"written by tokenizers or transformers") from None
         folder = os.path.dirname(os.path.abspath(self.tokenizer_file))
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        # Kept for export, which writes it beside a copy of tokenizer.json (see checkpoint/hf_io.py).
+        self.tokenizer_config = config
         generation = _read_json(os.path.join(folder, "generation_config.json"))
         named = {k: config[k] for k in NAMED if k in config}
         # transformers 5 reads special_tokens_map.json only for configs older than added_tokens_decoder,

@@ -201,7 +201,7 @@ TESTED_ELSEWHERE = {
     "value_out_of_range", "unknown_key_in_dict_override", "output_dir_in_use", "disk_full_while_logging",
     "checkpoint_bytes_flipped", "checkpoint_of_a_larger_model", "trainer_state_garbled", "preprocess_disk_full",
     "split_sentences_without_nltk", "packing_without_eod", "wandb_not_installed", "plot_without_metrics",
-    "harness_not_installed", "harness_without_checkpoint", "harness_unknown_model_arg",
+    "harness_not_installed", "harness_without_checkpoint", "harness_unknown_model_arg", "fp8_on_a_cpu",
     "slurm_outside_a_job",
 }
 
@@ -210,7 +210,7 @@ def _doc_rows():
     rows = {}
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        m = re.fullmatch(r"`([a-z_]+)`", cells[-1]) if len(cells) >= 3 else None
+        m = re.fullmatch(r"`([a-z0-9_]+)`", cells[-1]) if len(cells) >= 3 else None
         if m:
             rows[m.group(1)] = cells
     return rows

@@ -344,3 +344,59 @@ def test_evaluate_tool_on_an_imported_llama_gives_transformers_lambada_and_perpl
     ppl, count = reference_ppl(hf, hf_tok, texts, 33, 16)
     assert results["ppl"]["tokens"] == count
     assert results["ppl"]["PPL"] == pytest.approx(ppl, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------- tokenizer.json and BOS
+
+
+def _llama_with_tokenizer_json(hf_dir, style="llama3"):
+    """A tiny Llama over tests/tokenizer's byte-level BPE ``tokenizer.json`` (Llama 3's BOS template, side files)."""
+    import transformers
+
+    from tests.tokenizer.test_tokenizer import write_hf_tokenizer
+
+    hf_dir.mkdir(parents=True)
+    write_hf_tokenizer(hf_dir, style)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(hf_dir))
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    # The model's weights and config only: the tokenizer's generation_config.json stays.
+    hf.save_pretrained(hf_dir / "weights")
+    for name in ("config.json", "model.safetensors"):
+        shutil.move(hf_dir / "weights" / name, hf_dir / name)
+    shutil.rmtree(hf_dir / "weights")
+    return hf
+
+
+@pytest.mark.parametrize("side_files", ["tokenizer_config", "generation_config_only"])
+def test_export_writes_a_tokenizer_json_that_autotokenizer_loads_with_our_ids(side_files, tmp_path):
+    """import -> export of a Llama with a tokenizer.json: AutoTokenizer.from_pretrained(export) encodes as ours,
+    BOS included, and names the bos/eos tokens even when only generation_config.json gave their ids."""
+    import json
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from libai_lite.tokenizer import HuggingFaceTokenizer
+    from tests.tokenizer.test_tokenizer import HF_TEXTS
+
+    hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
+    _llama_with_tokenizer_json(hf_dir)
+    if side_files == "generation_config_only":
+        (hf_dir / "tokenizer_config.json").unlink()
+    ours = HuggingFaceTokenizer(hf_dir)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos_token) == (0, 1, True)
+    assert main(["import", "--hf-dir", str(hf_dir), "--output", str(out)]) == 0
+    assert main(["export", "--config-file", str(out / "config.py"), "--checkpoint", str(out),
+                 "--output", str(exp)]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(exp))
+    written = json.loads((exp / "tokenizer_config.json").read_text())
+    assert (written["bos_token"], written["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+    theirs = AutoTokenizer.from_pretrained(exp)
+    assert (theirs.bos_token_id, theirs.eos_token_id, len(theirs)) == (0, 1, ours.vocab_size)
+    for text in HF_TEXTS:
+        assert theirs(text).input_ids == ours.encode(text, add_special_tokens=True), text
+        assert theirs.decode(theirs(text).input_ids) == ours.decode(ours.encode(text, add_special_tokens=True))
+    model = LlamaForCausalLM.from_pretrained(exp)
+    assert (model.config.vocab_size, model.config.bos_token_id, model.config.eos_token_id) == (ours.vocab_size, 0, 1)
