@@ -250,3 +250,25 @@ def test_a_missing_extra_is_one_line(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip() == ("error: lm-evaluation-harness is not installed; install the extra: "
                                 "pip install -e '.[eval]'"), r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_harness_gives_the_one_process_log_likelihoods(gpt_run, trained):
+    """torchrun with tp=2: both ranks run the requests on the vocabulary-split model; rank 0 reports."""
+    from tests.launch import free_port
+
+    tmp, ckpt, _, _ = gpt_run
+    out = tmp / "tp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "tools/eval_harness.py", "--model", "libai_lite", "--model_args",
+           f"{GPT_ARGS},checkpoint={ckpt},train.output_dir={out / 'run'},train.dist.tensor_parallel_size=2",
+           "--tasks", "lambada_local", "--include_path", str(tmp / "tasks"), "--output_path", str(out / "out"),
+           "--log_samples", "--batch_size", "4"]
+    r = subprocess.run(cmd, cwd=ROOT, env=harness_env(out), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("|lambada_local|") == 1  # one report, from rank 0
+    one = samples(tmp / "out", "lambada_local")
+    two = samples(out / "out", "lambada_local")
+    for a, b in zip(one, two):
+        assert float(b["filtered_resps"][0][0]) == pytest.approx(float(a["filtered_resps"][0][0]), rel=1e-5)
+        assert b["filtered_resps"][0][1] == a["filtered_resps"][0][1]
