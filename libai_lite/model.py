@@ -23,6 +23,10 @@ Optional (the feature that needs it says so in one line when it is missing)
     ``pipeline_batch(batch) -> (first-stage args, every-stage kwargs, labels)``,
     ``pipeline_loss_fn(output, labels) -> loss`` and optionally ``pipeline_metrics(output, labels)``
     with ``pipeline_metric_names``.
+    Context parallelism (``train.dist.context_parallel_size``): ``forward`` takes ``position_ids`` (each rank's
+        global positions), and a back-propagated loss that is a mean over tokens names the output counting
+        them, ``Metric(backward=True, tokens="num_tokens")`` (the sum of its 0/1 token weights), so the loss
+        is the mean over the whole sequence; a loss without ``tokens`` is averaged over the cp ranks.
     Hugging Face: the project registers its mapping (``libai_lite.checkpoint.hf``) when its
     modeling package is imported.
 """
@@ -42,10 +46,12 @@ REDUCTIONS = ("mean", "sum", "max")
 class Metric:
     """How the trainer treats one entry of a model's output dict: ``backward``, added to the loss that is
     back-propagated; ``reduce``, how a step's value forms from its micro-batches and then the
-    data-parallel ranks (``mean``: losses, accuracies; ``sum``: counts; ``max``: a worst case)."""
+    data-parallel ranks (``mean``: losses, accuracies; ``sum``: counts; ``max``: a worst case); ``tokens``, for
+    a loss that is a mean over tokens, the output counting them (context parallelism re-weights by it)."""
 
     backward: bool = False
     reduce: str = "mean"
+    tokens: str | None = None
 
     def __post_init__(self):
         if self.reduce not in REDUCTIONS:

@@ -113,6 +113,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.dist.data_parallel_size": _COUNT_OR_NULL,
     "train.dist.tensor_parallel_size": _COUNT,
     "train.dist.pipeline_parallel_size": _COUNT,
+    "train.dist.context_parallel_size": _COUNT,
     "train.dist.pipeline_num_layers": _COUNT_OR_NULL,
     "train.dist.virtual_pipeline_size": _COUNT,
     "train.dist.timeout": _POSITIVE,

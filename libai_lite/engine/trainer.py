@@ -96,19 +96,22 @@ class Trainer(TrainerBase):
     ``pipeline`` (a ``PipelineStepper``) is given, through its schedule with the micro-batches
     concatenated; the rest of the step is the same. ``metrics`` is the model's
     ``output_metrics()``: the entries back-propagated and how each combines over micro-batches.
+    ``context_parallel`` (a ``ContextParallel``, cp > 1): each micro-batch is cut to this rank's part of the
+    sequence and its outputs formed over the whole sequence.
     """
 
     def __init__(self, model, data_loader, optimizer, scheduler, metrics, num_accumulation_steps: int = 1,
                  device: torch.device = torch.device("cpu"), amp_dtype: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad_max_norm: float | None = None,
                  clip_grad_norm_type: float = 2.0, max_skipped_nonfinite: int = 0, loss_context=nullcontext,
-                 pipeline=None):
+                 pipeline=None, context_parallel=None):
         super().__init__()
         self.model, self.data_loader, self.optimizer, self.scheduler = model, data_loader, optimizer, scheduler
         self._data_iter = iter(data_loader)
         self.metrics = dict(metrics)
         self.num_accumulation_steps, self.device, self.amp_dtype = num_accumulation_steps, device, amp_dtype
         self.grad_scaler, self.loss_context, self.pipeline = grad_scaler, loss_context, pipeline
+        self.context_parallel = context_parallel
         self.clip_grad = (clip_grad_max_norm or float("inf"), clip_grad_norm_type)
         # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
         self.max_skipped_nonfinite = int(max_skipped_nonfinite or 0)
@@ -143,11 +146,18 @@ class Trainer(TrainerBase):
         from ..parallel.data_parallel import no_sync_context
 
         seen: dict[str, list[torch.Tensor]] = {}
+        cp = self.context_parallel
         for micro, batch in enumerate(batches):
+            if cp is not None:
+                batch = cp.shard_batch(batch)
             # Gradients are reduced across data-parallel ranks once per step, on the last micro-batch.
-            with no_sync_context(self.model, micro == len(batches) - 1), self.loss_context():
+            # Backward stays inside `sharded()` too: recomputed (checkpointed) attention gathers again.
+            with no_sync_context(self.model, micro == len(batches) - 1), self.loss_context(), \
+                    (cp.sharded() if cp is not None else nullcontext()):
                 with self.autocast():
                     outputs = self.model(**batch)
+                if cp is not None:
+                    outputs = cp.reduce_outputs(outputs, self.metrics)
                 loss = sum(outputs[k] for k, m in self.metrics.items() if m.backward and k in outputs) / len(batches)
                 (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
             for k in self.metrics:

@@ -98,6 +98,10 @@ class MultiheadAttention(nn.Module):
     alone (Qwen2: q/k/v biased, output not). ``rope_theta`` (and ``rope_scaling``) rotate queries and
     keys by their positions (``RotaryEmbedding``); the angles are computed here, after sequence
     parallelism has gathered the whole sequence, from ``position_ids`` or the positions after the cache.
+
+    Context parallelism (``libai_lite.parallel.context_parallel``): in a sharded training step a causal
+    self-attention holds its rank's part of the sequence; keys and values are gathered over the cp ranks
+    and masked by global positions (and ``document_ids``).
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
@@ -157,6 +161,8 @@ class MultiheadAttention(nn.Module):
         self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method, bias)
         self.rotary = None if rope_theta is None else RotaryEmbedding(head_size, rope_theta, rope_scaling)
         self.output_dropout = nn.Dropout(output_dropout_prob)
+        # Set by libai_lite.parallel.context_parallel.apply_context_parallel (causal self-attention only).
+        self.context_parallel = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
@@ -214,7 +220,16 @@ class MultiheadAttention(nn.Module):
             if kv_cache is not None:
                 key, value = kv_cache.update(key, value)
 
-        attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias, document_ids)
+        cp = self.context_parallel
+        if cp is not None and cp.enabled:
+            # Context parallelism: this rank holds part of the sequence; keys and values (rotated by
+            # their own global positions above) are gathered whole, the mask built from global positions.
+            if kv_cache is not None or attention_mask is not None or position_bias is not None:
+                raise ValueError("context-parallel attention takes no KV cache, attention_mask or position_bias")
+            key, value, attn_mask = cp.gather_kv(key, value, document_ids)
+            is_causal = False
+        else:
+            attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias, document_ids)
         gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                                  dropout_p=self.attention_dropout_prob if self.training else 0.0,

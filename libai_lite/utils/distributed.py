@@ -1,4 +1,4 @@
-"""The process group, the ("pp", "dp", "tp") device mesh in one ``Layout``, rank helpers and hang reports."""
+"""The process group, the ("pp", "dp", "cp", "tp") device mesh in one ``Layout``, rank helpers and hang reports."""
 from __future__ import annotations
 
 import os
@@ -37,11 +37,15 @@ class Layout:
     virtual_pipeline_size: int = 1
     custom_pipeline_stage_id: Sequence[int] | None = None
     stage_of_layer: list[int] = field(default_factory=list)
+    context_parallel_size: int = 1
+    # dp x cp flattened (setup_dist): kept here, as torch deprecates slicing a flattened dim from the root mesh.
+    dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     # Coordinates on the mesh (0 without one).
     pp_rank = property(lambda self: self._coord("pp"))
     dp_rank = property(lambda self: self._coord("dp"))
     tp_rank = property(lambda self: self._coord("tp"))
+    cp_rank = property(lambda self: self._coord("cp"))
 
     def _coord(self, name: str) -> int:
         return 0 if self.mesh is None else self.mesh.get_local_rank(name)
@@ -49,6 +53,21 @@ class Layout:
     def group(self, name: str):
         """The process group of one mesh dimension (None when there is no mesh)."""
         return None if self.mesh is None else self.mesh.get_group(name)
+
+    @property
+    def replica_mesh(self) -> DeviceMesh | None:
+        """The mesh gradients are reduced (and ZeRO shards) over: dp, or dp x cp flattened under context
+        parallelism, since every cp rank holds the whole parameters (Megatron's data-parallel-with-cp group)."""
+        if self.mesh is None:
+            return None
+        if self.context_parallel_size == 1:
+            return self.mesh["dp"]
+        return self.dp_cp_mesh
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks in ``replica_mesh``: data_parallel_size x context_parallel_size."""
+        return self.data_parallel_size * self.context_parallel_size
 
     @property
     def num_stages(self) -> int:
@@ -104,25 +123,29 @@ def _init_process_group(timeout_s: float) -> None:
                                 timeout=timeout)
 
 
-def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int]:
-    """(pp, dp, tp) from `train.dist`, inferring dp when left out; raises UsageError if they don't fit."""
+def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) from `train.dist`, inferring dp when left out; raises UsageError if they don't fit."""
     pp = int(dist_cfg.get("pipeline_parallel_size", 1) or 1)
     tp = int(dist_cfg.get("tensor_parallel_size", 1) or 1)
-    for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp)):
+    cp = int(dist_cfg.get("context_parallel_size", 1) or 1)
+    for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp), ("context_parallel_size", cp)):
         if value < 1:
             raise UsageError(f"train.dist.{name}={value} must be at least 1")
-    fits = world_size % (pp * tp) == 0
+    model = pp * cp * tp
+    named = f"pipeline_parallel_size({pp}) x " + (f"context_parallel_size({cp}) x " if cp > 1 else "") + \
+        f"tensor_parallel_size({tp})"
+    fits = world_size % model == 0
     dp = dist_cfg.get("data_parallel_size", None)
     if dp is None and not fits:
-        raise UsageError(f"world size {world_size} is not divisible by pipeline_parallel_size({pp}) x "
-                         f"tensor_parallel_size({tp}); launch a multiple of {pp * tp} processes or change train.dist")
-    dp = world_size // (pp * tp) if dp is None else int(dp)
-    if dp * pp * tp != world_size:
-        fix = world_size // (pp * tp) if fits else "null"
-        raise UsageError(f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
-                         f"pipeline_parallel_size({pp}) = {dp * tp * pp} does not match the world size {world_size}; "
-                         f"launch {dp * tp * pp} processes or set train.dist.data_parallel_size={fix}")
-    return pp, dp, tp
+        raise UsageError(f"world size {world_size} is not divisible by {named}; launch a multiple of {model} "
+                         f"processes or change train.dist")
+    dp = world_size // model if dp is None else int(dp)
+    if dp * model != world_size:
+        fix = world_size // model if fits else "null"
+        raise UsageError(f"train.dist layout data_parallel_size({dp}) x {named} = {dp * model} does not match the "
+                         f"world size {world_size}; launch {dp * model} processes or set "
+                         f"train.dist.data_parallel_size={fix}")
+    return pp, dp, cp, tp
 
 
 def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
@@ -157,26 +180,31 @@ def _zero_settings(zero_cfg) -> tuple[int, bool]:
 
 
 def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
-    """Initialise the process group and the ("pp", "dp", "tp") mesh from ``train.dist`` and
+    """Initialise the process group and the ("pp", "dp", "cp", "tp") mesh from ``train.dist`` and
     ``train.zero_optimization``; returns the run's ``Layout``."""
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
     _init_process_group(timeout_s)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    pp, dp, tp = resolve_layout(world_size, dist_cfg)
+    pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
     zero_stage, offload = _zero_settings(zero_cfg)
     virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
     if virtual < 1:
         raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    # torchtitan's order: cp sits between dp and tp, so a cp group's ranks are tp apart and a
+    # dp x cp replica group is contiguous once flattened.
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     custom = dist_cfg.get("custom_pipeline_stage_id", None)
     layout = Layout(
         world_size, rank, local_rank, device, pp, dp, tp, mesh,
         sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)), zero_stage=zero_stage, offload=offload,
         pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"), virtual_pipeline_size=virtual,
-        custom_pipeline_stage_id=list(custom) if custom is not None else None,
+        custom_pipeline_stage_id=list(custom) if custom is not None else None, context_parallel_size=cp,
     )
+    if cp > 1:
+        # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
+        layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None)
     return layout
 

@@ -25,7 +25,7 @@ from libai_lite.layers import (
 )
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import LOSS
+from libai_lite.model import Metric
 
 # LiBai GPT config keys that name kernel fusions or fp16 tricks with no numerical effect
 # here; accepted so LiBai configs load unchanged.
@@ -393,7 +393,9 @@ class GPTForPreTraining(nn.Module):
     # ------------------------------------------------------------------ the model protocol (libai_lite.model)
     def output_metrics(self) -> dict:
         """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
-        return {"lm_loss": LOSS, **(MOE_METRICS if moe_layers(self.GPT_model) else {})}
+        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
+        lm_loss = Metric(backward=True, tokens="num_tokens")
+        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.GPT_model) else {})}
 
     @staticmethod
     def tokens_per_sample(sample: Mapping) -> int:

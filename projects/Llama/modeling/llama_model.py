@@ -24,7 +24,7 @@ from libai_lite.layers import (
 )
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import LOSS
+from libai_lite.model import Metric
 
 
 class LlamaModel(nn.Module):
@@ -262,7 +262,9 @@ class LlamaForPreTraining(nn.Module):
     # ------------------------------------------------------------------ the model protocol (libai_lite.model)
     def output_metrics(self) -> dict:
         """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
-        return {"lm_loss": LOSS, **(MOE_METRICS if moe_layers(self.llama) else {})}
+        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
+        lm_loss = Metric(backward=True, tokens="num_tokens")
+        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.llama) else {})}
 
     @staticmethod
     def tokens_per_sample(sample: Mapping) -> int:

@@ -1,0 +1,193 @@
+"""Context parallelism: each sample's sequence split over the ``cp`` ranks, attention over the whole sequence.
+
+Load-balanced causal sharding (Megatron-LM, torchtitan): the sequence is cut into ``2 * cp`` chunks and
+cp rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, so every rank holds as many early (cheap) as
+late (expensive) queries of the causal triangle. Attention all-gathers the keys and values over the cp
+group (DTensor ``Shard -> Replicate``, whose backward reduce-scatters their gradients) and masks with the
+GLOBAL positions of the local queries and of the gathered keys. Ring attention
+(``torch.distributed.tensor.experimental.context_parallel``) is not used: in torch 2.13 it replaces only the
+CUDA flash / efficient / cuDNN SDPA kernels (not the CPU one), and takes no mask (packed documents), so the
+gather is what runs on every device.
+
+What each piece does:
+
+- ``ContextParallel.shard_batch``: a micro-batch read whole by every cp rank of a data-parallel replica
+  keeps this rank's two chunks of every ``[batch, seq]`` tensor, and gains ``position_ids`` (global
+  positions) when it has none.
+- ``ContextParallel.gather_kv``: called by ``MultiheadAttention`` while ``sharded()`` is active.
+- ``ContextParallel.reduce_outputs``: a token-mean loss becomes the mean over the whole sequence (sums of
+  nll and of tokens over cp), so the loss equals the one-process loss; gradients are then reduced over
+  dp x cp (``Layout.replica_mesh``) as Megatron does.
+
+Only training steps run sharded: evaluation and generation see whole sequences on every cp rank.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..utils.errors import UsageError
+
+
+def check_sequence_divides(seq_length: int, cp: int, what: str = "the sequence") -> None:
+    """Refuse a sequence length the load-balanced sharding cannot cut into ``2 * cp`` equal chunks."""
+    if seq_length % (2 * cp):
+        raise UsageError(f"{what} ({seq_length} tokens) is not divisible by 2 x train.dist.context_parallel_size "
+                         f"= {2 * cp}; use a sequence length that is a multiple of {2 * cp} or a smaller "
+                         f"context_parallel_size")
+
+
+def shard_positions(seq_length: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The global positions cp rank ``rank`` holds, in its local order: chunks ``rank`` and ``2*cp-1-rank``."""
+    check_sequence_divides(seq_length, cp)
+    chunk = seq_length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class ContextParallel:
+    """The cp group of one run and what the trainer and the attention layers ask of it."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.group = mesh.get_group()
+        self.enabled = False
+
+    @contextmanager
+    def sharded(self):
+        """Within: attention layers given this object gather keys and values over cp (training steps)."""
+        previous, self.enabled = self.enabled, True
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def positions(self, seq_length: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's part of a ``seq_length`` sequence."""
+        return shard_positions(seq_length, self.size, self.rank, device)
+
+    def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> dict:
+        """This rank's chunks of every ``[batch, seq, ...]`` tensor; ``position_ids`` (global) added when absent."""
+        seqs = {k: v.shape[1] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2}
+        if len(set(seqs.values())) > 1:
+            raise UsageError(f"context parallelism splits every [batch, seq] tensor of a batch on one sequence, but "
+                             f"they differ: {seqs}; set train.dist.context_parallel_size=1 for this data")
+        if not seqs:
+            raise UsageError("context parallelism found no [batch, seq] tensor in the batch to split; "
+                             "set train.dist.context_parallel_size=1")
+        seq_length = next(iter(seqs.values()))
+        device = next(v.device for v in batch.values() if torch.is_tensor(v))
+        index = self.positions(seq_length, device)
+        out = {k: v.index_select(1, index) if k in seqs else v for k, v in batch.items()}
+        if out.get("position_ids") is None:
+            bsz = next(v.shape[0] for k, v in batch.items() if k in seqs)
+            out["position_ids"] = index[None].expand(bsz, -1)
+        return out
+
+    def gather_kv(self, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor | None = None):
+        """``(keys, values, keep)``: the whole sequence's keys and values ``[batch, heads, seq, head_size]``
+        (in cp-rank order, not position order) and the boolean SDPA mask of the local queries, causal on
+        global positions and, with ``document_ids`` ``[batch, local_seq]``, inside each query's document."""
+        local = key.shape[-2]
+        key, value = (self._gather(t, 2) for t in (key, value))
+        total = local * self.size
+        q_pos = self.positions(total, key.device)
+        k_pos = torch.cat([shard_positions(total, self.size, r, key.device) for r in range(self.size)])
+        keep = q_pos[:, None] >= k_pos[None, :]  # every query sees itself: no empty row, no NaN
+        if document_ids is not None:
+            docs = DTensor.from_local(document_ids, self.mesh, [Shard(1)], run_check=False).full_tensor()
+            keep = (keep & (document_ids[:, :, None] == docs[:, None, :]))[:, None]
+        return key, value, keep
+
+    def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        # Backward turns each rank's partial gradient of the whole sequence into its own slice (reduce-scatter).
+        full = DTensor.from_local(t.contiguous(), self.mesh, [Shard(dim)], run_check=False)
+        return full.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+    def reduce_outputs(self, outputs: dict, metrics: Mapping) -> dict:
+        """The outputs of one sharded forward as over the whole sequence, the same value on every cp rank.
+
+        A back-propagated loss declaring ``tokens`` (``Metric(backward=True, tokens=...)``): sum of the
+        ranks' ``loss x tokens`` over the sum of tokens; its gradient is this rank's share times cp, since
+        the gradient reduction over dp x cp averages. Other losses: their mean over cp. Logged-only
+        metrics reduce over cp as they do over data-parallel ranks.
+        """
+        out = dict(outputs)
+        for name, metric in metrics.items():
+            if name not in outputs:
+                continue
+            value = outputs[name]
+            if metric.backward and metric.tokens is not None:
+                if metric.tokens not in outputs:
+                    raise UsageError(f"output {name!r} declares its tokens as {metric.tokens!r}, which the model's "
+                                     f"forward does not return; context parallelism needs that count")
+                tokens = outputs[metric.tokens].detach().to(value.dtype)
+                weighted = value * tokens
+                sums = _all_reduce(torch.stack([weighted.detach(), tokens]), self.group)
+                denominator = sums[1].clamp(min=torch.finfo(value.dtype).tiny)
+                whole, scaled = sums[0] / denominator, weighted * self.size / denominator
+            elif metric.backward:
+                whole, scaled = _all_reduce(value, self.group) / self.size, value
+            else:
+                op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[metric.reduce]
+                reduced = _all_reduce(value.float(), self.group, op)
+                out[name] = reduced / self.size if metric.reduce == "mean" else reduced
+                continue
+            # The value the whole sequence gives, the gradient of this rank's part.
+            out[name] = scaled + (whole - scaled).detach()
+        return out
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
+    """Give every causal self-attention of ``model`` the run's ``ContextParallel``; returns it."""
+    from ..layers.attention import MultiheadAttention
+
+    cp = ContextParallel(cp_mesh)
+    found = 0
+    for module in model.modules():
+        if isinstance(module, MultiheadAttention) and not module.is_cross_attention \
+                and module.attn_mask_type == "causal":
+            module.context_parallel = cp
+            found += 1
+    if not found:
+        raise UsageError(f"{type(model).__name__} has no causal self-attention for context parallelism to split; "
+                         f"set train.dist.context_parallel_size=1")
+    return cp
+
+
+def check_context_parallel(model: nn.Module, cp: int, pipeline_parallel_size: int, has_moe: bool) -> None:
+    """Refuse, in one line and before any work, what context parallelism does not run with."""
+    if cp == 1:
+        return
+    import inspect
+
+    from ..model import is_encoder_decoder, unwrap
+
+    name = type(unwrap(model)).__name__
+    fix = "set train.dist.context_parallel_size=1"
+    if is_encoder_decoder(model):
+        raise UsageError(f"context parallelism splits decoder-only models' sequences; {name} is an encoder-decoder: "
+                         f"{fix}")
+    if pipeline_parallel_size > 1:
+        raise UsageError(f"context parallelism does not run with pipeline parallelism yet; {fix} or "
+                         f"train.dist.pipeline_parallel_size=1")
+    if has_moe:
+        raise UsageError(f"context parallelism does not run with MoE layers yet; {fix}")
+    if "position_ids" not in inspect.signature(unwrap(model).forward).parameters:
+        raise UsageError(f"context parallelism gives each rank global position_ids, but {name}.forward takes no "
+                         f"position_ids; {fix}")
