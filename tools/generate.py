@@ -105,14 +105,20 @@ def read_prompts(args) -> list:
 
 
 def encode_prompts(prompts: list, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]]:
-    """``(shown text, ids)`` for each prompt of ``read_prompts``."""
+    """``(shown text, ids)`` for each prompt of ``read_prompts``.
+
+    A text starts with the tokenizer's BOS when the tokenizer adds one (a Llama-family ``tokenizer.json``), as
+    transformers' ``tokenizer(prompt)`` does: those models saw BOS at the start of every training document.
+    ``--prompt-ids`` are taken as given.
+    """
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise UsageError("text prompts need a tokenizer; give --vocab-file/--merges-file or --spm-model, "
                                  "or use --prompt-ids")
-            out.append((prompt, list(tokenizer.encode(prompt))))
+            out.append((prompt, bos + list(tokenizer.encode(prompt))))
         else:
             bad = [i for i in prompt if not 0 <= i < vocab_size]
             if bad:

@@ -1,8 +1,9 @@
 """Perplexity data: a JSON-lines file (or a `.bin/.idx` prefix) cut into fixed-length windows.
 
 The documents are tokenized with the run's tokenizer, each followed by the end-of-document id
-(as `tools/preprocess_data.py --append-eod` does), concatenated into one token stream and cut
-into windows of `seq_length` input tokens. Every token after the first is predicted exactly
+(as `tools/preprocess_data.py --append-eod` does) and preceded by BOS when the tokenizer adds one
+(Llama's `tokenizer.json`), concatenated into one token stream and cut into windows of
+`seq_length` input tokens. Every token after the first is predicted exactly
 once: in consecutive windows (the default, Megatron's evaluation samples), or, with
 `stride < seq_length`, in windows every `stride` tokens that score only their last `stride`
 predictions, so each sees at least `seq_length - stride` tokens of context (Hugging Face's
@@ -77,15 +78,20 @@ def read_jsonl_texts(path, json_key: str = "text") -> list[str]:
 
 
 def jsonl_token_stream(path, tokenizer, json_key: str = "text") -> np.ndarray:
-    """Every document of a JSON-lines file tokenized, each followed by the tokenizer's EOD id, as one array."""
+    """Every document of a JSON-lines file tokenized, each followed by the tokenizer's EOD id, as one array.
+
+    A document starts with the tokenizer's BOS when the tokenizer adds one (a Llama-family ``tokenizer.json``),
+    as transformers' ``tokenizer(text)`` gives it and as those models were trained.
+    """
     texts = read_jsonl_texts(path, json_key)
     eod = getattr(tokenizer, "eod_id", None)
     if eod is None:
         raise UsageError(f"{type(tokenizer).__name__} has no end-of-document id, which separates the "
                          f"documents of {path}; use a tokenizer with one (GPT-2 BPE, SentencePiece)")
+    bos = (tokenizer.bos_token_id,) if getattr(tokenizer, "add_bos_token", False) else ()
     docs = tokenizer.encode_batch(texts)
-    return np.fromiter((t for doc in docs for t in (*doc, eod)), dtype=np.int64,
-                       count=sum(len(d) + 1 for d in docs))
+    return np.fromiter((t for doc in docs for t in (*bos, *doc, eod)), dtype=np.int64,
+                       count=sum(len(bos) + len(d) + 1 for d in docs))
 
 
 def indexed_token_stream(data_prefix, split: str = "all", splits_string: str = "949,50,1") -> np.ndarray:

@@ -49,9 +49,12 @@ def load_lambada(path, json_key: str = "text") -> list[tuple[str, str]]:
 def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[ScoringExample], int]:
     """Tokenize `(context, word)` pairs as context + `" " + word`; returns the examples and how many were cut.
 
-    The model reads `ids[:-1]`, so an example fits when it has at most `max_seq_length + 1`
-    tokens; longer ones keep their rightmost tokens (the target and the nearest context).
+    The context starts with the tokenizer's BOS when the tokenizer adds one (Llama's `tokenizer.json`), as
+    transformers' `tokenizer(context)` gives it. The model reads `ids[:-1]`, so an example fits when it has
+    at most `max_seq_length + 1` tokens; longer ones keep the BOS and their rightmost tokens (the target
+    and the nearest context).
     """
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
     contexts = tokenizer.encode_batch([c for c, _ in pairs])
     targets = tokenizer.encode_batch([" " + w for _, w in pairs])
     examples, cut = [], 0
@@ -63,9 +66,10 @@ def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[Scorin
             raise UsageError(f"the target word {word[:40]!r} is {len(tgt)} tokens, more than max_seq_length="
                              f"{max_seq_length}; evaluate with a model that reads longer sequences")
         ids = ctx + tgt
-        if len(ids) > max_seq_length + 1:
-            ids = ids[-(max_seq_length + 1):]
+        if len(bos) + len(ids) > max_seq_length + 1:
+            ids = ids[-(max_seq_length + 1 - len(bos)):]
             cut += 1
+        ids = bos + ids
         examples.append(ScoringExample(ids, len(tgt)))
     return examples, cut
 

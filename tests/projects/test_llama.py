@@ -3,7 +3,9 @@
 Tiny randomly initialised transformers models are saved with save_pretrained, imported with
 tools/hf_convert.py, compared logit for logit with transformers, exported and reloaded with
 transformers' from_pretrained, and decoded greedily against transformers' generate. A GQA shape
-trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve.
+trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve. A Llama over a
+tokenizer.json that adds BOS exports a tokenizer AutoTokenizer loads with our ids, and generates and
+scores (perplexity, LAMBADA) with BOS first, as transformers does.
 """
 import os
 import shutil
@@ -359,7 +361,7 @@ def _llama_with_tokenizer_json(hf_dir, style="llama3"):
     write_hf_tokenizer(hf_dir, style)
     vocab = len(transformers.AutoTokenizer.from_pretrained(hf_dir))
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     # The model's weights and config only: the tokenizer's generation_config.json stays.
@@ -400,3 +402,101 @@ def test_export_writes_a_tokenizer_json_that_autotokenizer_loads_with_our_ids(si
         assert theirs.decode(theirs(text).input_ids) == ours.decode(ours.encode(text, add_special_tokens=True))
     model = LlamaForCausalLM.from_pretrained(exp)
     assert (model.config.vocab_size, model.config.bos_token_id, model.config.eos_token_id) == (ours.vocab_size, 0, 1)
+
+
+BOS_PROMPTS = ["The history of the", "It's what we'll do; they're done"]
+
+
+def test_generate_tool_puts_the_tokenizers_bos_first_as_transformers(tmp_path):
+    """tools/generate.py --prompt on a Llama whose tokenizer.json adds BOS decodes transformers' tokens for
+    tokenizer(prompt), BOS included (and these differ from those of the bare prompt)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from tests.launch import env
+
+    hf = _llama_with_tokenizer_json(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    expected, bare = [], []
+    for prompt in BOS_PROMPTS:
+        for out, ids in ((expected, tok(prompt).input_ids), (bare, tok(prompt, add_special_tokens=False).input_ids)):
+            assert (ids[0] == tok.bos_token_id) == (out is expected)
+            new = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id,
+                              eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            out.append(new)
+    assert expected != bare  # the test can tell a missing BOS
+    args = [a for p in BOS_PROMPTS for a in ("--prompt", p)]
+    r = subprocess.run([sys.executable, "tools/generate.py", "--hf-dir", str(tmp_path / "hf"), *args,
+                        "--max-new-tokens", "6", "--show-ids"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [[int(t) for t in line.split(":")[1].split()] for line in r.stdout.splitlines() if line.startswith("ids ")]
+    assert got == expected
+
+
+def test_perplexity_and_lambada_put_the_tokenizers_bos_first_as_transformers(tmp_path):
+    """JSON-lines perplexity and LAMBADA of a Llama whose tokenizer.json adds BOS equal transformers' numbers for
+    tokenizer(text) (BOS first in every document and LAMBADA context); a cut LAMBADA passage keeps its BOS."""
+    import json
+    import math
+
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from libai_lite.checkpoint.hf import load_hf_model
+    from libai_lite.data.jsonl_dataset import build_ppl_eval_loader, read_jsonl_texts
+    from libai_lite.evaluation import EvalContext, LambadaEvaluator, PPLEvaluator, inference_on_dataset
+    from libai_lite.evaluation.lambada import load_lambada, tokenize_lambada
+    from libai_lite.tokenizer import HuggingFaceTokenizer
+    from tests.evaluation.test_evaluation import SAMPLE
+
+    hf_dir = tmp_path / "hf"
+    hf = _llama_with_tokenizer_json(hf_dir)
+    tok, ours_tok = AutoTokenizer.from_pretrained(hf_dir), HuggingFaceTokenizer(hf_dir)
+    _, _, ours = load_hf_model(str(hf_dir))  # no padded rows: the same vocabulary as transformers' model
+    texts = read_jsonl_texts(SAMPLE)[:8]
+    max_len = 128
+
+    # Perplexity: consecutive windows of `seq` inputs over tokenizer(text) + [eos] per document.
+    seq = 32
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stream = torch.tensor([t for text in texts for t in tok(text).input_ids + [tok.eos_token_id]])
+    nll = 0.0
+    with torch.no_grad():
+        for begin in range(0, len(stream) - 1, seq):
+            window = stream[begin:begin + seq + 1]
+            logits = hf(window[None, :-1]).logits[0].double()
+            nll -= F.log_softmax(logits, -1).gather(-1, window[1:, None]).sum().item()
+    loader = build_ppl_eval_loader(str(path), seq_length=seq, tokenizer=ours_tok, micro_batch_size=2)
+    got = inference_on_dataset(ours, loader, PPLEvaluator())
+    assert got["tokens"] == len(stream) - 1
+    # fp32 logits of a 2-layer model, summed in float64 on both sides: 1e-5 relative.
+    assert got["PPL"] == pytest.approx(math.exp(nll / (len(stream) - 1)), rel=1e-5)
+
+    # LAMBADA: tokenizer(context), BOS first, then the bare " word".
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    correct, nll, count = 0, 0.0, 0
+    for text in texts:
+        context, word = text.rsplit(" ", 1)
+        ctx, tgt = tok(context).input_ids, tok(" " + word, add_special_tokens=False).input_ids
+        assert ctx[0] == tok.bos_token_id and len(ctx + tgt) <= max_len + 1
+        with torch.no_grad():
+            logits = hf(torch.tensor([(ctx + tgt)[:-1]])).logits[0].double()
+        pos = torch.arange(len(ctx) - 1, len(ctx) + len(tgt) - 1)
+        nll -= F.log_softmax(logits[pos], -1).gather(-1, torch.tensor(tgt)[:, None]).sum().item()
+        correct += bool((logits[pos].argmax(-1) == torch.tensor(tgt)).all())
+        count += len(tgt)
+    results = LambadaEvaluator(str(lambada), max_seq_length=max_len).evaluate_model(
+        ours, EvalContext(tokenizer=ours_tok, micro_batch_size=3, max_seq_length=max_len))
+    assert results["lambada_target_tokens"] == count
+    assert results["lambada_acc"] == pytest.approx(correct / len(texts))
+    assert results["lambada_ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+    # A passage longer than the model reads keeps BOS, then its rightmost tokens.
+    pairs = load_lambada(lambada)[:1]
+    (full,), _ = tokenize_lambada(pairs, ours_tok, max_len)
+    (cut,), n_cut = tokenize_lambada(pairs, ours_tok, 8)
+    assert n_cut == 1 and cut.ids == [tok.bos_token_id] + full.ids[-8:] and cut.num_target == full.num_target
