@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="libai_lite checkpoint (any parallel layout) -> Hugging Face directory",
         description="Load a checkpoint saved under any layout (tp, pp, ZeRO) into a one-process model and write "
                     "config.json, generation_config.json and model.safetensors for transformers' from_pretrained "
-                    "(GPT2LMHeadModel, T5ForConditionalGeneration, MT5ForConditionalGeneration). The vocabulary "
-                    "size comes from the checkpoint; when the config names a tokenizer, the padded rows are cut "
-                    "to its real vocabulary and its files are copied.",
+                    "(GPT2LMHeadModel, T5ForConditionalGeneration, MT5ForConditionalGeneration, LlamaForCausalLM, "
+                    "Qwen2ForCausalLM, MixtralForCausalLM). The vocabulary size comes from the checkpoint; when the "
+                    "config names a tokenizer, the padded rows are cut to its real vocabulary and its files are "
+                    "copied (a tokenizer.json with a tokenizer_config.json that AutoTokenizer loads).",
     )
     exp.add_argument("--config-file", required=True,
                      help="the run's config (its output config.yaml, or the .py); its model class's registered "
