@@ -320,7 +320,7 @@ class DefaultTrainer:
                 self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
                 device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None),
                 lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
-                wandb=build_wandb_writer(cfg, self.output_dir),
+                wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
             )
         )
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.

@@ -6,15 +6,18 @@
 
 ``mode="offline"`` needs no network or account: the run is written under ``OUTPUT_DIR/wandb/`` and
 ``wandb sync OUTPUT_DIR/wandb/offline-run-*`` uploads it later; ``"online"`` streams it;
-``"disabled"`` makes every call a no-op. The W&B step is the training iteration, so a resumed run's
-rows land on the iterations ``metrics.json`` gives them.
+``"disabled"`` makes every call a no-op. The W&B step is the training iteration, and a run continued
+with ``--resume`` continues its W&B run (the id kept in ``OUTPUT_DIR/wandb/run_id``): its rows land on
+the iterations ``metrics.json`` gives them, in the one run ``wandb sync`` uploads.
 """
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 from ..utils.errors import UsageError
+from ..utils.files import atomic_write
 
 logger = logging.getLogger("libai_lite")
 
@@ -46,21 +49,38 @@ class WandbWriter:
     """
 
     def __init__(self, output_dir: str, config: dict | None = None, project: str = "libai_lite",
-                 name: str | None = None, mode: str = "offline"):
+                 name: str | None = None, mode: str = "offline", resume: bool = False):
         wandb = check_wandb_options(mode)
         os.makedirs(output_dir, exist_ok=True)
+        # A disabled run writes nothing, not even the id.
+        run_id, resumed = self._run_id(output_dir, resume) if mode != "disabled" else (None, False)
         # console="off": log.txt already holds the log, and W&B's capture of stdout/stderr would wrap
         # the streams the launcher filters for the one-line error.
         settings = wandb.Settings(console="off", save_code=False)
         try:
             self._run = wandb.init(project=project, name=name, mode=mode, dir=output_dir, config=config or {},
-                                   settings=settings)
+                                   settings=settings, id=run_id, resume="allow" if resumed else None)
         except Exception as e:  # wandb raises its own types for a missing login, no network, a bad project
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"W&B could not start a run ({first}); train.wandb.mode=offline writes it under "
                              f"the output directory with no network, for `wandb sync` later") from None
         if mode == "offline":
-            logger.info(f"W&B run written offline to {self._run.dir.rsplit(os.sep, 1)[0]} (upload with wandb sync)")
+            logger.info(f"W&B run {run_id}{' (resumed)' if resumed else ''} written offline to "
+                        f"{self._run.dir.rsplit(os.sep, 1)[0]} (upload with wandb sync)")
+
+    @staticmethod
+    def _run_id(output_dir: str, resume: bool) -> tuple[str, bool]:
+        """``(id, resumed)``: the run id a resumed training kept, or a new one, recorded for the next resume."""
+        os.makedirs(os.path.join(output_dir, "wandb"), exist_ok=True)
+        path = os.path.join(output_dir, "wandb", "run_id")
+        if resume and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                run_id = f.read().strip()
+            if run_id:
+                return run_id, True
+        run_id = uuid.uuid4().hex[:8]  # W&B's own ids are 8 characters of [a-z0-9]
+        atomic_write(path, lambda f: f.write(run_id + "\n"), mode="w")
+        return run_id, False
 
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:
         """Record ``tag`` at step ``global_step`` (the training iteration)."""
@@ -77,8 +97,9 @@ class WandbWriter:
             self._run = None
 
 
-def build_wandb_writer(cfg, output_dir: str) -> WandbWriter | None:
-    """The writer ``cfg.train.wandb`` asks for on the main process, else None.
+def build_wandb_writer(cfg, output_dir: str, resume: bool = False) -> WandbWriter | None:
+    """The writer ``cfg.train.wandb`` asks for on the main process, else None; ``resume`` (a run continued
+    from its checkpoint) continues the output directory's W&B run.
 
     Its config is ``output_dir/config.yaml``, the resolved config the trainer wrote before building
     its hooks, so the W&B run shows exactly the values this run used.
@@ -101,4 +122,4 @@ def build_wandb_writer(cfg, output_dir: str) -> WandbWriter | None:
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
     return WandbWriter(output_dir, config, project=opts.get("project") or "libai_lite", name=opts.get("name"),
-                       mode=mode)
+                       mode=mode, resume=resume)

@@ -186,3 +186,26 @@ def test_training_with_train_wandb_writes_the_run(tmp_path):
     history, config = read_offline_run(out)
     assert history == metrics_rows(out)
     assert config == yaml.safe_load(open(out / "config.yaml"))
+
+
+def test_a_resumed_training_continues_its_wandb_run(tmp_path):
+    """--resume keeps the W&B run id: the second offline run holds the later iterations of the same run."""
+    out = tmp_path / "out"
+    args = tiny(out, tmp_path / "cache", "train.evaluation.enabled=False", "train.wandb.enabled=True")
+    r = train_net([*args, "train.train_iter=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_net([*args, "train.train_iter=4", "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(Path(out, "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    run_id = (out / "wandb" / "run_id").read_text().strip()
+    assert [p.name.rsplit("-", 1)[-1] for p in runs] == [run_id, run_id]
+    steps = []
+    for run in runs:
+        (log,) = run.glob("run-*.wandb")
+        steps.append(sorted(r.history.step.num for r in wandb_records(log) if r.WhichOneof("record_type") == "history"))
+    assert steps == [[1, 2], [3, 4]]
+    # A fresh run in the same directory (no --resume) starts a W&B run of its own.
+    r = train_net([*args, "train.train_iter=1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "wandb" / "run_id").read_text().strip() != run_id
