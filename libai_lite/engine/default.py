@@ -353,7 +353,7 @@ class DefaultTrainer:
         changed = restore_scheduler(self.scheduler, state["scheduler"])
         if changed:
             what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
-            logger.info(f"lr schedule rebuilt for this run's length ({what}): the lr continues along the new schedule")
+            logger.info(f"lr schedule rebuilt from this run's config ({what}): the lr continues along the new schedule")
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if state.get("data_parallel_size") not in (None, self.layout.data_parallel_size):

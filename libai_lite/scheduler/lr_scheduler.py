@@ -91,27 +91,29 @@ def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, wa
     return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "constant")
 
 
-# The schedule's shape comes from this run's config (train.train_iter, train.warmup_ratio); only
-# the position in it comes from the checkpoint.
-_SHAPE_KEYS = ("max_iter", "warmup_iter")
+# What a checkpoint's scheduler state gives a resumed run: its position in the schedule. Everything
+# else (base lr, length, warmup, decay) is this run's config, so `--resume optim.lr=...` or a longer
+# train.train_iter takes effect instead of being silently replaced by the checkpoint's values.
+_POSITION_KEYS = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
 
 
 def restore_scheduler(scheduler, state: dict) -> dict:
-    """Load a checkpoint's scheduler `state` into `scheduler`, keeping `scheduler`'s own length.
+    """Load a checkpoint's scheduler `state` into `scheduler`: the position from the checkpoint, the
+    schedule (base lr, length, warmup, decay) from `scheduler` as this run's config built it.
 
-    A run resumed with another ``train.train_iter`` (continuing a finished run for longer) goes on
-    along the schedule of its new length: its lr at iteration k is the lr a fresh run of that
-    length has at k. Returns {key: (saved, now)} for the shape keys that changed.
+    A run resumed with another ``train.train_iter`` or ``optim.lr`` goes on along the schedule this
+    config describes: its lr at iteration k is the lr a fresh run of this config has at k. Returns
+    {key: (saved, now)} for the schedule settings that changed.
     """
-    shape = {k: getattr(scheduler, k) for k in _SHAPE_KEYS if hasattr(scheduler, k)}
+    own = {k: v for k, v in vars(scheduler).items() if k != "optimizer" and k not in _POSITION_KEYS}
     scheduler.load_state_dict(state)
-    changed = {k: (state.get(k), v) for k, v in shape.items() if state.get(k) != v}
+    changed = {k: (state.get(k), v) for k, v in own.items() if k in state and state[k] != v}
     if changed:
-        for k, v in shape.items():
+        for k, v in own.items():
             setattr(scheduler, k, v)
         # The optimizer's lr was loaded with the old schedule's value: set the new schedule's.
         lrs = scheduler.get_lr()
-        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-            group["lr"] = lr
+        for group, lr, base in zip(scheduler.optimizer.param_groups, lrs, scheduler.base_lrs):
+            group["lr"], group["initial_lr"] = lr, base
         scheduler._last_lr = list(lrs)
     return changed

@@ -68,6 +68,25 @@ def test_scheduler_state_resumes_exactly():
     assert _lrs(c, 18) == pytest.approx(full[12:])
 
 
+def test_a_resumed_schedule_takes_this_runs_lr_length_and_floor_and_the_checkpoints_position():
+    """`--resume optim.lr=... train.train_iter=...`: the lr at k is a fresh run of the new config's lr at k."""
+    from libai_lite.scheduler.lr_scheduler import restore_scheduler
+
+    old = WarmupLinearLR(_opt(1.0), 40, warmup_iter=4, min_lr_ratio=0.1)
+    _lrs(old, 12)
+    fresh = WarmupLinearLR(_opt(0.5), 60, warmup_iter=4, min_lr_ratio=0.2)
+    expected = _lrs(fresh, 30)[12:]
+    resumed = WarmupLinearLR(_opt(0.5), 60, warmup_iter=4, min_lr_ratio=0.2)
+    changed = restore_scheduler(resumed, old.state_dict())
+    assert changed["base_lrs"] == ([1.0], [0.5]) and changed["max_iter"] == (40, 60)
+    assert resumed.last_epoch == 12
+    assert _lrs(resumed, 18) == pytest.approx(expected)
+    # The same config: nothing changes and the position is the checkpoint's.
+    same = WarmupLinearLR(_opt(1.0), 40, warmup_iter=4, min_lr_ratio=0.1)
+    assert restore_scheduler(same, old.state_dict()) == {}
+    assert same.last_epoch == 12
+
+
 def test_no_weight_decay_on_bias_and_norm_and_shared_params_once():
     emb = torch.nn.Embedding(10, 4)
     model = torch.nn.Sequential(emb, torch.nn.LayerNorm(4), torch.nn.Linear(4, 10))
