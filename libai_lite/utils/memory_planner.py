@@ -70,13 +70,16 @@ class PlanSettings:
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
     custom_pipeline_stage_id: tuple[int, ...] | None = None
+    # Each sample's sequence split over cp ranks: activations divide by it; ZeRO shards over dp x cp.
+    context_parallel_size: int = 1
     # "cuda": an accelerator beside host memory, where offload moves state off the device; "cpu": training in
     # host memory, where offload moves nothing (the bench's CPU rows measure exactly that).
     device: str = "cuda"
 
     def describe(self) -> str:
         """The layout and the memory-relevant switches, in one line."""
-        parts = [f"pp={self.pipeline_parallel_size} dp={self.data_parallel_size} tp={self.tensor_parallel_size}"]
+        cp = f" cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
+        parts = [f"pp={self.pipeline_parallel_size} dp={self.data_parallel_size}{cp} tp={self.tensor_parallel_size}"]
         if self.sequence_parallel:
             parts.append("sequence parallel")
         parts.append(f"ZeRO-{self.zero_stage}{' + offload' if self.offload else ''}" if self.zero_stage else "no ZeRO")
@@ -527,19 +530,23 @@ class MemoryPlanner:
     def check(self, s: PlanSettings) -> None:
         """Refuse, in one line, settings the world size or the model cannot take (as the trainer would)."""
         from ..model import pipeline_num_layers, supports_pipeline
+        from ..parallel.context_parallel import check_context_parallel
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.expert_parallel import check_moe_layout
         from ..parallel.parallelize import model_moe_config
         from ..parallel.tensor_parallel import check_declared_splits
         from .distributed import layer_stages
 
-        product = s.pipeline_parallel_size * s.data_parallel_size * s.tensor_parallel_size
+        cp = s.context_parallel_size
+        product = s.pipeline_parallel_size * s.data_parallel_size * cp * s.tensor_parallel_size
         if product != s.world_size:
             raise UsageError(f"data_parallel_size({s.data_parallel_size}) x tensor_parallel_size({s.tensor_parallel_size})"
-                             f" x pipeline_parallel_size({s.pipeline_parallel_size}) = {product} does not match the "
-                             f"world size {s.world_size}; change --nproc or train.dist")
+                             f" x pipeline_parallel_size({s.pipeline_parallel_size})"
+                             + (f" x context_parallel_size({cp})" if cp > 1 else "")
+                             + f" = {product} does not match the world size {s.world_size}; change --nproc or train.dist")
         validate_zero_config(s.zero_stage, s.offload)
         check_declared_splits(self.model, s.tensor_parallel_size)
+        check_context_parallel(self.model, cp, s.pipeline_parallel_size, model_moe_config(self.model) is not None)
         check_moe_layout(model_moe_config(self.model), s.data_parallel_size, s.tensor_parallel_size, s.zero_stage,
                          s.sequence_parallel)
         if s.pipeline_parallel_size > 1:
@@ -626,7 +633,12 @@ class MemoryPlanner:
 
     def _estimate_stage(self, s: PlanSettings, trace: ActivationTrace, rank: int, params: list[tuple[int, _Param]],
                         layers: set[int] | None) -> MemoryEstimate:
-        dp, stage, tp = s.data_parallel_size, s.zero_stage, s.tensor_parallel_size
+        # Gradients are reduced, and ZeRO shards, over dp x cp: every cp rank holds the whole parameters.
+        dp, stage, tp = s.data_parallel_size * s.context_parallel_size, s.zero_stage, s.tensor_parallel_size
+        # The trace is of whole sequences; a cp rank keeps about 1/cp of it: its [local, whole] attention
+        # scores are 1/cp of the [whole, whole] ones. Not divided, and not counted: the keys and values
+        # each attention gathers whole and keeps for backward (2 x seq x kv width per layer).
+        act_share = 1.0 / s.context_parallel_size
         fsdp = stage >= 2
         offloaded = s.offload and s.device != "cpu"
         local = sum((p.shard_numel(dp) if fsdp else p.numel) * p.element_size for _i, p in params)
@@ -664,7 +676,7 @@ class MemoryPlanner:
             if layers is None or current_layer in layers:
                 # Sequence parallelism splits the residual stream too, but the blocks gather their input whole.
                 sp_split = s.sequence_parallel and allocation not in trace.block_inputs
-                live += nbytes * (1.0 / tp if tp > 1 and (split or sp_split) else 1.0)
+                live += nbytes * (1.0 / tp if tp > 1 and (split or sp_split) else 1.0) * act_share
             if backward:
                 # Backward runs the layers last to first (hooks interleave the tags of neighbours): every layer
                 # after the earliest one seen in backward is done, its gradients made.
@@ -735,9 +747,11 @@ def _changes(base: PlanSettings, world_size: int, num_microbatches: int, micro_b
         while size <= world_size:
             tp = size if key == "tensor_parallel_size" else base.tensor_parallel_size
             pp = size if key == "pipeline_parallel_size" else base.pipeline_parallel_size
-            if world_size % (tp * pp) == 0:
+            cp = base.context_parallel_size
+            if world_size % (tp * pp * cp) == 0:
                 more.append(dataclasses.replace(base, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                                data_parallel_size=world_size // (tp * pp), custom_pipeline_stage_id=None))
+                                                data_parallel_size=world_size // (tp * pp * cp),
+                                                custom_pipeline_stage_id=None))
             size *= 2
         parallel.append(more)
     return [zero, ac, smaller, *parallel]
@@ -837,7 +851,7 @@ def settings_from_config(cfg, world_size: int, device: str = "cuda") -> PlanSett
 
     if world_size < 1:
         raise UsageError(f"--nproc {world_size} must be at least 1")
-    pp, dp, tp = resolve_layout(world_size, cfg.train.dist)
+    pp, dp, cp, tp = resolve_layout(world_size, cfg.train.dist)
     stage, offload = _zero_settings(cfg.train.get("zero_optimization"))
     resolve_batch_sizes(cfg.train, dp)
     ac = cfg.train.get("activation_checkpoint") or {}
@@ -851,7 +865,8 @@ def settings_from_config(cfg, world_size: int, device: str = "cuda") -> PlanSett
         micro_batch_size=int(cfg.train.train_micro_batch_size), num_microbatches=int(cfg.train.num_accumulation_steps),
         amp_dtype=amp_dtype(cfg.train.amp), pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),
         virtual_pipeline_size=int(dist_cfg.get("virtual_pipeline_size", 1) or 1),
-        custom_pipeline_stage_id=tuple(custom) if custom is not None else None, device=device)
+        custom_pipeline_stage_id=tuple(custom) if custom is not None else None, context_parallel_size=cp,
+        device=device)
 
 
 def planner_from_config(cfg, world_size: int, device: str = "cuda") -> tuple[MemoryPlanner, PlanSettings]:
@@ -907,7 +922,7 @@ def startup_estimate(cfg, layout, sample: Mapping[str, torch.Tensor]) -> str:
             pipeline_schedule=layout.pipeline_schedule, virtual_pipeline_size=layout.virtual_pipeline_size,
             custom_pipeline_stage_id=(tuple(layout.custom_pipeline_stage_id)
                                       if layout.custom_pipeline_stage_id is not None else None),
-            device=layout.device.type)
+            context_parallel_size=layout.context_parallel_size, device=layout.device.type)
         return startup_line(_planner_for(cfg, sample).estimate(settings))
     except Exception as e:  # noqa: BLE001 - an estimate that fails must not stop training
         return f"Memory estimate not available ({type(e).__name__}: {e})"
