@@ -142,9 +142,10 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
     dp = world_size // model if dp is None else int(dp)
     if dp * model != world_size:
         fix = world_size // model if fits else "null"
-        raise UsageError(f"train.dist layout data_parallel_size({dp}) x {named} = {dp * model} does not match the "
-                         f"world size {world_size}; launch {dp * model} processes or set "
-                         f"train.dist.data_parallel_size={fix}")
+        with_cp = f" x context_parallel_size({cp})" if cp > 1 else ""
+        raise UsageError(f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
+                         f"pipeline_parallel_size({pp}){with_cp} = {dp * model} does not match the world size "
+                         f"{world_size}; launch {dp * model} processes or set train.dist.data_parallel_size={fix}")
     return pp, dp, cp, tp
 
 
