@@ -18,6 +18,12 @@ Replacing a checkpoint (`model_best`, `model_final`, a periodic one saved again)
 A crash at any point is repaired at the next start (`recover_interrupted`): a `NAME.tmp/` with
 its manifest is complete and is published, a `NAME.old/` whose `NAME/` is missing is put back,
 and only a `NAME.tmp/` without a manifest (never published) is deleted.
+
+With ``async_save``, step 1 runs in the background: the state is staged to CPU memory by DCP's
+``async_save`` and written (then checksummed into the manifest) by a background thread whose
+collectives use a gloo group of their own, while training goes on. Steps 2-5 run on the main
+thread only once that write is complete (``Checkpointer.poll``/``wait``), so until then the
+previous checkpoint is the one ``last_checkpoint`` names.
 Nothing here unpickles arbitrary objects.
 """
 from __future__ import annotations
@@ -31,6 +37,8 @@ import re
 import shutil
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -110,23 +118,26 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _gather(obj) -> list:
-    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
+def _gather(obj, group=None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group).
+
+    ``group`` spans every rank (the default group, or the background writer's copy of it).
+    """
     if _world_size() == 1:
         return [obj]
     out = [None] * _world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _spread(fn: Callable, items: list) -> list:
+def _spread(fn: Callable, items: list, group=None) -> list:
     """``[fn(item) for item in items]`` on every rank, each rank computing every world-size-th item.
 
     ``fn`` must not raise: a rank that left the collective would leave the others waiting.
     """
     world, rank = _world_size(), get_rank()
     done = {}
-    for part in _gather({i: fn(items[i]) for i in range(rank, len(items), world)}):
+    for part in _gather({i: fn(items[i]) for i in range(rank, len(items), world)}, group):
         done.update(part)
     return [done[i] for i in range(len(items))]
 
@@ -138,12 +149,18 @@ def _file_record(path: str) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _write_manifest(directory: str) -> str:
-    """Write ``directory/manifest.json`` with every file's size and CRC-32 (collective); returns an error or ""."""
-    names = broadcast_object(sorted(
-        n for n in os.listdir(directory) if n != MANIFEST and os.path.isfile(os.path.join(directory, n))
-    ) if get_rank() == 0 else None)
-    records = _spread(lambda n: _file_record(os.path.join(directory, n)), names)
+def _write_manifest(directory: str, group=None) -> str:
+    """Write ``directory/manifest.json`` with every file's size and CRC-32 (collective over ``group``,
+    all ranks); returns an error or ""."""
+    names = sorted(n for n in os.listdir(directory) if n != MANIFEST and os.path.isfile(os.path.join(directory, n))
+                   ) if get_rank() == 0 else None
+    if group is None:
+        names = broadcast_object(names)
+    elif _world_size() > 1:
+        box = [names]
+        dist.broadcast_object_list(box, src=0, group=group)
+        names = box[0]
+    records = _spread(lambda n: _file_record(os.path.join(directory, n)), names, group)
     error = next((r["error"] for r in records if "error" in r), "")
     if get_rank() == 0 and not error:
         text = json.dumps({"checksum": "crc32", "files": dict(zip(names, records))}, indent=1, sort_keys=True)
@@ -467,15 +484,35 @@ def _write_failure(exc: BaseException, directory: str, needed: int | None) -> st
     return ""
 
 
+def _first_error(errors: list) -> str:
+    """The first non-empty error of a per-rank list, naming its rank when there are several ranks."""
+    return next((f"{e} on rank {r}" if len(errors) > 1 else e for r, e in enumerate(errors) if e), "")
+
+
+@dataclass
+class _InFlight:
+    """A checkpoint whose files a background thread is writing into ``NAME.tmp``."""
+
+    name: str
+    replacing: bool
+    # Resolves to (the first rank's error line or "", this rank's exception behind it or None),
+    # the same line on every rank: the background thread agrees on it before resolving.
+    future: Future
+    needed: int
+    started: float
+
+
 class Checkpointer:
     """Saves and loads model, optimizer and trainer state under `save_dir`.
 
     `model` is a module or a list of model parts (the pipeline stages this rank holds);
     `optimizer` is one optimizer or an `OptimizersContainer` with one optimizer per part.
+    With `async_save`, `save` returns once the state is copied to CPU memory and the files are
+    written in the background; `poll` (each step) or `wait` publishes the checkpoint when they are.
     """
 
     def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
-                 aliases: dict | None = None):
+                 aliases: dict | None = None, async_save: bool = False):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
@@ -483,6 +520,11 @@ class Checkpointer:
         # {name this rank holds: name to read it from}: a last pipeline stage's copy of a tied
         # weight reads the embedding's entries, which every layout saves.
         self.aliases = dict(aliases or {})
+        self.async_save = bool(async_save)
+        self._in_flight: _InFlight | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writer_group = None
+        self._last_cause: BaseException | None = None
 
     def _part_states(self, with_optim: bool) -> list:
         """``(part, optimizer or None, model state, optimizer state or None)`` for each part."""
@@ -499,13 +541,17 @@ class Checkpointer:
             state["optim"] = {k: v for s in part_states for k, v in s[3].items()}
         return state
 
-    def save(self, name: str, trainer_state: dict) -> str:
+    def save(self, name: str, trainer_state: dict, blocking: bool = False) -> str:
         """Write checkpoint `name` with the given trainer state; returns its final path.
 
         Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
         removes the partial files and raises a UsageError on every rank; the previous checkpoints
-        and ``last_checkpoint`` are untouched.
+        and ``last_checkpoint`` are untouched. With ``async_save`` and not ``blocking``, returns
+        once the state is staged in CPU memory: the checkpoint is published, or its failure raised,
+        by a later ``poll``, ``wait`` or ``save``. A save still in flight is finished first.
         """
+        if self.async_save:
+            self.wait()
         final = os.path.join(self.save_dir, name)
         tmp = final + ".tmp"
         rank = get_rank()
@@ -519,6 +565,9 @@ class Checkpointer:
             except OSError as e:
                 error = _describe(e)
         self._raise_if_failed(error, final, None)
+        if self.async_save and not blocking:
+            self._start_background_save(name, trainer_state, replacing)
+            return final
         state = None
         try:
             state = self._merged(self._part_states(with_optim=True))
@@ -579,28 +628,145 @@ class Checkpointer:
                 pass  # the next start repairs it (recover_interrupted)
             return _describe(e)
 
-    def _raise_if_failed(self, error: str, final: str, state) -> None:
+    def _raise_if_failed(self, error: str, final: str, state, cause: BaseException | None = None) -> None:
         """Collective: when any rank reports ``error``, remove the partial save and raise the first one everywhere."""
-        errors = _gather(error)
-        first = next((f"{e} on rank {r}" if len(errors) > 1 else e for r, e in enumerate(errors) if e), "")
+        first = _first_error(_gather(error))
         if not first:
             return
         if get_rank() == 0:
             shutil.rmtree(final + ".tmp", ignore_errors=True)
         barrier()
+        raise self._save_failed(first, final, _state_bytes(state) if state is not None else None) from cause
+
+    def _save_failed(self, first: str, final: str, needed: int | None) -> UsageError:
+        """The one-line error of a failed save of ``final`` whose partial files are already removed."""
         space = ""
         try:
             space = f"{format_bytes(shutil.disk_usage(self.save_dir).free)} are free there; "
-            if state is not None:
-                space = f"it needs about {format_bytes(_state_bytes(state))} and {space}"
+            if needed is not None:
+                space = f"it needs about {format_bytes(needed)} and {space}"
         except OSError:
             pass
         previous = self.last_checkpoint()
         kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
-        raise UsageError(
+        return UsageError(
             f"saving checkpoint {final} failed ({first}); {space}the partial files were removed and {kept}: "
             f"free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
         )
+
+    # ------------------------------------------------------------------ background saves
+    def _background_group(self):
+        """A gloo group over every rank for the background write's collectives (DCP's plan exchange, the
+        manifest): on the training's own group, two threads' collectives would interleave differently on
+        each rank. Created at the first background save, which every rank makes."""
+        if self._writer_group is None and dist.is_initialized():
+            self._writer_group = dist.new_group(backend="gloo")
+        return self._writer_group
+
+    def _start_background_save(self, name: str, trainer_state: dict, replacing: bool) -> None:
+        """Stage the state in CPU memory and hand the writing of ``NAME.tmp`` to a background thread."""
+        final = os.path.join(self.save_dir, name)
+        tmp, rank = final + ".tmp", get_rank()
+        group = self._background_group()
+        state, error, cause, upload = None, "", None, None
+        try:
+            state = self._merged(self._part_states(with_optim=True))
+            # The small files now, while the RNG and trainer state are those of this step.
+            torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
+            if rank == 0:
+                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
+            # Copies every tensor to CPU memory before returning, so training may change them.
+            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            # As in the synchronous save: what is no write failure is a bug, raised as it is.
+            error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
+            if not error:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            cause = e
+        self._raise_if_failed(error, final, state, cause)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
+        needed = _state_bytes(state)
+        future = self._writer.submit(self._finish_writing, upload, name, tmp, needed, group)
+        self._in_flight = _InFlight(name, replacing, future, needed, time.perf_counter())
+
+    def _finish_writing(self, upload: Future, name: str, tmp: str, needed: int, group) -> tuple:
+        """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest.
+
+        Returns (the first rank's error line or "", this rank's exception or None); renames nothing,
+        that is the main thread's (``_publish``). A failed save's ``NAME.tmp`` is removed here.
+        """
+        error, cause, first = "", None, ""
+        try:
+            upload.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported on the main thread
+            error, cause = _write_failure(e, tmp, needed) or _describe(e), e
+        try:
+            first = _first_error(_gather(error, group))
+            if not first:
+                if get_rank() == 0:
+                    _pause_for_test(name, "background")
+                first = _first_error(_gather(_write_manifest(tmp, group), group))
+            if first and get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 - a collective that failed (a rank died) ends this save
+            first, cause = first or _describe(e), cause or e
+        return first, cause
+
+    def _finish(self) -> str:
+        """Take the save in flight (its write done) off the books; rank 0 publishes it. Returns an error or ""."""
+        job, self._in_flight = self._in_flight, None
+        error, self._last_cause = job.future.result()
+        if not error and get_rank() == 0:
+            error = self._publish(job.name, job.replacing)
+            if error:
+                shutil.rmtree(os.path.join(self.save_dir, job.name + ".tmp"), ignore_errors=True)
+                error += " on rank 0" if _world_size() > 1 else ""
+        if not error and get_rank() == 0:
+            logger.info(f"Saved checkpoint {os.path.join(self.save_dir, job.name)}, written in the background "
+                        f"in {time.perf_counter() - job.started:.2f}s")
+        return error
+
+    @property
+    def in_flight(self) -> str | None:
+        """The name of the checkpoint being written in the background, or None."""
+        return self._in_flight.name if self._in_flight is not None else None
+
+    def poll(self) -> str | None:
+        """Publish the background save if its files are written; returns its path, or None (nothing done).
+
+        Does not block and is not collective: the save's outcome is the same on every rank, but
+        ranks may observe it at different steps. A failed write raises the UsageError ``save``
+        would have raised, on this rank only; the trainer stops every rank with it at the step
+        boundary (``libai_lite.utils.process.fail_at_step_boundary``).
+        """
+        if self._in_flight is None or not self._in_flight.future.done():
+            return None
+        job = self._in_flight
+        error = self._finish()
+        if error:
+            raise self._save_failed(error, os.path.join(self.save_dir, job.name), job.needed) from self._last_cause
+        return os.path.join(self.save_dir, job.name)
+
+    def wait(self, collective: bool = True) -> str | None:
+        """Block until the background save is written and publish it; returns its path, or None (none in flight).
+
+        Collective unless ``collective`` is False (a rank leaving on an exception, alone): a
+        failure raises the same UsageError on every rank, also on one whose ``poll`` already
+        took the save off its books.
+        """
+        job = self._in_flight
+        outcome = ("", None, None)
+        if job is not None:
+            outcome = (self._finish(), os.path.join(self.save_dir, job.name), job.needed)
+        outcomes = _gather(outcome) if collective else [outcome]
+        # The background write's error already names its rank, and a failed publish names rank 0.
+        error, final, needed = next((o for o in outcomes if o[0]), outcome)
+        if error:
+            raise self._save_failed(error, final, needed) from (self._last_cause if job is not None else None)
+        return outcome[1]
 
     def _prune(self, keep: str) -> None:
         if not self.max_to_keep or self.max_to_keep <= 0:

@@ -104,6 +104,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.max_skipped_nonfinite": Range(low=0, integer=True, nullable=True),
     "train.checkpointer.period": _NON_NEGATIVE_INT,
     "train.checkpointer.max_to_keep": _COUNT_OR_NULL,
+    "train.checkpointer.async_save": OneOf((False, True)),
     "train.evaluation.eval_period": _NON_NEGATIVE_INT,
     "train.evaluation.eval_iter": _COUNT,
     "train.amp.initial_scale": _POSITIVE,

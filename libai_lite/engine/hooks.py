@@ -32,7 +32,13 @@ def peak_memory_bytes(device: torch.device) -> float:
 
 
 class PeriodicCheckpointer(HookBase):
-    """Saves `model_XXXXXXX` every `period` iterations and `model_final` at the end."""
+    """Saves `model_XXXXXXX` every `period` iterations and `model_final` at the end.
+
+    With the checkpointer's `async_save`, a save returns once the state is staged and each step
+    publishes the checkpoint once its background write is done; a failed write stops every rank
+    at the step boundary with the synchronous save's error. The run does not end, however it
+    ends, before the write in flight has finished.
+    """
 
     def __init__(self, checkpointer, period: int, trainer_state_fn):
         self.checkpointer = checkpointer
@@ -40,19 +46,42 @@ class PeriodicCheckpointer(HookBase):
         self.trainer_state_fn = trainer_state_fn
 
     def after_step(self):
+        self._poll()
         it = self.trainer.iter
         if self.period > 0 and (it + 1) % self.period == 0 and it + 1 < self.trainer.max_iter:
             self.save(f"model_{it:07d}")
 
+    def _poll(self) -> None:
+        try:
+            self.checkpointer.poll()
+        except UsageError as e:
+            # Ranks see the write end at different steps: all stop together at the boundary.
+            fail_at_step_boundary(e)
+
     def after_train(self):
         # Only a run that reached the end writes model_final; a crash must not label itself final.
         if self.trainer.iter >= self.trainer.max_iter:
-            self.save("model_final")
+            self.save("model_final", blocking=True)
+            return
+        # Stopped or failing: finish the background write, so the process exits with it published
+        # (or, when killed meanwhile, the previous checkpoint still named by last_checkpoint).
+        leaving = sys.exc_info()[1]
+        try:
+            self.checkpointer.wait(collective=False)
+        except UsageError as e:
+            if leaving is None:
+                raise
+            # The exception on its way out is the one to report; this one goes to the log.
+            logger.error(str(e))
 
-    def save(self, name: str) -> None:
+    def save(self, name: str, blocking: bool = False) -> None:
+        """Save checkpoint ``name`` (in the background with async_save, unless ``blocking``)."""
         t = time.perf_counter()
-        path = self.checkpointer.save(name, self.trainer_state_fn())
-        logger.info(f"Saved checkpoint {path} in {time.perf_counter() - t:.2f}s")
+        path = self.checkpointer.save(name, self.trainer_state_fn(), blocking=blocking)
+        if self.checkpointer.in_flight == name:
+            logger.info(f"Checkpoint {path} staged in {time.perf_counter() - t:.2f}s, writing in the background")
+        else:
+            logger.info(f"Saved checkpoint {path} in {time.perf_counter() - t:.2f}s")
 
 
 class SignalCheckpointer(HookBase):
@@ -82,7 +111,8 @@ class SignalCheckpointer(HookBase):
             raise UsageError(message) from failure
         if signalled > 0:
             it = self.trainer.iter
-            self.periodic.save(f"model_{it:07d}")
+            # Blocking: the job may be killed soon after the stop, and a failed write must stop it here.
+            self.periodic.save(f"model_{it:07d}", blocking=True)
             name = signal.Signals(received).name if received else "a signal on another rank"
             raise StopTraining(f"Stopped by {name} after iteration {it}; resume with --resume")
 
