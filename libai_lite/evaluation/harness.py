@@ -5,8 +5,9 @@
         --tasks lambada_openai,hellaswag --batch_size 8
 
 `model_args` keys: `config` and `checkpoint` (required), `max_length` (default: the model's
-`max_seq_length`), `max_gen_toks` (default 256), `verify` (check the checkpoint's checksums,
-default true); any key with a dot is a config override (`train.dist.tensor_parallel_size=2`). The
+`max_seq_length`), `max_gen_toks` (default 256), `add_bos_token` (put the tokenizer's BOS before every
+request, as the `hf` model's option of that name does; default false, the harness's convention), `verify`
+(check the checkpoint's checksums, default true); any key with a dot is a config override (`train.dist.tensor_parallel_size=2`). The
 harness's `--batch_size` sets how many requests one forward scores (default
 `train.test_micro_batch_size`).
 
@@ -37,7 +38,8 @@ except ImportError as e:  # pragma: no cover - the [eval] extra is installed in 
 
 logger = logging.getLogger("libai_lite")
 
-_OWN_ARGS = ("config", "checkpoint", "max_length", "max_gen_toks", "verify", "batch_size", "max_batch_size", "device")
+_OWN_ARGS = ("config", "checkpoint", "max_length", "max_gen_toks", "add_bos_token", "verify", "batch_size",
+             "max_batch_size", "device")
 
 
 def _override(key: str, value) -> str:
@@ -51,14 +53,15 @@ class LibaiLiteLM(TemplateLM):
     """lm-evaluation-harness model over a libai_lite config and checkpoint (see the module docstring)."""
 
     def __init__(self, config: str | None = None, checkpoint: str | None = None, max_length: int | None = None,
-                 max_gen_toks: int = 256, verify: bool = True, batch_size=None, max_batch_size=None,
+                 max_gen_toks: int = 256, add_bos_token: bool = False, verify: bool = True, batch_size=None,
+                 max_batch_size=None,
                  device=None, **kwargs):
         super().__init__()
         if not config or not checkpoint:
             raise UsageError("the libai_lite model needs --model_args config=CONFIG.py,checkpoint=DIR")
         unknown = sorted(k for k in kwargs if "." not in k)
         if unknown:
-            raise UsageError(f"unknown libai_lite model_args {unknown}: use {', '.join(_OWN_ARGS[:5])} or a dotted "
+            raise UsageError(f"unknown libai_lite model_args {unknown}: use {', '.join(_OWN_ARGS[:6])} or a dotted "
                              f"config override such as train.dist.tensor_parallel_size=2")
         if device not in (None, "cpu", "cuda") and not str(device).startswith("cuda"):
             raise UsageError(f"--device {device}: the libai_lite model runs where its config puts it "
@@ -91,6 +94,9 @@ class LibaiLiteLM(TemplateLM):
         if self._max_length < 2:
             raise UsageError("the harness needs the model's longest sequence: pass max_length= in --model_args")
         self._max_gen_toks = int(max_gen_toks)
+        self._add_bos = bool(add_bos_token)
+        if self._add_bos and getattr(self.tokenizer, "bos_token_id", None) is None:
+            raise UsageError(f"add_bos_token=True but {type(self.tokenizer).__name__} has no BOS token")
         self._batch_size = int(batch_size) if str(batch_size or "").isdigit() else self._context.micro_batch_size
         self._device = self._context.device
 
@@ -113,8 +119,11 @@ class LibaiLiteLM(TemplateLM):
         return type(self.tokenizer).__name__
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Token ids of `string`; an encoder input ends with eos, as T5's training data does."""
+        """Token ids of `string`; an encoder input ends with eos, as T5's training data does, and with
+        `add_bos_token` a decoder-only model's request starts with BOS."""
         ids = list(self.tokenizer.encode(string))
+        if self._add_bos and self.backend == "causal" and add_special_tokens is not False:
+            ids.insert(0, int(self.tokenizer.bos_token_id))
         if self.backend == "seq2seq" and add_special_tokens is not False:
             ids.append(self.eot_token_id)
         return ids
@@ -158,7 +167,8 @@ class LibaiLiteLM(TemplateLM):
         examples, owner = [], []
         for n, (text,) in enumerate(req.args for req in requests):
             windows = lm_eval_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                # The prefix token (BOS where the tokenizer has one) starts the document.
+                token_list=self.tok_encode(text, add_special_tokens=False), prefix_token=self.prefix_token_id,
                 max_seq_len=self._max_length, context_len=1)
             for context, pred in map(lm_eval_utils.make_disjoint_window, windows):
                 examples.append(self._example(context, pred))

@@ -238,7 +238,7 @@ def test_bad_model_args_are_refused_before_any_work():
     with pytest.raises(UsageError) as e:
         LibaiLiteLM(config="projects/GPT/configs/gpt2_pretrain.py", checkpoint="ckpt", batch=4)
     assert str(e.value) == ("unknown libai_lite model_args ['batch']: use config, checkpoint, max_length, max_gen_toks, "
-                            "verify or a dotted config override such as train.dist.tensor_parallel_size=2")
+                            "add_bos_token, verify or a dotted config override such as train.dist.tensor_parallel_size=2")
 
 
 def test_a_missing_extra_is_one_line(tmp_path):
@@ -272,3 +272,23 @@ def test_tensor_parallel_harness_gives_the_one_process_log_likelihoods(gpt_run, 
     for a, b in zip(one, two):
         assert float(b["filtered_resps"][0][0]) == pytest.approx(float(a["filtered_resps"][0][0]), rel=1e-5)
         assert b["filtered_resps"][0][1] == a["filtered_resps"][0][1]
+
+
+def test_add_bos_token_starts_each_decoder_request_with_bos_but_not_a_rolling_document():
+    from libai_lite.evaluation.harness import LibaiLiteLM
+
+    class Tok:
+        bos_token_id = 7
+
+        @staticmethod
+        def encode(text):
+            return [ord(c) for c in text]
+
+    lm = object.__new__(LibaiLiteLM)  # tok_encode alone, without a run behind it
+    lm.tokenizer, lm.backend, lm._add_bos = Tok(), "causal", True
+    assert lm.tok_encode("ab") == [7, 97, 98]
+    assert lm.tok_encode("ab", add_special_tokens=False) == [97, 98]  # the harness's empty-context case
+    ctx, cont = lm._encode_pair("x", " y")
+    assert ctx == [7, 120] and cont == [32, 121]
+    lm._add_bos = False
+    assert lm.tok_encode("ab") == [97, 98]
