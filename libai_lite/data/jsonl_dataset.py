@@ -88,7 +88,7 @@ def jsonl_token_stream(path, tokenizer, json_key: str = "text") -> np.ndarray:
     if eod is None:
         raise UsageError(f"{type(tokenizer).__name__} has no end-of-document id, which separates the "
                          f"documents of {path}; use a tokenizer with one (GPT-2 BPE, SentencePiece)")
-    bos = (tokenizer.bos_token_id,) if getattr(tokenizer, "add_bos_token", False) else ()
+    bos = (tokenizer.bos_token_id,) if tokenizer.add_bos_token else ()
     docs = tokenizer.encode_batch(texts)
     return np.fromiter((t for doc in docs for t in (*bos, *doc, eod)), dtype=np.int64,
                        count=sum(len(bos) + len(d) + 1 for d in docs))

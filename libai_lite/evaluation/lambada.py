@@ -54,7 +54,7 @@ def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[Scorin
     at most `max_seq_length + 1` tokens; longer ones keep the BOS and their rightmost tokens (the target
     and the nearest context).
     """
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
     contexts = tokenizer.encode_batch([c for c, _ in pairs])
     targets = tokenizer.encode_batch([" " + w for _, w in pairs])
     examples, cut = [], 0

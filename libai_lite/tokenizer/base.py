@@ -61,6 +61,9 @@ class BaseTokenizer:
     vocab_size: int
     eod_id = pad_token_id = eos_token_id = bos_token_id = unk_token_id = None
     cls_token_id = sep_token_id = mask_token_id = None
+    # Whether a document starts with BOS (a Hugging Face tokenizer.json whose template adds one, as
+    # Llama's): generation prompts, perplexity documents and LAMBADA contexts then do too.
+    add_bos_token = False
     _sentinels: Sequence[int] = ()
 
     def __len__(self) -> int:
