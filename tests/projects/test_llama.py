@@ -500,3 +500,21 @@ def test_perplexity_and_lambada_put_the_tokenizers_bos_first_as_transformers(tmp
     (full,), _ = tokenize_lambada(pairs, ours_tok, max_len)
     (cut,), n_cut = tokenize_lambada(pairs, ours_tok, 8)
     assert n_cut == 1 and cut.ids == [tok.bos_token_id] + full.ids[-8:] and cut.num_target == full.num_target
+
+
+# With -m slow: GPT's and T5's tied heads run under pp=2 by default; this is Llama's declaration of it.
+@pytest.mark.slow
+def test_qwen2_shape_tied_head_trains_the_one_process_curve_under_pp2(tmp_path):
+    """Qwen2's small models tie the LM head to the embedding: under pp=2 the two stages hold copies whose
+    gradients are summed over the tied-weight group, so the curve is one process's."""
+    tied = ["model.cfg.tie_word_embeddings=True", "model.cfg.qkv_bias=True"]
+    r = train_net(_args(tmp_path / "one", *tied), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = losses(tmp_path / "one" / "out")
+    r = train_sh(2, _args(tmp_path / "pp2", *tied, "train.dist.pipeline_parallel_size=2",
+                          "train.dist.pipeline_schedule=1f1b"), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(tmp_path / "pp2" / "out")
+    assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))
+    for it in reference:
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
