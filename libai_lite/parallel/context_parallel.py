@@ -67,15 +67,20 @@ class ContextParallel:
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.enabled = False
+        # One score mask per micro-batch, shared by every layer: SDPA keeps a float mask it is given for
+        # backward as is, so the layers hold one [local, whole] mask instead of one each.
+        self._masks: dict = {}
 
     @contextmanager
     def sharded(self):
         """Within: attention layers given this object gather keys and values over cp (training steps)."""
         previous, self.enabled = self.enabled, True
+        self._masks.clear()
         try:
             yield
         finally:
             self.enabled = previous
+            self._masks.clear()
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:
         """Global positions of this rank's part of a ``seq_length`` sequence."""
@@ -100,19 +105,27 @@ class ContextParallel:
         return out
 
     def gather_kv(self, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor | None = None):
-        """``(keys, values, keep)``: the whole sequence's keys and values ``[batch, heads, seq, head_size]``
-        (in cp-rank order, not position order) and the boolean SDPA mask of the local queries, causal on
-        global positions and, with ``document_ids`` ``[batch, local_seq]``, inside each query's document."""
-        local = key.shape[-2]
+        """``(keys, values, mask)``: the whole sequence's keys and values ``[batch, heads, seq, head_size]``
+        (in cp-rank order, not position order) and the additive SDPA mask (``key.dtype``) of the local
+        queries, causal on global positions and, with ``document_ids`` ``[batch, local_seq]``, inside each
+        query's document. The mask is built once per micro-batch (``sharded()``) and shared by the layers."""
+        total = key.shape[-2] * self.size
+        docs = None if document_ids is None else (document_ids.data_ptr(), tuple(document_ids.shape))
+        cache_key = (total, key.dtype, key.device, docs)
+        if cache_key not in self._masks:
+            self._masks[cache_key] = self._score_mask(total, key.dtype, key.device, document_ids)
         key, value = (self._gather(t, 2) for t in (key, value))
-        total = local * self.size
-        q_pos = self.positions(total, key.device)
-        k_pos = torch.cat([shard_positions(total, self.size, r, key.device) for r in range(self.size)])
+        return key, value, self._masks[cache_key]
+
+    def _score_mask(self, total: int, dtype, device, document_ids) -> torch.Tensor:
+        q_pos = self.positions(total, device)
+        k_pos = torch.cat([shard_positions(total, self.size, r, device) for r in range(self.size)])
         keep = q_pos[:, None] >= k_pos[None, :]  # every query sees itself: no empty row, no NaN
         if document_ids is not None:
             docs = DTensor.from_local(document_ids, self.mesh, [Shard(1)], run_check=False).full_tensor()
             keep = (keep & (document_ids[:, :, None] == docs[:, None, :]))[:, None]
-        return key, value, keep
+        # Additive rather than boolean: SDPA would turn a boolean mask into a float copy per layer.
+        return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, torch.finfo(dtype).min)
 
     def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         # Backward turns each rank's partial gradient of the whole sequence into its own slice (reduce-scatter).

@@ -636,8 +636,9 @@ class MemoryPlanner:
         # Gradients are reduced, and ZeRO shards, over dp x cp: every cp rank holds the whole parameters.
         dp, stage, tp = s.data_parallel_size * s.context_parallel_size, s.zero_stage, s.tensor_parallel_size
         # The trace is of whole sequences; a cp rank keeps about 1/cp of it: its [local, whole] attention
-        # scores are 1/cp of the [whole, whole] ones. Not divided, and not counted: the keys and values
-        # each attention gathers whole and keeps for backward (2 x seq x kv width per layer).
+        # scores are 1/cp of the [whole, whole] ones. Not counted: the keys and values each attention
+        # gathers whole and keeps for backward (2 x seq x kv width per layer) and the one [local, whole]
+        # score mask the layers share (libai_lite/parallel/context_parallel.py).
         act_share = 1.0 / s.context_parallel_size
         fsdp = stage >= 2
         offloaded = s.offload and s.device != "cpu"
