@@ -12,6 +12,8 @@ _WHERE = {
     "build_gpt_train_valid_test_loaders": "build",
     "get_datasets_weights_and_num_samples": "build",
     "get_train_valid_test_split": "build",
+    "megatron_consumed_valid_samples": "build",
+    "megatron_valid_samples": "build",
     "open_indexed_dataset": "build",
     "parse_data_prefix": "build",
     "parse_splits_string": "build",

@@ -315,6 +315,30 @@ def build_loaders_for_datasets(datasets, nums, micro_batch_size: int, eval_micro
     return (train_loader, *eval_loaders)
 
 
+def megatron_valid_samples(train_iter: int, eval_period: int, eval_iter: int, global_batch_size: int,
+                           samples_read: int = 0) -> int:
+    """Samples of the valid split, as Megatron-LM sizes it: one window of ``eval_iter`` global batches per
+    evaluation, one evaluation every ``eval_period`` iterations and one at the end.
+
+    The size decides the split's epochs and so the order of every sample. An evaluation that reads
+    more than a window (``samples_read``) gets the room it needs past the last window's start.
+    """
+    window = eval_iter * global_batch_size
+    windows = train_iter // max(eval_period, 1) + 1
+    return max(windows * window, (windows - 1) * window + samples_read)
+
+
+def megatron_consumed_valid_samples(evaluations_before: int, eval_iter: int, global_batch_size: int) -> int:
+    """Where Megatron-LM's validation iterator stands after ``evaluations_before`` evaluations.
+
+    Megatron's iterator runs on from one evaluation to the next, each reading ``eval_iter`` global
+    batches, so its k-th evaluation (from 0) reads window k of the split: samples from
+    ``k * eval_iter * global_batch_size`` on. On a resume Megatron derives the same count from the
+    iteration (``iteration // eval_interval`` evaluations), so a resumed run reads the same windows.
+    """
+    return max(int(evaluations_before), 0) * int(eval_iter) * int(global_batch_size)
+
+
 def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, split_rounding: str = "core") -> int:
     """Samples in one epoch of the train split (summed over a blend): its tokens // seq_length."""
     prefixes, _ = parse_data_prefix(data_prefix)

@@ -75,6 +75,17 @@ class SequentialEvalSampler(MegatronPretrainingSampler):
         super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
                          drop_last)
 
+    def seek(self, consumed_samples: int) -> None:
+        """Start the next pass after ``consumed_samples`` samples (Megatron's ``consumed_valid_samples``).
+
+        Megatron-LM's validation iterator runs on across evaluations, so its k-th evaluation reads
+        the k-th window of the split; seeking to the samples read before gives the same window.
+        """
+        if not 0 <= consumed_samples <= self.total_samples:
+            raise UsageError(f"an evaluation cannot start after {consumed_samples} samples of a split of "
+                             f"{self.total_samples}; size the split for every evaluation of the run")
+        self.consumed_samples = int(consumed_samples)
+
     @property
     def num_padding(self) -> int:
         """How many padding indices all ranks together receive."""

@@ -18,6 +18,7 @@ from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.checkpointer import check_checkpoint_shapes
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
+from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.activation_checkpoint import check_ac_mode
@@ -203,10 +204,9 @@ class DefaultTrainer:
             read = eval_batches * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
             # The valid and test splits are sized as Megatron-LM sizes them (eval_iters global batches
             # per evaluation, one evaluation per eval_interval and one at the end), so their indices
-            # are Megatron's; every evaluation reads the first samples of that order, as Megatron's
-            # first one does (Megatron moves on to the next window at each later evaluation).
+            # are Megatron's; each evaluation reads the window of that order Megatron's would (evaluate).
             eval_iter, period = int(cfg.train.evaluation.eval_iter), int(cfg.train.evaluation.eval_period)
-            valid_samples = max(read, (int(cfg.train.train_iter) // max(period, 1) + 1) * eval_iter * glob)
+            valid_samples = megatron_valid_samples(int(cfg.train.train_iter), period, eval_iter, glob, read)
             test_samples = max(read, eval_iter * glob)
         extra = {}
         if self.tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
@@ -401,8 +401,28 @@ class DefaultTrainer:
         return run_evaluator(evaluator, self.model, loader, self.eval_context(), eval_iter)
 
     def evaluate(self) -> dict:
-        """Run `train.evaluation.evaluator`: on the valid split for `eval_iter` batches, or on its own data."""
+        """Run `train.evaluation.evaluator`: on the valid split for `eval_iter` batches, or on its own data.
+
+        Like Megatron-LM's, evaluation k of a run (one per `eval_period` and one at the end; k counts
+        Megatron's evaluations before it, resumed runs included) reads window k of the valid split:
+        its `eval_iter` batches start at sample `k * eval_iter * global_batch_size` and cover the
+        whole window when `test_micro_batch_size` x data-parallel size is the global batch size.
+        """
         ev = self.cfg.train.evaluation
+        sampler = getattr(self.valid_loader, "batch_sampler", None)
+        if hasattr(sampler, "seek"):
+            # EvalHook runs after step `iter` (from 0), or at the end with `iter` = max_iter: either way
+            # Megatron would have evaluated iter // eval_period times before.
+            period = int(ev.eval_period)
+            before = self.trainer.iter // period if period > 0 else 0
+            start = megatron_consumed_valid_samples(before, int(ev.eval_iter), int(self.cfg.train.global_batch_size))
+            if start >= sampler.total_samples:
+                # A split shorter than the run's evaluations need (a builder that caps it): go round again.
+                logger.warning(f"the valid split holds {sampler.total_samples} samples, too few for evaluation "
+                               f"{before} to start at sample {start}; it starts at {start % sampler.total_samples}")
+                start %= sampler.total_samples
+            sampler.seek(start)
+            logger.info(f"Evaluating valid window {before}: samples from {start} on")
         return self._inference(self.valid_loader, instantiate(ev.evaluator), int(ev.eval_iter))
 
     def test(self) -> dict:
