@@ -5,6 +5,7 @@ then the pretraining wrapper that adds the loss. Every piece is a direct attribu
 pipeline splitter can delete what a stage does not own (torchtitan style) and the
 forward still runs on what is left.
 """
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -25,7 +26,7 @@ from libai_lite.layers import (
 )
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import Metric
+from libai_lite.model import LOSS
 
 # LiBai GPT config keys that name kernel fusions or fp16 tricks with no numerical effect
 # here; accepted so LiBai configs load unchanged.
@@ -394,7 +395,7 @@ class GPTForPreTraining(nn.Module):
     def output_metrics(self) -> dict:
         """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
         # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
-        lm_loss = Metric(backward=True, tokens="num_tokens")
+        lm_loss = replace(LOSS, tokens="num_tokens")
         return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.GPT_model) else {})}
 
     @staticmethod

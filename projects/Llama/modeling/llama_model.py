@@ -5,6 +5,7 @@ SwiGLU MLP, no biases) -> final RMSNorm -> LM head (untied unless ``tie_word_emb
 the pretraining wrapper that adds the loss. Every piece is a direct attribute so a pipeline splitter
 can delete what a stage does not own; the rotary angles are computed in each attention (no weights).
 """
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -24,7 +25,7 @@ from libai_lite.layers import (
 )
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import Metric
+from libai_lite.model import LOSS
 
 
 class LlamaModel(nn.Module):
@@ -263,7 +264,7 @@ class LlamaForPreTraining(nn.Module):
     def output_metrics(self) -> dict:
         """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
         # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
-        lm_loss = Metric(backward=True, tokens="num_tokens")
+        lm_loss = replace(LOSS, tokens="num_tokens")
         return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.llama) else {})}
 
     @staticmethod
