@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.sbp import broadcast, declare, hidden
+from ..utils.errors import UsageError
 from .init_methods import InitMethod
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
@@ -112,7 +113,8 @@ class MultiheadAttention(nn.Module):
                  attn_mask_type: str = "causal", bias: bool = True, is_cross_attention: bool = False,
                  head_size: Optional[int] = None, softmax_scale: Optional[float] = None,
                  num_key_value_heads: Optional[int] = None, qkv_bias: Optional[bool] = None,
-                 rope_theta: Optional[float] = None, rope_scaling: Optional[dict] = None):
+                 rope_theta: Optional[float] = None, rope_scaling: Optional[dict] = None,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         if attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
@@ -129,6 +131,9 @@ class MultiheadAttention(nn.Module):
                              f"{kv_heads}")
         if kv_heads != num_attention_heads and is_cross_attention:
             raise ValueError("grouped-query attention is for self-attention; leave num_key_value_heads unset")
+        if sliding_window is not None and (attn_mask_type != "causal" or int(sliding_window) < 1):
+            raise ValueError(f"sliding_window={sliding_window} needs causal self-attention and a window of at least "
+                             f"1 position")
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -140,6 +145,8 @@ class MultiheadAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.softmax_scale = softmax_scale
         self.layer_idx = layer_idx
+        # Each query sees itself and the sliding_window - 1 positions before it (Mistral's window).
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
 
         inner = num_attention_heads * head_size
 
@@ -226,6 +233,9 @@ class MultiheadAttention(nn.Module):
             # their own global positions above) are gathered whole, the mask built from global positions.
             if kv_cache is not None or attention_mask is not None or position_bias is not None:
                 raise ValueError("context-parallel attention takes no KV cache, attention_mask or position_bias")
+            if self.sliding_window is not None:
+                raise UsageError("context parallelism does not apply a sliding attention window yet; set "
+                                 "train.dist.context_parallel_size=1")
             key, value, attn_mask = cp.gather_kv(key, value, document_ids)
             is_causal = False
         else:
@@ -241,13 +251,16 @@ class MultiheadAttention(nn.Module):
         """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""
         causal = self.attn_mask_type == "causal"
         q_len, k_len = query.shape[-2], key.shape[-2]
+        window = self.sliding_window if self.sliding_window is not None and k_len > self.sliding_window else None
         if document_ids is not None:
             keep = document_mask(document_ids.to(query.device), causal)
+            if window is not None:
+                keep = keep & self._window(q_len, k_len, query.device)
             if attention_mask is None and position_bias is None:
                 # Every query sees at least itself, so a boolean mask has no empty row (no NaN).
                 return keep, False
             attention_mask = keep if attention_mask is None else keep & _key_mask(attention_mask, query.device)
-        if attention_mask is None and position_bias is None:
+        if attention_mask is None and position_bias is None and window is None:
             if not causal or q_len == k_len:
                 return None, causal
             if q_len == 1:  # the one new query of a cached decoding step may see every key
@@ -263,6 +276,8 @@ class MultiheadAttention(nn.Module):
             # The queries are the last q_len of the k_len positions (fewer when keys come from a cache);
             # SDPA's is_causal would align them to the first ones instead.
             keep = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+            if window is not None and document_ids is None:
+                keep = keep & self._window(q_len, k_len, query.device)
         if attention_mask is not None:
             mask = _key_mask(attention_mask, query.device)
             keep = mask if keep is None else keep & mask
@@ -275,6 +290,11 @@ class MultiheadAttention(nn.Module):
         if keep is not None:
             bias = torch.where(keep, bias, torch.finfo(query.dtype).min)
         return bias, False
+
+    def _window(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        """``[q_len, k_len]``: True where a key lies less than ``sliding_window`` positions before its query
+        (the queries being the last ``q_len`` positions, as after a cache)."""
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(k_len - q_len - self.sliding_window + 1)
 
     def extra_repr(self) -> str:
         kind = "cross" if self.is_cross_attention else self.attn_mask_type

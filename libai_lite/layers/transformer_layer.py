@@ -19,7 +19,7 @@ class TransformerLayer(nn.Module):
     off for GPT-2); with ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
 
     The Llama family: ``norm="rmsnorm"`` (``RMSLayerNorm``), ``gated=True`` with ``activation="silu"``
-    (SwiGLU), ``num_key_value_heads``, ``qkv_bias`` and ``rope_theta``/``rope_scaling`` (see
+    (SwiGLU), ``num_key_value_heads``, ``qkv_bias``, ``rope_theta``/``rope_scaling`` and ``sliding_window`` (see
     ``MultiheadAttention``), and ``position_ids`` passed to ``forward``. ``document_ids`` (packed
     documents) keep each position's attention inside its own document.
     """
@@ -30,7 +30,8 @@ class TransformerLayer(nn.Module):
                  bias: bool = True, activation: str = "gelu_tanh", attn_mask_type: str = "causal",
                  apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None,
                  norm: str = "layernorm", gated: bool = False, num_key_value_heads: Optional[int] = None,
-                 qkv_bias: Optional[bool] = None, rope_theta: Optional[float] = None, rope_scaling=None):
+                 qkv_bias: Optional[bool] = None, rope_theta: Optional[float] = None, rope_scaling=None,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.apply_residual_post_layernorm = apply_residual_post_layernorm
@@ -43,7 +44,8 @@ class TransformerLayer(nn.Module):
         self.self_attention = MultiheadAttention(hidden_size, num_attention_heads, attn_mask_type=attn_mask_type,
                                                  attention_dropout_prob=attention_dropout_prob,
                                                  num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
-                                                 rope_theta=rope_theta, rope_scaling=rope_scaling, **common)
+                                                 rope_theta=rope_theta, rope_scaling=rope_scaling,
+                                                 sliding_window=sliding_window, **common)
         self.post_attention_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
         # Only a gated layer passes `gated`, so feed-forward blocks without the option still fit.

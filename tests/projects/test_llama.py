@@ -33,8 +33,8 @@ STEPS = 6
 
 
 def _hf_model(kind):
-    """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query; qwen2: q/k/v bias, tied;
-    mixtral: top-2 of 4 experts."""
+    """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query, a sliding window of 5 positions
+    (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; mixtral: top-2 of 4 experts."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -42,7 +42,7 @@ def _hf_model(kind):
     config, model = {
         "llama": (transformers.LlamaConfig(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3, **common),
                   transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig(num_key_value_heads=1, sliding_window=None, rope_theta=1e6, **common),
+        "mistral": (transformers.MistralConfig(num_key_value_heads=1, sliding_window=5, rope_theta=1e6, **common),
                     transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
                   transformers.Qwen2ForCausalLM),
@@ -91,6 +91,7 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     assert model_cfg["num_key_value_heads"] == hf.config.num_key_value_heads
     assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["tie_word_embeddings"] == (kind == "qwen2")
+    assert model_cfg["sliding_window"] == (5 if kind == "mistral" else None)
     ours = LlamaForPreTraining(model_cfg)
     Checkpointer(ours).load(str(out), weights_only=True)
     ours.eval()
@@ -98,7 +99,8 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
 
     assert main(["export", "--config-file", str(out / "config.py"), "--checkpoint", str(out),
                  "--output", str(exp)]) == 0
-    back = type(hf).from_pretrained(exp).eval() if kind != "mistral" else _reload_as_llama(exp)
+    back = type(hf).from_pretrained(exp).eval()
+    assert back.config.sliding_window == hf.config.sliding_window if kind == "mistral" else True
     assert back.config.vocab_size == VOCAB
     _logits_match(ours, back)
 
@@ -130,13 +132,6 @@ def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(
                  "--max-new-tokens", "6", "--show-ids", "train.dist.tensor_parallel_size=2")
     ids = next(line for line in r.stdout.splitlines() if line.startswith("ids 0:"))
     assert [int(t) for t in ids.split(":")[1].split()] == expected
-
-
-def _reload_as_llama(exp):
-    """A Mistral without a sliding window is a Llama, which is what export writes."""
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(exp).eval()
 
 
 def test_import_refuses_biases_llama_lacks_in_one_line(tmp_path, capsys):

@@ -29,6 +29,8 @@ cfg = dict(
     tie_word_embeddings=False,
     # Qwen2 biases q, k and v (and nothing else).
     qkv_bias=False,
+    # Mistral 7B v0.1's 4096: each position attends to itself and the window - 1 before it; None: all.
+    sliding_window=None,
     # LM head + loss in one step without the [tokens, vocab] logits tensor.
     fused_cross_entropy=True,
     # Mixture-of-experts feed-forward layers (libai_lite.layers.MoEConfig); Mixtral: every layer, top-2 of 8,

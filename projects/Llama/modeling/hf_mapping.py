@@ -13,8 +13,10 @@ Mixtral's sparse blocks are our MoE layers (``model.cfg.moe``: every layer, top-
 (gate), ``w3`` (up) and ``w2`` (down), the Hub's layout, are read from it or from transformers 5's
 fused ``mlp.experts.gate_up_proj``/``down_proj``; export writes the Hub's layout.
 
-Mistral is Llama's architecture with a sliding attention window, which is not applied here: it
-changes nothing for sequences within the window (4096 for Mistral 7B v0.1, none from v0.2).
+Mistral is Llama's architecture with an optional sliding attention window (``sliding_window``: 4096
+for Mistral 7B v0.1, none from v0.2), which ``model.cfg.sliding_window`` applies; a Llama-architecture
+checkpoint with a window exports as ``MistralForCausalLM``. Qwen2's per-layer window
+(``use_sliding_window`` with ``max_window_layers``) is refused.
 """
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
     hidden = int(_hf(c, "hidden_size"))
     head_size = int(c.get("head_dim") or hidden // heads)
     theta, scaling = _rope(c)
+    window = c.get("sliding_window") if c.get("model_type") in ("mistral", "mixtral") else None
+    if c.get("model_type") == "qwen2" and c.get("use_sliding_window"):
+        raise UsageError("config.json sets use_sliding_window=true: Qwen2's window on the layers from "
+                         "max_window_layers on is not supported, so this model cannot be converted")
     return dict(
         hidden_layers=int(_hf(c, "num_hidden_layers")),
         vocab_size=int(_hf(c, "vocab_size")),
@@ -90,6 +96,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=c.get("model_type") == "qwen2",
         moe=_moe_from_hf(c),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -110,10 +117,16 @@ def _ours(cfg: Mapping[str, Any], key: str) -> Any:
 
 
 def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
-    """A Hugging Face config dict (``config.json``): ``qwen2`` when q/k/v have biases, else ``llama``."""
+    """A Hugging Face config dict (``config.json``): ``mixtral`` with MoE layers, ``qwen2`` when q/k/v have
+    biases, ``mistral`` with a sliding window, else ``llama``."""
     cfg = dict(model_cfg)
     moe = dict(cfg.get("moe") or {})
-    model_type = "mixtral" if moe.get("enabled") else "qwen2" if _ours(cfg, "qkv_bias") else "llama"
+    window = cfg.get("sliding_window")
+    model_type = ("mixtral" if moe.get("enabled") else "qwen2" if _ours(cfg, "qkv_bias")
+                  else "mistral" if window else "llama")
+    if model_type == "qwen2" and window:
+        raise UsageError("model.cfg has q/k/v biases (Qwen2) and a sliding_window: no Hugging Face class has both, "
+                         "so this model cannot be exported")
     if moe.get("enabled") and (int(moe.get("every_n_layers", 1)) != 1 or _ours(cfg, "qkv_bias")):
         raise UsageError("model.cfg.moe has every_n_layers != 1 or q/k/v biases: Mixtral makes every layer a "
                          "mixture of experts without biases, so this model cannot be exported")
@@ -145,10 +158,13 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     }
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    if model_type == "mistral":
+        out.update(sliding_window=int(window))
     if model_type == "mixtral":
         out.update(num_local_experts=int(moe["num_experts"]), num_experts_per_tok=int(moe["top_k"]),
                    router_aux_loss_coef=float(moe.get("aux_loss_weight", 0.0)),
-                   router_jitter_noise=float(moe.get("jitter_noise", 0.0)), sliding_window=None)
+                   router_jitter_noise=float(moe.get("jitter_noise", 0.0)),
+                   sliding_window=None if window is None else int(window))
     return out
 
 

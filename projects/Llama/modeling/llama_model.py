@@ -40,6 +40,8 @@ class LlamaModel(nn.Module):
     ``max_seq_length`` bounds generation and sets the demo's sequence length (RoPE has no table).
     ``moe`` (``model.cfg.moe``, a ``MoEConfig``) makes feed-forward layers mixtures of SwiGLU experts;
     Mixtral is ``every_n_layers=1``, ``top_k=2`` of 8, ``capacity_factor=None`` (no token dropped).
+    ``sliding_window`` (Mistral 7B v0.1: 4096) lets each position attend to itself and the
+    ``sliding_window - 1`` before it only; None attends to the whole prefix.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class LlamaModel(nn.Module):
         pad_token_id: Optional[int] = None,
         fused_cross_entropy: bool = True,
         moe: Optional[Mapping[str, Any]] = None,
+        sliding_window: Optional[int] = None,
     ):
         super().__init__()
         self.hidden_layers = hidden_layers
@@ -90,6 +93,7 @@ class LlamaModel(nn.Module):
                 bias=False, activation="silu", attn_mask_type="causal", layer_idx=i, norm="rmsnorm",
                 gated=True, num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
                 moe=moe_cfg if moe_cfg.is_moe_layer(i) else None, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                sliding_window=sliding_window,
             )
             for i in range(hidden_layers)
         })
