@@ -1,4 +1,11 @@
-"""T5/mT5 span-corruption pretraining data over the core's Megatron-format GPT token windows."""
+"""T5/mT5 pretraining data: span corruption over the core's GPT token windows (``t5_dataset``), and
+Megatron-LM's own T5 dataset over sentence-split data (``megatron_t5_dataset``)."""
+from .megatron_t5_dataset import (
+    MegatronT5Dataset,
+    build_megatron_t5_datasets,
+    build_megatron_t5_train_valid_test_loaders,
+    build_samples_mapping,
+)
 from .t5_dataset import (
     T5Dataset,
     build_t5_train_valid_test_datasets,
@@ -10,6 +17,10 @@ from .t5_dataset import (
 )
 
 __all__ = [
+    "MegatronT5Dataset",
+    "build_megatron_t5_datasets",
+    "build_megatron_t5_train_valid_test_loaders",
+    "build_samples_mapping",
     "T5Dataset",
     "build_t5_train_valid_test_datasets",
     "build_t5_train_valid_test_loaders",
