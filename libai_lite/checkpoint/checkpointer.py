@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -524,6 +525,7 @@ class Checkpointer:
         self._in_flight: _InFlight | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writer_group = None
+        self._stager: DefaultStager | None = None
         self._last_cause: BaseException | None = None
 
     def _part_states(self, with_optim: bool) -> list:
@@ -675,8 +677,15 @@ class Checkpointer:
             torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
             if rank == 0:
                 _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
-            # Copies every tensor to CPU memory before returning, so training may change them.
-            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+            if self._stager is None:
+                # Kept for the run: it caches its CPU copy of every tensor, so later saves copy into
+                # the same memory instead of allocating (and page-faulting in) a new copy each time.
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                            use_shared_memory=False, use_async_staging=False,
+                                                            use_non_blocking_copy=False))
+            # Copies every tensor to CPU memory before returning, so training may change them; the
+            # copy is reused only after this write is done (one save in flight at most).
+            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
         except (OSError, RuntimeError, CheckpointException) as e:
             # As in the synchronous save: what is no write failure is a bug, raised as it is.
             error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
