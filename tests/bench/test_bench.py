@@ -128,3 +128,15 @@ def test_data_loader_smoke():
         assert positive(r["samples_per_s"]) and positive(r["first_batch_s"])
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * res["seq_length"])
         assert r["ratio_vs_raw"] == pytest.approx(r["samples_per_s"] / r["raw_samples_per_s"])
+
+
+def test_checkpoint_stall_smoke():
+    res, out = run_bench("checkpoint_stall.py", "--smoke")
+    assert res["benchmark"] == "checkpoint_stall" and res["smoke"] is True
+    assert res["parameters"] > 0 and res["checkpoint_bytes"] > 0
+    for mode in ("sync", "async"):
+        assert positive(res[mode]["stall_s"]), mode
+        assert math.isfinite(res[mode]["extra_cpu_s"]) and math.isfinite(res[mode]["extra_wall_s"]), mode
+    assert res["stall_ratio"] == pytest.approx(res["async"]["stall_s"] / res["sync"]["stall_s"])
+    assert res["meets_target"] == (res["stall_ratio"] <= 0.2)
+    assert "async/sync: stall" in out
