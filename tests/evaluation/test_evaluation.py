@@ -548,4 +548,6 @@ def _worker(out, ckpt, run_dir, cache, *layouts):
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
-    _worker(*sys.argv[2:])
+    from tests.workers import run_and_exit
+
+    run_and_exit(_worker, *sys.argv[2:])

@@ -254,4 +254,6 @@ def test_train_sh_with_compile_and_selective_ac_matches_eager_one_process(tmp_pa
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    from tests.workers import run_and_exit
+
+    run_and_exit(_worker, sys.argv[1], sys.argv[2])

@@ -179,4 +179,6 @@ def test_selective_layout_matches_one_process(tmp_path, layout_name):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    from tests.workers import run_and_exit
+
+    run_and_exit(_worker, sys.argv[1], sys.argv[2])

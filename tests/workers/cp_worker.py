@@ -98,4 +98,6 @@ def run(out: Path, cp: int, tp: int, zero: int) -> None:
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]), *map(int, sys.argv[2:5]))
+    from tests.workers import run_and_exit
+
+    run_and_exit(run, Path(sys.argv[1]), *map(int, sys.argv[2:5]))

@@ -333,4 +333,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tests.workers import run_and_exit
+
+    run_and_exit(main)

@@ -231,4 +231,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from tests.workers import run_and_exit
+
+    run_and_exit(main)

@@ -243,4 +243,6 @@ def main(out_dir: str, tp: int, dp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    from tests.workers import run_and_exit
+
+    run_and_exit(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
