@@ -307,12 +307,19 @@ class DefaultTrainer:
     def build_hooks(self):
         cfg = self.cfg
         periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period, self.trainer_state)
-        out = [hooks.IterationTimer(), periodic]
+        # A step's metrics row is written before any checkpoint of that step is published (a checkpoint
+        # becomes last_checkpoint): a kill in between then resumes at that step and logs it, instead
+        # of resuming after a step metrics.json never got. Evaluation comes first so its results join
+        # the step's row.
+        out = [hooks.IterationTimer()]
+        after_writer = [periodic]
         ev = cfg.train.evaluation
         if ev.get("enabled", False) and self.valid_loader is not None:
             metric = ev.get("eval_metric")
-            out.append(hooks.EvalHook(ev.eval_period, self.evaluate, periodic.save if metric else None, metric,
-                                      ev.get("eval_mode", "min")))
+            evaluation = hooks.EvalHook(ev.eval_period, self.evaluate, periodic.save if metric else None, metric,
+                                        ev.get("eval_mode", "min"))
+            out.append(evaluation)
+            after_writer.append(hooks.BestCheckpointer(evaluation))
         dataset = getattr(self.train_loader, "dataset", None)
         tokens, flops = sample_throughput(self.model.source, dataset[0]) if dataset else (None, None)
         out.append(
@@ -323,6 +330,7 @@ class DefaultTrainer:
                 wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
             )
         )
+        out += after_writer
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
         out.append(hooks.SignalCheckpointer(periodic))
         return out

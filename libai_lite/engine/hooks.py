@@ -124,8 +124,9 @@ class SignalCheckpointer(HookBase):
 class EvalHook(HookBase):
     """Runs `eval_fn` every `eval_period` iterations and after the last one, storing its results as `valid/*`.
 
-    With `save_best` (a function taking a checkpoint name), saves `model_best` whenever `metric`
-    improves (`mode` "min" or "max").
+    With `save_best` (a function taking a checkpoint name), `model_best` is due whenever `metric`
+    improves (`mode` "min" or "max"); `BestCheckpointer`, placed after the metrics writer, saves it, so
+    no checkpoint of a step is published before that step's metrics row.
     """
 
     def __init__(self, eval_period: int, eval_fn, save_best=None, metric: str = "PPL", mode: str = "min"):
@@ -135,6 +136,7 @@ class EvalHook(HookBase):
         self.eval_fn = eval_fn
         self.save_best, self.metric, self.mode = save_best, metric, mode
         self.best: float | None = None
+        self._best_due = False
 
     def _run(self):
         results = self.eval_fn()
@@ -145,8 +147,14 @@ class EvalHook(HookBase):
             return
         if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
             self.best = value
+            self._best_due = True
+
+    def save_due_best(self) -> None:
+        """Save `model_best` if the last evaluation improved the metric (once)."""
+        if self._best_due:
+            self._best_due = False
             self.save_best("model_best")
-            logger.info(f"New best {self.metric} {value:.4f}: saved model_best")
+            logger.info(f"New best {self.metric} {self.best:.4f}: saved model_best")
 
     def after_step(self):
         it = self.trainer.iter + 1
@@ -156,6 +164,19 @@ class EvalHook(HookBase):
     def after_train(self):
         if self.trainer.iter >= self.trainer.max_iter:
             self._run()
+
+
+class BestCheckpointer(HookBase):
+    """Saves the `model_best` an `EvalHook` found due, after the step's metrics row is written."""
+
+    def __init__(self, eval_hook: EvalHook):
+        self.eval_hook = eval_hook
+
+    def after_step(self):
+        self.eval_hook.save_due_best()
+
+    def after_train(self):
+        self.eval_hook.save_due_best()
 
 
 class IterationTimer(HookBase):
