@@ -202,6 +202,7 @@ TESTED_ELSEWHERE = {
     "checkpoint_bytes_flipped", "checkpoint_of_a_larger_model", "trainer_state_garbled", "preprocess_disk_full",
     "split_sentences_without_nltk", "packing_without_eod", "wandb_not_installed", "plot_without_metrics",
     "harness_not_installed", "harness_without_checkpoint", "harness_unknown_model_arg", "fp8_on_a_cpu",
+    "cp_encoder_decoder", "cp_sequence_not_divisible", "t5_dataset_not_sentence_split",
     "slurm_outside_a_job",
 }
 
