@@ -71,8 +71,10 @@ class PeriodicCheckpointer(HookBase):
         except UsageError as e:
             if leaving is None:
                 raise
-            # The exception on its way out is the one to report; this one goes to the log.
-            logger.error(str(e))
+            # The exception on its way out is the one to report (often this very failure, which
+            # another rank saw first); a different one goes to the log.
+            if str(e) != str(leaving):
+                logger.error(str(e))
 
     def save(self, name: str, blocking: bool = False) -> None:
         """Save checkpoint ``name`` (in the background with async_save, unless ``blocking``)."""

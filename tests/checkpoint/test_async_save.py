@@ -8,6 +8,7 @@ resume to exactly the losses of runs that save synchronously, on one process and
 """
 import inspect
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -144,7 +145,10 @@ def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keep
                                              r"space left on device\); it needs about .* are free there; the partial "
                                              r"files were removed and the previous checkpoint .*model_0000001 is kept: "
                                              r"free disk space in .* or point train.output_dir elsewhere, then --resume$"):
-            ck.wait()
+            deadline = time.time() + 30
+            while ck.poll() is None:  # as the trainer looks, once a step
+                assert time.time() < deadline, "the background write never ended"
+                time.sleep(0.01)
         assert ck.in_flight is None
         assert (disk / "last_checkpoint").read_text() == "model_0000001"
         assert sorted(p.name for p in disk.iterdir()) == ["last_checkpoint", "model_0000001"]
@@ -266,3 +270,27 @@ def test_a_job_killed_while_a_background_write_is_in_flight_resumes_from_the_pre
     assert "Removed partial checkpoint" in r.stdout and "model_0000003.tmp" in r.stdout, r.stdout[-3000:]
     assert losses(out) == synchronous
     assert (out / "last_checkpoint").read_text() == "model_final"
+
+
+@needs_wiring
+def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchronous_line(tmp_path):
+    """The 16 MiB filesystem of the synchronous test (tests/checkpoint/test_checkpoint_integrity.py), two
+    data-parallel ranks: model_0000003 does not fit; the failure, seen in the background, stops the run
+    at a step boundary with the synchronous save's line, and the previous checkpoint stays."""
+    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+
+    with mounted_tmpfs(tmp_path / "disk", "16m") as disk:
+        out = disk / "run"
+        args = tiny(out, tmp_path / "cache", "train.evaluation.enabled=False", "train.train_iter=6",
+                    "train.checkpointer.period=2", "train.checkpointer.async_save=True")
+        r = train_sh(2, args)
+        assert r.returncode == 1, r.stderr[-3000:]
+        line = one_error_line(r)
+        assert line.startswith(f"error: saving checkpoint {out / 'model_0000003'} failed (OSError: [Errno 28] No "
+                               f"space left on device"), line
+        assert "it needs about " in line and " are free there" in line, line
+        assert f"the previous checkpoint {out / 'model_0000001'} is kept" in line, line
+        assert not [d for d in out.iterdir() if d.name.endswith((".tmp", ".old"))]
+        assert (out / "last_checkpoint").read_text() == "model_0000001"
+        verify_checkpoint(str(out / "model_0000001"))
+        assert shutil.disk_usage(disk).free > 5 * 2**20  # the partial files are gone
