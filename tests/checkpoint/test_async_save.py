@@ -128,6 +128,33 @@ def test_a_save_while_one_is_in_flight_waits_for_it_and_pruning_follows_publicat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_0000003"]
 
 
+def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_path, held_write):
+    """A step raises while model_0000001 is being written: the checkpoint hook's after_train (run by the
+    trainer on the way out) finishes the write and publishes it before the exception leaves train()."""
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.engine.hooks import PeriodicCheckpointer
+    from libai_lite.engine.trainer import TrainerBase
+
+    reached, release = held_write
+    model, opt = _model_and_optimizer()
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+
+    class FailsAtStep3(TrainerBase):
+        def run_step(self):
+            if self.iter == 3:
+                assert reached.wait(30) and ck.in_flight == "model_0000001"
+                threading.Timer(0.3, release.set).start()  # the write ends while the exception unwinds
+                raise RuntimeError("a step failed")
+
+    trainer = FailsAtStep3()
+    trainer.register_hooks([PeriodicCheckpointer(ck, 2, lambda: {"iteration": trainer.iter})])
+    with pytest.raises(RuntimeError, match="a step failed"):
+        trainer.train(0, 10)
+    assert ck.in_flight is None
+    assert (tmp_path / "last_checkpoint").read_text() == "model_0000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_0000001"]
+
+
 def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keeps_the_previous(tmp_path):
     """The same 1 MiB filesystem as the synchronous test (tests/engine/test_reliability.py): the second
     checkpoint does not fit, and the error surfaces when the trainer next looks (poll or wait)."""
