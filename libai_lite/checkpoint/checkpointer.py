@@ -513,7 +513,7 @@ class Checkpointer:
     """
 
     def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
-                 aliases: dict | None = None, async_save: bool = False):
+                 aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
@@ -521,6 +521,9 @@ class Checkpointer:
         # {name this rank holds: name to read it from}: a last pipeline stage's copy of a tied
         # weight reads the embedding's entries, which every layout saves.
         self.aliases = dict(aliases or {})
+        # {copy: source} of a tied weight this rank holds twice (a V-shaped pipeline schedule): a
+        # checkpoint saved with one parameter there has the optimizer state under the source only.
+        self.tied_copies = dict(tied_copies or {})
         self.async_save = bool(async_save)
         self._in_flight: _InFlight | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -811,6 +814,22 @@ class Checkpointer:
         mine = sorted({self.aliases.get(k, k) for k in own} | set(own))
         return {k for keys in _gather(mine) for k in keys}
 
+    def _tied_state_to_fill(self, path: str, optim_state: dict | None) -> dict:
+        """``{optimizer key of a tied copy: (its tensor or value, the source's key)}`` for the copies whose
+        state the checkpoint at ``path`` lacks but holds for their source (it was saved with the two as
+        one parameter): they are not read, but set from the source's loaded state, which is theirs too."""
+        if not optim_state or not self.tied_copies:
+            return {}
+        stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        out = {}
+        for copy, source in self.tied_copies.items():
+            for prefix in ("state.", "param_groups."):
+                for key in [k for k in optim_state if k.startswith(f"{prefix}{copy}.")]:
+                    source_key = f"{prefix}{source}.{key[len(prefix) + len(copy) + 1:]}"
+                    if f"optim.{key}" not in stored and f"optim.{source_key}" in stored and source_key in optim_state:
+                        out[key] = (optim_state[key], source_key)
+        return out
+
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state.
 
@@ -825,6 +844,9 @@ class Checkpointer:
         check_checkpoint_shapes(path, own, self.aliases, all_keys=self._model_keys_read(own))
         trainer_state = read_trainer_state(path) if full else {}
         state = alias_state_dict_keys(self._merged(part_states), self.aliases)
+        filled = self._tied_state_to_fill(path, state.get("optim"))
+        for key in filled:
+            state["optim"].pop(key)
         try:
             dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:
@@ -833,6 +855,12 @@ class Checkpointer:
             cause = cause[0] if isinstance(cause, tuple) else cause
             raise UsageError(f"checkpoint {path} cannot be loaded ({_describe(cause)}): it is corrupt; "
                              f"{_CORRUPT_FIX}") from e
+        for key, (target, source_key) in filled.items():
+            loaded = state["optim"][source_key]
+            if isinstance(target, torch.Tensor):
+                target.copy_(loaded)
+                loaded = target
+            state["optim"][key] = loaded
         # Non-tensor entries are replaced, not loaded in place: take every part's keys from the loaded dict.
         state = alias_state_dict_keys(state, {v: k for k, v in self.aliases.items()})
         strict = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)

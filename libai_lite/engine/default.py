@@ -282,7 +282,9 @@ class DefaultTrainer:
     def build_checkpointer(self, cfg, model: ParallelModel, optimizer) -> Checkpointer:
         """DCP checkpoints of the model parts and optimizer in ``train.output_dir``."""
         return Checkpointer(model.parts, optimizer, cfg.train.output_dir,
-                            max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases)
+                            max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases,
+                            tied_copies=model.tied_copies,
+                            async_save=bool(cfg.train.checkpointer.get("async_save", False)))
 
     def build_trainer(self, cfg, model: ParallelModel, train_loader, optimizer, scheduler, grad_scaler) -> Trainer:
         """The step runner: eager, or through the pipeline schedule when the model is pipelined."""

@@ -39,6 +39,7 @@ class ParallelModel:
     optimizer each. ``pipeline``: the ``PipelineStepper``, or None. ``checkpoint_aliases``: FQNs this
     rank reads from another's entries (a pipelined tied weight). ``metrics``: the declared outputs.
     ``context_parallel``: the run's ``ContextParallel`` (cp > 1), which shards the trainer's batches.
+    ``tied_copies``: ``{copy: source}`` of a tied weight this rank holds twice (V-shaped schedules).
     """
 
     source: nn.Module
@@ -48,6 +49,7 @@ class ParallelModel:
     pipeline: object | None = None
     checkpoint_aliases: dict = field(default_factory=dict)
     context_parallel: object | None = None
+    tied_copies: dict = field(default_factory=dict)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once."""
@@ -126,7 +128,8 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
         metrics_fn=getattr(model, "pipeline_metrics", None), metric_names=getattr(model, "pipeline_metric_names", ()),
     )
     logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
-    return ParallelModel(model, view, [view], metrics, stepper, ps.tied_checkpoint_aliases(view, tied))
+    return ParallelModel(model, view, [view], metrics, stepper, ps.tied_checkpoint_aliases(view, tied),
+                         tied_copies=ps.tied_copies_with_source(view, tied))
 
 
 def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1, *,

@@ -310,6 +310,25 @@ def tied_checkpoint_aliases(model_view: nn.Module, tied: tuple[str, str] | None)
     return {}
 
 
+def tied_copies_with_source(model_view: nn.Module, tied: tuple[str, str] | None) -> dict[str, str]:
+    """``{copy FQN: source FQN}`` when this rank holds both the copy and the source of ``tied`` as separate
+    parameters (a V-shaped schedule puts the first and the last stage on rank 0), else ``{}``.
+
+    A checkpoint saved where the two were one parameter (one process, or any unpipelined layout) holds
+    the optimizer state once, under the source: the copy's is filled from it at load.
+    """
+    if not tied:
+        return {}
+    tied_source, tied_copy = tied
+    params = dict(model_view.named_parameters(remove_duplicate=False))
+    for name in params:
+        if name == tied_copy or name.endswith("." + tied_copy):
+            source = name[: len(name) - len(tied_copy)] + tied_source
+            if source in params and params[source] is not params[name]:
+                return {name: source}
+    return {}
+
+
 def alias_state_dict_keys(state: dict, aliases: dict[str, str]) -> dict:
     """Rename keys of a model state dict, a flattened optimizer state dict (``state.FQN.x``,
     ``param_groups.FQN.x``) or a dict of those (``{"model": ..., "optim": ...}``) by ``aliases``.

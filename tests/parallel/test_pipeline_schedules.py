@@ -214,6 +214,30 @@ def test_trainer_fp16_zbv_pp2_matches_one_process_fp16(tmp_path):
         assert got[it]["total_loss"] == pytest.approx(row["total_loss"], rel=2.0 ** -11), it
 
 
+def test_a_one_process_checkpoint_resumes_under_zbv_with_the_one_process_losses(tmp_path):
+    """One process holds the tied embedding / LM head as one parameter and saves its optimizer state once;
+    under ZBV rank 0 holds both copies, and the copy's state is filled from the embedding's at load."""
+    import shutil
+
+    from tests.launch import tiny, train_net, train_sh
+    from tests.parallel.test_parallel_e2e import COMMON
+
+    common = [*COMMON, "train.train_iter=4", "train.checkpointer.period=2"]
+    ref = train_net(tiny(tmp_path / "one", tmp_path / "cache", *common))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    shutil.copytree(tmp_path / "one", tmp_path / "zbv")
+    (tmp_path / "zbv" / "last_checkpoint").write_text("model_0000001\n")
+    (tmp_path / "zbv" / "metrics.json").unlink()
+    r = train_sh(2, tiny(tmp_path / "zbv", tmp_path / "cache", *common, "--resume",
+                         "train.dist.pipeline_parallel_size=2", "train.dist.pipeline_schedule=zbv_zero_bubble",
+                         "train.dist.virtual_pipeline_size=2"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    want, got = _metrics(tmp_path / "one"), _metrics(tmp_path / "zbv")
+    assert sorted(got) == [3, 4]
+    for it in got:
+        assert got[it]["total_loss"] == pytest.approx(want[it]["total_loss"], rel=2e-5), it
+
+
 @pytest.mark.slow
 def test_trainer_zero1_dp2_pp2_matches_dp2_pp2_without_zero(tmp_path):
     """The lifted ZeRO-1 refusal: optimizer state sharded over dp under pp=2 (stages under FSDP2 replicate,
