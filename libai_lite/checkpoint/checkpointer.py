@@ -673,23 +673,15 @@ class Checkpointer:
         final = os.path.join(self.save_dir, name)
         tmp, rank = final + ".tmp", get_rank()
         group = self._background_group()
-        state, error, cause, upload = None, "", None, None
+        state, error, cause = None, "", None
         try:
             state = self._merged(self._part_states(with_optim=True))
             # The small files now, while the RNG and trainer state are those of this step.
             torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
             if rank == 0:
-                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1, sort_keys=True))
-            if self._stager is None:
-                # Kept for the run: it caches its CPU copy of every tensor, so later saves copy into
-                # the same memory instead of allocating (and page-faulting in) a new copy each time.
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                            use_shared_memory=False, use_async_staging=False,
-                                                            use_non_blocking_copy=False))
-            # Copies every tensor to CPU memory before returning, so training may change them; the
-            # copy is reused only after this write is done (one save in flight at most).
-            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
-        except (OSError, RuntimeError, CheckpointException) as e:
+                text = json.dumps(trainer_state, indent=1, sort_keys=True)
+                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), text)
+        except (OSError, RuntimeError) as e:
             # As in the synchronous save: what is no write failure is a bug, raised as it is.
             error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
             if not error:
@@ -697,7 +689,18 @@ class Checkpointer:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
             cause = e
+        # Agreed before any rank starts the background write, whose collectives would otherwise
+        # wait for a rank that gave up here.
         self._raise_if_failed(error, final, state, cause)
+        if self._stager is None:
+            # Kept for the run: it caches its CPU copy of every tensor, so later saves copy into
+            # the same memory instead of allocating (and page-faulting in) a new copy each time.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                        use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        # Copies every tensor to CPU memory before returning, so training may change them; the
+        # copy is reused only after this write is done (one save in flight at most).
+        upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
         needed = _state_bytes(state)

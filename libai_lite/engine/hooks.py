@@ -44,6 +44,7 @@ class PeriodicCheckpointer(HookBase):
         self.checkpointer = checkpointer
         self.period = int(period)
         self.trainer_state_fn = trainer_state_fn
+        self._ending = False
 
     def after_step(self):
         self._poll()
@@ -59,6 +60,9 @@ class PeriodicCheckpointer(HookBase):
             fail_at_step_boundary(e)
 
     def after_train(self):
+        # From here on every save blocks: nothing after the loop would wait for a background write
+        # (BestCheckpointer saves model_best after model_final).
+        self._ending = True
         # Only a run that reached the end writes model_final; a crash must not label itself final.
         if self.trainer.iter >= self.trainer.max_iter:
             self.save("model_final", blocking=True)
@@ -79,7 +83,7 @@ class PeriodicCheckpointer(HookBase):
     def save(self, name: str, blocking: bool = False) -> None:
         """Save checkpoint ``name`` (in the background with async_save, unless ``blocking``)."""
         t = time.perf_counter()
-        path = self.checkpointer.save(name, self.trainer_state_fn(), blocking=blocking)
+        path = self.checkpointer.save(name, self.trainer_state_fn(), blocking=blocking or self._ending)
         if self.checkpointer.in_flight == name:
             logger.info(f"Checkpoint {path} staged in {time.perf_counter() - t:.2f}s, writing in the background")
         else:

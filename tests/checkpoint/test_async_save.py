@@ -155,6 +155,34 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_0000001"]
 
 
+def test_a_save_after_the_loop_blocks_so_model_best_after_model_final_is_published(tmp_path):
+    """BestCheckpointer saves model_best in after_train, after the periodic hook's model_final: nothing
+    would wait for a background write then, so the hook saves it in the foreground."""
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.engine.hooks import HookBase, PeriodicCheckpointer
+    from libai_lite.engine.trainer import TrainerBase
+
+    model, opt = _model_and_optimizer()
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+
+    class Steps(TrainerBase):
+        def run_step(self):
+            pass
+
+    class SavesBestAtTheEnd(HookBase):
+        def after_train(self):
+            periodic.save("model_best")
+
+    trainer = Steps()
+    periodic = PeriodicCheckpointer(ck, 2, lambda: {"iteration": trainer.iter})
+    trainer.register_hooks([periodic, SavesBestAtTheEnd()])
+    trainer.train(0, 4)
+    assert ck.in_flight is None
+    assert (tmp_path / "last_checkpoint").read_text() == "model_best"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_0000001", "model_best",
+                                                         "model_final"]
+
+
 def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keeps_the_previous(tmp_path):
     """The same 1 MiB filesystem as the synchronous test (tests/engine/test_reliability.py): the second
     checkpoint does not fit, and the error surfaces when the trainer next looks (poll or wait)."""
@@ -171,7 +199,8 @@ def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keep
         with pytest.raises(UsageError, match=r"^saving checkpoint .*model_0000002 failed \(OSError: \[Errno 28\] No "
                                              r"space left on device\); it needs about .* are free there; the partial "
                                              r"files were removed and the previous checkpoint .*model_0000001 is kept: "
-                                             r"free disk space in .* or point train.output_dir elsewhere, then --resume$"):
+                                             r"free disk space in .* or point train.output_dir elsewhere, "
+                                             r"then --resume$"):
             deadline = time.time() + 30
             while ck.poll() is None:  # as the trainer looks, once a step
                 assert time.time() < deadline, "the background write never ended"
