@@ -6,7 +6,6 @@ new one is completely written; a failed background write is the synchronous save
 a job killed mid-write resumes from the previous checkpoint; and runs that save in the background
 resume to exactly the losses of runs that save synchronously, on one process and on two.
 """
-import inspect
 import os
 import shutil
 import signal
@@ -20,18 +19,6 @@ import torch
 
 from tests.launch import (CONFIG, ROOT, env, free_port, losses, mounted_tmpfs, one_error_line, tiny, train_net,
                           train_sh)
-
-
-def _default_trainer_passes_the_key() -> bool:
-    from libai_lite.engine.default import DefaultTrainer
-
-    return "async_save" in inspect.getsource(DefaultTrainer.build_checkpointer)
-
-
-# The end-to-end runs need DefaultTrainer.build_checkpointer to hand the key to the Checkpointer.
-needs_wiring = pytest.mark.skipif(not _default_trainer_passes_the_key(),
-                                  reason="libai_lite/engine/default.py does not pass train.checkpointer.async_save "
-                                         "to the Checkpointer yet")
 
 ARGS = ["train.evaluation.enabled=False", "train.train_iter=8", "train.checkpointer.period=2"]
 BACKGROUND = "writing in the background"
@@ -275,7 +262,6 @@ def _save_in_background_then_resume_from_the_middle(out: Path, nproc: int) -> li
     return rows
 
 
-@needs_wiring
 def test_background_checkpoints_resume_to_the_losses_of_synchronous_ones(tmp_path, synchronous):
     rows = _save_in_background_then_resume_from_the_middle(tmp_path / "run", 1)
     assert sorted(synchronous) == list(range(1, 9))
@@ -283,7 +269,6 @@ def test_background_checkpoints_resume_to_the_losses_of_synchronous_ones(tmp_pat
     assert rows == [(it, synchronous[it]) for it in [*range(1, 9), *range(5, 9)]]
 
 
-@needs_wiring
 def test_background_checkpoints_on_two_data_parallel_ranks_resume_to_the_same_losses(tmp_path):
     """torchrun dp=2 (gloo): the background write's own gloo group runs beside the gradient all-reduces."""
     rows = _save_in_background_then_resume_from_the_middle(tmp_path / "run", 2)
@@ -291,7 +276,6 @@ def test_background_checkpoints_on_two_data_parallel_ranks_resume_to_the_same_lo
     assert rows[8:] == [(it, first[it]) for it in range(5, 9)]
 
 
-@needs_wiring
 def test_a_job_killed_while_a_background_write_is_in_flight_resumes_from_the_previous_checkpoint(tmp_path,
                                                                                                synchronous):
     """The background write of model_0000003 is held before its manifest while training goes on; the whole
@@ -328,7 +312,6 @@ def test_a_job_killed_while_a_background_write_is_in_flight_resumes_from_the_pre
     assert (out / "last_checkpoint").read_text() == "model_final"
 
 
-@needs_wiring
 def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchronous_line(tmp_path):
     """The 16 MiB filesystem of the synchronous test (tests/checkpoint/test_checkpoint_integrity.py), two
     data-parallel ranks: model_0000003 does not fit; the failure, seen in the background, stops the run
