@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     model, optimizer, vocab = build(args)
     params = sum(p.numel() for p in model.parameters())
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="checkpoint_stall_"))
-    runs = {m: [] for m in MODES}
+    runs, first = {m: [] for m in MODES}, {}
     size = 0
     # One checkpointer per mode for the whole job, as a training run has (async_save keeps its
     # staging memory from one save to the next).
@@ -147,7 +147,9 @@ def main(argv=None) -> dict:
                 if mode != "none":
                     size = sum(f.stat().st_size for f in save_dir.rglob("*") if f.is_file())
                 shutil.rmtree(save_dir, ignore_errors=True)
-                if r > 0:  # round 0 warms every path up (allocations, the writer thread, the page cache)
+                if r == 0:  # round 0 warms every path up (allocations, the writer thread, the page cache)
+                    first[mode] = res
+                else:
                     runs[mode].append(res)
                     print(f"round {r} {mode:5s} stall {res['stall_s']:7.3f} s  window {res['window_s']:7.3f} s  "
                           f"cpu {res['cpu_s']:7.3f} s"
@@ -169,6 +171,8 @@ def main(argv=None) -> dict:
             "extra_cpu_s": statistics.median(x["cpu_s"] - n["cpu_s"] for x, n in zip(runs[mode], none)),
             "extra_wall_s": statistics.median(x["window_s"] - n["window_s"] for x, n in zip(runs[mode], none)),
             "waited_at_end": sum(x["waited_at_end"] for x in runs[mode]),
+            # The run's first save (untimed round): async_save allocates its staging memory there.
+            "first_stall_s": first[mode]["stall_s"],
         }
     result["stall_ratio"] = result["async"]["stall_s"] / result["sync"]["stall_s"]
     result["meets_target"] = result["stall_ratio"] <= TARGET
@@ -182,6 +186,8 @@ def main(argv=None) -> dict:
     for mode in ("sync", "async"):
         r = result[mode]
         print(f"{mode:6s} {r['stall_s']:15.3f} {r['extra_cpu_s']:19.3f} {r['extra_wall_s']:20.3f}")
+    print(f"first save of the run: stall {first['sync']['stall_s']:.3f} s sync, "
+          f"{first['async']['stall_s']:.3f} s async")
     print(f"async/sync: stall {result['stall_ratio']:.3f} ({'meets' if result['meets_target'] else 'misses'} the "
           f"<= {TARGET:.0%} target)")
     print(json.dumps(result))
