@@ -111,7 +111,7 @@ def encode_prompts(prompts: list, tokenizer, vocab_size: int) -> list[tuple[str,
     transformers' ``tokenizer(prompt)`` does: those models saw BOS at the start of every training document.
     ``--prompt-ids`` are taken as given.
     """
-    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
+    bos = [tokenizer.bos_token_id] if tokenizer is not None and tokenizer.add_bos_token else []
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
