@@ -263,6 +263,8 @@ def _pp2_worker(rank, port, result_dir):
         destroy()
 
 
+# With -m slow: the packed masks are built per layer, which tp2 and sequence parallelism test by default.
+@pytest.mark.slow
 def test_pipeline_parallel_pp2_gives_the_one_process_packed_loss(tmp_path):
     from tests.launch import free_port, spawn_ranks
 

@@ -148,6 +148,8 @@ def test_mt5_demo_validation_perplexity_falls(tmp_path):
     assert lines and all(line.count("token_acc: ") == 1 for line in lines), lines[:2]
 
 
+# With -m slow: tests/tools/test_slurm.py launches two "nodes" through train.sh by default.
+@pytest.mark.slow
 def test_two_node_launch_forms_one_job(tmp_path):
     """Two tools/train.sh launches with NODE=2 and NODE_RANK=0|1 on one machine train as dp=2."""
     from tests.launch import free_port

@@ -180,6 +180,9 @@ def test_generate_until_on_an_imported_gpt2_equals_transformers_generate(tmp_pat
     assert cut > 0  # the stop string cut some continuations
 
 
+# With -m slow (an import, a harness start-up and transformers' T5 per passage): the seq2seq scoring
+# path shares the batching and log-softmax of the decoder-only tests above.
+@pytest.mark.slow
 def test_seq2seq_loglikelihood_and_generation_equal_transformers_t5(tmp_path):
     """An MT5-family checkpoint (T5 v1.0 imported from transformers): the context is the encoder's input."""
     from transformers import T5Config, T5ForConditionalGeneration

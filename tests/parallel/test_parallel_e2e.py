@@ -66,7 +66,8 @@ LAYOUTS = {
 # 4-rank checkpoint test's tp2_pp2), and layouts whose path a default test already takes: tp2
 # (test_tensor_parallel, the copied projects), dp2 and dp2_zero2 (dp2_tp2_zero2, dp2_zero1,
 # test_train_e2e), pp2_1f1b (the copied projects, Llama), tp2_pp2 (the resharding checkpoint test).
-SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2_pp2"}
+# pp2_gpipe (test_pipeline_parallel's GPipe test), dp2_zero1 (test_data_parallel's every ZeRO stage).
+SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2_pp2", "pp2_gpipe", "dp2_zero1"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -83,11 +84,13 @@ def test_layout_matches_one_process(tmp_path, reference, name):
 @pytest.mark.parametrize(
     "nproc,extra,needle",
     [
-        (2, ["train.dist.tensor_parallel_size=3"], "world size 2 is not divisible"),
+        # These two are tests/engine/test_bad_input.py's layout_not_fitting_world and _model cases.
+        pytest.param(2, ["train.dist.tensor_parallel_size=3"], "world size 2 is not divisible", marks=pytest.mark.slow),
         (2, ["train.dist.data_parallel_size=4"], "does not match the world size"),
         (1, ["model.cfg.num_attention_heads=4", "model.cfg.hidden_size=66"], None),
-        (2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3", "model.cfg.hidden_size=66"],
-         "does not divide model.cfg.num_attention_heads=3"),
+        pytest.param(2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3",
+                         "model.cfg.hidden_size=66"], "does not divide model.cfg.num_attention_heads=3",
+                     marks=pytest.mark.slow),
         (2, ["train.dist.pipeline_parallel_size=2", "model.cfg.hidden_layers=1"], "more stages than the model's 1 layers"),
         # The range table refuses it in process too (tests/engine/test_bad_input.py).
         pytest.param(2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"],

@@ -214,6 +214,9 @@ def test_trainer_fp16_zbv_pp2_matches_one_process_fp16(tmp_path):
         assert got[it]["total_loss"] == pytest.approx(row["total_loss"], rel=2.0 ** -11), it
 
 
+# With -m slow: two runs; the tied copies' checkpoint entries are checked by default in
+# tests/checkpoint/test_checkpoint_integrity.py (a pipelined tied head resuming at its own layout).
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_under_zbv_with_the_one_process_losses(tmp_path):
     """One process holds the tied embedding / LM head as one parameter and saves its optimizer state once;
     under ZBV rank 0 holds both copies, and the copy's state is filled from the embedding's at load."""

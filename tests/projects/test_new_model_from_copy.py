@@ -206,8 +206,10 @@ LAYOUTS = {
 }
 
 
-# The copies' ZeRO-3 run goes with -m slow: the originals' ZeRO-3 layouts run by default.
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n == "dp2_zero3" else n for n in LAYOUTS])
+# The copies' ZeRO-3 and tp2 runs go with -m slow: the originals' run by default (the copies' modules
+# come from the same generic layers; pp2 shows the copy's own pipeline protocol).
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2_zero3", "tp2") else n
+                                    for n in LAYOUTS])
 def test_the_copy_trains_the_one_process_curve_under(copied, tmp_path, layout):
     spec, project, curve, _ = copied
     r = train_sh(2, _train_args(spec, tmp_path / "out", tmp_path / "cache", *LAYOUTS[layout]),
