@@ -333,3 +333,34 @@ def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchron
         assert (out / "last_checkpoint").read_text() == "model_0000001"
         verify_checkpoint(str(out / "model_0000001"))
         assert shutil.disk_usage(disk).free > 5 * 2**20  # the partial files are gone
+
+
+def test_sigterm_with_background_writes_in_flight_saves_waits_and_resumes_exactly(tmp_path):
+    """A save every step, so a write is in flight when SIGTERM reaches tools/train.sh: the stop's checkpoint
+    waits for it, the process exits as SIGTERM'd with nothing half-written, and --resume continues exactly."""
+    args = ["train.evaluation.enabled=False", "train.train_iter=30", "train.checkpointer.period=1"]
+    reference = tmp_path / "reference"
+    _run(1, tiny(reference, tmp_path / "cache", *args))
+    out = tmp_path / "run"
+    run_args = tiny(out, tmp_path / "cache", *args, "train.checkpointer.async_save=True")
+    p = subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1", *run_args], cwd=ROOT,
+                         env=env(PORT=str(free_port())), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while len(losses(out)) < 5:
+            assert p.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Stopped by SIGTERM after iteration" in stdout and BACKGROUND in stdout, stdout[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    stopped = int(stdout.split("Stopped by SIGTERM after iteration ")[1].split(";")[0])
+    assert (out / "last_checkpoint").read_text() == f"model_{stopped:07d}"
+    assert not [d.name for d in out.iterdir() if d.name.endswith((".tmp", ".old"))]
+    _run(1, run_args + ["--resume"])
+    assert losses(out) == losses(reference)
