@@ -159,8 +159,9 @@ class EvalHook(HookBase):
         """Save `model_best` if the last evaluation improved the metric (once)."""
         if self._best_due:
             self._best_due = False
+            # The checkpointer logs the save itself (written, or staged for a background write).
+            logger.info(f"New best {self.metric} {self.best:.4f}: checkpointing model_best")
             self.save_best("model_best")
-            logger.info(f"New best {self.metric} {self.best:.4f}: saved model_best")
 
     def after_step(self):
         it = self.trainer.iter + 1
