@@ -95,6 +95,11 @@ class WandbWriter:
         if self._run is not None:
             self._run.finish()
             self._run = None
+            # finish() can return before W&B's service process has written the last records (seen
+            # on a loaded machine: an offline run file without its history); teardown waits for it.
+            import wandb
+
+            wandb.teardown()
 
 
 def build_wandb_writer(cfg, output_dir: str, resume: bool = False) -> WandbWriter | None:
