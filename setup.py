@@ -31,7 +31,8 @@ setup(
         # nltk: the --split-sentences tests run (on a punkt model they write themselves).
         # wandb, matplotlib: the W&B writer and tools/plot_metrics.py tests run (skipped without them).
         # lm-eval: the harness adapter's tests (it depends on no torch of its own).
-        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7",
+        # pytest-xdist: the suite's two workers (pyproject.toml's addopts).
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "transformers>=4.40", "nltk>=3.8", "wandb>=0.16", "matplotlib>=3.7",
                  "lm-eval>=0.4.13,<0.5", "torchao>=0.12"],
         # tools/preprocess_data.py --split-sentences: nltk's punkt (its model is installed apart,
         # python -m nltk.downloader punkt_tab, never fetched at run time).
