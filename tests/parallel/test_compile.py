@@ -21,11 +21,15 @@ import torch
 from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_options
 from libai_lite.utils.errors import UsageError
 
-# Inductor's on-disk kernels are not keyed by ATEN_CPU_CAPABILITY: kernels cached under the machine's
-# own vector ISA gave NaN losses when reused with the ISA capped (avx2 on an AVX-512 machine), so a
-# run with a capped ISA gets a cache of its own (a user's TORCHINDUCTOR_CACHE_DIR is kept).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"torchinductor_libai_lite_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
+# A fresh inductor cache for each test run (a user's TORCHINDUCTOR_CACHE_DIR is kept): kernels cached
+# by earlier runs gave NaN losses when reused, first across ATEN_CPU_CAPABILITY (not part of inductor's
+# key), then once more in a cache kept per ISA. A cold compile of these tiny models takes seconds.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchinductor_libai_lite_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 CFG = dict(hidden_layers=2, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
            max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)
