@@ -1,0 +1,163 @@
+"""ATen ops and host reads per training step (forward + backward) of Llama, MT5 and an MoE layer, on the CPU.
+
+Every ATen op the dispatcher runs below autograd is one kernel launch on a GPU (a few, such as views,
+launch nothing; they are counted apart), so the count predicts launch overhead where shapes are small
+and eager mode runs; host reads (``aten._local_scalar_dense``: ``.item()``/``float()``/``bool()``,
+``aten.nonzero``, boolean-mask ``aten.index``, and ops whose output size depends on the data:
+``bincount``, ``masked_select``, ``repeat_interleave`` without ``output_size``) are each a GPU stall.
+The models are tiny (the counts do not depend on the widths, only on the structure); a warm-up step
+runs first. Prints one table and, last, one JSON line. ``--smoke`` is the same at the smallest sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_aten = torch.ops.aten
+# Ops a GPU runs without a kernel (metadata only).
+_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
+          "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "detach", "alias",
+          "view_as_real", "view_as_complex", "unflatten", "flatten", "_reshape_alias", "narrow", "diagonal",
+          "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_DATA_SIZED = {"bincount", "masked_select", "nonzero", "unique", "_unique2", "unique_consecutive"}
+
+
+def is_host_read(func, args, kwargs) -> bool:
+    """Whether the op reads a device value back to the host (or sizes its output by the data)."""
+    name = func.overloadpacket.__name__
+    if func is _aten._local_scalar_dense.default or name in _DATA_SIZED:
+        return True
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) >= 2 \
+            and isinstance(args[1], torch.Tensor):
+        return True
+    if name in ("index", "index_put", "index_put_") and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+    return False
+
+
+class CountOps(TorchDispatchMode):
+    """Counts ATen ops (views apart) and host reads while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.host_reads = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if is_host_read(func, args, kwargs):
+            self.host_reads[name] += 1
+        self.ops["<views>" if name in _VIEWS else name] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        # On the CPU ``Tensor.tolist`` reads memory without dispatching an op; on a GPU it is a copy
+        # to the host and a stall, so it is counted by wrapping it.
+        self._tolist = torch.Tensor.tolist
+        reads, tolist = self.host_reads, self._tolist
+
+        def counted(t, *a, **k):
+            reads["tolist"] += 1
+            return tolist(t, *a, **k)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    @property
+    def kernels(self) -> int:
+        """Ops that launch work (views excluded)."""
+        return sum(n for k, n in self.ops.items() if k != "<views>")
+
+
+def _llama(smoke: bool):
+    from projects.Llama.configs.model import cfg as base
+    from projects.Llama.modeling.llama_model import LlamaForPreTraining
+
+    cfg = dict(base)
+    cfg.update(hidden_layers=2 if smoke else 4, vocab_size=128, hidden_size=64, ffn_hidden_size=160,
+               num_attention_heads=4, num_key_value_heads=2, max_seq_length=32, attention_dropout_prob=0.0,
+               output_dropout_prob=0.0, moe=None)
+    model = LlamaForPreTraining(cfg)
+    ids = torch.randint(0, 128, (2, 32))
+    return model, lambda: model(input_ids=ids, labels=ids)
+
+
+def _mt5(smoke: bool):
+    from projects.MT5.mt5_model import MT5ForPreTraining
+
+    cfg = dict(vocab_size=128, hidden_size=64, hidden_layers=2 if smoke else 4, num_attention_heads=4, head_size=16,
+               intermediate_size=160, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, model_type="mt5")
+    model = MT5ForPreTraining(cfg)
+    enc, dec = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 8))
+    ones_e, ones_d = torch.ones(2, 32, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    return model, lambda: model(encoder_input_ids=enc, decoder_input_ids=dec, labels=dec, encoder_attn_mask=ones_e,
+                                decoder_attn_mask=ones_d, encoder_decoder_attn_mask=None)
+
+
+def _moe(smoke: bool):
+    from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
+
+    cfg = MoEConfig(enabled=True, num_experts=4, top_k=2, capacity_factor=1.25)
+    layer = MoELayer(cfg, hidden_size=64, ffn_hidden_size=160, activation="silu", gated=True, bias=False)
+    x = torch.randn(2, 32, 64)
+
+    def step():
+        out = layer(x)
+        aux = collect_moe_outputs(layer)["moe_aux_loss"]
+        return {"lm_loss": out.float().square().mean() + aux}
+
+    return layer, step
+
+
+MODELS = {"llama": _llama, "mt5": _mt5, "moe_layer": _moe}
+
+
+def count(name: str, smoke: bool) -> dict:
+    """ATen ops (views apart), views, and host reads in one forward+backward of ``name`` after a warm-up."""
+    torch.manual_seed(0)
+    model, step = MODELS[name](smoke)
+    model.train()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with CountOps() as c:
+            step()["lm_loss"].backward()
+    return {"kernels": c.kernels, "views": c.ops["<views>"], "host_reads": sum(c.host_reads.values()),
+            "host_read_ops": dict(c.host_reads), "top_ops": dict(c.ops.most_common(12))}
+
+
+def main(argv=None) -> dict:
+    """Count each model's ops; print a table and one JSON line."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    p.add_argument("--smoke", action="store_true", help="two-layer models: checks the script runs")
+    args = p.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        print(f"error: unknown model {unknown[0]!r} in --models; choose from {', '.join(MODELS)}", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(1)
+    result = {n: count(n, args.smoke) for n in names}
+    print(f"{'model':10} {'kernels':>8} {'views':>6} {'host reads':>10}  host-read ops")
+    for n, r in result.items():
+        print(f"{n:10} {r['kernels']:8d} {r['views']:6d} {r['host_reads']:10d}  {r['host_read_ops']}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
