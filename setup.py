@@ -1,8 +1,11 @@
 """Install libai_lite.
 
-torch is pinned to the exact release the project is tested with; on these machines
-pip resolves it from a local CPU wheel, and pinning keeps any other dependency from
-pulling a different torch (or CUDA packages) in.
+torch: every release the project is tested on, from 2.11 (the oldest run on a GPU) to 2.13.0
+(what CI tests), so `pip install -e .` keeps a CUDA torch a machine already has instead of
+replacing it. With no torch installed, pip takes the newest release in range, 2.13.0: where a
+CPU wheel of it lies in pip's find-links (our CPU machines), `2.13.0+cpu` sorts above PyPI's
+CUDA `2.13.0` and is taken; the upper bound is that exact release, so a later patch on PyPI
+(a CUDA build of several GB) is never picked in its place.
 """
 from setuptools import find_packages, setup
 
@@ -17,7 +20,8 @@ setup(
         include=["libai_lite", "libai_lite.*", "configs", "configs.*", "projects", "projects.*"]
     ),
     install_requires=[
-        "torch==2.13.0",
+        # 2.11.0a0 as the floor admits the pre-release builds NVIDIA's containers ship (2.11.0a0+<git>).
+        "torch>=2.11.0a0,<=2.13.0",
         "numpy>=1.24",
         "omegaconf>=2.3,<2.4",
         "hydra-core>=1.3,<1.4",
