@@ -112,6 +112,90 @@ def build_hf_llama(shape: dict, device: torch.device):
     return LlamaForCausalLM(LlamaConfig(**hf_cfg)).to(device)
 
 
+# ---------------------------------------------------------------------------------------- MT5
+# MT5: encoder length "seq", decoder length "dec" (random_spans_helper's targets length for that encoder:
+# 512 -> 114 as in the recipe); "base" is the recipe's mT5-base dims with data_test's WordPiece vocabulary
+# plus 100 sentinels, padded (projects/MT5/configs/mt5_pretrain.py, BASELINE.md), for a GPU in bf16.
+MT5_SIZES = {
+    "smoke": dict(layers=1, hidden=64, heads=2, head_size=32, ffn=128, seq=32, dec=8, vocab=256, micro_batch=2,
+                  steps=2, blocks=2, warmup=1),
+    "demo": dict(layers=2, hidden=256, heads=4, head_size=64, ffn=512, seq=128, dec=29, vocab=8192, micro_batch=8,
+                 steps=2, blocks=11, warmup=2),
+    "base": dict(layers=12, hidden=768, heads=12, head_size=64, ffn=2048, seq=512, dec=114, vocab=21248,
+                 micro_batch=16, steps=10, blocks=5, warmup=5),
+}
+
+
+def mt5_cfg(shape: dict, fused_cross_entropy: bool = True) -> dict:
+    """Our MT5 ``model.cfg`` for a shape (mT5: gated-GELU, untied head), dropout 0 as in the recipe."""
+    return dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], hidden_layers=shape["layers"],
+                num_attention_heads=shape["heads"], head_size=shape["head_size"], intermediate_size=shape["ffn"],
+                embedding_dropout_prob=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                model_type="mt5", fused_cross_entropy=fused_cross_entropy)
+
+
+def build_ours_mt5(shape: dict, device: torch.device, fused_cross_entropy: bool = True):
+    """Our MT5ForPreTraining (projects/MT5), the model of the recipe."""
+    from projects.MT5 import MT5ForPreTraining
+
+    return MT5ForPreTraining(mt5_cfg(shape, fused_cross_entropy)).to(device)
+
+
+def build_hf_mt5(shape: dict, device: torch.device):
+    """``transformers.MT5ForConditionalGeneration`` of the same shape (gated-gelu, untied head, dropout 0)."""
+    from transformers import MT5Config, MT5ForConditionalGeneration
+
+    _quiet_transformers()
+    config = MT5Config(vocab_size=shape["vocab"], d_model=shape["hidden"], d_kv=shape["head_size"],
+                       d_ff=shape["ffn"], num_layers=shape["layers"], num_decoder_layers=shape["layers"],
+                       num_heads=shape["heads"], dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                       use_cache=False, pad_token_id=0, eos_token_id=1,
+                       decoder_start_token_id=0)
+    hf = MT5ForConditionalGeneration(config)
+    # transformers 5 ties mT5's head to the embedding whatever the config says; mT5 (and ours) does not.
+    if hf.lm_head.weight is hf.shared.weight:
+        hf.lm_head.weight = torch.nn.Parameter(hf.shared.weight.detach().clone())
+    return hf.to(device)
+
+
+def span_corruption_batch(shape: dict, micro_batch: int, gen: torch.Generator) -> dict:
+    """One span-corruption batch as projects/MT5/data/t5_dataset.py lays it out (random tokens, T5's noise
+    masks, one sentinel per span from the top of the vocabulary, EOS, right padding with pad 0)."""
+    import numpy as np
+
+    from projects.MT5.data.t5_dataset import random_spans_helper, random_spans_noise_mask
+
+    enc_len, dec_len, vocab = shape["seq"], shape["dec"], shape["vocab"]
+    raw, _ = random_spans_helper(enc_len)
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    pad, eos, start, sentinel0 = 0, 1, 0, vocab - 1
+    rows = {k: [] for k in ("encoder_input_ids", "decoder_input_ids", "labels", "encoder_attn_mask",
+                            "decoder_attn_mask")}
+    for _ in range(micro_batch):
+        # Some samples shorter than the window, so both masks have padding, as at a document's end.
+        length = int(rng.integers(raw * 3 // 4, raw + 1))
+        tokens = rng.integers(2, vocab - 100, length)
+        noise = random_spans_noise_mask(length, 0.15, 3.0, rng)
+        span_start = noise & ~np.concatenate(([False], noise[:-1]))
+        sentinels = sentinel0 - np.arange(int(span_start.sum()))
+        encoder = tokens.copy()
+        encoder[span_start] = sentinels
+        encoder = encoder[~noise | span_start]
+        labels = np.insert(tokens[noise], np.flatnonzero(span_start[noise]), sentinels)
+        n_enc, n_dec = encoder.size + 1, labels.size + 1
+        enc = np.full(enc_len, pad)
+        enc[:n_enc] = np.append(encoder, eos)
+        lab = np.full(dec_len, -100)
+        lab[:n_dec] = np.append(labels, eos)
+        dec = np.full(dec_len, pad)
+        dec[0], dec[1:n_dec] = start, lab[:n_dec - 1]
+        for key, value in zip(rows, (enc, dec, lab, np.arange(enc_len) < n_enc, np.arange(dec_len) < n_dec)):
+            rows[key].append(torch.from_numpy(np.asarray(value)))
+    batch = {k: torch.stack(v) for k, v in rows.items()}
+    batch["encoder_decoder_attn_mask"] = batch["encoder_attn_mask"].clone()
+    return batch
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family of the benchmark: ours against transformers' class of the same shape."""
@@ -124,6 +208,12 @@ class Family:
     # The reference's weight that is a lookup only (GPT-2: the position table; Llama: the untied input
     # embedding), so its non-embedding count matches ours.num_parameters(non_embedding=True).
     hf_lookup_weight: Callable
+    # Encoder-decoder families: one batch dict (``make_batch(shape, micro_batch, generator)``), the tokens one
+    # sample feeds (encoder plus decoder) and our training FLOPs per such token; None for causal LMs, whose
+    # batches are (input_ids, labels) of ``seq`` tokens and whose FLOPs are 6N + 12 L H T.
+    make_batch: Callable = None
+    tokens_per_sample: Callable = None
+    flops_per_token: Callable = None
 
     def hf_non_embedding_parameters(self, hf) -> int:
         """The reference's parameters less its lookup-only weight."""
@@ -135,4 +225,10 @@ FAMILIES = {
                   lambda hf: hf.transformer.wpe.weight),
     "llama": Family("Llama", "LlamaForCausalLM", LLAMA_SIZES, build_ours_llama, build_hf_llama,
                     lambda hf: hf.model.embed_tokens.weight),
+    "mt5": Family("MT5", "MT5ForConditionalGeneration", MT5_SIZES, build_ours_mt5, build_hf_mt5,
+                  lambda hf: hf.shared.weight, make_batch=span_corruption_batch,
+                  tokens_per_sample=lambda shape: shape["seq"] + shape["dec"],
+                  # MT5Model.flops_per_token counts per encoder token: spread over encoder + decoder tokens.
+                  flops_per_token=lambda ours, shape: ours.flops_per_token(shape["seq"], shape["dec"]) * shape["seq"]
+                  / (shape["seq"] + shape["dec"])),
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training throughput of our GPT or Llama against Hugging Face's model of the same shape, side by side.
+"""Training throughput of our GPT, Llama or MT5 against Hugging Face's model of the same shape, side by side.
 
 Our side is the real training step: ``GPTForPreTraining`` (``--model gpt``, the default) or
 ``LlamaForPreTraining`` (``--model llama``) stepped by
@@ -27,6 +27,8 @@ datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
     python bench/train_throughput.py --size 345M --device cuda --dtype bf16 --micro-batch 8
     python bench/train_throughput.py --model llama --size demo
     python bench/train_throughput.py --model llama --size 100M
+    python bench/train_throughput.py --model mt5 --size demo
+    python bench/train_throughput.py --model mt5 --size base --device cuda --dtype bf16
     python bench/train_throughput.py --size demo --compile
 
 The last line of the output is one JSON object with the numbers.
@@ -59,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sizes = {name: [s for s in f.sizes if s != "smoke"] for name, f in FAMILIES.items()}
     p.add_argument("--model", choices=sorted(FAMILIES), default="gpt",
-                   help="gpt: ours against GPT2LMHeadModel (default); llama: ours against LlamaForCausalLM")
+                   help="gpt: ours against GPT2LMHeadModel (default); llama: ours against LlamaForCausalLM; "
+                        "mt5: ours against MT5ForConditionalGeneration on span-corruption batches")
     p.add_argument("--size", choices=sorted({s for names in sizes.values() for s in names}), default="demo",
                    help="model shape, default demo (the family's demo config); "
                         + "; ".join(f"{name}: {', '.join(names)}" for name, names in sizes.items()))
@@ -136,7 +139,7 @@ class OursStepper:
         self.optimizer = optimizer
         scheduler = WarmupDecayLR(optimizer, max_iter=10**9, decay="constant")
         # The trainer moves each batch to the device itself, as it does for a DataLoader.
-        loader = [{"input_ids": x, "labels": y} for x, y in batches]
+        loader = [b if isinstance(b, dict) else {"input_ids": b[0], "labels": b[1]} for b in batches]
         self.trainer = Trainer(model, loader, optimizer, scheduler, output_metrics(model), device=device,
                                amp_dtype=amp_dtype,
                                clip_grad_max_norm=CLIP, clip_grad_norm_type=2.0)
@@ -157,19 +160,26 @@ class HFStepper:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                            fused=True if fused_adamw else None)
-        # HF shifts labels itself, so it is given the inputs as labels (the usual HF call).
-        self.batches = [x for x, _ in batches]
+        # HF shifts labels itself, so a causal LM is given the inputs as labels (the usual HF call).
+        self.batches = [b if isinstance(b, dict) else b[0] for b in batches]
         self.device, self.amp_dtype = device, amp_dtype
         self.i = 0
 
     def step(self) -> None:
-        x = self.batches[self.i % len(self.batches)].to(self.device, non_blocking=True)
+        batch = self.batches[self.i % len(self.batches)]
         self.i += 1
         self.model.train()
         ctx = (torch.autocast(device_type=self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
                else contextlib.nullcontext())
         with ctx:
-            loss = self.model(input_ids=x, labels=x).loss
+            if isinstance(batch, dict):  # span corruption: HF's names for the same tensors
+                b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+                loss = self.model(input_ids=b["encoder_input_ids"], attention_mask=b["encoder_attn_mask"],
+                                  decoder_input_ids=b["decoder_input_ids"],
+                                  decoder_attention_mask=b["decoder_attn_mask"], labels=b["labels"]).loss
+            else:
+                x = batch.to(self.device, non_blocking=True)
+                loss = self.model(input_ids=x, labels=x).loss
         loss.backward()
         float(loss.detach())  # the trainer reads the loss every step (its NaN check); so does this loop
         torch.nn.utils.clip_grad_norm_(self.params, CLIP)
@@ -341,11 +351,32 @@ def make_batches(args, device: torch.device) -> list:
     """A few distinct (input_ids, labels) batches, pinned when a GPU will receive them, as the DataLoader does."""
     gen = torch.Generator().manual_seed(args.seed)
     batches = []
+    if args.family.make_batch is not None:
+        for _ in range(4):
+            batch = args.family.make_batch(args.shape, args.micro_batch, gen)
+            batches.append({k: v.pin_memory() if device.type == "cuda" else v for k, v in batch.items()})
+        return batches
     for _ in range(4):
         x = torch.randint(0, args.shape["vocab"], (args.micro_batch, args.shape["seq"] + 1), generator=gen)
         pair = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
         batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
     return batches
+
+
+def step_tokens(args) -> int:
+    """Tokens one step feeds a model: ``seq`` per sequence, encoder plus decoder for span corruption."""
+    per_sample = args.family.tokens_per_sample(args.shape) if args.family.tokens_per_sample else args.shape["seq"]
+    return args.micro_batch * per_sample
+
+
+def model_flops_per_token(args, ours, n_params: int) -> float:
+    """Training FLOPs per counted token: the family's own count, else 6N + 12 L H T."""
+    from libai_lite.utils.flops import transformer_flops_per_token
+
+    if args.family.flops_per_token is not None:
+        return float(args.family.flops_per_token(ours, args.shape))
+    shape = args.shape
+    return transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
 
 
 def timed_warmup(stepper, steps: int, device: torch.device) -> float:
@@ -362,8 +393,6 @@ def compile_main(args, device: torch.device, amp_dtype) -> dict:
     from torch._dynamo.utils import counters
 
     from libai_lite.parallel.compile import CompileOptions, apply_compile
-    from libai_lite.utils.flops import transformer_flops_per_token
-
     shape, family = args.shape, args.family
     peak_meter = Peak(device, amp_dtype, args.smoke)
     models = {}
@@ -379,10 +408,10 @@ def compile_main(args, device: torch.device, amp_dtype) -> dict:
     steppers["eager"].step()
     warmup_s = {name: timed_warmup(s, args.warmup, device) for name, s in steppers.items()}
     graphs_after_warmup = counters["stats"]["unique_graphs"]
-    tokens_per_step = args.micro_batch * shape["seq"]
+    tokens_per_step = step_tokens(args)
     rates = run_blocks(steppers, args.steps, args.blocks, 0, tokens_per_step, device, between=peak_meter.measure)
     n_params = models["eager"].num_parameters(non_embedding=True)
-    flops_per_token = transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
+    flops_per_token = model_flops_per_token(args, models["eager"], n_params)
     eager_tps, compiled_tps = statistics.median(rates["eager"]), statistics.median(rates["compiled"])
     ratios = [c / e for c, e in zip(rates["compiled"], rates["eager"])]
     result = {
@@ -436,8 +465,6 @@ def main(argv=None) -> dict:
     if args.compile:
         return compile_main(args, device, amp_dtype)
 
-    from libai_lite.utils.flops import transformer_flops_per_token
-
     peak_meter = Peak(device, amp_dtype, args.smoke)
 
     torch.manual_seed(args.seed)
@@ -450,17 +477,19 @@ def main(argv=None) -> dict:
     n_params = ours.num_parameters(non_embedding=True)
     n_hf = family.hf_non_embedding_parameters(hf)
     n_total = ours.num_parameters()
-    flops_per_token = transformer_flops_per_token(n_params, shape["layers"], shape["hidden"], shape["seq"])
+    flops_per_token = model_flops_per_token(args, ours, n_params)
     attn_impl = hf_attn_implementation(hf)
 
     steppers = {
         "ours": OursStepper(ours, batches, device, amp_dtype, args.fused_adamw),
         "hf": HFStepper(hf, batches, device, amp_dtype, args.fused_adamw),
     }
-    tokens_per_step = args.micro_batch * shape["seq"]
+    tokens_per_step = step_tokens(args)
     rates = run_blocks(steppers, args.steps, args.blocks, args.warmup, tokens_per_step, device,
                        between=peak_meter.measure)
-    breakdown = (profile_steps(steppers, args.profile, tokens_per_step, ffn_size(shape), shape["vocab"])
+    # The loss's [tokens, vocab] work is over the decoder's tokens for span corruption.
+    loss_tokens = args.micro_batch * shape.get("dec", shape["seq"])
+    breakdown = (profile_steps(steppers, args.profile, loss_tokens, ffn_size(shape), shape["vocab"])
                  if args.profile else None)
     peak, peak_source = peak_meter.flops, peak_meter.source
     ours_tps, hf_tps = statistics.median(rates["ours"]), statistics.median(rates["hf"])
