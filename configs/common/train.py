@@ -16,6 +16,9 @@ train = dict(
     train_epoch=0,
     warmup_ratio=0.01,
     log_period=20,
+    # MFU's denominator in TFLOP/s per GPU, for a device the built-in table (libai_lite/utils/flops.py)
+    # does not know or a clock it does not assume; null reads the table by the device's name.
+    peak_tflops=None,
     # Log the memory planner's per-rank estimate for this run at start-up (a second or more of tracing).
     log_memory_estimate=True,
     seed=1234,
@@ -75,5 +78,8 @@ train = dict(
         sequence_parallel=False,
         # Seconds a collective may wait before the run fails instead of hanging.
         timeout=600,
+        # Process-group backend: null for nccl on CUDA and gloo on the CPU; "gloo" on a GPU lets several
+        # processes share one device (tests and checks of multi-rank layouts on a one-GPU machine).
+        backend=None,
     ),
 )

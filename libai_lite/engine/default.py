@@ -327,7 +327,8 @@ class DefaultTrainer:
         out.append(
             hooks.PeriodicWriter(
                 self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
-                device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None),
+                device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None,
+                                  cfg.train.get("peak_tflops", None)),
                 lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
                 wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
             )

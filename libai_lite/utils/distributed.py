@@ -90,19 +90,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    """nccl when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+# train.dist.backend's choices. gloo also carries CUDA tensors (staged through host memory), so several
+# processes can share one GPU, which NCCL refuses (one communicator rank per device).
+BACKENDS = ("nccl", "gloo")
 
 
-def _init_process_group(timeout_s: float) -> None:
+def default_backend(requested: str | None = None) -> str:
+    """The process-group backend for ``train.dist.backend``: ``requested`` when it is one of ``BACKENDS``
+    and usable here; null picks nccl when CUDA is present, gloo otherwise. UsageError for any other."""
+    if requested is None or requested == "":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in BACKENDS:
+        raise UsageError(f"train.dist.backend={requested!r} is not supported: use 'nccl' (GPUs), 'gloo' (CPU, or "
+                         f"several processes sharing one GPU) or null for nccl on CUDA and gloo otherwise")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise UsageError("train.dist.backend='nccl' needs a CUDA device and this process sees none; use 'gloo' or "
+                         "null (gloo on the CPU)")
+    return requested
+
+
+def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
     if dist.is_initialized():
         return
-    backend = default_backend()
+    backend = default_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            # Modulo the devices: more local ranks than GPUs share them (gloo; NCCL refuses two ranks on
+            # one device at its first collective).
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's static rendezvous (--master_addr/--master_port) hands a restarted job the
@@ -184,7 +200,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     """Initialise the process group and the ("pp", "dp", "cp", "tp") mesh from ``train.dist`` and
     ``train.zero_optimization``; returns the run's ``Layout``."""
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
-    _init_process_group(timeout_s)
+    _init_process_group(timeout_s, dist_cfg.get("backend", None))
     world_size, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
@@ -192,7 +208,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
     if virtual < 1:
         raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     # torchtitan's order: cp sits between dp and tp, so a cp group's ranks are tp apart and a
     # dp x cp replica group is contiguous once flattened.
     mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
