@@ -61,9 +61,14 @@ train = dict(
     # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
     zero_optimization=dict(enabled=False, stage=1, offload=False),
     dist=dict(
+        # null: the processes launched decide (world / (pp x cp x tp)), so one config runs on 1, 4 or 8
+        # processes; a number must match the launch.
         data_parallel_size=None,
+        # Capped at the world size (pipeline and context at what remains) as LiBai does, with a start-up
+        # warning; strict_layout=True refuses a world too small for them instead.
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
+        strict_layout=False,
         # Split each sample's sequence over this many ranks (decoder-only models; load-balanced causal
         # chunks, keys and values all-gathered in attention; libai_lite/parallel/context_parallel.py).
         context_parallel_size=1,

@@ -118,6 +118,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.dist.pipeline_num_layers": _COUNT_OR_NULL,
     "train.dist.virtual_pipeline_size": _COUNT,
     "train.dist.timeout": _POSITIVE,
+    "train.dist.strict_layout": OneOf((False, True)),
     "train.dist.backend": OneOf((None, "nccl", "gloo")),
     "train.peak_tflops": Range(low=0, low_open=True, nullable=True),
     "train.scheduler.warmup_factor": _FRACTION,

@@ -12,7 +12,8 @@ from omegaconf import open_dict
 
 from ..config import InstantiationError, LazyConfig
 from ..config.validate import check_ranges
-from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
+from ..utils.distributed import (Layout, describe_capping, describe_collective_timeout, destroy, is_collective_timeout,
+                                 setup_dist)
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
 from ..utils.process import die_with_launcher, install_stop_signals, release_locks
@@ -68,9 +69,16 @@ def default_setup(cfg, args) -> Layout:
     # Every numeric setting against its range before any of them is used (or quietly replaced).
     check_ranges(cfg)
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
+    capped = describe_capping(layout.world_size, cfg.train.dist)
     with open_dict(cfg):
+        # The saved config.yaml records the sizes this world ran with, not the ones asked for.
         cfg.train.dist.data_parallel_size = layout.data_parallel_size
+        cfg.train.dist.tensor_parallel_size = layout.tensor_parallel_size
+        cfg.train.dist.pipeline_parallel_size = layout.pipeline_parallel_size
+        cfg.train.dist.context_parallel_size = layout.context_parallel_size
     setup_logger(layout.rank)
+    if capped:
+        logger.warning(capped)
     resolve_batch_sizes(cfg.train, layout.data_parallel_size)
     # Every rank seeds alike so model init is identical; data order comes from the sampler.
     seed = int(cfg.train.seed)
@@ -78,8 +86,11 @@ def default_setup(cfg, args) -> Layout:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     cp = f" cp={layout.context_parallel_size}" if layout.context_parallel_size > 1 else ""
+    t = cfg.train
     logger.info(f"Rank {layout.rank} of {layout.world_size}; layout pp={layout.pipeline_parallel_size} "
-                f"dp={layout.data_parallel_size}{cp} tp={layout.tensor_parallel_size} on {layout.device}")
+                f"dp={layout.data_parallel_size}{cp} tp={layout.tensor_parallel_size} on {layout.device}; "
+                f"global batch {t.global_batch_size} = micro {t.train_micro_batch_size} x dp "
+                f"{layout.data_parallel_size} x accumulation {t.num_accumulation_steps}")
     logger.info(f"Command line: {' '.join(sys.argv)}")
     logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     return layout

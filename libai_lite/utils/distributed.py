@@ -140,13 +140,26 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
 
 
 def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
-    """(pp, dp, cp, tp) from `train.dist`, inferring dp when left out; raises UsageError if they don't fit."""
-    pp = int(dist_cfg.get("pipeline_parallel_size", 1) or 1)
-    tp = int(dist_cfg.get("tensor_parallel_size", 1) or 1)
-    cp = int(dist_cfg.get("context_parallel_size", 1) or 1)
-    for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp), ("context_parallel_size", cp)):
+    """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; raises UsageError if they
+    don't fit.
+
+    The data-parallel size follows the launch: left null it is world / (pp x cp x tp), so one recipe runs on
+    1, 4 or 8 processes. A world smaller than the configured model parallelism caps the tensor size at the
+    world size and the pipeline (then context) size at what remains, as LiBai's ``_init_parallel_size``
+    does (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
+    data-parallel size set explicitly must fit the world.
+    """
+    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
+    for name, value in configured.items():
         if value < 1:
             raise UsageError(f"train.dist.{name}={value} must be at least 1")
+    used = capped_sizes(world_size, configured)
+    if used != configured and bool(dist_cfg.get("strict_layout", False)):
+        need = " x ".join(f"{n}({v})" for n, v in configured.items() if v > 1)
+        raise UsageError(f"train.dist asks for {need} = {_product(configured)} processes but {world_size} were "
+                         f"launched (train.dist.strict_layout=True); launch at least {_product(configured)} "
+                         f"processes or set train.dist.strict_layout=False to have the sizes capped")
+    tp, pp, cp = used["tensor_parallel_size"], used["pipeline_parallel_size"], used["context_parallel_size"]
     model = pp * cp * tp
     named = f"pipeline_parallel_size({pp}) x " + (f"context_parallel_size({cp}) x " if cp > 1 else "") + \
         f"tensor_parallel_size({tp})"
@@ -163,6 +176,38 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
                          f"pipeline_parallel_size({pp}){with_cp} = {dp * model} does not match the world size "
                          f"{world_size}; launch {dp * model} processes or set train.dist.data_parallel_size={fix}")
     return pp, dp, cp, tp
+
+
+# The model-parallel dimensions in LiBai's capping order: tensor first, then pipeline, then context.
+_MODEL_DIMS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+
+
+def _product(sizes: dict) -> int:
+    out = 1
+    for v in sizes.values():
+        out *= v
+    return out
+
+
+def capped_sizes(world_size: int, configured: dict) -> dict:
+    """The model-parallel sizes a world of ``world_size`` processes can hold: each of ``_MODEL_DIMS`` in turn
+    capped at what the sizes before it leave (LiBai: tp = min(tp, world), pp = min(pp, world // tp))."""
+    used, left = {}, world_size
+    for name in _MODEL_DIMS:
+        used[name] = max(1, min(configured[name], left))
+        left = max(1, left // used[name])
+    return used
+
+
+def describe_capping(world_size: int, dist_cfg) -> str | None:
+    """The start-up warning for sizes ``resolve_layout`` capped to fit ``world_size``, or None."""
+    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
+    used = capped_sizes(world_size, configured)
+    changed = [f"{name} {configured[name]} -> {used[name]}" for name in _MODEL_DIMS if used[name] != configured[name]]
+    if not changed:
+        return None
+    return (f"train.dist: {', '.join(changed)} to fit the {world_size} launched process(es) (LiBai's rule: model "
+            f"parallel sizes are capped at the world size; train.dist.strict_layout=True refuses instead)")
 
 
 def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:

@@ -120,7 +120,8 @@ def _case(tmp_path, case):
     elif case == "batch_not_divisible":
         extra = ["train.global_batch_size=10"]
     elif case == "layout_not_fitting_world":
-        extra = ["train.dist.tensor_parallel_size=2"]
+        # Without strict_layout the size is capped to the world (LiBai's rule) and the run goes on.
+        extra = ["train.dist.tensor_parallel_size=2", "train.dist.strict_layout=True"]
     elif case == "layout_not_fitting_model":
         extra, nproc = ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3",
                         "model.cfg.hidden_size=66"], 2
@@ -154,7 +155,7 @@ NEEDLES = {
     "missing_tokenizer_file": "vocab.json",
     "tokenizer_not_matching_config": "vocab.txt",
     "batch_not_divisible": "not divisible",
-    "layout_not_fitting_world": "world size",
+    "layout_not_fitting_world": "but 1 were launched",
     "layout_not_fitting_model": "does not divide model.cfg.num_attention_heads=3",
     "idx_pointer_past_bin": "is corrupt: sequence 100 ",
     "resume_corrupt_checkpoint": "has 7 bytes but",

@@ -85,7 +85,8 @@ def test_layout_matches_one_process(tmp_path, reference, name):
     "nproc,extra,needle",
     [
         # These two are tests/engine/test_bad_input.py's layout_not_fitting_world and _model cases.
-        pytest.param(2, ["train.dist.tensor_parallel_size=3"], "world size 2 is not divisible", marks=pytest.mark.slow),
+        pytest.param(2, ["train.dist.tensor_parallel_size=4", "train.dist.strict_layout=True"],
+                     "but 2 were launched", marks=pytest.mark.slow),
         (2, ["train.dist.data_parallel_size=4"], "does not match the world size"),
         (1, ["model.cfg.num_attention_heads=4", "model.cfg.hidden_size=66"], None),
         pytest.param(2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3",

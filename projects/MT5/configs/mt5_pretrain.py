@@ -1,9 +1,23 @@
-"""LiBai's MT5 pretraining recipe: mT5-base dimensions, dp2 x tp2, ZeRO-2, mixed precision,
-8 accumulation steps of micro-batch 4, span corruption on the demo corpus in data_test/.
+"""LiBai's MT5 pretraining recipe: mT5-base dimensions, 2-way tensor parallel with the data-parallel size
+left to the launch, ZeRO-2, mixed precision, 8 accumulation steps of micro-batch 4, span corruption on the
+demo corpus in data_test/.
 
+The same file runs on any number of processes, as LiBai's guide runs it (LiBai's rule: tensor, then
+pipeline parallel sizes capped at what the world holds, data parallel = world / (tp x pp)):
+
+    # 1 GPU: tp 2 -> 1 (one warning line), dp 1; micro 4 x 8 accumulation = global 32
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 1
+    # 4 GPUs: dp 2 x tp 2; global 64
     bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 4
+    # 8 GPUs: dp 4 x tp 2; global 128
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8
+    # 8 GPUs, more tensor parallel (the guide's tensor_parallel_size edit; mT5-base's 12 heads split 4 ways,
+    # not 8): dp 2 x tp 4
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8 train.dist.tensor_parallel_size=4
+    # 8 GPUs, pipeline parallel (the guide's pipeline_parallel_size edit): pp 4 x tp 2, dp 1
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8 train.dist.pipeline_parallel_size=4
 
-projects/MT5/README.md has the one-process and 8-process variants and how to scale it down.
+projects/MT5/README.md has these commands scaled down for a CPU.
 """
 from configs.common.optim import optim
 from configs.common.train import train
@@ -44,7 +58,8 @@ train.update(
 )
 train.amp.update(enabled=True, dtype="bf16")
 train.dist.update(
-    data_parallel_size=2,
+    # The launch decides: world / (tp x pp). LiBai's file says 2 (its 4-GPU layout) and ignores it.
+    data_parallel_size=None,
     tensor_parallel_size=2,
     pipeline_parallel_size=1,
     # pipeline_num_layers stays None: it is derived as 2 x model.cfg.hidden_layers (both stacks),
