@@ -137,9 +137,15 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors(norm_type, max_norm):
 
 
 def test_no_sync_context_is_a_no_op_for_a_plain_module():
-    model = build_model()
-    with no_sync_context(model, is_last_microbatch=False):
-        pass
+    """A plain module has no gradient reduction to defer: backward inside the context accumulates as outside."""
+    x, y = batches(1)[0]
+    inside, outside = build_model(), build_model()
+    with no_sync_context(inside, is_last_microbatch=False):
+        inside(x, y)["lm_loss"].backward()
+    outside(x, y)["lm_loss"].backward()
+    for (n, p), q in zip(inside.named_parameters(), outside.parameters()):
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------- multi process
