@@ -5,6 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .fused_linear_ce import gpu_linear_cross_entropy, select_kernel
+
 
 class ParallelCrossEntropyLoss(nn.Module):
     """Per-token cross entropy in fp32, a plain tensor shaped like ``target`` (0 where ignored).
@@ -97,7 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 scaled = h.float() * scale
                 grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
-                grad_weight.index_add_(0, safe_target[owned], scaled[owned], alpha=-1.0)
+                # Every row added, the rows of targets this rank does not own (and ignored ones) as zeros:
+                # a boolean selection would read its count back to the host and stall a GPU's queue.
+                grad_weight.index_add_(0, safe_target, torch.where(owned[:, None], scaled, 0.0), alpha=-1.0)
                 grad_weight = grad_weight.to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
@@ -111,7 +115,7 @@ def fusable_head_weight(weight: torch.Tensor) -> bool:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                         return_top1: bool = False):
+                         return_top1: bool = False, kernel: str | None = None):
     """Per-token cross entropy of the logits ``hidden @ weight.T``, fused with the LM head.
 
     Same contract as ``ParallelCrossEntropyLoss`` applied to ``F.linear(hidden, weight)``: fp32
@@ -120,7 +124,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``weight`` may be a DTensor split on the vocabulary over a 1-D mesh (the tensor-parallel head):
     each rank then forms its slice of the logits only, and ``hidden`` may be replicated or, under
     sequence parallelism, this rank's slice of the sequence (dim 1). ``return_top1=True`` also
-    returns whether each target is the arg-max of its logits (False where ignored).
+    returns whether each target is the arg-max of its logits (False where ignored). ``kernel``: ``buffer``
+    (the one-buffer path below), ``chunked`` or ``liger`` (``fused_linear_ce``: no ``[tokens, vocab]``
+    buffer); None picks by device (``fused_linear_ce.select_kernel``: ``buffer`` on a CPU).
     """
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -130,8 +136,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         hidden, weight, group, vocab_start = _vocab_parallel_inputs(hidden, weight, target)
-    loss, is_top1 = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1),
-                                              ignore_index, compute_dtype, return_top1, group, vocab_start)
+    kernel = kernel or select_kernel(hidden.device, group is not None)
+    if kernel != "buffer":
+        loss, is_top1 = gpu_linear_cross_entropy(kernel, hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                 target.reshape(-1), ignore_index, compute_dtype, return_top1,
+                                                 group, vocab_start)
+    else:
+        loss, is_top1 = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1),
+                                                  ignore_index, compute_dtype, return_top1, group, vocab_start)
     if return_top1:
         return loss.view(target.shape), is_top1.view(target.shape)
     return loss.view(target.shape)

@@ -1,0 +1,184 @@
+"""The LM head fused with the cross entropy for GPUs: the ``[tokens, vocab]`` logits are never held.
+
+``libai_lite.layers.loss.linear_cross_entropy`` keeps one ``[tokens, vocab]`` buffer (the softmax,
+normalised in cache-sized chunks): right for a CPU, where the memory is large and every pass over it
+is cheap next to the GEMMs. On a GPU that buffer is 1.2 GB for GPT-2 at 12k tokens, held from the
+head's forward to its backward, and each pass over it costs HBM bandwidth. Here the tokens are cut
+into chunks of a few hundred MB of logits; forward keeps only each token's log-sum-exp, backward
+recomputes the chunk's logits and turns them straight into the two gradients. One more
+``tokens x vocab x hidden`` GEMM than the buffered path buys back ``tokens x vocab`` of memory
+and most passes over it.
+
+Two kernels do it:
+
+* ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (Triton; the optional ``gpu``
+  extra, ``pip install -e .[gpu]``), for a plain head on CUDA.
+* ``chunked``: the same online softmax written here as plain torch ops per chunk, compiled by
+  ``torch.compile`` (Triton on a GPU, C++ on a CPU): the GEMM stays cuBLAS's, the log-sum-exp,
+  target gather, one-hot subtraction and scaling fuse into one kernel per chunk. It also takes the
+  vocabulary-parallel head (each rank's logsumexp combined with two all-reduces of ``2 x tokens``
+  values), which Liger does not.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+KERNELS = ("buffer", "chunked", "liger")
+# Liger's reduction="none" backward folds in the per-token gradient (recomputing the logits) from this
+# release on; earlier ones scaled the whole gradient by one number.
+LIGER_MIN_VERSION = (0, 8, 5)
+
+
+def liger_available() -> bool:
+    """Whether Liger-Kernel (with Triton) is installed, at a release whose per-token backward is exact."""
+    if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
+        return False
+    from importlib.metadata import version
+
+    try:
+        release = tuple(int(x) for x in version("liger-kernel").split(".")[:3])
+    except (ValueError, ImportError):
+        return False
+    return release >= LIGER_MIN_VERSION
+
+
+def select_kernel(device: torch.device, vocab_parallel: bool) -> str:
+    """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU, ``liger`` on CUDA
+    for a plain head when installed, else ``chunked`` (always for the vocabulary-parallel head)."""
+    if device.type != "cuda":
+        return "buffer"
+    if not vocab_parallel and liger_available():
+        return "liger"
+    return "chunked"
+
+
+def chunk_rows(device: torch.device, vocab: int, tokens: int) -> int:
+    """Tokens per chunk: on a GPU ~256 MiB of fp32-equivalent logits (a handful of chunks per step,
+    each GEMM large enough for the tensor cores); elsewhere ~8 MiB."""
+    budget = 1 << 28 if device.type == "cuda" else 1 << 23
+    return max(1, min(tokens, max(16, budget // (4 * max(1, vocab)))))
+
+
+def _owned(target, vocab_start: int, vocab: int, ignore_index: int):
+    local = target - vocab_start
+    owned = (target != ignore_index) & (local >= 0) & (local < vocab)
+    return owned, torch.where(owned, local, 0)
+
+
+def _forward_chunk(h, w, target, vocab_start: int, ignore_index: int):
+    """(logsumexp, target logit, max) of one chunk's logits over this rank's vocabulary, fp32."""
+    logits = (h @ w.t()).float()
+    owned, safe = _owned(target, vocab_start, w.shape[0], ignore_index)
+    target_logit = logits.gather(1, safe[:, None])[:, 0] * owned
+    return torch.logsumexp(logits, -1), target_logit, logits.amax(-1)
+
+
+def _backward_chunk(h, w, target, lse, scale, grad_w, vocab_start: int, ignore_index: int):
+    """d hidden of one chunk, its d weight added to ``grad_w`` (fp32) in place (one fused kernel after the
+    GEMM): ``scale * (softmax - onehot)`` is formed in registers, never stored in fp32, the one-hot
+    compared against a column index (no scatter, no boolean indexing)."""
+    logits = (h @ w.t()).float()
+    owned, safe = _owned(target, vocab_start, w.shape[0], ignore_index)
+    cols = torch.arange(w.shape[0], device=h.device)
+    onehot = (cols[None, :] == safe[:, None]) & owned[:, None]
+    p = (logits - lse[:, None]).exp()
+    d = (torch.where(onehot, p - 1.0, p) * scale[:, None]).to(h.dtype)
+    grad_w.add_((d.t() @ h).float())
+    return d @ w
+
+
+@functools.cache
+def _compiled(fn, backend: str):
+    return torch.compile(fn, backend=backend)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token ``cross_entropy(hidden @ weight.T, target)`` over token chunks, saving ``h``, ``w`` and
+    one fp32 log-sum-exp per token (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, compute_dtype, with_top1, group, vocab_start,
+                rows, backend):
+        fwd = _compiled(_forward_chunk, backend)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            n = h.shape[0]
+            rows = rows or chunk_rows(h.device, w.shape[0], n)
+            # The tail padded to a whole chunk (ignored tokens): one compiled shape for every chunk.
+            pad = -n % rows
+            hp = torch.nn.functional.pad(h, (0, 0, 0, pad))
+            tp = torch.nn.functional.pad(target, (0, pad), value=ignore_index)
+            parts = [fwd(hp[s:s + rows], w, tp[s:s + rows], vocab_start, ignore_index)
+                     for s in range(0, n + pad, rows)]
+            lse, target_logit, row_max = (torch.cat(x)[:n] for x in zip(*parts))
+            if group is not None:  # logsumexp over the ranks' vocabulary slices
+                maxes = torch.stack([lse, row_max])
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+                sums = torch.stack([(lse - maxes[0]).exp(), target_logit])
+                dist.all_reduce(sums, group=group)
+                lse, row_max, target_logit = maxes[0] + sums[0].log(), maxes[1], sums[1]
+            valid = target != ignore_index
+            loss = (lse - target_logit).masked_fill_(~valid, 0.0)
+            is_top1 = (target_logit >= row_max) & valid if with_top1 else valid.new_zeros(())
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ctx.save_for_backward(h, w, target, lse)
+            ctx.config = (hidden.dtype, weight.dtype, ignore_index, vocab_start, rows, backend)
+        ctx.mark_non_differentiable(is_top1)
+        return loss, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_top1):
+        h, w, target, lse = ctx.saved_tensors
+        hidden_dtype, weight_dtype, ignore_index, vocab_start, rows, backend = ctx.config
+        bwd = _compiled(_backward_chunk, backend)
+        n = h.shape[0]
+        pad = -n % rows
+        with torch.autocast(h.device.type, enabled=False):
+            scale = torch.nn.functional.pad(grad_loss.float() * (target != ignore_index), (0, pad))
+            hp = torch.nn.functional.pad(h, (0, 0, 0, pad))
+            tp = torch.nn.functional.pad(target, (0, pad), value=ignore_index)
+            lp = torch.nn.functional.pad(lse, (0, pad))
+            grad_h = torch.empty_like(hp)
+            grad_w = torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
+            for s in range(0, n + pad, rows):
+                grad_h[s:s + rows] = bwd(hp[s:s + rows], w, tp[s:s + rows], lp[s:s + rows], scale[s:s + rows],
+                                         grad_w, vocab_start, ignore_index)
+        grad_hidden = grad_h[:n].to(hidden_dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_w.to(weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _liger(hidden, weight, target, ignore_index, compute_dtype, with_top1):
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        # Positional, as liger-kernel 0.8.5 declares them: bias, ce_weight, ignore_index, lse_square_scale,
+        # label_smoothing, reduction, softcap, return_z_loss, accum_dtype (fp32 weight gradient),
+        # use_token_scaling, return_token_accuracy.
+        loss, _, accuracy, _ = LigerFusedLinearCrossEntropyFunction.apply(
+            hidden.to(compute_dtype), weight.to(compute_dtype), target, None, None, ignore_index, 0.0, 0.0, "none",
+            None, False, torch.float32, False, with_top1)
+    valid = target != ignore_index
+    loss = loss.float().masked_fill(~valid, 0.0)
+    is_top1 = (accuracy > 0.5) & valid if with_top1 else valid.new_zeros(())
+    return loss, is_top1
+
+
+def gpu_linear_cross_entropy(kernel: str, hidden, weight, target, ignore_index: int, compute_dtype: torch.dtype,
+                             with_top1: bool, group=None, vocab_start: int = 0, rows: int | None = None,
+                             backend: str = "inductor"):
+    """(per-token fp32 loss, is-top-1) of ``hidden [N, H] @ weight[V, H].T`` against ``target [N]`` with
+    ``kernel`` ``chunked`` or ``liger``, the contract of ``loss._LinearCrossEntropy``; ``rows``: tokens
+    per chunk (None: ``chunk_rows``); ``backend``: torch.compile's for ``chunked``."""
+    if kernel == "liger":
+        if group is not None:
+            raise ValueError("the liger kernel does not split the vocabulary over ranks; use kernel='chunked'")
+        return _liger(hidden, weight, target, ignore_index, compute_dtype, with_top1)
+    if kernel != "chunked":
+        raise ValueError(f"kernel={kernel!r} is not a GPU cross-entropy kernel; use one of chunked, liger")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, compute_dtype, with_top1, group,
+                                            vocab_start, rows, backend)

@@ -1,0 +1,230 @@
+"""The GPU fused LM head + cross entropy (``libai_lite.layers.fused_linear_ce``) against the unfused loss.
+
+The compiled chunked kernel runs on the CPU here, forced with ``kernel="chunked"``: with ``aot_eager``
+(the traced graph, fast to build) for most checks and once with inductor (the generated code a GPU run
+compiles to Triton). Which kernel a CUDA tensor gets is checked without a GPU; the kernels on CUDA
+(Liger's included) run in ``gpu``-marked tests.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from libai_lite.layers import fused_linear_ce as flce
+from libai_lite.layers import loss as loss_mod
+from libai_lite.layers import linear_cross_entropy
+
+# A fresh inductor cache per run, as tests/parallel/test_compile.py keeps it (cached CPU kernels reused
+# across ATEN_CPU_CAPABILITY gave NaNs there).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchinductor_libai_lite_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+N, H, V = 45, 32, 96  # 45 tokens in chunks of 16: a padded tail chunk
+
+
+def _inputs(dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    target = torch.randint(0, V, (N,), generator=g)
+    target[::7] = -100
+    target[3] = int((hidden[3] @ weight.t()).argmax())  # at least one top-1 hit
+    grad = torch.rand(N, generator=g)
+    return (hidden.to(device, dtype), weight.to(device, dtype), target.to(device), grad.to(device))
+
+
+def _unfused(hidden, weight, target, grad, compute_dtype):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = h.to(compute_dtype) @ w.to(compute_dtype).t()
+    loss = F.cross_entropy(logits.float(), target, reduction="none")
+    loss.backward(grad)
+    top1 = (logits.float().argmax(-1) == target) & (target != -100)
+    return loss.detach(), top1, h.grad, w.grad
+
+
+def _tolerance(compute_dtype, grad_ref):
+    """One rounding of the compute dtype per result (the logits, ``softmax - onehot`` and each GEMM's
+    output are rounded once, as in the unfused path), relative to the largest gradient entry; fp32 also
+    reorders the vocabulary's sum (V terms)."""
+    eps = torch.finfo(compute_dtype).eps
+    scale = float(grad_ref.abs().max())
+    if compute_dtype == torch.float32:
+        return dict(rtol=V * eps, atol=V * eps * scale)
+    return dict(rtol=4 * eps, atol=4 * eps * scale)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_kernel_matches_the_unfused_loss_and_gradients(compute_dtype):
+    hidden, weight, target, grad = _inputs()
+    ref_loss, ref_top1, ref_gh, ref_gw = _unfused(hidden, weight, target, grad, compute_dtype)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, top1 = flce.gpu_linear_cross_entropy("chunked", h, w, target, -100, compute_dtype, True, rows=16,
+                                               backend="aot_eager")
+    loss.backward(grad)
+    assert loss.dtype == torch.float32 and torch.all(loss[target == -100] == 0)
+    assert torch.equal(top1, ref_top1) and top1.any()
+    # The loss is fp32 arithmetic on the same rounded logits.
+    torch.testing.assert_close(loss, ref_loss, rtol=V * torch.finfo(torch.float32).eps, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_gh, **_tolerance(compute_dtype, ref_gh))
+    torch.testing.assert_close(w.grad, ref_gw, **_tolerance(compute_dtype, ref_gw))
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+
+
+@pytest.mark.slow  # a cold inductor build of two graphs: about a minute on two busy cores
+def test_chunked_kernel_under_inductor_and_autocast_through_linear_cross_entropy():
+    """``linear_cross_entropy(kernel="chunked")`` compiled by inductor, bf16 autocast, on a [batch, seq] target."""
+    hidden, weight, target, grad = _inputs(seed=1)
+    ref_loss, ref_top1, ref_gh, ref_gw = _unfused(hidden, weight, target, grad, torch.bfloat16)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, top1 = linear_cross_entropy(h.view(5, 9, H), w, target.view(5, 9), return_top1=True, kernel="chunked")
+    assert loss.shape == top1.shape == (5, 9)
+    loss.backward(grad.view(5, 9))
+    assert torch.equal(top1.flatten(), ref_top1)
+    torch.testing.assert_close(loss.flatten(), ref_loss, rtol=V * torch.finfo(torch.float32).eps, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_gh, **_tolerance(torch.bfloat16, ref_gh))
+    torch.testing.assert_close(w.grad, ref_gw, **_tolerance(torch.bfloat16, ref_gw))
+
+
+def test_a_cuda_tensor_gets_a_gpu_kernel_and_a_cpu_tensor_the_buffer(monkeypatch):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert flce.select_kernel(cpu, False) == flce.select_kernel(cpu, True) == "buffer"
+    monkeypatch.setattr(flce, "liger_available", lambda: True)
+    assert flce.select_kernel(cuda, False) == "liger"
+    assert flce.select_kernel(cuda, True) == "chunked"  # Liger has no vocabulary-parallel form
+    monkeypatch.setattr(flce, "liger_available", lambda: False)
+    assert flce.select_kernel(cuda, False) == "chunked"
+
+
+def test_liger_needs_triton_and_a_release_with_the_per_token_backward(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.5")
+    assert flce.liger_available()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.4")
+    assert not flce.liger_available()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    assert not flce.liger_available()
+
+
+def test_linear_cross_entropy_dispatches_on_the_selected_kernel(monkeypatch):
+    """What ``linear_cross_entropy`` does with a CUDA tensor, on a CPU one: the GPU kernel is called with
+    the flattened inputs, and the buffer path is not."""
+    hidden, weight, target, _ = _inputs()
+    calls = []
+
+    def fake_gpu(kernel, h, w, t, ignore_index, compute_dtype, with_top1, group, vocab_start):
+        calls.append((kernel, tuple(h.shape), tuple(t.shape), compute_dtype, group, vocab_start))
+        return torch.zeros(t.shape), torch.zeros(t.shape, dtype=torch.bool)
+
+    monkeypatch.setattr(loss_mod, "select_kernel", lambda device, vocab_parallel: "liger")
+    monkeypatch.setattr(loss_mod, "gpu_linear_cross_entropy", fake_gpu)
+    monkeypatch.setattr(loss_mod._LinearCrossEntropy, "apply", None)  # would fail if called
+    loss = linear_cross_entropy(hidden.view(5, 9, H), weight, target.view(5, 9))
+    assert loss.shape == (5, 9)
+    assert calls == [("liger", (N, H), (N,), torch.float32, None, 0)]
+
+
+def test_the_cpu_keeps_the_buffer_kernel(monkeypatch):
+    hidden, weight, target, _ = _inputs()
+
+    def no_gpu_kernel(*args):
+        raise AssertionError("a CPU tensor reached the GPU kernel")
+
+    monkeypatch.setattr(loss_mod, "gpu_linear_cross_entropy", no_gpu_kernel)
+    loss = linear_cross_entropy(hidden.requires_grad_(), weight, target)
+    assert loss.grad_fn.next_functions[0][0].name().endswith("_LinearCrossEntropyBackward")
+
+
+def _vocab_parallel(rank, world, port, out):
+    """One rank: the head split on the vocabulary, the chunked kernel (aot_eager) against the one-process loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    flce._compiled = lambda fn, backend: torch.compile(fn, backend="aot_eager")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    hidden, weight, target, grad = _inputs()
+    results = {}
+    for amp in (False, True):
+        w = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss, top1 = linear_cross_entropy(h, w, target, return_top1=True, kernel="chunked")
+        loss.backward(grad)
+        results[amp] = {"loss": loss.detach(), "top1": top1, "grad_hidden": h.grad, "grad_weight": w.grad.full_tensor()}
+    if rank == 0:
+        torch.save(results, os.path.join(out, "tp.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_chunked_kernel_matches_the_unfused_loss(tmp_path):
+    """The chunked kernel with the vocabulary split over 2 ranks (each rank's logsumexp combined by
+    all-reduce): the unfused one-process loss, top-1 and gradients, fp32 and bf16."""
+    from tests.launch import spawn_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn_ranks(_vocab_parallel, 2, (2, port, str(tmp_path)))
+    got = torch.load(tmp_path / "tp.pt")
+    hidden, weight, target, grad = _inputs()
+    for amp, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        ref_loss, ref_top1, ref_gh, ref_gw = _unfused(hidden, weight, target, grad, dtype)
+        res = got[amp]
+        assert torch.equal(res["top1"], ref_top1)
+        torch.testing.assert_close(res["loss"], ref_loss, rtol=V * torch.finfo(torch.float32).eps, atol=1e-5)
+        torch.testing.assert_close(res["grad_hidden"], ref_gh, **_tolerance(dtype, ref_gh))
+        torch.testing.assert_close(res["grad_weight"], ref_gw, **_tolerance(dtype, ref_gw))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kernel", ["chunked", "liger"])
+def test_gpu_kernels_match_the_unfused_loss_on_cuda(kernel):
+    if kernel == "liger" and not flce.liger_available():
+        pytest.skip("liger-kernel is not installed: pip install -e .[gpu]")
+    hidden, weight, target, grad = _inputs(device="cuda")
+    ref_loss, ref_top1, ref_gh, ref_gw = _unfused(hidden, weight, target, grad, torch.bfloat16)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, top1 = linear_cross_entropy(h, w, target, return_top1=True, kernel=kernel)
+    loss.backward(grad)
+    assert torch.equal(top1, ref_top1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)  # Liger's logsumexp runs in bf16 blocks
+    torch.testing.assert_close(h.grad, ref_gh, **_tolerance(torch.bfloat16, ref_gh))
+    torch.testing.assert_close(w.grad, ref_gw, **_tolerance(torch.bfloat16, ref_gw))
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_chunked_kernel_never_holds_the_logits_on_cuda():
+    """12k tokens x 50k vocabulary: the unfused bf16 logits alone are 1.2 GB; the chunked kernel's
+    peak over its inputs stays under a few chunks (~256 MiB each)."""
+    n, h, v = 12288, 768, 50304
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (n,), device="cuda")
+    linear_cross_entropy(hidden, weight, target, kernel="chunked").sum().backward()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(hidden, weight, target, kernel="chunked").sum().backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < n * v * 2 // 2, f"peak {peak / 2**20:.0f} MiB"
