@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--hf-dir", required=True, help="Hugging Face model directory")
     imp.add_argument("--output", required=True, help="checkpoint directory to create")
     imp.add_argument("--tensor-parallel-size", type=int, default=1,
-                     help="tensor-parallel size the fine-tuning run will use: the vocabulary is padded to a "
-                          "multiple of make_vocab_size_divisible_by x this (default 1)")
+                     help="tensor-parallel size the generated fine-tuning config sets (default 1); the "
+                          "vocabulary is padded to a multiple of --make-vocab-size-divisible-by whatever it is")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="tokenization.make_vocab_size_divisible_by of the fine-tuning run (default 128)")
     imp.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
@@ -125,9 +125,9 @@ def _finetune_config(mapping, cfg: dict, tokenizer, args, output: str) -> str:
         "        dataloader.train.data_prefix=YOUR_CORPUS_text_document",
         "",
         "Point dataloader.train.data_prefix at a corpus preprocessed with this tokenizer",
-        "(tools/preprocess_data.py). The vocabulary was padded as the trainer pads it for",
-        f"tensor_parallel_size={tp} and make_vocab_size_divisible_by={divisible_by}; another",
-        "tensor-parallel size needs another import (--tensor-parallel-size).",
+        "(tools/preprocess_data.py). The vocabulary was padded as the trainer pads it, to a multiple of",
+        f"make_vocab_size_divisible_by={divisible_by} whatever the layout: any tensor_parallel_size that",
+        "divides it trains this checkpoint.",
         '"""',
         "import os",
         "",
@@ -205,8 +205,8 @@ def cmd_import(args) -> int:
     tokenizer = mapping.find_tokenizer(args.hf_dir)
     hf_vocab = int(mapping.config_from_hf(hf_config)["vocab_size"])
     tok_vocab = tokenizer.tokenizer.vocab_size if tokenizer is not None else 0
-    # What the trainer will build: the tokenizer's size padded for the layout (never fewer rows than the weights).
-    padded = pad_vocab_size(max(hf_vocab, tok_vocab), args.make_vocab_size_divisible_by, args.tensor_parallel_size)
+    # What the trainer will build: the tokenizer's size padded (never fewer rows than the weights).
+    padded = pad_vocab_size(max(hf_vocab, tok_vocab), args.make_vocab_size_divisible_by)
     model_type, cfg, module = load_hf_model(args.hf_dir, model_type, vocab_size=padded,
                                             model_class=model_class or mapping.model_class)
 
@@ -249,7 +249,7 @@ def cmd_export(args) -> int:
     cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])
     mapping_for_model(model_class)  # a class without a mapping is refused before the checkpoint is read
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
-    # The vocabulary the run padded to (a tp=2 run pads to a multiple of 256), not a fresh padding.
+    # The vocabulary the run padded to (a run before padding stopped depending on tp: 256 at tp=2), not a fresh one.
     model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_class)
     module = build_empty(lambda: model_class(dict(model_cfg)))
     Checkpointer(module).load(args.checkpoint, weights_only=True)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -61,6 +62,7 @@ from ..utils.distributed import barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 from ..utils.files import atomic_write
+from .vocab_rows import fit_vocab_rows, shape_refusal, vocab_padding_differs
 
 logger = logging.getLogger("libai_lite")
 
@@ -407,7 +409,8 @@ def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
 
 
 def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None,
-                            all_keys: set | None = None) -> None:
+                            all_keys: set | None = None, vocab_ids: int | None = None,
+                            model_config=None) -> None:
     """Refuse (UsageError naming the first mismatch) a checkpoint that does not fit the model exactly.
 
     Its files must match its manifest (``verify_checkpoint``, collective when distributed), every
@@ -415,11 +418,14 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
     that the model lacks. ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model
     built on the meta device checks a checkpoint before any data or weights are touched);
     ``all_keys`` (the names read, over all ranks) replaces its keys in the last check when this
-    rank holds only part of the model (a pipeline stage).
+    rank holds only part of the model (a pipeline stage). With ``vocab_ids`` (the tokenizer's ids)
+    and ``model_config`` (``model.cfg``), vocabulary rows that differ only in padding are accepted
+    (``Checkpointer.load`` cuts or adds them) and a refusal names the ``model.cfg`` key that differs.
     """
     aliases = aliases or {}
     verify_checkpoint(path)
     meta = read_metadata(path)
+    vocab_rows = (model_config or {}).get("vocab_size")
     for key, tensor in model_state.items():
         stored = meta.get(f"model.{aliases.get(key, key)}")
         if stored is None:
@@ -427,11 +433,8 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
                              f"size; check train.load_weight and model.cfg")
         # A DTensor's shape is the global one.
         shape, full = tuple(getattr(stored, "size", ())), tuple(tensor.shape)
-        if shape != full:
-            raise UsageError(
-                f"checkpoint {path} holds '{key}' with shape {list(shape)} but this config builds {list(full)}: "
-                f"the checkpoint is of another model shape; make model.cfg match it"
-            )
+        if shape != full and not vocab_padding_differs(shape, full, vocab_ids, vocab_rows):
+            raise UsageError(f"checkpoint {path} {shape_refusal(key, shape, full, vocab_ids, model_config)}")
     # A tied copy (a pipeline stage's LM head) reads its source's entry, but a checkpoint saved
     # under pipeline parallelism stores the copy under its own name too: both are the model's.
     expected = all_keys if all_keys is not None else {aliases.get(k, k) for k in model_state} | set(model_state)
@@ -513,7 +516,8 @@ class Checkpointer:
     """
 
     def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
-                 aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None):
+                 aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None,
+                 vocab_ids: int | None = None, model_config=None):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
@@ -525,6 +529,9 @@ class Checkpointer:
         # checkpoint saved with one parameter there has the optimizer state under the source only.
         self.tied_copies = dict(tied_copies or {})
         self.async_save = bool(async_save)
+        # The tokenizer's ids and model.cfg: vocabulary padding rows of another size are cut or
+        # added at load, and a shape refusal names the model.cfg key that differs.
+        self.vocab_ids, self.model_config = vocab_ids, model_config
         self._in_flight: _InFlight | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writer_group = None
@@ -833,6 +840,32 @@ class Checkpointer:
                         out[key] = (optim_state[key], source_key)
         return out
 
+    def _stand_ins_for_vocab_rows(self, path: str, state: dict) -> dict:
+        """Replace in ``state`` each tensor whose vocabulary padding differs from the checkpoint's
+        (``vocab_padding_differs``) by a full tensor of the stored shape that DCP loads into; returns
+        ``{(section, key): the replaced tensor}``, which ``fit_vocab_rows`` fills after the load."""
+        rows = (self.model_config or {}).get("vocab_size")
+        if self.vocab_ids is None or rows is None:
+            return {}
+        meta, out = read_metadata(path), {}
+        for section in ("model", "optim"):
+            for key, target in list(state.get(section, {}).items()):
+                stored = meta.get(f"{section}.{key}")
+                if (not isinstance(target, torch.Tensor) or stored is None or not hasattr(stored, "size")
+                        or not vocab_padding_differs(stored.size, target.shape, self.vocab_ids, rows)):
+                    continue
+                local = target.to_local() if isinstance(target, DTensor) else target
+                state[section][key] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype,
+                                                  device=local.device)
+                out[(section, key)] = target
+        if out:
+            have = int(next(iter(meta[f"{s}.{k}"].size[0] for s, k in out)))
+            logger.warning(f"checkpoint {path} has {have} vocabulary rows where this config builds {rows} "
+                           f"({self.vocab_ids} tokenizer ids padded to a multiple of "
+                           f"tokenization.make_vocab_size_divisible_by): padding rows "
+                           f"{'cut' if have > rows else 'added'} at load, the real ids' rows kept")
+        return out
+
     def load(self, path: str, weights_only: bool = False) -> dict:
         """Load a checkpoint into the model (and optimizer, RNG unless `weights_only`); returns trainer state.
 
@@ -844,12 +877,14 @@ class Checkpointer:
         full = not weights_only and self.optimizer is not None
         part_states = self._part_states(with_optim=full)
         own = self._merged(part_states)["model"]
-        check_checkpoint_shapes(path, own, self.aliases, all_keys=self._model_keys_read(own))
+        check_checkpoint_shapes(path, own, self.aliases, all_keys=self._model_keys_read(own),
+                                vocab_ids=self.vocab_ids, model_config=self.model_config)
         trainer_state = read_trainer_state(path) if full else {}
         state = alias_state_dict_keys(self._merged(part_states), self.aliases)
         filled = self._tied_state_to_fill(path, state.get("optim"))
         for key in filled:
             state["optim"].pop(key)
+        resized = self._stand_ins_for_vocab_rows(path, state)
         try:
             dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:
@@ -858,6 +893,8 @@ class Checkpointer:
             cause = cause[0] if isinstance(cause, tuple) else cause
             raise UsageError(f"checkpoint {path} cannot be loaded ({_describe(cause)}): it is corrupt; "
                              f"{_CORRUPT_FIX}") from e
+        for (section, key), target in resized.items():
+            state[section][key] = fit_vocab_rows(state[section][key], target, self.vocab_ids, section == "model")
         for key, (target, source_key) in filled.items():
             loaded = state["optim"][source_key]
             if isinstance(target, torch.Tensor):

@@ -219,6 +219,10 @@ def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
         out[key] = t.clone() if ptr in seen else t
         seen.add(ptr)
     save_file(out, path, metadata={"format": "pt"})
+    # safetensors creates the file 0600; the directory's other files follow the umask (0644 under 022).
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _write_json(obj, path: str) -> None:

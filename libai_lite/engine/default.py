@@ -57,7 +57,9 @@ class DefaultTrainer:
         self.precheck_output_dir(self.output_dir)
         if self.resume_path or cfg.train.get("load_weight"):
             # Against the meta model: a wrong --resume or load_weight is refused before anything is written.
-            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict())
+            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict(),
+                                    vocab_ids=getattr(self.tokenizer, "vocab_size", None),
+                                    model_config=cfg.model.get("cfg"))
         trainer_state = {}
         if self.resume_path is not None:
             with open(os.path.join(self.resume_path, "trainer_state.json")) as f:
@@ -171,9 +173,7 @@ class DefaultTrainer:
         if tok_cfg is None or tok_cfg.get("tokenizer") is None:
             return None
         tokenizer = instantiate(tok_cfg.tokenizer)
-        padded = pad_vocab_size(
-            tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128), self.layout.tensor_parallel_size
-        )
+        padded = pad_vocab_size(tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128))
         with open_dict(cfg):
             cfg.model.cfg.vocab_size = padded
         logger.info(f"Tokenizer with {tokenizer.vocab_size} ids; vocab padded to {padded}")
@@ -284,7 +284,9 @@ class DefaultTrainer:
         return Checkpointer(model.parts, optimizer, cfg.train.output_dir,
                             max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases,
                             tied_copies=model.tied_copies,
-                            async_save=bool(cfg.train.checkpointer.get("async_save", False)))
+                            async_save=bool(cfg.train.checkpointer.get("async_save", False)),
+                            vocab_ids=getattr(self.tokenizer, "vocab_size", None),
+                            model_config=cfg.model.get("cfg"))
 
     def build_trainer(self, cfg, model: ParallelModel, train_loader, optimizer, scheduler, grad_scaler) -> Trainer:
         """The step runner: eager, or through the pipeline schedule when the model is pipelined."""

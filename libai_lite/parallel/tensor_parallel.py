@@ -50,8 +50,9 @@ def declared_sbp(module: nn.Module) -> LayerSBP | None:
     return next((d for types, d in _TORCH_LAYERS if isinstance(module, types)), None)
 
 
-_VOCAB_HINT = ("; the vocabulary is padded to a multiple of tokenization.make_vocab_size_divisible_by x "
-               "tensor_parallel_size, so set model.cfg.vocab_size from the tokenizer")
+# The padded vocabulary does not depend on the layout (tokenizer.pad_vocab_size): its divisor is the fix.
+_VOCAB_HINT = ("; the vocabulary is padded to a multiple of tokenization.make_vocab_size_divisible_by whatever "
+               "the layout: set it to a multiple of {tp} (model.cfg.vocab_size when no tokenizer sets it)")
 
 
 def _divisors(n: int) -> str:
@@ -85,10 +86,12 @@ def check_declared_splits(model: nn.Module, tp_size: int, model_cfg: Optional[Ma
             if decl.counts and model_cfg is not None and model_cfg.get(decl.counts) == blocks:
                 what = f"model.cfg.{decl.counts}={blocks}"
             else:
-                unit = "" if decl.unit == 1 else f" blocks of {decl.unit} (whole heads)"
+                whole = "gate/up row pairs" if decl.counts == "ffn_hidden_size" else "whole heads"
+                unit = "" if decl.unit == 1 else f" blocks of {decl.unit} ({whole})"
                 what = f"dim {dim} of {_join(name, p_name)}: {blocks}{unit}"
             vocab = decl.counts == "vocab_size"
-            hint = _VOCAB_HINT if vocab else f"; use a tensor_parallel_size that divides {blocks} ({_divisors(blocks)})"
+            hint = (_VOCAB_HINT.format(tp=tp) if vocab
+                    else f"; use a tensor_parallel_size that divides {blocks} ({_divisors(blocks)})")
             refusals.append((vocab, f"tensor_parallel_size={tp} does not divide {what}{hint}"))
     if refusals:
         raise UsageError(min(refusals, key=lambda r: r[0])[1])

@@ -5,22 +5,22 @@ import os
 from typing import Iterable, List, Optional, Sequence
 
 
-def pad_vocab_size(
-    orig_vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1
-) -> int:
-    """Round ``orig_vocab_size`` up to a multiple of ``make_vocab_size_divisible_by * tensor_parallel_size``.
+def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """Round ``orig_vocab_size`` up to a multiple of ``make_vocab_size_divisible_by``.
 
-    This is Megatron-LM's ``_vocab_size_with_padding``: each tensor-parallel shard of the
-    embedding stays a multiple of the divisor, which keeps GEMM shapes friendly.
+    Megatron-LM multiplies the divisor by the tensor-parallel size, so the layout a run happens to
+    use changes the model (8064 rows at tp=1, 8192 at tp=2) and a checkpoint cannot resume on
+    another layout. Here the padding depends on the divisor alone: one config builds one model, and
+    a tensor-parallel size must divide the padded size (128 admits tp 1, 2, 4, ..., 128; the
+    tensor-parallel check refuses others, naming this key).
     """
     for name, value in (
         ("orig_vocab_size", orig_vocab_size),
         ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
-        ("tensor_parallel_size", tensor_parallel_size),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"pad_vocab_size: {name} must be a positive integer, got {value!r}")
-    multiple = make_vocab_size_divisible_by * tensor_parallel_size
+    multiple = make_vocab_size_divisible_by
     return -(-orig_vocab_size // multiple) * multiple
 
 

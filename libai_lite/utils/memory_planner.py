@@ -884,8 +884,7 @@ def planner_from_config(cfg, world_size: int, device: str = "cuda") -> tuple[Mem
     if tok_cfg is not None and tok_cfg.get("tokenizer") is not None:
         tokenizer = instantiate(tok_cfg.tokenizer)
         with open_dict(cfg):
-            cfg.model.cfg.vocab_size = pad_vocab_size(tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128),
-                                                      settings.tensor_parallel_size)
+            cfg.model.cfg.vocab_size = pad_vocab_size(tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128))
     sample = _sample_from_config(cfg, tokenizer, settings.micro_batch_size, settings.data_parallel_size)
     return _planner_for(cfg, sample), settings
 

@@ -164,10 +164,16 @@ def test_gpt2_import_matches_transformers_and_export_gives_the_same_weights_back
     assert ours.GPT_model.lm_head.weight is emb
     torch.testing.assert_close(emb[GPT_VOCAB:], emb[:GPT_VOCAB].mean(0).expand(64, -1))
 
-    assert main(["export", "--config-file", str(out / "config.py"), "--checkpoint", str(out),
-                 "--output", str(exp)]) == 0
+    old_mask = os.umask(0o022)
+    try:
+        assert main(["export", "--config-file", str(out / "config.py"), "--checkpoint", str(out),
+                     "--output", str(exp)]) == 0
+    finally:
+        os.umask(old_mask)
     assert {"config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt"} <= set(
         os.listdir(exp))
+    # safetensors writes 0600; every exported file follows the umask like the JSON files do.
+    assert {oct(os.stat(exp / n).st_mode & 0o777) for n in os.listdir(exp)} == {oct(0o644)}
     back = GPT2LMHeadModel.from_pretrained(exp).eval()
     assert back.config.vocab_size == GPT_VOCAB  # the padded rows are cut to the tokenizer's vocabulary
     assert back.config.eos_token_id == back.config.bos_token_id == 0  # data_test's <|endoftext|>
@@ -263,7 +269,7 @@ def test_resize_vocab_rows_keeps_a_tie_and_pads_with_the_mean():
 
 LAYOUTS = {
     # name: (processes, import --tensor-parallel-size, overrides, padded vocabulary)
-    "tp2": (2, 2, ["train.dist.tensor_parallel_size=2", "train.train_micro_batch_size=4"], 8192),
+    "tp2": (2, 2, ["train.dist.tensor_parallel_size=2", "train.train_micro_batch_size=4"], 8064),
     "pp2": (2, 1, ["train.dist.pipeline_parallel_size=2", "train.train_micro_batch_size=2"], 8064),
     "dp2_zero3": (2, 1, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3",
                          "train.train_micro_batch_size=2"], 8064),
@@ -274,8 +280,8 @@ LAYOUTS = {
                                     pytest.param("dp2_zero3", marks=pytest.mark.slow)])
 def test_import_fine_tune_under_a_layout_then_export_matches_our_one_process_model(layout, gpt2_dir, tmp_path,
                                                                                    monkeypatch, capsys):
-    """The generated config trains as is (tp=2 pads the vocabulary to a multiple of 256); the export of
-    the resulting checkpoint reproduces our one-process model loaded from it."""
+    """The generated config trains as is (the vocabulary padded to 8064 rows whatever the layout); the
+    export of the resulting checkpoint reproduces our one-process model loaded from it."""
     from transformers import GPT2LMHeadModel
 
     nproc, tp, overrides, padded = LAYOUTS[layout]
@@ -290,7 +296,7 @@ def test_import_fine_tune_under_a_layout_then_export_matches_our_one_process_mod
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"Loaded weights from {out}" in (run / "log.txt").read_text()
     ckpt = run / "model_final"
-    assert checkpoint_vocab_size(str(ckpt), GPTForPreTraining) == padded  # for tp2 not 8064, what tp=1 would pad to
+    assert checkpoint_vocab_size(str(ckpt), GPTForPreTraining) == padded  # 8064 at tp2 too: one model
 
     exp = tmp_path / "exported"
     monkeypatch.chdir(ROOT)  # config.yaml names the tokenizer files relative to where the run started

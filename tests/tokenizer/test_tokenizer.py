@@ -274,12 +274,14 @@ def test_spm_t5_style_matches_transformers(tmp_path):
 
 def test_pad_vocab_size():
     assert pad_vocab_size(50257) == 50304
-    assert pad_vocab_size(50257, 128, 8) == 51200
-    assert pad_vocab_size(8064, 128, 1) == 8064
-    assert pad_vocab_size(4005, 1, 1) == 4005
-    assert pad_vocab_size(4005, 128, 2) == 4096
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        pad_vocab_size(8000, 128, 0)
+    assert pad_vocab_size(8064, 128) == 8064
+    assert pad_vocab_size(4005, 1) == 4005
+    assert pad_vocab_size(4005, 256) == 4096
+    with pytest.raises(ValueError, match="make_vocab_size_divisible_by"):
+        pad_vocab_size(8000, 0)
+    # No layout argument: the padded vocabulary cannot depend on the tensor-parallel size.
+    with pytest.raises(TypeError):
+        pad_vocab_size(50257, 128, 8)
 
 
 def _one_line(excinfo) -> str:

@@ -1,0 +1,61 @@
+"""Vocabulary rows of a checkpoint that pads its vocabulary otherwise, and shape refusals that name
+the ``model.cfg`` key that differs (used by ``checkpointer.check_checkpoint_shapes`` and ``Checkpointer.load``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def vocab_padding_differs(stored: Sequence[int], built: Sequence[int], vocab_ids: int | None,
+                          vocab_rows: int | None) -> bool:
+    """Whether a tensor stored as ``stored`` differs from the ``built`` one only in padding rows of the
+    vocabulary: ``vocab_rows`` rows built (the tokenizer's ``vocab_ids`` padded), at least ``vocab_ids``
+    stored. A checkpoint of a run that padded otherwise (before the padding stopped depending on the
+    tensor-parallel size, 8192 rows at tp=2 where 8064 are built now) then loads with rows cut or added."""
+    stored, built = tuple(stored), tuple(built)
+    return (vocab_ids is not None and vocab_rows is not None and len(stored) == len(built) >= 1
+            and built[0] == vocab_rows and stored[0] != vocab_rows and stored[0] >= vocab_ids
+            and stored[1:] == built[1:])
+
+
+def shape_refusal(key: str, stored: tuple, built: tuple, vocab_ids: int | None, model_config) -> str:
+    """The refusal of ``key`` stored as ``stored`` where ``built`` is built, naming the config key that
+    gives the differing size when ``model_config`` (``model.cfg``) holds one with that value."""
+    head = f"holds '{key}' with shape {list(stored)} but this config builds {list(built)}"
+    vocab_rows = (model_config or {}).get("vocab_size")
+    if (vocab_ids is not None and len(stored) == len(built) >= 1 and built[0] == vocab_rows
+            and stored[1:] == built[1:] and stored[0] < vocab_ids):
+        return (f"{head}: the checkpoint is of another model shape, with a vocabulary of {stored[0]} rows, fewer "
+                f"than the tokenizer's {vocab_ids} ids; set tokenization.tokenizer to the one it was trained with")
+    sizes = {}
+    for name, value in (model_config or {}).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            sizes.setdefault(value, name)
+    dims = [(b, s) for b, s in zip(built, stored) if b != s] if len(built) == len(stored) else []
+    for b, s in dims:
+        if b in sizes:
+            name = sizes[b]
+            return (f"{head}: the checkpoint is of another model shape; model.cfg.{name}={b} gives {b} where "
+                    f"it has {s}: set model.cfg.{name} to the value it was trained with")
+    return f"{head}: the checkpoint is of another model shape; make model.cfg match it"
+
+
+def fit_vocab_rows(loaded: torch.Tensor, target: torch.Tensor, vocab_ids: int, is_weight: bool) -> torch.Tensor:
+    """``target`` (a tensor or DTensor) set to ``loaded`` (the full stored tensor) with its rows cut or
+    added to ``target``'s. An added weight row is the mean of the real ids' rows (a padded id then gets the
+    mean logit, as ``hf.resize_vocab_rows`` does); added optimizer state is zero, as a fresh optimizer's."""
+    rows = target.shape[0]
+    full = torch.zeros(target.shape, dtype=loaded.dtype, device=loaded.device)
+    keep = min(rows, loaded.shape[0])
+    full[:keep] = loaded[:keep]
+    if is_weight and rows > keep:
+        full[keep:] = loaded[:vocab_ids].float().mean(0).to(loaded.dtype)
+    if isinstance(target, DTensor):
+        # Every rank holds the full tensor: each takes its own shard without communication.
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(full)
+    else:
+        target.copy_(full)
+    return target
