@@ -7,6 +7,7 @@ from torch import nn
 
 from ..parallel.sbp import broadcast, declare, hidden
 from ..utils.errors import UsageError
+from .flex_attention import AttentionMask, dense_bias, flex_attend, flex_enabled
 from .init_methods import InitMethod
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
@@ -174,7 +175,8 @@ class MultiheadAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_states: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, position_ids: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, score_table: Optional[torch.Tensor] = None,
+                score_buckets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
         ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
@@ -188,6 +190,12 @@ class MultiheadAttention(nn.Module):
         after the cached ones), applied to queries and keys before the keys are cached.
         ``document_ids`` ``[batch, seq]`` (packed documents, self-attention without a cache): a query
         attends only to keys of its own document (``document_mask``).
+
+        ``attention_mask`` may instead be an ``AttentionMask`` built once per batch (it then says all that
+        is masked: causality, window and padding included), and the score bias may come as a table:
+        ``score_table`` ``[num_buckets, local_heads]`` and ``score_buckets`` ``[query_seq, key_seq]`` add
+        ``score_table[score_buckets[q, k], h]``. Either goes through FlexAttention where ``flex_enabled``
+        says so (CUDA, no active attention dropout, no cache), else the same mask and bias densely.
         """
         bsz, q_len, _ = hidden_states.shape
         if document_ids is not None:
@@ -231,13 +239,21 @@ class MultiheadAttention(nn.Module):
         if cp is not None and cp.enabled:
             # Context parallelism: this rank holds part of the sequence; keys and values (rotated by
             # their own global positions above) are gathered whole, the mask built from global positions.
-            if kv_cache is not None or attention_mask is not None or position_bias is not None:
+            if kv_cache is not None or attention_mask is not None or position_bias is not None \
+                    or score_table is not None:
                 raise ValueError("context-parallel attention takes no KV cache, attention_mask or position_bias")
             if self.sliding_window is not None:
                 raise UsageError("context parallelism does not apply a sliding attention window yet; set "
                                  "train.dist.context_parallel_size=1")
             key, value, attn_mask = cp.gather_kv(key, value, document_ids)
             is_causal = False
+        elif isinstance(attention_mask, AttentionMask) or score_table is not None:
+            mask = self._attention_mask(query, key, attention_mask, document_ids)
+            dropout = self.attention_dropout_prob if self.training else 0.0
+            if kv_cache is None and flex_enabled(query.device, dropout):
+                context = flex_attend(query, key, value, mask, score_table, score_buckets, self.softmax_scale)
+                return self.output_dropout(self.dense(context.transpose(1, 2).reshape(bsz, q_len, -1)))
+            attn_mask, is_causal = self._dense_mask(query, mask, score_table, score_buckets), False
         else:
             attn_mask, is_causal = self._score_mask(query, key, attention_mask, position_bias, document_ids)
         gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
@@ -246,6 +262,41 @@ class MultiheadAttention(nn.Module):
                                                  scale=self.softmax_scale, **gqa)
         context = context.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.output_dropout(self.dense(context))
+
+    def _attention_mask(self, query, key, attention_mask, document_ids) -> AttentionMask:
+        """``attention_mask`` as an ``AttentionMask`` (one given is checked against this attention)."""
+        q_len, k_len = query.shape[-2], key.shape[-2]
+        causal = self.attn_mask_type == "causal"
+        if isinstance(attention_mask, AttentionMask):
+            mask = attention_mask
+            window = self.sliding_window if self.sliding_window is not None and k_len > self.sliding_window else None
+            if (mask.q_len, mask.k_len) != (q_len, k_len) or (causal and not mask.causal) or mask.window != window:
+                raise ValueError(f"the AttentionMask ({mask.q_len} queries x {mask.k_len} keys, causal={mask.causal}, "
+                                 f"window={mask.window}) does not fit this attention ({q_len} x {k_len}, causal="
+                                 f"{causal}, window={window})")
+            return mask
+        if attention_mask is None:
+            keep = padding = None
+        elif attention_mask.dim() == 2:
+            keep, padding = None, attention_mask
+        else:
+            keep, padding = attention_mask, None
+        return AttentionMask(q_len, k_len, causal=causal, window=self.sliding_window, document_ids=document_ids,
+                             key_padding=padding, keep=keep, device=query.device)
+
+    def _dense_mask(self, query, mask: AttentionMask, table, buckets) -> Optional[torch.Tensor]:
+        """``mask`` and the table bias as one additive SDPA mask (what ``_score_mask`` computes for them)."""
+        if table is not None and table.shape[-1] != query.shape[1]:
+            raise ValueError(f"the score table holds {table.shape[-1]} heads but this attention {query.shape[1]}; "
+                             f"under tensor parallelism give it this rank's heads only")
+        keep = mask.keep_mask
+        if table is None and keep is None:
+            return None
+        bias = torch.zeros((), dtype=query.dtype, device=query.device)
+        if table is not None:
+            bias = bias + dense_bias(table, buckets).to(query.dtype)
+        # A finite floor, as _score_mask: a row with no visible key gets uniform weights, not NaN.
+        return bias if keep is None else torch.where(keep, bias, torch.finfo(query.dtype).min)
 
     def _score_mask(self, query, key, attention_mask, position_bias, document_ids=None):
         """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""

@@ -62,6 +62,7 @@ from libai_lite.layers import (
     linear_cross_entropy,
 )
 from libai_lite.layers.attention import KVCache
+from libai_lite.layers.flex_attention import AttentionMask, flex_enabled
 from libai_lite.layers.moe import MOE_METRICS, moe_layers
 from libai_lite.model import LOSS, MEAN
 from libai_lite.utils.errors import UsageError
@@ -172,6 +173,15 @@ def _attention_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if mask.dim() == 3:
         return mask[:, None]
     raise ValueError(f"attention masks are [batch, key], [batch, query, key] or 4-D; got shape {tuple(mask.shape)}")
+
+
+def _shared_mask(mask: Optional[torch.Tensor], q_len: int, k_len: int, causal: bool, device,
+                 flex: bool) -> AttentionMask:
+    """One ``AttentionMask`` for every layer of a stack (padding as ``_attention_mask`` takes it), its
+    FlexAttention block mask or dense form built here, once per batch, outside any compiled layer."""
+    mask = _attention_mask(mask)
+    padding, keep = (mask, None) if mask is not None and mask.dim() == 2 else (None, mask)
+    return AttentionMask(q_len, k_len, causal=causal, key_padding=padding, keep=keep, device=device).prepare(flex)
 
 
 class MT5Model(nn.Module):
@@ -292,9 +302,14 @@ class MT5Model(nn.Module):
 
         if encoder_decoder_attn_mask is None and encoder_attn_mask is not None and encoder_attn_mask.dim() == 2:
             encoder_decoder_attn_mask = encoder_attn_mask
-        encoder_attn_mask = _attention_mask(encoder_attn_mask)
-        decoder_attn_mask = _attention_mask(decoder_attn_mask)
-        encoder_decoder_attn_mask = _attention_mask(encoder_decoder_attn_mask)
+        # Each mask is built once here for all layers of this stage (FlexAttention's block mask on a GPU).
+        enc_len, dec_len, device = encoder_hidden.shape[1], decoder_hidden.shape[1], decoder_hidden.device
+        flex = flex_enabled(device, self.cfg.attention_probs_dropout_prob if self.training else 0.0)
+        if len(self.encoder_layers):
+            encoder_attn_mask = _shared_mask(encoder_attn_mask, enc_len, enc_len, False, device, flex)
+        if len(self.decoder_layers):
+            decoder_attn_mask = _shared_mask(decoder_attn_mask, dec_len, dec_len, True, device, flex)
+            encoder_decoder_attn_mask = _shared_mask(encoder_decoder_attn_mask, dec_len, enc_len, False, device, flex)
         for layer in self.encoder_layers.values():
             encoder_hidden, encoder_bias = layer(encoder_hidden, encoder_attn_mask, position_bias=encoder_bias)
         if self.encoder_final_layernorm is not None:
@@ -417,8 +432,9 @@ class MT5Model(nn.Module):
 
     def encode(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The encoder output ``[batch, enc_seq, hidden]`` (the whole model only; generation runs it once)."""
-        mask = _attention_mask(encoder_attn_mask)
         hidden, bias = self.embedding_dropout(self.embedding(encoder_input_ids)), None
+        flex = flex_enabled(hidden.device, self.cfg.attention_probs_dropout_prob if self.training else 0.0)
+        mask = _shared_mask(encoder_attn_mask, hidden.shape[1], hidden.shape[1], False, hidden.device, flex)
         for layer in self.encoder_layers.values():
             hidden, bias = layer(hidden, mask, position_bias=bias)
         return self.hidden_dropout(self.encoder_final_layernorm(hidden))

@@ -1,4 +1,5 @@
 """T5's bucketed relative position bias, a per-head additive term on the attention scores."""
+import functools
 import math
 from typing import Optional
 
@@ -39,6 +40,34 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_buckets(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device):
+    # Built outside inference mode: the training step's backward saves these indices.
+    with torch.inference_mode(False):
+        return _buckets(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device)
+
+
+def _buckets(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device):
+    query_position = torch.arange(query_offset, query_offset + query_length, dtype=torch.long, device=device)
+    key_position = torch.arange(key_length, dtype=torch.long, device=device)
+    relative = key_position[None, :] - query_position[:, None]
+    return relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+
+
+def bucket_map(query_length: int, key_length: int, query_offset: int = 0, *, bidirectional: bool = True,
+               num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:
+    """Bucket ``[query_length, key_length]`` of each (query, key) pair, queries at ``query_offset ..``.
+
+    It depends on the shape only, so it is computed once per shape and device and kept (recomputed,
+    cheaply, inside a compiled region, where a kept tensor would be a tracing artifact).
+    """
+    args = (int(query_length), int(key_length), int(query_offset), bool(bidirectional), int(num_buckets),
+            int(max_distance), torch.device(device if device is not None else "cpu"))
+    if torch.compiler.is_compiling():
+        return _buckets(*args)
+    return _cached_buckets(*args)
+
+
 class RelativePositionBias(Embedding):
     """The ``[num_buckets, num_heads]`` table of one T5 stack and the score bias it yields.
 
@@ -73,16 +102,22 @@ class RelativePositionBias(Embedding):
         The queries sit at positions ``query_offset ..``: a cached decoding step has one query at
         position ``t`` against keys ``0..t``, and gets the last row of the full ``[t+1, t+1]`` bias.
         """
-        device = self.weight.device
-        query_position = torch.arange(query_offset, query_offset + query_length, dtype=torch.long, device=device)
-        query_position = query_position[:, None]
-        key_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
-        buckets = relative_position_bucket(
-            key_position - query_position, self.bidirectional, self.num_embeddings, self.max_distance
-        )
+        buckets = self.buckets(query_length, key_length, query_offset)
         # Called through the module (not F.embedding) so a tensor-parallel plan's hooks apply.
         values = self(buckets)  # [query, key, heads]
         return values.permute(2, 0, 1).unsqueeze(0)
+
+    def buckets(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """This table's ``bucket_map`` ``[query_length, key_length]`` (kept per shape, not recomputed)."""
+        return bucket_map(query_length, key_length, query_offset, bidirectional=self.bidirectional,
+                          num_buckets=self.num_embeddings, max_distance=self.max_distance, device=self.weight.device)
+
+    def table(self) -> torch.Tensor:
+        """The table ``[num_buckets, heads]`` (this rank's heads under tensor parallelism) as attention
+        reads it: ``table()[buckets(q, k)]`` is ``compute_bias``'s bias, and its gradient reaches the weight."""
+        ids = torch.arange(self.num_embeddings, device=self.weight.device)
+        # Through the module, as compute_bias, so a tensor-parallel plan's hooks apply.
+        return self(ids)
 
     def extra_repr(self) -> str:
         direction = "bidirectional" if self.bidirectional else "causal"

@@ -9,7 +9,7 @@ from libai_lite.layers import MLP, MoEConfig, MoELayer, MultiheadAttention, RMSL
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.init_methods import InitMethod
 
-from .relative_position import RelativePositionBias
+from .relative_position import RelativePositionBias, bucket_map
 
 # model_type -> (activation, gated): T5 v1.0 uses ReLU, T5 v1.1 / mT5 gated-GELU ("gelu_new").
 FEED_FORWARD = {"t5": ("relu", False), "mt5": ("gelu_tanh", True)}
@@ -78,6 +78,9 @@ class MT5TransformerLayer(nn.Module):
             raise ValueError(f"model_type must be one of {sorted(FEED_FORWARD)}, got {model_type!r}")
         self.is_decoder = is_decoder
         self.layer_idx = layer_idx
+        # Every layer of a stack reads its first layer's table through the same buckets.
+        self.bucket_args = dict(bidirectional=not is_decoder, num_buckets=relative_attention_num_buckets,
+                                max_distance=relative_attention_max_distance)
         factor = initializer_range
         inner = num_attention_heads * head_size
         q_init = init_method_normal(factor * (hidden_size * head_size) ** -0.5)
@@ -157,29 +160,38 @@ class MT5TransformerLayer(nn.Module):
         Args:
             hidden_states: ``[batch, seq, hidden]``.
             attention_mask: self-attention mask, True/1 = may attend (see ``MultiheadAttention``);
-                a decoder adds causality itself.
-            position_bias: ``[1, heads, seq, seq]`` from the stack's first layer; ignored (and
-                recomputed) by the layer that owns the relative bias table.
+                a decoder adds causality itself. An ``AttentionMask`` (the model builds one per batch
+                for all layers) says everything, causality included.
+            position_bias: the stack's relative bias table ``[num_buckets, heads]`` as its first layer
+                returns it (``RelativePositionBias.table()``: this rank's heads), which this layer indexes
+                by the (cached) bucket map; or a dense ``[1, heads, seq, seq]`` bias. Ignored (and
+                recomputed) by the layer that owns the table.
             encoder_states: encoder output ``[batch, enc_seq, hidden]`` (decoder only).
-            encoder_attention_mask: cross-attention mask over the encoder positions.
+            encoder_attention_mask: cross-attention mask over the encoder positions (or an ``AttentionMask``).
             kv_cache, cross_kv_cache: incremental decoding (see ``MultiheadAttention``): the
                 self-attention keys and values so far, and the encoder's projected once.
                 ``hidden_states`` are then the new positions only, and the bias covers their
                 rows against every cached key.
         """
+        seq = hidden_states.shape[1]
+        past = kv_cache.length if kv_cache is not None else 0
         if self.relative_attention_bias is not None:
-            seq = hidden_states.shape[1]
-            past = kv_cache.length if kv_cache is not None else 0
-            position_bias = self.relative_attention_bias.compute_bias(seq, past + seq, query_offset=past)
+            position_bias = self.relative_attention_bias.table()
         elif position_bias is None:
             raise ValueError(
                 f"layer {self.layer_idx} reuses the relative position bias computed by the first layer of its stack; "
                 "pass position_bias (a pipeline stage receives it from the stage before)"
             )
+        bias = {"position_bias": position_bias}
+        if position_bias.dim() == 2:
+            # The table goes to attention with the bucket of every (query, key) pair: flex adds it in its
+            # kernel, the dense path gathers the [1, heads, q, k] bias from it.
+            buckets = bucket_map(seq, past + seq, past, device=position_bias.device, **self.bucket_args)
+            bias = {"score_table": position_bias, "score_buckets": buckets}
 
         normed = self.input_layernorm(hidden_states)
         hidden_states = hidden_states + self.self_attention(
-            normed, attention_mask=attention_mask, position_bias=position_bias, kv_cache=kv_cache
+            normed, attention_mask=attention_mask, kv_cache=kv_cache, **bias
         )
         if self.is_decoder:
             normed = self.post_attention_layernorm(hidden_states)

@@ -1,0 +1,202 @@
+"""Attention masks built once per batch, and score biases gathered from a small table, for FlexAttention.
+
+On a GPU a mask or a bias forces ``scaled_dot_product_attention`` off its flash kernel and makes every
+layer read (and, for a learnable bias, write the gradient of) a ``[batch, heads, query, key]`` tensor.
+FlexAttention takes instead a ``BlockMask`` (which query/key blocks hold any visible key, built once per
+batch and shared by every layer) and a ``score_mod`` that adds ``table[buckets[q, k], h]`` inside the
+kernel, so the bias's gradient is accumulated straight into the ``[buckets, heads]`` table.
+
+Flex kernels are fast only compiled, and FlexAttention has no backward on the CPU; so the backend
+``"auto"`` (the default) runs flex on CUDA, compiled once (``dynamic=False``), and everywhere else the same
+mask and bias materialised densely (``AttentionMask.keep``, ``dense_bias``) through SDPA, which is the
+computation the dense path has always done. ``attention_backend("flex")`` forces flex on any device (the
+tests run it eagerly on the CPU); ``"dense"`` forces the dense path.
+
+One difference: a query that may see no key at all gets uniform weights from the dense path's finite
+floor and a zero output from flex. Padding masks keys, so this needs a sample with no real token.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Optional
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+BACKENDS = ("auto", "flex", "dense")
+_backend = "auto"
+
+
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[None]:
+    """Within the block, masked or biased attention runs through ``name``: ``auto``, ``flex`` or ``dense``."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def flex_enabled(device, dropout_p: float = 0.0) -> bool:
+    """Whether masked or biased attention on ``device`` with this active dropout runs through flex.
+
+    FlexAttention has no attention-probability dropout, so an active dropout keeps the dense path.
+    """
+    if dropout_p > 0.0 or _backend == "dense":
+        return False
+    return _backend == "flex" or torch.device(device).type == "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    # Created once: every call site shares one compiled function (and its cache of kernels per shape).
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _table_bias(table: torch.Tensor, buckets: torch.Tensor):
+    # A factory, so every call hands flex a closure of the same code object (no recompilation per layer).
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[buckets[q_idx, kv_idx], h]
+
+    return score_mod
+
+
+def dense_bias(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+    """The bias ``[1, heads, query, key]`` that ``table`` ``[buckets, heads]`` indexed by ``buckets``
+    ``[query, key]`` adds to the scores (what flex's score_mod adds, materialised)."""
+    return table[buckets].permute(2, 0, 1).unsqueeze(0)
+
+
+class AttentionMask:
+    """Which keys each query may attend, for every layer of one batch: built once, read by all.
+
+    The conditions combine (all must hold): ``causal`` (a query sees keys at or before it, the queries
+    being the last ``q_len`` of ``k_len`` positions), ``window`` (and fewer than ``window`` positions
+    before it: Mistral's sliding window), ``document_ids`` ``[batch, seq]`` (only keys of its own
+    document: packed documents), ``key_padding`` ``[batch, k_len]`` (True = a real key) and ``keep``, any
+    boolean mask broadcastable to ``[batch, heads, q_len, k_len]`` (True = attend).
+
+    ``prepare(flex)`` builds the form attention will read outside any compiled region: ``block_mask``
+    for FlexAttention, ``keep_mask`` (``[batch or 1, 1 or heads, q_len, k_len]`` bool, None when nothing
+    is masked) for SDPA. Either is built on first use otherwise, and kept.
+    """
+
+    def __init__(self, q_len: int, k_len: int, *, causal: bool = False, window: Optional[int] = None,
+                 document_ids: Optional[torch.Tensor] = None, key_padding: Optional[torch.Tensor] = None,
+                 keep: Optional[torch.Tensor] = None, device=None):
+        if document_ids is not None and (document_ids.dim() != 2 or q_len != k_len
+                                         or document_ids.shape[-1] != q_len):
+            raise ValueError(f"document_ids must be [batch, seq] over the {q_len} positions of a self-attention, "
+                             f"got shape {tuple(document_ids.shape)}")
+        if key_padding is not None and (key_padding.dim() != 2 or key_padding.shape[-1] != k_len):
+            raise ValueError(f"key_padding must be [batch, {k_len}], got shape {tuple(key_padding.shape)}")
+        if keep is not None:
+            keep = keep if keep.dim() == 4 else keep[:, None] if keep.dim() == 3 else keep[:, None, None]
+            if keep.shape[-2] not in (1, q_len) or keep.shape[-1] != k_len:
+                raise ValueError(f"mask of shape {tuple(keep.shape)} does not cover {q_len} queries x {k_len} keys")
+        if window is not None and int(window) < 1:
+            raise ValueError(f"window must be at least 1 position, got {window}")
+        present = [t for t in (document_ids, key_padding, keep) if t is not None]
+        self.device = torch.device(device) if device is not None else present[0].device if present else None
+        self.q_len, self.k_len, self.causal = int(q_len), int(k_len), bool(causal)
+        self.window = None if window is None or int(window) >= k_len else int(window)
+        self.document_ids = None if document_ids is None else document_ids.to(self.device)
+        self.key_padding = None if key_padding is None else key_padding.to(self.device, torch.bool)
+        self.keep = None if keep is None else keep.to(self.device, torch.bool)
+        self.batch = max([1] + [t.shape[0] for t in present])
+        self.heads = 1 if self.keep is None else self.keep.shape[1]
+        self._block_mask: Optional[BlockMask] = None
+        self._keep_mask: Optional[torch.Tensor] = None
+        self._keep_built = False
+
+    @property
+    def masks_anything(self) -> bool:
+        """False when every query may see every key (no condition set)."""
+        return (self.causal or self.window is not None or self.document_ids is not None
+                or self.key_padding is not None or self.keep is not None)
+
+    def prepare(self, flex: bool) -> "AttentionMask":
+        """Build the form ``flex`` (or SDPA) reads now, outside any compiled layer; returns self."""
+        _ = self.block_mask if flex else self.keep_mask
+        return self
+
+    def mask_mod(self):
+        """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for these conditions."""
+        offset, causal, window = self.k_len - self.q_len, self.causal, self.window
+        docs, padding, keep = self.document_ids, self.key_padding, self.keep
+        per_batch = [t is not None and t.shape[0] > 1 for t in (docs, padding, keep)]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = (q_idx + offset >= kv_idx) if causal else (kv_idx >= 0)
+            if window is not None:
+                ok = ok & (q_idx + offset - kv_idx < window)
+            if docs is not None:
+                row = b if per_batch[0] else 0
+                ok = ok & (docs[row, q_idx] == docs[row, kv_idx])
+            if padding is not None:
+                ok = ok & padding[b if per_batch[1] else 0, kv_idx]
+            if keep is not None:
+                ok = ok & keep[b if per_batch[2] else 0, h if keep.shape[1] > 1 else 0,
+                               q_idx if keep.shape[2] > 1 else 0, kv_idx]
+            return ok
+
+        return mask_mod
+
+    @property
+    def block_mask(self) -> BlockMask:
+        """The FlexAttention ``BlockMask`` (built on first use)."""
+        if self._block_mask is None:
+            self._block_mask = create_block_mask(
+                self.mask_mod(), self.batch if self.batch > 1 else None, self.heads if self.heads > 1 else None,
+                self.q_len, self.k_len, device=self.device if self.device is not None else "cpu")
+        return self._block_mask
+
+    @property
+    def keep_mask(self) -> Optional[torch.Tensor]:
+        """The boolean SDPA mask (True = attend), ``[batch or 1, 1 or heads, q_len, k_len]``; None masks nothing."""
+        if not self._keep_built:
+            self._keep_mask, self._keep_built = self._dense_keep(), True
+        return self._keep_mask
+
+    def _dense_keep(self) -> Optional[torch.Tensor]:
+        q, k, dev = self.q_len, self.k_len, self.device
+        keep = None
+
+        def both(a, b):
+            return b if a is None else a & b
+
+        if self.causal:
+            keep = torch.ones(q, k, dtype=torch.bool, device=dev).tril(k - q)
+        if self.window is not None:
+            keep = both(keep, torch.ones(q, k, dtype=torch.bool, device=dev).triu(k - q - self.window + 1))
+        if keep is not None:
+            keep = keep[None, None]
+        if self.document_ids is not None:
+            docs = self.document_ids
+            keep = both(keep, (docs[:, :, None] == docs[:, None, :])[:, None])
+        if self.key_padding is not None:
+            keep = both(keep, self.key_padding[:, None, None, :])
+        if self.keep is not None:
+            keep = both(keep, self.keep)
+        return keep
+
+
+def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[AttentionMask] = None,
+                table: Optional[torch.Tensor] = None, buckets: Optional[torch.Tensor] = None,
+                scale: Optional[float] = None) -> torch.Tensor:
+    """FlexAttention over ``[batch, heads, seq, head_size]`` with ``mask``'s block mask and, given ``table``
+    ``[num_buckets, heads]`` and ``buckets`` ``[q_len, k_len]``, the score bias ``table[buckets[q, k], h]``
+    (its gradient reaches ``table``). Compiled on CUDA, eager elsewhere (the CPU has no flex backward)."""
+    if (table is None) != (buckets is None):
+        raise ValueError("a table bias needs both table and buckets")
+    if table is not None and table.shape[-1] != query.shape[1]:
+        raise ValueError(f"the bias table holds {table.shape[-1]} heads, the attention {query.shape[1]}")
+    score_mod = None if table is None else _table_bias(table.to(query.dtype), buckets)
+    block_mask = None if mask is None or not mask.masks_anything else mask.block_mask
+    run = _compiled_flex() if query.device.type == "cuda" else flex_attention
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    return run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **gqa)
