@@ -16,3 +16,15 @@ def shared_fixtures() -> Path:
             "and need the shared fixtures beside the clone"
         )
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device (the default suite on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -139,6 +139,17 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
                                 timeout=timeout)
 
 
+def check_backend_layout(pipeline_parallel_size: int) -> None:
+    """Refuse, before any work, a layout the process group's backend cannot carry on this device: gloo's
+    send/recv hands gloo the tensor's memory as it is, host memory only, so pipeline stages exchanging
+    CUDA activations over gloo would fail at their first send (its collectives stage CUDA tensors through
+    host memory and work: tensor and data parallelism, ZeRO 1-3)."""
+    if pipeline_parallel_size > 1 and torch.cuda.is_available() and dist.get_backend() == "gloo":
+        raise UsageError(f"train.dist.backend='gloo' cannot carry the pipeline's send/recv of CUDA tensors "
+                         f"(pipeline_parallel_size={pipeline_parallel_size}): use backend nccl (one GPU per rank), "
+                         f"or pipeline_parallel_size=1 when ranks share a GPU")
+
+
 def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
     """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; raises UsageError if they
     don't fit.
@@ -249,6 +260,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
+    check_backend_layout(pp)
     zero_stage, offload = _zero_settings(zero_cfg)
     virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
     if virtual < 1:
