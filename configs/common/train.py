@@ -52,11 +52,14 @@ train = dict(
     activation_checkpoint=dict(enabled=False, every_n_layers=1, mode="full"),
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on GPUs; the first steps
     # compile, cached under TORCHINDUCTOR_CACHE_DIR). loss: also the cross entropy of unfused heads;
-    # backend "aot_eager" to debug; fullgraph: a graph break inside a layer is an error.
-    compile=dict(enabled=False, loss=False, backend="inductor", fullgraph=False),
-    # FP8 linears through torchao (pip install -e .[fp8]) on GPUs of compute capability 8.9+ (H100):
-    # recipe tensorwise or rowwise; skip: module names kept in high precision (libai_lite/parallel/float8.py).
-    fp8=dict(enabled=False, recipe="tensorwise", skip=["lm_head"]),
+    # backend "aot_eager" to debug; fullgraph: a graph break inside a layer is an error; scope: auto (the
+    # whole model on one replica without pipeline/tp/cp/ep, else each layer), model or layers; mode:
+    # torch.compile's (reduce-overhead: CUDA graphs for static shapes; max-autotune-no-cudagraphs).
+    compile=dict(enabled=False, loss=False, backend="inductor", fullgraph=False, scope="auto", mode=None),
+    # FP8 linears through torchao (pip install -e .[fp8]) on GPUs of compute capability 8.9+ (H100), compiled:
+    # recipe tensorwise or rowwise; skip: module names kept in high precision; filter: auto (only linears
+    # large enough to gain, torchao's thresholds) or all (libai_lite/parallel/float8.py).
+    fp8=dict(enabled=False, recipe="tensorwise", skip=["lm_head"], filter="auto"),
     # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
     # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
     zero_optimization=dict(enabled=False, stage=1, offload=False),

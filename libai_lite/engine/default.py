@@ -23,7 +23,7 @@ from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.activation_checkpoint import check_ac_mode
 from ..parallel.compile import compile_options
-from ..parallel.float8 import check_float8, float8_options
+from ..parallel.float8 import check_float8, float8_after_optimizer_step, float8_options
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import Layout, broadcast_object
@@ -262,6 +262,7 @@ class DefaultTrainer:
                 # Over dp x cp, the group the gradients are reduced over.
                 opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_mesh.get_group(),
                                             **kwargs)
+            float8_after_optimizer_step(opt, part)  # ZeRO-2/3 float8 all-gather: the weights' scales at once
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 

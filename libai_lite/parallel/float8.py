@@ -9,12 +9,22 @@ optimizer state and checkpoints stay in their own dtype, and parameter names do 
 checkpoints move between FP8 and bf16 runs. The conversion runs before activation checkpointing,
 compilation and FSDP2 see the layers.
 
+FP8 pays only where the GEMM saves more than the casts cost: ``filter="auto"`` (the default) keeps
+torchao's own thresholds (its H100 tables: e.g. at M x K x N = 1024 x 2048 x 1024 float8 is slower than
+bf16), so small linears stay bf16; ``filter="all"`` converts every linear FP8 GEMMs take. Uncompiled,
+each float8 linear runs its amax, scale and cast as separate kernels (BASELINE: 4.7x slower than bf16
+at 345M), so the converted linears are always compiled: with their layers under ``train.compile``,
+else each on its own (``compile_backend``). Under ZeRO-2/3 (FSDP2) the tensorwise recipe gathers the
+weights in float8 (half the bytes of bf16) with one all-reduce for all weight scales after each
+optimizer step (``float8_after_optimizer_step``), as torchtitan does.
+
 FP8 GEMMs need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); a CPU run
 is refused in one line. Tensor parallelism with FP8 would need torchao's float8 tensor-parallel
 styles in place of our SBP plan and is refused too.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,16 +37,19 @@ from ..utils.errors import UsageError
 logger = logging.getLogger("libai_lite")
 
 RECIPES = ("tensorwise", "rowwise")
+FILTERS = ("auto", "all")
 
 
 @dataclass(frozen=True)
 class Float8Options:
     """``train.fp8``: ``enabled``; ``recipe`` ``tensorwise`` or ``rowwise``; ``skip``: module-name
-    substrings whose linears stay in high precision."""
+    substrings whose linears stay in high precision; ``filter``: ``auto`` (only linears large enough to
+    gain, torchao's thresholds) or ``all``."""
 
     enabled: bool = False
     recipe: str = "tensorwise"
     skip: tuple[str, ...] = ("lm_head",)
+    filter: str = "auto"
 
 
 def float8_options(cfg: Mapping | None) -> Float8Options:
@@ -50,6 +63,9 @@ def float8_options(cfg: Mapping | None) -> Float8Options:
         raise UsageError(f"train.fp8 has no key {unknown[0]!r}; its keys are {', '.join(sorted(known))}")
     if cfg.get("recipe", "tensorwise") not in RECIPES:
         raise UsageError(f"train.fp8.recipe={cfg['recipe']!r} is not a float8 recipe; use one of {', '.join(RECIPES)}")
+    if cfg.get("filter", "auto") not in FILTERS:
+        raise UsageError(f"train.fp8.filter={cfg['filter']!r} is not a filter; use auto (linears large enough "
+                         f"to gain) or all")
     skip = cfg.get("skip", Float8Options.skip)
     cfg["skip"] = (skip,) if isinstance(skip, str) else tuple(skip or ())
     return Float8Options(**cfg)
@@ -80,25 +96,69 @@ def _torchao():
     return Float8LinearConfig, convert_to_float8_training
 
 
-def fp8_eligible(name: str, module: nn.Module, skip: tuple[str, ...]) -> bool:
+def large_enough(recipe: str, in_features: int, out_features: int) -> bool:
+    """Whether FP8 speeds up a linear of these features under ``recipe``: torchao's thresholds from its
+    H100 tables (``torchao.float8.float8_linear_utils._auto_filter_for_recipe``); below them the casts
+    cost more than the faster GEMM saves."""
+    k, n = in_features, out_features
+    if recipe == "rowwise":
+        return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+    return not (k <= 4096 and n <= 1024)
+
+
+def fp8_eligible(name: str, module: nn.Module, options: Float8Options) -> bool:
     """Whether ``module`` (at ``name``) becomes a float8 linear: an ``nn.Linear`` with both dimensions
-    multiples of 16 (what FP8 GEMMs take) and a name matching none of ``skip``."""
+    multiples of 16 (what FP8 GEMMs take), a name matching none of ``options.skip`` and, with
+    ``filter="auto"``, large enough to gain (``large_enough``)."""
     # A linear returning its bias apart (skip_bias_add) has a forward Float8Linear does not copy.
-    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and not getattr(module, "skip_bias_add", False) and not any(s in name for s in skip))
+    if not (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and not getattr(module, "skip_bias_add", False) and not any(s in name for s in options.skip)):
+        return False
+    return options.filter == "all" or large_enough(options.recipe, module.in_features, module.out_features)
 
 
-def apply_float8(module: nn.Module, options: Float8Options) -> int:
-    """Swap the eligible linears of ``module`` for torchao's ``Float8Linear`` in place; returns how many."""
+def apply_float8(module: nn.Module, options: Float8Options, *, compile_backend: str | None = "inductor",
+                 fsdp: bool = False) -> int:
+    """Swap the eligible linears of ``module`` for torchao's ``Float8Linear`` in place; returns how many.
+
+    ``compile_backend``: compile each converted linear with it (None when the caller compiles the layers
+    holding them, ``train.compile``). ``fsdp``: the module will be sharded by FSDP2 (ZeRO-2/3): the
+    tensorwise recipe then all-gathers the weights in float8."""
     if not options.enabled:
         return 0
     config_cls, convert = _torchao()
-    names = [n for n, m in module.named_modules() if fp8_eligible(n, m, options.skip)]
+    names = [n for n, m in module.named_modules() if fp8_eligible(n, m, options)]
     if not names:
-        logger.warning("train.fp8: no linear layer has dimensions divisible by 16; nothing runs in FP8")
+        logger.warning(f"train.fp8: no linear layer is large enough to gain from FP8 (filter={options.filter}) "
+                       f"or has dimensions divisible by 16; nothing runs in FP8")
         return 0
-    convert(module, config=config_cls.from_recipe_name(options.recipe),
-            module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m, options.skip))
-    logger.info(f"train.fp8: {len(names)} linear layers in float8 ({options.recipe} scaling); "
-                f"kept in high precision: {', '.join(options.skip) or 'none'}")
+    config = config_cls.from_recipe_name(options.recipe)
+    if fsdp and options.recipe == "tensorwise":  # torchao's float8 all-gather is tensorwise only
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert(module, config=config, module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m, options))
+    if compile_backend is not None:
+        for name in names:
+            module.get_submodule(name).compile(backend=compile_backend)
+    logger.info(f"train.fp8: {len(names)} linear layers in float8 ({options.recipe} scaling"
+                f"{', float8 all-gather' if config.enable_fsdp_float8_all_gather else ''}"
+                f"{f', each compiled ({compile_backend})' if compile_backend else ', compiled with their layers'}); "
+                f"kept in high precision: {', '.join(options.skip) or 'none'}"
+                f"{' and linears too small to gain' if options.filter == 'auto' else ''}")
     return len(names)
+
+
+def float8_after_optimizer_step(optimizer, module: nn.Module) -> bool:
+    """Have ``optimizer`` precompute the float8 scales of ``module``'s FSDP-sharded float8 weights after
+    each step (one all-reduce for all of them, instead of one per weight at its all-gather); whether
+    there were any."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+    except ImportError:
+        return False
+    if not any(isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
+               for p in module.parameters()):
+        return False
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(module))
+    return True

@@ -88,8 +88,10 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
     model part. ``moe``: the whole model's MoE settings (building the expert mesh is a collective, whatever
     this part holds)."""
     if float8 is not None:
-        # First, as torchtitan does: checkpointing, compilation and FSDP2 then wrap the float8 linears.
-        apply_float8(module, float8)
+        # First, as torchtitan does: checkpointing, compilation and FSDP2 then wrap the float8 linears,
+        # compiled with their layers under train.compile, else each on its own (uncompiled FP8 is slow).
+        apply_float8(module, float8, compile_backend=None if compile is not None and compile.enabled else "inductor",
+                     fsdp=(layout.zero_stage or 0) >= 2 and (layout.replica_size > 1 or layout.offload))
     expert_mesh = None
     if moe is not None and moe.ep_size > 1:
         # First, so later steps only touch this rank's experts.
@@ -104,7 +106,11 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
     if compile is not None:
         # After TP and AC, so the compiled layers hold DTensor parameters and the checkpoint region;
         # before FSDP2, whose hooks then stay outside the compiled code.
-        apply_compile(module, compile)
+        # The whole model where nothing needs its layers apart: a pipeline's stages, DTensor layers, FSDP2's
+        # per-layer gathers, expert all-to-alls, and DDP, whose buckets would all wait for one backward graph.
+        apply_compile(module, compile, whole_model_ok=layout.pipeline_parallel_size == 1 and tp == 1
+                      and layout.replica_size == 1 and not layout.offload and layout.context_parallel_size == 1
+                      and expert_mesh is None)
     # Over dp x cp under context parallelism: every cp rank holds the whole parameters.
     return apply_data_parallel(module, layout.replica_mesh, layout.zero_stage, offload=layout.offload,
                                param_dtype=param_dtype, tp_enabled=tp > 1,

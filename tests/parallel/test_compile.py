@@ -166,14 +166,58 @@ def test_compiled_loss_trains_the_eager_losses():
     assert len(set(counts)) == 1, f"compiled again after step 1: {counts}"
 
 
+def test_whole_model_is_compiled_where_nothing_needs_the_layers_apart():
+    model = build_model()
+    assert apply_compile(model, CompileOptions(enabled=True), whole_model_ok=True) == "model"
+    assert model._compiled_call_impl is not None
+    assert all(layer._compiled_call_impl is None for layer in model.GPT_model.layers.values())
+    model = build_model()
+    assert apply_compile(model, CompileOptions(enabled=True, scope="layers"), whole_model_ok=True) == "layers"
+    assert model._compiled_call_impl is None
+    assert apply_compile(build_model(), CompileOptions(enabled=True)) == "layers"  # e.g. under a pipeline
+    with pytest.raises(UsageError, match="train.compile.scope=model needs one data-parallel replica"):
+        apply_compile(build_model(), CompileOptions(enabled=True, scope="model"))
+    assert apply_compile(build_model(), CompileOptions()) is None
+
+
+def _fullgraph_train(build, whole_model):
+    """Three SGD steps of ``build()`` compiled with fullgraph=True (a graph break raises) by aot_eager (the
+    traced forward and backward graphs, without inductor's build time); the losses and compile counts."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build()
+    apply_compile(model, CompileOptions(enabled=True, backend="aot_eager", fullgraph=True), whole_model_ok=whole_model)
+    graphs, frames = compile_counts()  # dynamo's counters are per process
+    curve, counts = train(eager_step(model), model.parameters())
+    return curve, [(g - graphs, f - frames) for g, f in counts]
+
+
+@pytest.mark.parametrize("whole_model", [False, True], ids=["layers", "model"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_dense_models_compile_with_fullgraph_and_never_recompile(name, whole_model):
+    build = {"gpt": build_model, "llama": build_llama}[name]
+    eager = build()
+    reference, _ = train(eager_step(eager), eager.parameters())
+    curve, counts = _fullgraph_train(build, whole_model)
+    # One graph for the whole model, or one shared by every layer (the same code, the same shapes).
+    assert counts[0][0] == 1, counts
+    assert len(set(counts)) == 1, f"compiled again after step 1: {counts}"
+    # aot_eager runs the eager kernels in the traced order: only the backward's summation order may differ.
+    assert curve == pytest.approx(reference, rel=RTOL, abs=0)
+
+
 @pytest.mark.parametrize("cfg,needle", [
-    (dict(enabled=True, mode="max-autotune"), "train.compile has no key 'mode'"),
+    (dict(enabled=True, mode="max-autotune-cudagraphs"), "train.compile.mode='max-autotune-cudagraphs' is not"),
+    (dict(enabled=True, scope="stages"), "train.compile.scope='stages' is not a scope; use one of auto, model"),
+    (dict(enabled=True, cuda_graphs=True), "train.compile has no key 'cuda_graphs'"),
     (dict(enabled=True, backend="nope"), "train.compile.backend='nope' is not a torch.compile backend"),
 ])
 def test_bad_compile_config_is_one_line(cfg, needle):
     with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
         compile_options(cfg)
     assert compile_options(None) == CompileOptions()
+    assert compile_options(dict(enabled=True, mode="reduce-overhead")).mode == "reduce-overhead"
 
 
 # ---------------------------------------------------------------------------------------------- torchrun
