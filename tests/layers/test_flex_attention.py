@@ -1,0 +1,209 @@
+"""FlexAttention path (libai_lite.layers.flex_attention) against the dense SDPA path it replaces on a GPU.
+
+The GPU compiles flex; here it runs eagerly on the CPU, the same mask_mod/score_mod and the same
+autograd function (torch's eager flex is the reference its kernels are tested against). torch refuses
+flex backward on the CPU up front only, so the ``cpu_flex_backward`` fixture lifts that check.
+fp32 throughout: outputs agree to a few ulps of the scores' sums, gradients (summed in another order,
+over up to q*k terms) to 1e-5 relative.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+
+from libai_lite.layers import MultiheadAttention
+from libai_lite.layers.attention import document_mask
+from libai_lite.layers.flex_attention import AttentionMask, attention_backend, dense_bias, flex_enabled
+from projects.MT5 import MT5Model
+from projects.MT5.layers import RelativePositionBias
+from projects.MT5.layers.relative_position import _cached_buckets
+
+OUT_TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def cpu_flex_backward(monkeypatch):
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _attention(kind, heads=4, head_size=8, hidden=24, **kw):
+    attn = MultiheadAttention(hidden, heads, head_size=head_size, bias=False, softmax_scale=1.0,
+                              attn_mask_type="causal" if kind == "causal" else "padding",
+                              is_cross_attention=kind == "cross", **kw)
+    return attn
+
+
+def _run(attn, x, backend, enc=None, **kw):
+    attn.zero_grad(set_to_none=True)
+    table = kw.get("score_table")
+    if table is not None:
+        table.grad = None
+    with attention_backend(backend):
+        out = attn(x, encoder_states=enc, **kw)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters()}
+    if table is not None:
+        grads["table"] = table.grad.clone()
+    return out.detach(), grads
+
+
+def _close(a, b):
+    out_a, grads_a = a
+    out_b, grads_b = b
+    torch.testing.assert_close(out_a, out_b, **OUT_TOL)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], **GRAD_TOL, msg=name)
+
+
+@pytest.mark.parametrize("kind,q_len", [("padding", 40), ("causal", 114)])  # 114: the recipe's decoder, ragged
+def test_table_bias_and_padding_through_flex_match_the_dense_bias(cpu_flex_backward, kind, q_len):
+    attn = _attention(kind)
+    rel = RelativePositionBias(32, 4, bidirectional=kind != "causal")
+    torch.nn.init.normal_(rel.weight, std=1.0)
+    x = torch.randn(3, q_len, 24)
+    padding = torch.ones(3, q_len, dtype=torch.bool)
+    padding[0, q_len - 7:] = False
+    padding[2, q_len // 2:] = False
+    # Today's path: the dense [1, h, q, k] bias from compute_bias and the [b, k] mask, per layer.
+    rel.zero_grad()
+    with attention_backend("dense"):
+        old = attn(x, attention_mask=padding, position_bias=rel.compute_bias(q_len, q_len))
+    old.square().sum().backward()
+    old_grads = {n: p.grad.clone() for n, p in attn.named_parameters()}
+    old_table_grad = rel.weight.grad.clone()
+    assert old_table_grad.abs().sum() > 0
+
+    mask = AttentionMask(q_len, q_len, causal=kind == "causal", key_padding=padding)
+    for backend in ("flex", "dense"):
+        table = rel.table().detach().requires_grad_()
+        out, grads = _run(attn, x, backend, attention_mask=mask, score_table=table,
+                          score_buckets=rel.buckets(q_len, q_len))
+        torch.testing.assert_close(out, old.detach(), **OUT_TOL)
+        for name, grad in old_grads.items():
+            torch.testing.assert_close(grads[name], grad, **GRAD_TOL, msg=name)
+        # The bias gradient reaches the [buckets, heads] table and equals the dense bias's, summed per bucket.
+        torch.testing.assert_close(grads["table"], old_table_grad, **GRAD_TOL)
+
+
+def test_cross_attention_padding_through_flex(cpu_flex_backward):
+    attn = _attention("cross")
+    x, enc = torch.randn(2, 30, 24), torch.randn(2, 50, 24)
+    padding = torch.ones(2, 50, dtype=torch.bool)
+    padding[1, 33:] = False
+    mask = AttentionMask(30, 50, key_padding=padding)
+    flex = _run(attn, x, "flex", enc, attention_mask=mask)
+    dense = _run(attn, x, "dense", enc, attention_mask=padding)
+    _close(flex, dense)
+    # The padding is honoured: changing a padded encoder position changes nothing.
+    enc2 = enc.clone()
+    enc2[1, 40:] = 100.0
+    with torch.no_grad(), attention_backend("flex"):
+        torch.testing.assert_close(attn(x, encoder_states=enc2, attention_mask=mask), flex[0], **OUT_TOL)
+
+
+def _documents(batch, seq):
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    ids[0, 9:] = 1
+    ids[0, 20:] = 2
+    ids[1, 15:] = 1
+    return ids
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_packed_documents_and_window_through_flex_match_the_dense_mask(cpu_flex_backward, window):
+    # Grouped-query attention as in Llama/Mistral.
+    attn = _attention("causal", heads=4, head_size=8, hidden=32, num_key_value_heads=2, sliding_window=window)
+    x = torch.randn(2, 28, 32)
+    docs = _documents(2, 28)
+    old = _run(attn, x, "dense", document_ids=docs)  # today's per-layer document mask
+    mask = AttentionMask(28, 28, causal=True, window=window, document_ids=docs)
+    _close(_run(attn, x, "flex", attention_mask=mask), old)
+    _close(_run(attn, x, "dense", attention_mask=mask), old)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_mask_is_the_documented_mask_in_both_forms(window):
+    docs = _documents(2, 24)
+    padding = torch.rand(2, 24) > 0.2
+    mask = AttentionMask(24, 24, causal=True, window=window, document_ids=docs, key_padding=padding)
+    expected = document_mask(docs, causal=True) & padding[:, None, None, :]
+    if window is not None:
+        q = torch.arange(24)
+        expected = expected & ((q[:, None] - q[None, :]) < window)
+    assert torch.equal(mask.keep_mask, expected)
+    materialised = torch_flex.create_mask(mask.mask_mod(), 2, 1, 24, 24, device="cpu")
+    assert torch.equal(materialised, expected)
+    # Queries that are the last ones of longer keys (a cache's layout): causality is aligned to the end.
+    tail = AttentionMask(3, 10, causal=True)
+    assert torch.equal(tail.keep_mask[0, 0], torch.ones(3, 10, dtype=torch.bool).tril(7))
+    assert torch.equal(torch_flex.create_mask(tail.mask_mod(), 1, 1, 3, 10, device="cpu")[0, 0], tail.keep_mask[0, 0])
+
+
+def test_a_mask_that_does_not_fit_the_attention_is_refused():
+    attn = _attention("causal")
+    with pytest.raises(ValueError, match="does not fit"):
+        attn(torch.randn(1, 8, 24), attention_mask=AttentionMask(8, 8, causal=False))
+    with pytest.raises(ValueError, match="heads"):
+        attn(torch.randn(1, 8, 24), score_table=torch.zeros(32, 3), score_buckets=torch.zeros(8, 8, dtype=torch.long))
+
+
+def test_backend_choice():
+    assert not flex_enabled("cpu")
+    with attention_backend("flex"):
+        assert flex_enabled("cpu") and not flex_enabled("cpu", dropout_p=0.1)
+    with attention_backend("dense"):
+        assert not flex_enabled("cuda")
+    with pytest.raises(ValueError, match="backend"):
+        with attention_backend("fast"):
+            pass
+
+
+def _tiny_mt5():
+    return MT5Model(dict(vocab_size=64, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
+                         intermediate_size=48, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0))
+
+
+def test_mt5_logits_and_every_gradient_match_between_flex_and_dense(cpu_flex_backward):
+    model = _tiny_mt5()
+    with torch.no_grad():  # a table large enough to matter
+        for module in model.modules():
+            if isinstance(module, RelativePositionBias):
+                module.weight.normal_(0.0, 2.0)
+    enc, dec = torch.randint(0, 64, (3, 26)), torch.randint(0, 64, (3, 11))
+    enc_mask = torch.ones(3, 26, dtype=torch.bool)
+    enc_mask[1, 17:] = False
+    dec_mask = torch.ones(3, 11, dtype=torch.bool)
+    dec_mask[2, 6:] = False
+    results = {}
+    for backend in ("flex", "dense"):
+        model.zero_grad(set_to_none=True)
+        with attention_backend(backend):
+            logits = model(enc, dec, enc_mask, dec_mask)
+        logits.square().mean().backward()
+        results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    _close(results["flex"], results["dense"])
+    for name in ("encoder_layers.0.relative_attention_bias.weight", "decoder_layers.2.relative_attention_bias.weight"):
+        assert results["flex"][1][name].abs().sum() > 0, name
+
+
+def test_bucket_map_is_computed_once_per_shape():
+    model = _tiny_mt5()
+    enc, dec = torch.randint(0, 64, (2, 19)), torch.randint(0, 64, (2, 7))
+    model(enc, dec)
+    misses = _cached_buckets.cache_info().misses
+    model(enc, dec)
+    model(enc, dec)
+    assert _cached_buckets.cache_info().misses == misses
+    rel = model.encoder_layers["0"].relative_attention_bias
+    assert rel.buckets(19, 19) is rel.buckets(19, 19)
+    torch.testing.assert_close(dense_bias(rel.table(), rel.buckets(19, 19)), rel.compute_bias(19, 19))
