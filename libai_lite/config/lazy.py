@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode
 
 from .instantiate import join_key, locate, target_to_string
 from .loader import IMPORT_ROOTS_KEY, ConfigLoadError, add_import_root, cast_to_config, exec_config, one_line
+from .libai_compat import translate_libai_config
 from .loader import restore_import_roots
 from .overrides import ConfigKeyError, ConfigTypeError, apply_overrides
 from ..utils.files import atomic_write
@@ -105,7 +106,10 @@ class LazyConfig:
         path = path.resolve()
 
         if path.suffix == ".py":
-            namespace, roots = exec_config(path)
+            namespace, roots, is_libai = exec_config(path)
+            if is_libai:
+                namespace = {k: v if k.startswith("_") else cast_to_config(v) for k, v in namespace.items()}
+                translate_libai_config(namespace)
             if keys is None:
                 cfg = {
                     k: cast_to_config(v)

@@ -24,6 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from omegaconf import DictConfig, ListConfig
 
 from ..utils.errors import UsageError
+from .libai_compat import LibaiImports
 
 __all__ = ["ConfigLoadError", "IMPORT_ROOTS_KEY", "add_import_root", "exec_config", "restore_import_roots"]
 
@@ -177,6 +178,8 @@ class _FreshLoader:
         self.tree_root = _tree_root(config_file)
         self.roots: List[Path] = []
         self.executed_files: set = set()
+        # LiBai's ``libai.*`` / ``oneflow`` imports, answered without any such package installed.
+        self.libai = LibaiImports()
         if self.tree_root is not None:
             self.add_root(self.tree_root)
 
@@ -250,6 +253,8 @@ class _FreshLoader:
                     root, module_name = _code_module_name(base, importer)
                     return self.import_code(root, module_name, base, importer, fromlist, original_import)
                 return self.import_config(base, fromlist, "." * level + name, importer)
+            if self.libai.handles(name):
+                return self.libai.load(name, fromlist)
             parts = name.split(".")
             base = self._find_absolute(name) if parts[0] in _TREE_PACKAGES else None
             # configs.* and projects.<X>.configs.* are configs; the rest of a user's tree is code.
@@ -264,13 +269,14 @@ class _FreshLoader:
         return new_import
 
 
-def exec_config(path: Path) -> Tuple[dict, List[Path]]:
-    """The namespace of config file ``path``, executed afresh, and the folders its code was imported from."""
+def exec_config(path: Path) -> Tuple[dict, List[Path], bool]:
+    """The namespace of config file ``path``, executed afresh, the folders its code was imported from, and
+    whether it is a LiBai config (it imported ``libai.*``)."""
     loader = _FreshLoader(path)
     original = builtins.__import__
     builtins.__import__ = loader.hook(original)
     try:
-        return dict(loader.exec_file(path).__dict__), loader.roots
+        return dict(loader.exec_file(path).__dict__), loader.roots, loader.libai.seen
     except Exception as e:
         files = loader.executed_files
         where = [f"{f.filename}, line {f.lineno}" for f in traceback.extract_tb(e.__traceback__) if f.filename in files]

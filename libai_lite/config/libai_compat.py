@@ -1,0 +1,224 @@
+"""LiBai's config files, loaded unchanged: the names they import and the keys whose meaning differs here.
+
+A LiBai config imports ``libai.config``, ``libai.scheduler``, ``libai.data...``, ``libai.models`` and
+``oneflow``. While (and only while) :func:`libai_lite.config.loader.exec_config` runs a config file,
+those imports are answered from the tables below instead of ``sys.modules``/``sys.path``: no
+top-level ``libai`` or ``oneflow`` package is installed or registered, so a real LiBai install keeps
+working in the same environment. Names the core does not have (model classes, model-specific
+datasets) come from the module ``projects.libai_compat``, which the model projects fill: the core
+names no model.
+
+After the load, :func:`translate_libai_config` rewrites the keys that mean something else here
+(``train.amp.enabled`` is fp16 in LiBai) and names, in one warning line, every LiBai key that has
+no effect here.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, open_dict
+
+from ..utils.errors import UsageError
+
+__all__ = ["LIBAI_TOPS", "LibaiImports", "translate_libai_config", "warn_once"]
+
+logger = logging.getLogger("libai_lite")
+
+# Top-level module names a LiBai config imports that are answered here.
+LIBAI_TOPS = ("libai", "oneflow")
+# The module the projects fill with LiBai's model-level names ({"libai.models": {"T5Model": ...}}).
+_PROJECT_TABLE = "projects.libai_compat"
+
+# LiBai module -> {name: "module:attribute" of its counterpart here}.
+_CORE_NAMES: Dict[str, Dict[str, str]] = {
+    "libai.config": {n: f"libai_lite.config:{n}" for n in ("LazyCall", "LazyConfig", "instantiate",
+                                                            "default_argument_parser", "try_get_key")},
+    "libai.evaluation": {
+        "PPLEvaluator": "libai_lite.evaluation:PPLEvaluator",
+        "DatasetEvaluator": "libai_lite.evaluation:DatasetEvaluator",
+        "inference_on_dataset": "libai_lite.evaluation:inference_on_dataset",
+        "ClsEvaluator": "libai_lite.config.libai_compat:ClsEvaluator",
+    },
+    "libai.scheduler": {n: f"libai_lite.scheduler:{n}" for n in (
+        "WarmupCosineLR", "WarmupExponentialLR", "WarmupPolynomialLR", "WarmupLinearLR", "WarmupConstantLR")},
+    "libai.optim": {"get_default_optimizer_params": "libai_lite.optim:get_default_optimizer_params"},
+    "libai.tokenizer": {n: f"libai_lite.data.libai_compat:{n}" for n in ("GPT2Tokenizer", "BertTokenizer")},
+    "libai.data": {n: f"libai_lite.data.libai_compat:{n}" for n in (
+        "build_nlp_train_val_test_loader", "build_nlp_test_loader")},
+    "libai.data.datasets": {"GPT2Dataset": "libai_lite.data.libai_compat:GPT2Dataset"},
+    "libai.data.data_utils": {"get_indexed_dataset": "libai_lite.data.libai_compat:get_indexed_dataset"},
+    "libai.models.utils": {"GraphBase": "libai_lite.config.libai_compat:GraphBase"},
+    "oneflow": {},
+    "oneflow.optim": {n: f"libai_lite.optim.libai_compat:{n}" for n in ("AdamW", "Adam", "SGD")},
+}
+
+# train.* keys LiBai reads that nothing reads here, with why.
+_NO_EFFECT = {
+    "graph": "OneFlow's static graph mode; training here is eager PyTorch (train.compile compiles layers)",
+    "train.input_placement_device": "inputs go straight to each rank's device",
+    "train.rdma_enabled": "OneFlow's RDMA switch; torch.distributed picks its transport",
+    "train.nccl_fusion_threshold_mb": "OneFlow's NCCL fusion; torch.distributed buckets collectives itself",
+    "train.nccl_fusion_max_ops": "OneFlow's NCCL fusion; torch.distributed buckets collectives itself",
+    "train.consumed_train_samples": "the data position is restored from the checkpoint with --resume",
+    "train.consumed_valid_samples": "the valid position follows the iteration, as in Megatron-LM",
+    "train.start_iter": "the start iteration is restored from the checkpoint with --resume",
+    "train.train_samples": "set train.train_iter or train.train_epoch",
+    "train.checkpointer.save_model_after_n_epoch": "checkpoints follow train.checkpointer.period",
+    "train.evaluation.eval_after_n_epoch": "evaluation follows train.evaluation.eval_period",
+    "tokenization.append_eod": "end-of-document tokens are added when preprocessing (tools/preprocess_data.py)",
+    "tokenization.setup": "the tokenizer is always built from tokenization.tokenizer",
+    "model.cfg.bias_gelu_fusion": "kernel fusion is torch.compile's here (train.compile)",
+    "model.cfg.bias_dropout_fusion": "kernel fusion is torch.compile's here (train.compile)",
+    "model.cfg.scale_mask_softmax_fusion": "attention is SDPA/FlexAttention, fused by PyTorch",
+    "model.cfg.apply_query_key_layer_scaling": "an fp16 overflow guard of Megatron's; softmax runs in fp32 here",
+    "model.cfg.amp_enabled": "mixed precision follows train.amp",
+}
+_warned: set = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning once per process (a model is built twice: on meta, then for real)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+class GraphBase:
+    """LiBai's ``nn.Graph`` wrapper: nothing here builds it (``graph`` is dropped at load, with a log line)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+
+def ClsEvaluator(*args: Any, **kwargs: Any):  # noqa: N802 - LiBai's class name
+    """LiBai's top-k classification evaluator: refused when built (LiBai's pretraining configs replace it)."""
+    raise UsageError("LiBai's ClsEvaluator (top-k accuracy of a classifier) has no counterpart here; set "
+                     "train.evaluation.evaluator=LazyCall(PPLEvaluator)() or train.evaluation.enabled=False")
+
+
+def _resolve(spec: Any) -> Any:
+    if not isinstance(spec, str) or ":" not in spec:
+        return spec
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _project_names() -> Dict[str, Dict[str, Any]]:
+    try:
+        return dict(getattr(importlib.import_module(_PROJECT_TABLE), "LIBAI_NAMES", {}))
+    except ModuleNotFoundError as e:
+        if e.name not in ("projects", _PROJECT_TABLE):
+            raise
+        return {}
+
+
+class LibaiImports:
+    """Answers the ``libai``/``oneflow`` imports of one config load (and ``projects.*`` names LiBai's tree has
+    but this project's differ in meaning, once a ``libai`` import marked the load as a LiBai config)."""
+
+    def __init__(self):
+        self.seen = False
+        self._tables: Optional[Dict[str, Dict[str, Any]]] = None
+
+    def tables(self) -> Dict[str, Dict[str, Any]]:
+        if self._tables is None:
+            tables = {k: dict(v) for k, v in _CORE_NAMES.items()}
+            for module, names in _project_names().items():
+                tables.setdefault(module, {}).update(names)
+            self._tables = tables
+        return self._tables
+
+    def handles(self, name: str) -> bool:
+        """Whether an absolute import of ``name`` in a config file is answered here."""
+        if name.split(".")[0] in LIBAI_TOPS:
+            return True
+        return self.seen and name.startswith("projects.") and name in self.tables()
+
+    def _module(self, name: str) -> types.ModuleType:
+        module = types.ModuleType(name)
+        module.__doc__ = f"LiBai's {name} as libai_lite serves it to a config file"
+        for attr, spec in self.tables().get(name, {}).items():
+            setattr(module, attr, _resolve(spec))
+        if name == "oneflow":
+            module.optim = self._module("oneflow.optim")
+        return module
+
+    def load(self, name: str, fromlist) -> Any:
+        """The module (or, for ``import a.b``, the top of a chain reaching it) a config's import statement gets."""
+        if name.split(".")[0] == "libai":
+            self.seen = True
+        names = [n for n in (fromlist or ()) if n != "*"]
+        table = self.tables().get(name)
+        known = set(table or ()) | ({"optim"} if name == "oneflow" else set())
+        missing = [n for n in names if n not in known]
+        if table is None and name != "oneflow" or missing:
+            what = ", ".join(f"{name}.{n}" for n in missing) if missing else name
+            raise ImportError(
+                f"LiBai's {what} has no counterpart in libai_lite; replace it in the config (docs/migrating.md lists "
+                f"what maps: {', '.join(sorted(known)) or 'nothing'} from {name})")
+        module = self._module(name)
+        if names:
+            return module
+        # ``import libai.models.utils`` binds ``libai`` and reaches the leaf by attribute.
+        for part in reversed(name.split(".")[1:]):
+            module = types.SimpleNamespace(**{part: module})
+        return module
+
+
+def _select(cfg: Any, path: str) -> Any:
+    """The node at dotted ``path`` of a config (or of a load's namespace dict), or None."""
+    node = cfg
+    for part in path.split("."):
+        if not isinstance(node, (dict, DictConfig)) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _target_name(node: Any) -> str:
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    return getattr(target, "__qualname__", None) or str(target or "")
+
+
+def translate_libai_config(cfg: Any) -> List[str]:
+    """Rewrite a loaded LiBai config (a ``DictConfig`` or the load's namespace dict) into this project's meaning;
+    warn once about the keys with none. Returns the keys named in the warning.
+
+    Translated: ``train.amp.enabled=True`` (fp16 in LiBai) gets ``train.amp.dtype="fp16"`` unless a dtype is
+    set; ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
+    ``Acc@1``) becomes ``PPL``; the ``graph`` section is dropped (named in the warning); ``dataloader.train``
+    gets the run's tokenizer, which LiBai's T5 dataset needs.
+    """
+    names: List[str] = []
+    if "graph" in cfg:
+        names.append(f"graph ({_NO_EFFECT['graph']}; loaded as a no-op and left out of config.yaml)")
+        del cfg["graph"]
+    amp = _select(cfg, "train.amp")
+    if isinstance(amp, DictConfig) and amp.get("enabled") and "dtype" not in amp:
+        # LiBai's amp is OneFlow's fp16 autocast with a dynamic loss scale: the same here.
+        with open_dict(amp):
+            amp.dtype = "fp16"
+        logger.warning("LiBai key translated: train.amp.enabled=True is fp16 with loss scaling in LiBai, so "
+                       "train.amp.dtype=fp16 here (set train.amp.dtype=bf16 for bfloat16)")
+    ev = _select(cfg, "train.evaluation")
+    if isinstance(ev, DictConfig) and "PPLEvaluator" in _target_name(ev.get("evaluator")) \
+            and ev.get("eval_metric") not in (None, "PPL"):
+        names.append(f"train.evaluation.eval_metric={ev.eval_metric} (PPLEvaluator reports PPL; "
+                     f"the best checkpoint follows PPL, eval_mode min)")
+        with open_dict(ev):
+            ev.eval_metric, ev.eval_mode = "PPL", "min"
+    loader = _select(cfg, "dataloader.train")
+    if isinstance(loader, DictConfig) and "build_nlp_train_val_test_loader" in _target_name(loader) \
+            and "tokenizer" not in loader and _select(cfg, "tokenization.tokenizer") is not None:
+        with open_dict(loader):
+            loader.tokenizer = "${tokenization.tokenizer}"
+    for key, why in _NO_EFFECT.items():
+        # Only keys set to something: LiBai's defaults of 0/None/False ask for nothing.
+        if key != "graph" and _select(cfg, key):
+            names.append(f"{key} ({why})")
+    if names:
+        logger.warning("LiBai keys with no effect here: " + "; ".join(names))
+    return names
