@@ -2,7 +2,7 @@
 """Will it fit? Memory per rank of a config before the job is queued.
 
     python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --nproc 8 --device-memory 80GiB
-    python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --device-memory 16GiB \\
+    python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --nproc 2 --device-memory 16GiB \\
         train.dist.tensor_parallel_size=2 train.train_micro_batch_size=2
 
 Prints parameters, gradients, optimizer state, activations and the expected peak per rank (the fullest
@@ -45,7 +45,16 @@ def main(argv=None) -> int:
     try:
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.opts)
+        asked = {k: int(cfg.train.dist.get(f"{k}_parallel_size") or 1) for k in ("tensor", "pipeline", "context")}
         planner, settings = planner_from_config(cfg, args.nproc, args.device)
+        got = {k: getattr(settings, f"{k}_parallel_size") for k in asked}
+        if got != asked:
+            # The launch caps sizes larger than the world (LiBai's rule); name the --nproc the config means.
+            need = asked["tensor"] * asked["pipeline"] * asked["context"]
+            sizes = " x ".join(f"{k}_parallel_size={v}" for k, v in asked.items())
+            print(f"warning: train.dist asks for {sizes} = {need} processes, more than --nproc {args.nproc}: "
+                  f"estimated as {args.nproc} process{'es' if args.nproc > 1 else ''} would run it (sizes capped); "
+                  f"pass --nproc {need} to estimate that layout", file=sys.stderr)
         est = planner.estimate(settings)
         print(format_estimate(est))
         if budget is None:

@@ -147,6 +147,8 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.scheduler.warmup_method": OneOf(("linear", "constant")),
     "dataloader.*.split_rounding": OneOf(("core", "legacy")),
     "model.cfg.*dropout*": _FRACTION,
+    # A LiBai switch whose name matches the pattern above: exact keys are looked up first.
+    "model.cfg.bias_dropout_fusion": OneOf((False, True)),
     "model.cfg.hidden_size": _COUNT,
     "model.cfg.ffn_hidden_size": _COUNT_OR_NULL,
     "model.cfg.intermediate_size": _COUNT_OR_NULL,

@@ -249,12 +249,13 @@ class DefaultTrainer:
         ZeRO-1 shards the optimizer state over the data-parallel group; a rank holding several
         pipeline stages gets one optimizer per stage behind one ``OptimizersContainer``.
         """
+        from ..optim import build_optimizer
         from ..optim.container import OptimizersContainer
         from ..parallel.data_parallel import build_zero1_optimizer
 
         optimizers = []
         for part in model.parts:
-            opt = instantiate_with(cfg.optim, params=instantiate_with(cfg.optim.params, model=part))
+            opt = build_optimizer(cfg.optim, part)
             if self.layout.zero_stage == 1 and self.layout.replica_size > 1:
                 # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
                 accepted = inspect.signature(type(opt).__init__).parameters

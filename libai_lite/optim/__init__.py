@@ -1,4 +1,4 @@
 """Optimizer parameter groups, LiBai style."""
-from .build import get_default_optimizer_params
+from .build import build_optimizer, get_default_optimizer_params
 
-__all__ = ["get_default_optimizer_params"]
+__all__ = ["build_optimizer", "get_default_optimizer_params"]

@@ -1,6 +1,8 @@
 """Parameter groups for the optimizer: no weight decay on biases and normalisation weights."""
 from __future__ import annotations
 
+import inspect
+
 import torch.nn as nn
 
 # Any module whose class name ends in one of these is treated as a normalisation layer,
@@ -45,3 +47,61 @@ def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = 
     if no_decay_bias:
         groups.append({"params": no_decay_bias, "weight_decay": weight_decay_bias or 0.0})
     return groups
+
+
+# LiBai's (OneFlow's) Adam/AdamW argument: True is what torch's optimizers always do.
+_BIAS_CORRECTION = "do_bias_correction"
+
+
+def _unknown_arguments(target, keys) -> list:
+    """The keys ``target``'s constructor does not take (none when it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [k for k in keys if k not in params]
+
+
+def build_optimizer(node, model: nn.Module):
+    """``optim`` (a LazyCall node) instantiated for ``model``, with ``optim.params.model`` set to it.
+
+    An argument the optimizer does not take is refused in one line naming it, instead of the
+    constructor's TypeError. LiBai's ``do_bias_correction=True`` is accepted as what torch's Adam and
+    AdamW always do (and not passed on); ``False`` has no torch counterpart and is refused.
+    """
+    from omegaconf import open_dict
+
+    from ..config.instantiate import instantiate_target, instantiate_with
+    from ..utils.errors import UsageError
+
+    target = instantiate_target(node)
+    name = getattr(target, "__name__", str(target))
+    keys = [k for k in node.keys() if not str(k).startswith("_")]
+    unknown = _unknown_arguments(target, keys)
+    stashed = {}
+    if _BIAS_CORRECTION in unknown:
+        if node[_BIAS_CORRECTION] is not True:
+            raise UsageError(f"optim.{_BIAS_CORRECTION}={node[_BIAS_CORRECTION]}: {name} always corrects the "
+                             f"moment estimates' bias (LiBai's default, True); remove optim.{_BIAS_CORRECTION} "
+                             f"or set it to True")
+        unknown.remove(_BIAS_CORRECTION)
+        stashed[_BIAS_CORRECTION] = node[_BIAS_CORRECTION]
+    if unknown:
+        accepted = ", ".join(k for k in inspect.signature(target).parameters if k not in ("self", "params"))
+        raise UsageError(f"optim.{unknown[0]} is not an argument of {name} (it takes {accepted}); "
+                         f"remove optim.{unknown[0]} or correct its name")
+    with open_dict(node):
+        for key in stashed:
+            del node[key]
+    try:
+        return instantiate_with(node, params=instantiate_with(node.params, model=model))
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise UsageError(f"optim: {e}; remove that argument from optim or correct its name") from None
+    finally:
+        # The saved config.yaml keeps what the user wrote.
+        with open_dict(node):
+            node.update(stashed)

@@ -12,8 +12,8 @@ from libai_lite.utils.errors import UsageError
 from .base import TokenizersBackend, check_file, first_line
 
 TOKENIZER_FILE = "tokenizer.json"
-FIX = ("pass --tokenizer-model DIR, a directory holding the model's tokenizer.json "
-       "(transformers' save_pretrained writes one)")
+FIX = ("set tokenization.tokenizer.path (tools/preprocess_data.py: --tokenizer-model) to a directory "
+       "holding the model's tokenizer.json (transformers' save_pretrained writes one)")
 NAMED = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 

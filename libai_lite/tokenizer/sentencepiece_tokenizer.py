@@ -33,7 +33,8 @@ class SentencePieceTokenizer(BaseTokenizer):
         self.model_file = check_file(
             model_file,
             "SentencePiece model",
-            "pass a trained .model file (e.g. --tokenizer-model data_test/spm/spiece.model)",
+            "set tokenization.tokenizer.model_file (tools/preprocess_data.py: --tokenizer-model) to a trained "
+            ".model file, e.g. data_test/spm/spiece.model",
         )
         self.sp = sentencepiece.SentencePieceProcessor()
         try:

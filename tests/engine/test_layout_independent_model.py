@@ -65,6 +65,8 @@ def test_resume_at_pp2_continues_the_one_process_curve(tmp_path, one_process):
         assert curve[it] == pytest.approx(one_process[2][it], rel=REL), it
 
 
+# With -m slow: tests/checkpoint/test_vocab_rows.py loads such checkpoints in one process, in seconds.
+@pytest.mark.slow
 def test_checkpoint_padded_the_old_way_resumes_with_padding_rows_cut(tmp_path, one_process):
     """A run that padded to 8192 rows (what tp=2 built before) resumes where 8064 are built now: the
     padding rows are cut at load with one log line, the real ids' rows kept."""
