@@ -107,3 +107,18 @@ def test_trainer_logs_mfu_against_peak_tflops(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     log = (out / "log.txt").read_text()
     assert "MFU: " in log, log[-2000:]
+
+
+def test_pipeline_over_gloo_is_refused_only_on_cuda(monkeypatch):
+    """gloo's send/recv takes host memory: pp > 1 with gloo is refused where ranks hold CUDA tensors and
+    allowed on the CPU (where the pipeline tests run over gloo)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    distributed.check_backend_layout(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    distributed.check_backend_layout(1)
+    with pytest.raises(UsageError, match=r"train.dist.backend='gloo' cannot carry the pipeline's send/recv of CUDA "
+                                         r"tensors \(pipeline_parallel_size=2\): use backend nccl"):
+        distributed.check_backend_layout(2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    distributed.check_backend_layout(2)
