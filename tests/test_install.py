@@ -1,6 +1,7 @@
 """`pip install -e .` keeps the torch a machine has (issue 24): a GPU user's CUDA build stays."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,16 @@ def test_fresh_cpu_machine_prefers_cpu_wheel():
     spec = _torch_requirement().specifier
     candidates = [Version(v) for v in ("2.13.0", "2.13.0+cpu", "2.12.1", "2.14.1", "2.15.0")]
     assert max(v for v in candidates if spec.contains(v)) == Version("2.13.0+cpu")
+
+
+@pytest.mark.parametrize("version,ok", [("2.13.0+cpu", True), ("2.11.0+cu130", True), ("2.11.0a0+gitabc", True),
+                                        ("2.14.1", True), ("2.10.1", False), ("2.9.1+cu128", False), ("1.13.1", False)])
+def test_import_refuses_a_torch_older_than_tested(version, ok):
+    """A checkout on PYTHONPATH skips pip's check: the package says in one line which torch it needs."""
+    import libai_lite
+
+    if ok:
+        libai_lite._check_torch(version)
+    else:
+        with pytest.raises(ImportError, match=r"^libai_lite needs torch 2.11 or newer .* this is torch " + re.escape(version))):
+            libai_lite._check_torch(version)
