@@ -89,5 +89,5 @@ def test_import_refuses_a_torch_older_than_tested(version, ok):
     if ok:
         libai_lite._check_torch(version)
     else:
-        with pytest.raises(ImportError, match=r"^libai_lite needs torch 2.11 or newer .* this is torch " + re.escape(version))):
+        with pytest.raises(ImportError, match=r"^libai_lite needs torch 2.11 or newer .* this is torch " + re.escape(version)):
             libai_lite._check_torch(version)
