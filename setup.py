@@ -43,6 +43,8 @@ setup(
         "sentences": ["nltk>=3.8"],
         # tools/preprocess_data.py parses JSON lines faster with it; the same output without.
         "preprocess": ["orjson>=3.8"],
+        # tools/preprocess_data.py --input of Parquet, a Hugging Face datasets folder, .zst corpora.
+        "corpora": ["pyarrow>=14", "datasets>=2.14", "zstandard>=0.22"],
         # train.wandb.enabled=True: a Weights & Biases run beside TensorBoard.
         "wandb": ["wandb>=0.16"],
         # tools/plot_metrics.py.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenise a JSON-lines corpus into Megatron-LM mmap ``.bin/.idx`` files.
+"""Tokenise a corpus into Megatron-LM mmap ``.bin/.idx`` files.
 
 Takes Megatron-LM's ``tools/preprocess_data.py`` flags and writes the same bytes
 (checked against files made by Megatron-LM itself). For every key in
@@ -17,6 +17,11 @@ included) that follows a sentence inside it, so the sentences concatenate back t
 ``tokenizer.json`` (Llama 3, Mistral, Qwen2): as in Megatron, every sequence
 gets what the tokenizer's template adds (a BOS for Llama and Mistral, nothing
 for Qwen2) and ``--append-eod`` appends its eos.
+Besides JSON lines, ``--input`` takes ``.gz``/``.zst`` compressed JSON lines or text, plain text
+(``--text-docs line``: a document per line, the default for ``.txt``; ``blank-line``: fairseq's documents
+between blank lines), Parquet, a Hugging Face ``datasets`` folder (``save_to_disk``) and a fairseq
+``data-bin`` (``dict.txt`` + ``train.bin/.idx``): ``--json-keys`` names the columns (for text, the output
+name), and the output is the same as from the equivalent JSON lines (``libai_lite/data/corpus_readers.py``).
 
 Example (from the repository root)::
 
@@ -48,13 +53,12 @@ try:  # optional: parses a line several times faster than json; json explains a 
 except ImportError:
     orjson = None
 
+from libai_lite.data.corpus_readers import CHUNK_LINES, TEXT_DOCS, CorpusError, open_corpus  # noqa: F401
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
-from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer, check_file
+from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
-# Lines handed to a worker at once: large enough for the batched encoders to
-# pay off, small enough to keep every worker busy on modest corpora.
-CHUNK_LINES = 256
-CHUNK_BYTES = 1 << 20
+# Lines handed to a worker at once (corpus_readers.CHUNK_LINES): large enough for the batched
+# encoders to pay off, small enough to keep every worker busy on modest corpora.
 
 
 class InputError(Exception):
@@ -67,7 +71,12 @@ def get_args(argv=None) -> argparse.Namespace:
         description="Tokenise a JSON-lines corpus into Megatron mmap .bin/.idx files."
     )
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", type=str, required=True, help="JSON-lines file, one document per line")
+    group.add_argument("--input", type=str, required=True,
+                       help="JSON lines (one document per line), .gz/.zst, plain text, Parquet, a Hugging Face "
+                            "datasets folder or a fairseq data-bin")
+    group.add_argument("--text-docs", choices=TEXT_DOCS, default=None,
+                       help="read --input as plain text: a document per line, or documents separated by blank "
+                            "lines (fairseq); .txt files default to line")
     group.add_argument(
         "--json-keys",
         nargs="+",
@@ -304,21 +313,6 @@ def _encode_chunk(task):
 # ---------------------------------------------------------------- main side
 
 
-def _chunks(f):
-    """Yield ``(first_line_number, [raw lines])`` from a binary file."""
-    lines, size, first = [], 0, 1
-    for lineno, line in enumerate(f, start=1):
-        if not lines:
-            first = lineno
-        lines.append(line)
-        size += len(line)
-        if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
-            yield first, lines
-            lines, size = [], 0
-    if lines:
-        yield first, lines
-
-
 def _ordered_results(tasks, workers: int, initargs):
     """Encode ``tasks`` in ``workers`` processes, yielding results in input order.
 
@@ -404,12 +398,13 @@ def main(argv=None) -> int:
         vocab_extra_ids=args.vocab_extra_ids,
     )
     try:
-        check_file(args.input, "input file", "pass --input pointing at a JSON-lines file")
         tokenizer = build_tokenizer(**tokenizer_kwargs)
+        gpt2_decode = tokenizer.decode if args.tokenizer_type == "GPT2BPETokenizer" else None
+        corpus = open_corpus(args.input, args.json_keys, args.text_docs, gpt2_decode)
         splitter_args = (args.lang, args.keep_newlines) if args.split_sentences else None
         if splitter_args is not None:
             build_sentence_splitter(*splitter_args)  # refuse now, not once per worker
-    except (InputError, ValueError, OSError) as e:
+    except (InputError, CorpusError, ValueError, OSError) as e:
         return _fail(str(e))
     if args.append_eod and tokenizer.eod_id is None:
         return _fail(f"{args.tokenizer_type} has no end-of-document token; drop --append-eod")
@@ -439,7 +434,7 @@ def main(argv=None) -> int:
             f"cannot write {e.filename or args.output_prefix}: {e.strerror}; pick a writable --output-prefix"
         )
 
-    total_bytes = os.path.getsize(args.input)
+    total_bytes = corpus.size
     initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1,
                 splitter_args)
     n_docs = n_tokens = n_bytes = 0
@@ -448,30 +443,29 @@ def main(argv=None) -> int:
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=None, file=sys.stderr)
     results = None
     try:
-        with open(args.input, "rb") as f:
-            results = _ordered_results(_chunks(f), args.workers, initargs)
-            for per_key, docs, nbytes, ntoks in results:
-                for key, (flat, doc_lens) in zip(args.json_keys, per_key):
-                    builder, pos = builders[key], 0
-                    for lens in doc_lens:
-                        end = pos + sum(lens)
-                        builder.add_doc(flat[pos:end], lens)
-                        pos = end
-                n_docs += docs
-                n_tokens += ntoks
-                n_bytes += nbytes
-                bar.update(nbytes)
-                if bar.disable and n_docs >= next_log:
-                    elapsed = max(time.time() - start, 1e-9)
-                    # stdout, so that stderr carries nothing but a failure's one line.
-                    print(
-                        f"processed {n_docs} documents ({n_docs / elapsed:.1f} docs/s, "
-                        f"{n_bytes / elapsed / 1e6:.2f} MB/s)",
-                        flush=True,
-                    )
-                    next_log = (n_docs // args.log_interval + 1) * args.log_interval
+        results = _ordered_results(corpus.chunks(), args.workers, initargs)
+        for per_key, docs, nbytes, ntoks in results:
+            for key, (flat, doc_lens) in zip(args.json_keys, per_key):
+                builder, pos = builders[key], 0
+                for lens in doc_lens:
+                    end = pos + sum(lens)
+                    builder.add_doc(flat[pos:end], lens)
+                    pos = end
+            n_docs += docs
+            n_tokens += ntoks
+            n_bytes += nbytes
+            bar.update(nbytes)
+            if bar.disable and n_docs >= next_log:
+                elapsed = max(time.time() - start, 1e-9)
+                # stdout, so that stderr carries nothing but a failure's one line.
+                print(
+                    f"processed {n_docs} documents ({n_docs / elapsed:.1f} docs/s, "
+                    f"{n_bytes / elapsed / 1e6:.2f} MB/s)",
+                    flush=True,
+                )
+                next_log = (n_docs // args.log_interval + 1) * args.log_interval
         if n_docs == 0:
-            raise InputError(f"{args.input} has no documents; pass a JSON-lines file with one object per line")
+            raise InputError(f"{args.input} ({corpus.kind}) has no documents; pass a corpus with at least one")
         for builder in builders.values():
             builder.finalize()
     except BaseException as e:
@@ -480,7 +474,7 @@ def main(argv=None) -> int:
             results.close()
         bar.close()
         discard_outputs()
-        if isinstance(e, InputError):
+        if isinstance(e, (InputError, CorpusError)):
             return _fail(str(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS):
             where = os.path.dirname(os.path.abspath(args.output_prefix))

@@ -77,6 +77,13 @@ class MMapIndexedDataset:
             raise IndexedDatasetError(f"{idx_path} has unknown dtype code {code}: the file is corrupt")
         self.dtype = np.dtype(DTYPES[code])
         need = _HEADER.size + n_seq * 12 + n_doc * 8
+        folder = os.path.dirname(idx_path) or "."
+        if size == _HEADER.size - 8 + n_seq * 12 and os.path.isfile(os.path.join(folder, "dict.txt")):
+            # fairseq-preprocess's mmap index: Megatron's header without the document count and index.
+            raise IndexedDatasetError(
+                f"{idx_path} is a fairseq data-bin index (dict.txt beside it, no document index); convert it: "
+                f"python tools/preprocess_data.py --input {folder} --output-prefix PREFIX --tokenizer-type ... "
+                f"--append-eod (docs/migrating.md)")
         if size < need:
             raise IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, {need} expected for {n_seq} "
                                       f"sequences): {_RERUN}")
