@@ -26,8 +26,13 @@ train = dict(
     load_weight="",
     # async_save: stage each checkpoint in CPU memory (one more copy of the model and optimizer state)
     # and write it in the background while training goes on; it is published, and old ones pruned,
-    # once written. At most one is in flight: a save waits for the previous one.
-    checkpointer=dict(period=1000, max_to_keep=3, async_save=False),
+    # once written. At most one is in flight: a save waits for the previous one. null: on when the
+    # run trains on a GPU (a save then stalls it for the copy to host memory only), off on the CPU.
+    checkpointer=dict(period=1000, max_to_keep=3, async_save=None),
+    # torch.profiler (as torchtitan's profiling): each rank writes a Chrome trace of `active` steps to
+    # output_dir/profile/, after `wait` + `warmup` steps from the run's first, `repeat` times;
+    # memory_snapshot (CUDA only) also dumps the allocator's history of those steps (pytorch.org/memory_viz).
+    profile=dict(enabled=False, wait=10, warmup=2, active=3, repeat=1, memory_snapshot=False),
     # Weights & Biases beside TensorBoard (pip install -e .[wandb]): metrics.json's scalars and this
     # config. mode "offline" writes the run under output_dir/wandb with no network (`wandb sync` uploads
     # it later), "online" streams it (after `wandb login`), "disabled" writes nothing.

@@ -19,8 +19,11 @@ A crash at any point is repaired at the next start (`recover_interrupted`): a `N
 its manifest is complete and is published, a `NAME.old/` whose `NAME/` is missing is put back,
 and only a `NAME.tmp/` without a manifest (never published) is deleted.
 
+Each file's CRC-32 is computed from its bytes as they are written (``crc_writer``), so the manifest
+costs no second read of the checkpoint.
+
 With ``async_save``, step 1 runs in the background: the state is staged to CPU memory by DCP's
-``async_save`` and written (then checksummed into the manifest) by a background thread whose
+``async_save`` and written (its manifest then assembled) by a background thread whose
 collectives use a gloo group of their own, while training goes on. Steps 2-5 run on the main
 thread only once that write is complete (``Checkpointer.poll``/``wait``), so until then the
 previous checkpoint is the one ``last_checkpoint`` names.
@@ -29,6 +32,7 @@ Nothing here unpickles arbitrary objects.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -64,6 +68,7 @@ from ..utils.events import format_bytes
 from ..utils.files import atomic_write
 from .vocab_rows import fit_vocab_rows, shape_refusal, vocab_padding_differs
 
+from .crc_writer import CrcFileSystemWriter, record_of, writer_threads
 logger = logging.getLogger("libai_lite")
 
 LAST_CHECKPOINT = "last_checkpoint"
@@ -118,6 +123,17 @@ def _crc32(path: str) -> str:
 
 
 def _world_size() -> int:
+def resolve_async_save(value, device) -> bool:
+    """``train.checkpointer.async_save``: True or False as set; None (the default) turns it on for a run on a GPU,
+    where a synchronous save idles the device for the whole write, and off on the CPU, where the background
+    write competes with training for the same cores."""
+    return bool(value) if value is not None else torch.device(device).type == "cuda"
+
+
+def _default_writer_threads() -> int:
+    return writer_threads(torch.cuda.is_available())
+
+
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -146,24 +162,41 @@ def _spread(fn: Callable, items: list, group=None) -> list:
 
 
 def _file_record(path: str) -> dict:
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
     try:
         return {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
     except OSError as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _write_manifest(directory: str, group=None) -> str:
+def _write_manifest(directory: str, group=None, known: dict | None = None) -> str:
     """Write ``directory/manifest.json`` with every file's size and CRC-32 (collective over ``group``,
-    all ranks); returns an error or ""."""
-    names = sorted(n for n in os.listdir(directory) if n != MANIFEST and os.path.isfile(os.path.join(directory, n))
-                   ) if get_rank() == 0 else None
+    all ranks); returns an error or "".
+
+    ``known`` is this rank's ``{file name: record}`` of the files it wrote and checksummed while
+    writing; only a file no rank knows, or whose size on disk differs from its record, is read back.
+    """
+    known = {n: r for part in _gather(dict(known or {}), group) for n, r in part.items()}
+    listing = None
+    if get_rank() == 0:
+        names = sorted(n for n in os.listdir(directory) if n != MANIFEST and os.path.isfile(os.path.join(directory, n)))
+        unknown = [n for n in names if n not in known or _size(os.path.join(directory, n)) != known[n]["bytes"]]
+        listing = (names, unknown)
     if group is None:
-        names = broadcast_object(names)
+        listing = broadcast_object(listing)
     elif _world_size() > 1:
-        box = [names]
+        box = [listing]
         dist.broadcast_object_list(box, src=0, group=group)
-        names = box[0]
-    records = _spread(lambda n: _file_record(os.path.join(directory, n)), names, group)
+        listing = box[0]
+    names, unknown = listing
+    read = dict(zip(unknown, _spread(lambda n: _file_record(os.path.join(directory, n)), unknown, group)))
+    records = [read.get(n) or known[n] for n in names]
     error = next((r["error"] for r in records if "error" in r), "")
     if get_rank() == 0 and not error:
         text = json.dumps({"checksum": "crc32", "files": dict(zip(names, records))}, indent=1, sort_keys=True)
@@ -517,7 +550,7 @@ class Checkpointer:
 
     def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
                  aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None,
-                 vocab_ids: int | None = None, model_config=None):
+                 vocab_ids: int | None = None, model_config=None, writer_threads: int | None = None):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
@@ -530,6 +563,8 @@ class Checkpointer:
         self.tied_copies = dict(tied_copies or {})
         self.async_save = bool(async_save)
         # The tokenizer's ids and model.cfg: vocabulary padding rows of another size are cut or
+        # DCP's writer threads per rank (each writes its own file): see crc_writer.writer_threads.
+        self.writer_threads = int(writer_threads or _default_writer_threads())
         # added at load, and a shape refusal names the model.cfg key that differs.
         self.vocab_ids, self.model_config = vocab_ids, model_config
         self._in_flight: _InFlight | None = None
@@ -554,6 +589,25 @@ class Checkpointer:
         return state
 
     def save(self, name: str, trainer_state: dict, blocking: bool = False) -> str:
+    def _storage_writer(self, tmp: str) -> CrcFileSystemWriter:
+        """DCP's file writer for ``tmp`` with this run's threads, checksumming as it writes."""
+        return CrcFileSystemWriter(tmp, thread_count=self.writer_threads)
+
+    @staticmethod
+    def _write_own_files(tmp: str, trainer_state: dict) -> dict:
+        """Write this rank's RNG state and (rank 0) the trainer state into ``tmp``; returns their manifest records."""
+        buffer = io.BytesIO()
+        torch.save(rng_state(), buffer)
+        rng, name = buffer.getvalue(), f"rng_state_{get_rank()}.pt"
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(rng)
+        out = {name: record_of(rng)}
+        if get_rank() == 0:
+            text = json.dumps(trainer_state, indent=1, sort_keys=True).encode("utf-8")
+            atomic_write(os.path.join(tmp, TRAINER_STATE), lambda f: f.write(text))
+            out[TRAINER_STATE] = record_of(text)
+        return out
+
         """Write checkpoint `name` with the given trainer state; returns its final path.
 
         Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
@@ -580,14 +634,12 @@ class Checkpointer:
         if self.async_save and not blocking:
             self._start_background_save(name, trainer_state, replacing)
             return final
-        state = None
+        state, known = None, {}
         try:
             state = self._merged(self._part_states(with_optim=True))
-            dcp.save(state, checkpoint_id=tmp)
-            torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
-            if rank == 0:
-                text = json.dumps(trainer_state, indent=1, sort_keys=True)
-                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), text)
+            storage = self._storage_writer(tmp)
+            dcp.save(state, checkpoint_id=tmp, storage_writer=storage)
+            known = {**storage.records, **self._write_own_files(tmp, trainer_state)}
         except (OSError, RuntimeError, CheckpointException) as e:
             # DCP reports a rank's failed write as a CheckpointException (a BaseException) on every rank.
             error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
@@ -600,7 +652,7 @@ class Checkpointer:
         if replacing and rank == 0:
             _pause_for_test(name, "partial")
         # Written last: its presence is what makes the directory a complete checkpoint.
-        self._raise_if_failed(_write_manifest(tmp), final, state)
+        self._raise_if_failed(_write_manifest(tmp, known=known), final, state)
         if rank == 0:
             error = self._publish(name, replacing)
         self._raise_if_failed(error, final, state)
@@ -682,12 +734,10 @@ class Checkpointer:
         group = self._background_group()
         state, error, cause = None, "", None
         try:
+        known = {}
             state = self._merged(self._part_states(with_optim=True))
             # The small files now, while the RNG and trainer state are those of this step.
-            torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
-            if rank == 0:
-                text = json.dumps(trainer_state, indent=1, sort_keys=True)
-                _write_text_atomic(os.path.join(tmp, TRAINER_STATE), text)
+            known = self._write_own_files(tmp, trainer_state)
         except (OSError, RuntimeError) as e:
             # As in the synchronous save: what is no write failure is a bug, raised as it is.
             error = _write_failure(e, tmp, _state_bytes(state) if state is not None else None)
@@ -707,15 +757,20 @@ class Checkpointer:
                                                         use_non_blocking_copy=False))
         # Copies every tensor to CPU memory before returning, so training may change them; the
         # copy is reused only after this write is done (one save in flight at most).
-        upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
+        storage = self._storage_writer(tmp)
+        upload = dcp.async_save(state, checkpoint_id=tmp, storage_writer=storage, process_group=group,
+                                async_stager=self._stager)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
         needed = _state_bytes(state)
-        future = self._writer.submit(self._finish_writing, upload, name, tmp, needed, group)
+        future = self._writer.submit(self._finish_writing, upload, name, tmp, needed, group,
+                                     lambda: {**known, **storage.records})
         self._in_flight = _InFlight(name, replacing, future, needed, time.perf_counter())
 
-    def _finish_writing(self, upload: Future, name: str, tmp: str, needed: int, group) -> tuple:
-        """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest.
+    def _finish_writing(self, upload: Future, name: str, tmp: str, needed: int, group,
+                        known: Callable[[], dict]) -> tuple:
+        """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest
+        (from ``known()``, the records of this rank's files checksummed as they were written).
 
         Returns (the first rank's error line or "", this rank's exception or None); renames nothing,
         that is the main thread's (``_publish``). A failed save's ``NAME.tmp`` is removed here.
@@ -730,7 +785,7 @@ class Checkpointer:
             if not first:
                 if get_rank() == 0:
                     _pause_for_test(name, "background")
-                first = _first_error(_gather(_write_manifest(tmp, group), group))
+                first = _first_error(_gather(_write_manifest(tmp, group, known()), group))
             if first and get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 - a collective that failed (a rank died) ends this save

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from ..checkpoint import Checkpointer, resolve_resume
-from ..checkpoint.checkpointer import check_checkpoint_shapes
+from ..checkpoint.checkpointer import check_checkpoint_shapes, resolve_async_save
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
 from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
@@ -33,6 +33,7 @@ from ..utils.logger import attach_log_file
 from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
 from . import hooks
 from .amp import amp_dtype, build_loss_scaler
+from .profiler import ProfilerHook
 from .trainer import Trainer
 from .wandb_writer import build_wandb_writer
 
@@ -286,7 +287,7 @@ class DefaultTrainer:
         return Checkpointer(model.parts, optimizer, cfg.train.output_dir,
                             max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases,
                             tied_copies=model.tied_copies,
-                            async_save=bool(cfg.train.checkpointer.get("async_save", False)),
+                            async_save=resolve_async_save(cfg.train.checkpointer.get("async_save"), self.layout.device),
                             vocab_ids=getattr(self.tokenizer, "vocab_size", None),
                             model_config=cfg.model.get("cfg"))
 
@@ -342,6 +343,11 @@ class DefaultTrainer:
         out.append(hooks.SignalCheckpointer(periodic))
         return out
 
+        profile = cfg.train.get("profile") or {}
+        if profile.get("enabled", False):
+            # After the others: a traced step spans its iteration's hooks too.
+            out.append(ProfilerHook(self.output_dir, self.layout.device, **{
+                k: profile[k] for k in ("wait", "warmup", "active", "repeat", "memory_snapshot") if k in profile}))
     # --------------------------------------------------------------- state
     def consumed_samples_at(self, iteration: int) -> int:
         """Samples consumed once `iteration` steps of this run (counted from 0) are done."""
