@@ -67,8 +67,8 @@ from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 from ..utils.files import atomic_write
 from .vocab_rows import fit_vocab_rows, shape_refusal, vocab_padding_differs
-
 from .crc_writer import CrcFileSystemWriter, record_of, writer_threads
+
 logger = logging.getLogger("libai_lite")
 
 LAST_CHECKPOINT = "last_checkpoint"
@@ -122,7 +122,6 @@ def _crc32(path: str) -> str:
     return f"{crc:08x}"
 
 
-def _world_size() -> int:
 def resolve_async_save(value, device) -> bool:
     """``train.checkpointer.async_save``: True or False as set; None (the default) turns it on for a run on a GPU,
     where a synchronous save idles the device for the whole write, and off on the CPU, where the background
@@ -134,6 +133,7 @@ def _default_writer_threads() -> int:
     return writer_threads(torch.cuda.is_available())
 
 
+def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -161,7 +161,6 @@ def _spread(fn: Callable, items: list, group=None) -> list:
     return [done[i] for i in range(len(items))]
 
 
-def _file_record(path: str) -> dict:
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -169,6 +168,7 @@ def _size(path: str) -> int:
         return -1
 
 
+def _file_record(path: str) -> dict:
     try:
         return {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
     except OSError as e:
@@ -562,9 +562,9 @@ class Checkpointer:
         # checkpoint saved with one parameter there has the optimizer state under the source only.
         self.tied_copies = dict(tied_copies or {})
         self.async_save = bool(async_save)
-        # The tokenizer's ids and model.cfg: vocabulary padding rows of another size are cut or
         # DCP's writer threads per rank (each writes its own file): see crc_writer.writer_threads.
         self.writer_threads = int(writer_threads or _default_writer_threads())
+        # The tokenizer's ids and model.cfg: vocabulary padding rows of another size are cut or
         # added at load, and a shape refusal names the model.cfg key that differs.
         self.vocab_ids, self.model_config = vocab_ids, model_config
         self._in_flight: _InFlight | None = None
@@ -588,7 +588,6 @@ class Checkpointer:
             state["optim"] = {k: v for s in part_states for k, v in s[3].items()}
         return state
 
-    def save(self, name: str, trainer_state: dict, blocking: bool = False) -> str:
     def _storage_writer(self, tmp: str) -> CrcFileSystemWriter:
         """DCP's file writer for ``tmp`` with this run's threads, checksumming as it writes."""
         return CrcFileSystemWriter(tmp, thread_count=self.writer_threads)
@@ -608,6 +607,7 @@ class Checkpointer:
             out[TRAINER_STATE] = record_of(text)
         return out
 
+    def save(self, name: str, trainer_state: dict, blocking: bool = False) -> str:
         """Write checkpoint `name` with the given trainer state; returns its final path.
 
         Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
@@ -733,8 +733,8 @@ class Checkpointer:
         tmp, rank = final + ".tmp", get_rank()
         group = self._background_group()
         state, error, cause = None, "", None
-        try:
         known = {}
+        try:
             state = self._merged(self._part_states(with_optim=True))
             # The small files now, while the RNG and trainer state are those of this step.
             known = self._write_own_files(tmp, trainer_state)

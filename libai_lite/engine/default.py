@@ -341,13 +341,13 @@ class DefaultTrainer:
         out += after_writer
         # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
         out.append(hooks.SignalCheckpointer(periodic))
-        return out
-
         profile = cfg.train.get("profile") or {}
         if profile.get("enabled", False):
             # After the others: a traced step spans its iteration's hooks too.
             out.append(ProfilerHook(self.output_dir, self.layout.device, **{
                 k: profile[k] for k in ("wait", "warmup", "active", "repeat", "memory_snapshot") if k in profile}))
+        return out
+
     # --------------------------------------------------------------- state
     def consumed_samples_at(self, iteration: int) -> int:
         """Samples consumed once `iteration` steps of this run (counted from 0) are done."""
