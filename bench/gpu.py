@@ -273,7 +273,10 @@ def device_and_torch(ctx: Ctx) -> tuple:
 
 
 def _error_line(text: str) -> str | None:
-    return _last(r"^error: .*$", text)
+    """What a failed step says: the project's one `error:` line, else the last exception line (torchrun's
+    own report after it only says that a worker failed)."""
+    return (_last(r"^error: .*$", text) or _last(r"^\[rank\d+\]: [\w.]*(?:Error|Exception)\b.*$", text)
+            or _last(r"^[\w.]*(?:Error|Exception)\b.*$", text))
 
 
 def table(rows: list, device: str, torch_version: str, dry: bool) -> str:

@@ -83,3 +83,12 @@ def test_parsers_read_pytest_and_throughput_summaries():
               "mfu_ours": 0.258, "mfu_hf": 0.149, "ratio": 1.73}
     assert gpu.parse_throughput("table\n" + json.dumps(result), None) == (
         True, "ours 105300 tok/s (MFU 25.8%), HF 60900 tok/s (MFU 14.9%), ratio 1.73")
+
+
+def test_a_failed_step_is_named_by_its_error_line():
+    """The project's `error:` line when there is one, else the worker's exception, never torchrun's report."""
+    crash = ("[rank0]: Traceback (most recent call last):\n[rank0]: TypeError: bad thing\n"
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n")
+    assert gpu._error_line(crash) == "[rank0]: TypeError: bad thing"
+    assert gpu._error_line("error: train.dist.backend='mpi' is not allowed\n" + crash).startswith("error: train.dist")
+    assert gpu._error_line("all fine\n") is None
