@@ -66,6 +66,7 @@ from ..utils.distributed import barrier, broadcast_object, get_rank
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 from ..utils.files import atomic_write
+from . import gate_up
 from .vocab_rows import fit_vocab_rows, shape_refusal, vocab_padding_differs
 from .crc_writer import CrcFileSystemWriter, record_of, writer_threads
 
@@ -932,6 +933,11 @@ class Checkpointer:
         full = not weights_only and self.optimizer is not None
         part_states = self._part_states(with_optim=full)
         own = self._merged(part_states)["model"]
+        try:
+            meta = read_metadata(path)
+        except UsageError:
+            meta = {}  # check_checkpoint_shapes names the problem
+        own = gate_up.model_view(meta, own)  # a checkpoint from before gated MLPs fused gate and up
         check_checkpoint_shapes(path, own, self.aliases, all_keys=self._model_keys_read(own),
                                 vocab_ids=self.vocab_ids, model_config=self.model_config)
         trainer_state = read_trainer_state(path) if full else {}
@@ -940,6 +946,7 @@ class Checkpointer:
         for key in filled:
             state["optim"].pop(key)
         resized = self._stand_ins_for_vocab_rows(path, state)
+        halves = gate_up.stand_ins(meta, state)
         try:
             dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:
@@ -948,6 +955,7 @@ class Checkpointer:
             cause = cause[0] if isinstance(cause, tuple) else cause
             raise UsageError(f"checkpoint {path} cannot be loaded ({_describe(cause)}): it is corrupt; "
                              f"{_CORRUPT_FIX}") from e
+        gate_up.join_loaded(state, halves)
         for (section, key), target in resized.items():
             state[section][key] = fit_vocab_rows(state[section][key], target, self.vocab_ids, section == "model")
         for key, (target, source_key) in filled.items():

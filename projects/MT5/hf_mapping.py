@@ -7,9 +7,10 @@ Hugging Face's. Layouts that differ, each mapped explicitly:
   interleaved into our fused head-major ``query_key_value`` rows ``[heads, 3, d_kv]``;
   cross-attention ``k``, ``v`` into ``key_value`` rows ``[heads, 2, d_kv]`` (``q`` stays ``query``);
 * decoder block ``i`` is our ``decoder_layers.{L + i}`` (one layer index space for both stacks);
-* ``wi`` (ReLU) or ``wi_0`` / ``wi_1`` (gated-GELU) and ``wo`` are ``dense_h_to_4h`` /
-  ``dense_h_to_4h_linear`` and ``dense_4h_to_h``; the relative bias tables live in each stack's
-  first layer in both.
+* ``wi`` (ReLU) and ``wo`` are ``dense_h_to_4h`` and ``dense_4h_to_h``; gated-GELU's ``wi_0`` (activated)
+  and ``wi_1`` are joined into our gated ``dense_h_to_4h``, rows interleaved (``join_gate_up``; below
+  named by its up half's old key ``dense_h_to_4h_linear``); the relative bias tables live in each
+  stack's first layer in both.
 
 Which head: our ``tie_word_embeddings`` ties the LM head to the embedding AND scales the decoder
 output by ``d_model ** -0.5`` (T5 v1.0); untied means no scaling (T5 v1.1, mT5). Hugging Face
@@ -30,6 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
+from libai_lite.layers.mlp import LEGACY_UP, join_gate_up, split_gate_up
 from libai_lite.utils.errors import UsageError
 
 from .mt5_model import MT5Config, MT5ForPreTraining
@@ -184,8 +186,25 @@ def _mlp_names(cfg: MT5Config) -> list[tuple[str, str]]:
     return [("dense_h_to_4h", "wi"), ("dense_4h_to_h", "wo")]
 
 
+class _GateUp(tuple):
+    """Hugging Face's ``(gate key, up key)`` of our gated ``dense_h_to_4h`` (rows interleaved)."""
+
+
+def _mlp_pairs(cfg: MT5Config, ours: str, ffn: str):
+    names = dict(_mlp_names(cfg))
+    for our_name, hf_name in _mlp_names(cfg):
+        if our_name == LEGACY_UP and "dense_h_to_4h" in names:
+            continue  # joined into dense_h_to_4h
+        if our_name == "dense_h_to_4h" and LEGACY_UP in names:
+            hf_name = _GateUp((f"{ffn}{hf_name}.weight", f"{ffn}{names[LEGACY_UP]}.weight"))
+            yield f"{ours}mlp.{our_name}.weight", hf_name
+            continue
+        yield f"{ours}mlp.{our_name}.weight", f"{ffn}{hf_name}.weight"
+
+
 def _key_pairs(cfg: MT5Config):
-    """``(our key, Hugging Face key)`` of every tensor but the embedding and the head; a tuple of keys is fused."""
+    """``(our key, Hugging Face key)`` of every tensor but the embedding and the head; a tuple of keys is fused
+    (a ``_GateUp`` pair into a gated MLP's interleaved rows, any other into head-major attention rows)."""
     yield "encoder_final_layernorm.weight", "encoder.final_layer_norm.weight"
     yield "decoder_final_layernorm.weight", "decoder.final_layer_norm.weight"
     n = cfg.hidden_layers
@@ -208,8 +227,7 @@ def _key_pairs(cfg: MT5Config):
                 yield ours + "cross_attention.dense.weight", cross + "o.weight"
                 yield ours + "post_cross_attention_layernorm.weight", hf + "2.layer_norm.weight"
                 ffn = hf + "2.DenseReluDense."
-            for our_name, hf_name in _mlp_names(cfg):
-                yield f"{ours}mlp.{our_name}.weight", f"{ffn}{hf_name}.weight"
+            yield from _mlp_pairs(cfg, ours, ffn)
 
 
 def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any]) -> dict:
@@ -219,8 +237,12 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, A
     shared = src("shared.weight")
     out = {EMBEDDING_KEY: shared}
     for ours, theirs in _key_pairs(cfg):
-        fused = isinstance(theirs, tuple)
-        out[ours] = _fuse(cfg.num_attention_heads, cfg.head_size, *map(src, theirs)) if fused else src(theirs)
+        if isinstance(theirs, _GateUp):
+            out[ours] = join_gate_up(*map(src, theirs))
+        elif isinstance(theirs, tuple):
+            out[ours] = _fuse(cfg.num_attention_heads, cfg.head_size, *map(src, theirs))
+        else:
+            out[ours] = src(theirs)
     for key in _EMBED_COPIES:
         if key in sd:
             src(key)
@@ -243,7 +265,9 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
     src = StateDictSource(sd, "the MT5 model state dict")
     out = {"shared.weight": src(EMBEDDING_KEY)}
     for ours, theirs in _key_pairs(cfg):
-        if isinstance(theirs, tuple):
+        if isinstance(theirs, _GateUp):
+            out.update(zip(theirs, split_gate_up(src(ours))))
+        elif isinstance(theirs, tuple):
             out.update(zip(theirs, _unfuse(src(ours), cfg.num_attention_heads, cfg.head_size, len(theirs))))
         else:
             out[theirs] = src(ours)

@@ -253,10 +253,13 @@ def test_mlp_split_over_ranks_reproduces_full(activation, gated):
     total = 0
     for r in range(2):
         sl = slice(r * 32, (r + 1) * 32)
-        up = F.linear(x, mlp.dense_h_to_4h.weight[sl], mlp.dense_h_to_4h.bias[sl])
-        h = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}[activation](up)
+        # A gated MLP's gate and up rows are interleaved, so a rank's contiguous block holds both halves.
+        rows = slice(2 * r * 32, 2 * (r + 1) * 32) if gated else sl
+        up = F.linear(x, mlp.dense_h_to_4h.weight[rows], mlp.dense_h_to_4h.bias[rows])
         if gated:
-            h = h * F.linear(x, mlp.dense_h_to_4h_linear.weight[sl], mlp.dense_h_to_4h_linear.bias[sl])
+            gate, linear = up[..., 0::2], up[..., 1::2]
+        act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}[activation]
+        h = act(gate) * linear if gated else act(up)
         total = total + F.linear(h, mlp.dense_4h_to_h.weight[:, sl])
     torch.testing.assert_close(total + mlp.dense_4h_to_h.bias, full, atol=1e-5, rtol=1e-5)
 

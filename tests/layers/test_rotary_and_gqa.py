@@ -114,7 +114,7 @@ def test_llama_style_transformer_layer():
     layer = TransformerLayer(64, 96, 4, num_key_value_heads=2, bias=False, norm="rmsnorm", gated=True,
                              activation="silu", layer_idx=3, rope_theta=5e5, rope_scaling=LLAMA3)
     assert isinstance(layer.input_layernorm, RMSLayerNorm) and isinstance(layer.post_attention_layernorm, RMSLayerNorm)
-    assert layer.mlp.dense_h_to_4h_linear is not None and layer.mlp.dense_h_to_4h.bias is None
+    assert layer.mlp.gated and layer.mlp.dense_h_to_4h.weight.shape == (192, 64) and layer.mlp.dense_h_to_4h.bias is None
     assert layer.self_attention.num_key_value_heads == 2 and layer.layer_idx == 3
     x = torch.randn(2, 5, 64)
     assert layer.self_attention.rotary.scaling == LLAMA3

@@ -70,7 +70,8 @@ def test_config_keys_the_layers_do_not_count_name_the_parameter():
     # a config under other names (Hugging Face T5's d_ff) gets the split parameter named instead.
     model = TinyT5(ffn=250)
     msg = _refusal(dict(d_ff=250), 4, model)
-    assert msg.startswith("tensor_parallel_size=4 does not divide dim 0 of enc_mlp.dense_h_to_4h.weight: 250;")
+    assert msg.startswith("tensor_parallel_size=4 does not divide dim 0 of enc_mlp.dense_h_to_4h.weight: "
+                          "250 blocks of 2 (gate/up row pairs);")
     check_declared_splits(TinyT5(heads=4, head_size=64), 2)  # heads, not their 64-wide width, are split
 
 
@@ -119,7 +120,7 @@ def test_gpt_plan_with_sequence_parallel():
 def test_t5_plan_splits_bias_over_heads_and_gathers_encoder_states():
     plan = tensor_parallel_plan(TinyT5(), sequence_parallel=True)
     for name in ("enc_bias.relative_attention_bias", "dec_bias.relative_attention_bias",
-                 "cross_attn.query", "cross_attn.key_value", "enc_mlp.dense_h_to_4h_linear"):
+                 "cross_attn.query", "cross_attn.key_value", "enc_mlp.dense_h_to_4h"):
         assert isinstance(plan[name], ColwiseParallel), name
     assert plan["lm_head"].output_layouts == (Shard(-1),)  # untied, declared parallel="vocab"
     cross = plan["cross_attn"]

@@ -329,9 +329,9 @@ def test_structure_names_and_declared_intent():
     assert attn.softmax_scale == 1.0 and attn.attn_mask_type == "causal" and attn.query_key_value.bias is None
     assert model.encoder_layers["0"].self_attention.attn_mask_type == "padding"
     assert model.decoder_layers["3"].cross_attention.is_cross_attention
-    assert model.encoder_layers["0"].mlp.dense_h_to_4h_linear is not None  # gated for mT5
+    assert model.encoder_layers["0"].mlp.gated  # gate and up in one dense_h_to_4h for mT5
     t5 = MT5Model(tiny("t5"))
-    assert t5.encoder_layers["0"].mlp.dense_h_to_4h_linear is None and t5.encoder_layers["0"].mlp.activation == "relu"
+    assert not t5.encoder_layers["0"].mlp.gated and t5.encoder_layers["0"].mlp.activation == "relu"
     clone = copy.deepcopy(t5)
     assert clone.lm_head.weight is clone.embedding.weight
 

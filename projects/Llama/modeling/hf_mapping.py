@@ -5,8 +5,9 @@ State dicts here are ``LlamaModel``'s (the ``llama`` attribute of ``LlamaForPreT
 ``k_proj`` and ``v_proj`` apart; our fused ``query_key_value`` is laid out per key/value head,
 ``[kv_heads, group + 2, head_size]`` (the group's query heads, then its key and value: see
 ``MultiheadAttention``), so a tensor-parallel split hands each rank whole groups. RoPE uses HF's
-rotate-half convention, so q/k rows load unpermuted. ``mlp.gate_proj`` is our ``dense_h_to_4h`` (the
-activated one), ``up_proj`` ``dense_h_to_4h_linear``, ``down_proj`` ``dense_4h_to_h``.
+rotate-half convention, so q/k rows load unpermuted. ``mlp.gate_proj`` (the activated one) and
+``up_proj`` are joined into our gated ``dense_h_to_4h``, rows interleaved (``join_gate_up``), and split
+again on export; ``down_proj`` is ``dense_4h_to_h``.
 
 Mixtral's sparse blocks are our MoE layers (``model.cfg.moe``: every layer, top-2, no capacity limit):
 ``block_sparse_moe.gate`` (or transformers 5's ``mlp.gate``) is the router, and each expert's ``w1``
@@ -27,6 +28,7 @@ import torch
 
 from libai_lite.checkpoint.hf import HFTokenizer, StateDictSource, register_hf_model
 from libai_lite.checkpoint.hf_io import find_hf_tokenizer
+from libai_lite.layers.mlp import join_gate_up, split_gate_up
 from libai_lite.utils.errors import UsageError
 
 from .llama_model import LlamaForPreTraining, LlamaModel
@@ -205,9 +207,8 @@ def _split_qkv(t: torch.Tensor, heads: int, kv: int, head_size: int) -> tuple[to
 _LAYER_KEYS = (("input_layernorm.weight", "input_layernorm.weight"),
                ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
                ("self_attention.dense.weight", "self_attn.o_proj.weight"))
-# (ours, HF dense MLP, Hub Mixtral expert): the gate is the activated projection.
-_MLP_KEYS = (("dense_h_to_4h", "gate_proj", "w1"), ("dense_h_to_4h_linear", "up_proj", "w3"),
-             ("dense_4h_to_h", "down_proj", "w2"))
+# (HF dense MLP, Hub Mixtral expert) names of the gate, up and down projections; the gate is the activated one.
+_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
 
 def _experts(cfg: Mapping[str, Any]) -> int:
@@ -215,33 +216,42 @@ def _experts(cfg: Mapping[str, Any]) -> int:
     return int(moe["num_experts"]) if moe.get("enabled") else 0
 
 
+def _ours_mlp(q: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict:
+    return {f"{q}dense_h_to_4h.weight": join_gate_up(gate, up), f"{q}dense_4h_to_h.weight": down}
+
+
 def _mlp_from_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
     """One layer's feed-forward weights: a SwiGLU MLP, or Mixtral's router and experts in either layout."""
     if not experts:
-        return {f"{q}mlp.{ours}.weight": src(f"{p}mlp.{theirs}.weight") for ours, theirs, _ in _MLP_KEYS}
+        return _ours_mlp(f"{q}mlp.", *(src(f"{p}mlp.{names[0]}.weight") for names in (_GATE, _UP, _DOWN)))
     out = {}
     if f"{p}mlp.experts.gate_up_proj" in src.sd:  # transformers 5's fused layout
         out[f"{q}mlp.router.weight"] = src(f"{p}mlp.gate.weight")
         gate, up = src(f"{p}mlp.experts.gate_up_proj").chunk(2, dim=1)
         down = src(f"{p}mlp.experts.down_proj")
         for e in range(experts):
-            for ours, t in zip(("dense_h_to_4h", "dense_h_to_4h_linear", "dense_4h_to_h"), (gate, up, down)):
-                out[f"{q}mlp.experts.{e}.{ours}.weight"] = t[e]
+            out.update(_ours_mlp(f"{q}mlp.experts.{e}.", gate[e], up[e], down[e]))
         return out
     out[f"{q}mlp.router.weight"] = src(f"{p}block_sparse_moe.gate.weight")
     for e in range(experts):
-        for ours, _, hub in _MLP_KEYS:
-            out[f"{q}mlp.experts.{e}.{ours}.weight"] = src(f"{p}block_sparse_moe.experts.{e}.{hub}.weight")
+        hub = f"{p}block_sparse_moe.experts.{e}."
+        weights = (src(f"{hub}{names[1]}.weight") for names in (_GATE, _UP, _DOWN))
+        out.update(_ours_mlp(f"{q}mlp.experts.{e}.", *weights))
     return out
+
+
+def _theirs_mlp(src: StateDictSource, q: str, p: str, which: int) -> dict:
+    gate, up = split_gate_up(src(f"{q}dense_h_to_4h.weight"))
+    down = src(f"{q}dense_4h_to_h.weight")
+    return {f"{p}{names[which]}.weight": t for names, t in zip((_GATE, _UP, _DOWN), (gate, up, down))}
 
 
 def _mlp_to_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
     if not experts:
-        return {f"{p}mlp.{theirs}.weight": src(f"{q}mlp.{ours}.weight") for ours, theirs, _ in _MLP_KEYS}
+        return _theirs_mlp(src, f"{q}mlp.", f"{p}mlp.", 0)
     out = {f"{p}block_sparse_moe.gate.weight": src(f"{q}mlp.router.weight")}
     for e in range(experts):
-        for ours, _, hub in _MLP_KEYS:
-            out[f"{p}block_sparse_moe.experts.{e}.{hub}.weight"] = src(f"{q}mlp.experts.{e}.{ours}.weight")
+        out.update(_theirs_mlp(src, f"{q}mlp.experts.{e}.", f"{p}block_sparse_moe.experts.{e}.", 1))
     return out
 
 
