@@ -100,6 +100,7 @@ class Routing(NamedTuple):
     probs: torch.Tensor  # [T, E] fp32 router probabilities
     load: torch.Tensor  # [E] long: assignments per expert before capacity
     capacity: int  # assignments each expert accepts (T * k when unlimited)
+    position: torch.Tensor  # [T, k] long: each assignment's place in its expert's queue
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: Optional[float]) -> int:
@@ -119,13 +120,15 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float]) ->
     capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
     # Position of each assignment in its expert's queue, in priority order (choice-major).
     by_priority = expert_index.t().reshape(-1)
-    load = torch.bincount(by_priority, minlength=num_experts)
+    # Counted on the device (bincount sizes its output by the data: a host read on a GPU).
+    load = torch.zeros(num_experts, dtype=torch.long, device=logits.device).index_add_(
+        0, by_priority, torch.ones_like(by_priority))
     order = torch.argsort(by_priority, stable=True)
     starts = torch.cumsum(load, 0) - load
     position = torch.empty_like(by_priority)
     position[order] = torch.arange(by_priority.numel(), device=logits.device) - starts[by_priority[order]]
-    keep = (position < capacity).view(top_k, num_tokens).t()
-    return Routing(expert_index, gates, keep, probs, load, capacity)
+    position = position.view(top_k, num_tokens).t()
+    return Routing(expert_index, gates, position < capacity, probs, load, capacity, position)
 
 
 def load_balancing_loss(probs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
@@ -166,10 +169,16 @@ class Experts(nn.ModuleDict):
     expects a gradient for each.
     """
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th local expert."""
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int] | int) -> torch.Tensor:
+        """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th local expert (an int:
+        as many for each)."""
         pieces = tokens.split(tokens_per_expert, dim=0)
         return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)], dim=0)
+
+    def run_fixed(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Every expert on its ``capacity`` rows of ``slots`` (``[experts * capacity, hidden]``), through
+        ``forward`` so that FSDP's hooks on this module gather the experts around it."""
+        return self(slots, capacity)
 
 
 class _AuxLossInBackward(torch.autograd.Function):
@@ -244,27 +253,53 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor)
         aux_loss = load_balancing_loss(routing.probs, routing.load)
-        kept = routing.keep.reshape(-1).nonzero().squeeze(1)
-        flat_expert = routing.expert_index.reshape(-1)
-        # Kept assignments grouped by expert; within an expert, in token order.
-        order = kept[torch.argsort(flat_expert[kept], stable=True)]
-        token_of = order // self.top_k
-        tokens_per_expert = torch.bincount(flat_expert[order], minlength=self.num_experts)
-        dispatched = x.index_select(0, token_of)
-        expert_out = self.dispatch(self.experts, dispatched, tokens_per_expert)
-        gates = routing.gates.reshape(-1).index_select(0, order).to(expert_out.dtype)
-        weighted = (expert_out * gates.unsqueeze(1)).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, weighted)
+        if self.dispatch is _local_experts and self.capacity_factor is not None:
+            out = self._fixed_capacity(x, routing)
+        else:
+            out = self._variable(x, routing)
         assignments = routing.expert_index.numel()
         load = routing.load.float()
-        self.stats = {"assignments": assignments, "dropped": assignments - int(order.numel()),
-                      "load_max": float(load.max() / load.mean())}
+        # Tensors, read when the trainer logs (a float() here would stall the GPU every layer).
+        self.stats = {"assignments": assignments, "dropped": assignments - routing.keep.sum(),
+                      "load_max": (load.max() / load.mean()).detach()}
         out = out.view(shape)
         if not self.aux_loss_in_backward:
             self.aux_loss = aux_loss
         elif torch.is_grad_enabled():
             out = _AuxLossInBackward.apply(out, aux_loss, self, self.stats)
         return out
+
+    def _fixed_capacity(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts on ``[capacity, hidden]`` slots each (unused slots zero), with no host read: every
+        shape is known before the routing is. Kept assignment ``(t, j)`` fills slot ``position`` of its
+        expert; dropped ones go to one spare slot whose output is never read."""
+        num_experts, capacity, k = self.num_experts, routing.capacity, self.top_k
+        keep = routing.keep.reshape(-1)
+        flat_expert = routing.expert_index.reshape(-1)
+        slot = torch.where(keep, flat_expert * capacity + routing.position.reshape(-1), num_experts * capacity)
+        token_of = torch.arange(keep.numel(), device=x.device) // k
+        slots = x.new_zeros(num_experts * capacity + 1, x.shape[-1]).index_add_(0, slot, x.index_select(0, token_of))
+        expert_out = self.experts.run_fixed(slots[:-1], capacity)
+        expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])
+        gates = (routing.gates.reshape(-1) * keep).to(expert_out.dtype)
+        weighted = (expert_out.index_select(0, slot) * gates.unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, weighted)
+
+    def _variable(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts on exactly their kept tokens: sizes read back to the host (no capacity limit, or
+        expert parallelism, whose all-to-all takes host split sizes)."""
+        kept = routing.keep.reshape(-1).nonzero().squeeze(1)
+        flat_expert = routing.expert_index.reshape(-1)
+        # Kept assignments grouped by expert; within an expert, in token order.
+        order = kept[torch.argsort(flat_expert[kept], stable=True)]
+        token_of = order // self.top_k
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, flat_expert[order], torch.ones_like(order))
+        dispatched = x.index_select(0, token_of)
+        expert_out = self.dispatch(self.experts, dispatched, tokens_per_expert)
+        gates = routing.gates.reshape(-1).index_select(0, order).to(expert_out.dtype)
+        weighted = (expert_out * gates.unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, weighted)
 
     def extra_repr(self) -> str:
         cf = "none" if self.capacity_factor is None else f"{self.capacity_factor:g}"
@@ -297,11 +332,10 @@ def collect_moe_outputs(model: nn.Module) -> dict:
     aux = sum(m.aux_loss_weight * m.aux_loss for m in layers)
     assignments = sum(m.stats["assignments"] for m in layers)
     dropped = sum(m.stats["dropped"] for m in layers)
-    device = aux.device
     out = {
         "moe_aux_loss": aux,
-        "moe_dropped_frac": torch.tensor(dropped / max(assignments, 1), device=device),
-        "moe_load_max": torch.tensor(max(m.stats["load_max"] for m in layers), device=device),
+        "moe_dropped_frac": (dropped / max(assignments, 1)).float(),
+        "moe_load_max": torch.stack([m.stats["load_max"] for m in layers]).amax().float(),
     }
     for m in layers:
         # The graph behind the aux loss is released once the wrapper holds it.

@@ -188,7 +188,9 @@ class PipelineMoE:
                 sums[i, 0] += r["aux"].double()
                 sums[i, 1] += r["assignments"]
                 sums[i, 2] += r["dropped"]
-                load_max[i] = max(load_max[i], r["load_max"])
+                # Tensors, compared on the device: a host read here would stall every step.
+                load_max[i] = torch.maximum(load_max[i], torch.as_tensor(r["load_max"], dtype=load_max.dtype,
+                                                                          device=load_max.device))
             m.step_records = []
         if self.pp_group is not None:
             dist.all_reduce(sums, group=self.pp_group)

@@ -1,0 +1,102 @@
+"""An MoE layer's training step reads nothing back to the host (at expert-parallel size 1, with a capacity).
+
+Host reads are what stall a GPU's launch queue: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
+``bool()``), ``aten.nonzero``, boolean-mask ``aten.index``, ops that size their output by the data
+(``bincount``), and ``Tensor.tolist`` (no op on the CPU, so it is wrapped). Counted on the CPU with a
+``TorchDispatchMode`` over forward, the statistics the model reports, and backward.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
+
+aten = torch.ops.aten
+
+
+class HostReads(TorchDispatchMode):
+    """Counts host reads by op name while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func is aten._local_scalar_dense.default or name in ("nonzero", "bincount", "masked_select", "unique"):
+            self.reads[name] += 1
+        elif name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            self.reads[f"{name}[bool]"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        reads, tolist = self.reads, self._tolist
+
+        def counted(t, *a, **k):
+            reads["tolist"] += 1
+            return tolist(t, *a, **k)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def _step(layer, x):
+    out = layer(x)
+    stats = collect_moe_outputs(layer)
+    (out.square().mean() + stats["moe_aux_loss"]).backward()
+    return stats
+
+
+@pytest.mark.parametrize("top_k, gated", [(1, False), (2, True)])
+def test_moe_forward_and_backward_read_nothing_back(top_k, gated):
+    torch.manual_seed(0)
+    cfg = MoEConfig(enabled=True, num_experts=4, top_k=top_k, capacity_factor=1.0)
+    layer = MoELayer(cfg, hidden_size=16, ffn_hidden_size=32, activation="silu", gated=gated, bias=False)
+    x = torch.randn(2, 12, 16)
+    with HostReads() as counter:
+        stats = _step(layer, x)
+    assert dict(counter.reads) == {}
+    # The statistics are tensors, read when the trainer logs; the counter sees that read.
+    with HostReads() as counter:
+        float(stats["moe_dropped_frac"])
+    assert counter.reads["_local_scalar_dense"] == 1
+
+
+def test_the_counter_sees_the_reads_of_the_unlimited_capacity_path():
+    # Without a capacity the experts take exactly their tokens, whose counts the host must know:
+    # the counter is able to fail.
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(enabled=True, num_experts=4, capacity_factor=None), hidden_size=16,
+                     ffn_hidden_size=32, activation="gelu")
+    with HostReads() as counter:
+        _step(layer, torch.randn(2, 12, 16))
+    assert counter.reads["nonzero"] >= 1 and counter.reads["tolist"] >= 1
+
+
+def test_fixed_capacity_dispatch_equals_the_variable_one():
+    # The same routing run both ways: zero-padded fixed slots against exactly the kept tokens.
+    torch.manual_seed(0)
+    cfg = MoEConfig(enabled=True, num_experts=4, top_k=2, capacity_factor=0.75)
+    layer = MoELayer(cfg, hidden_size=16, ffn_hidden_size=32, activation="silu", gated=True, bias=True)
+    x = torch.randn(24, 16, requires_grad=True)
+    from libai_lite.layers.moe import route
+
+    routing = route(layer.router(x), layer.top_k, layer.capacity_factor)
+    assert not routing.keep.all()  # some assignments dropped: the spare slot is exercised
+    fixed = layer._fixed_capacity(x, routing)
+    variable = layer._variable(x, routing)
+    torch.testing.assert_close(fixed, variable)
+    g = torch.randn_like(fixed)
+    params = [x, *layer.experts.parameters()]
+    for a, b in zip(torch.autograd.grad(fixed, params, g, retain_graph=True), torch.autograd.grad(variable, params, g)):
+        torch.testing.assert_close(a, b)
