@@ -3,6 +3,10 @@
 
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 train.train_iter=100
     python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py train.train_iter=100
+    python tools/train_net.py --megatron-args "--num-layers 24 --hidden-size 1024 ..." [overrides]
+
+``--megatron-args`` takes a Megatron-LM pretrain_gpt.py command line (tools/from_megatron.py prints the
+config file it amounts to) in place of ``--config-file``.
 """
 import sys
 
@@ -15,7 +19,30 @@ from libai_lite.engine.launch import launch  # noqa: E402
 from libai_lite.config import default_argument_parser  # noqa: E402
 
 
+def _megatron_argv(argv: list) -> list:
+    """``argv`` with ``--megatron-args FLAGS`` replaced by the config file those flags amount to."""
+    import importlib.util
+    from pathlib import Path
+
+    i = argv.index("--megatron-args")
+    if i + 1 >= len(argv):
+        raise SystemExit("error: --megatron-args needs the Megatron flags as one quoted argument")
+    spec = importlib.util.spec_from_file_location("from_megatron", Path(__file__).with_name("from_megatron.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    try:
+        path, extra, notes = tool.write_config(argv[i + 1])
+    except tool.UsageError as e:
+        raise SystemExit(f"error: {e}") from None
+    if notes:
+        print("Megatron flags with no effect here: " + "; ".join(notes), file=sys.stderr)
+    return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:]
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--megatron-args" in argv:
+        argv = _megatron_argv(argv)
     args = default_argument_parser().parse_args(argv)
     return launch(args)
 

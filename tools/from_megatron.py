@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Print the config file and command that run a Megatron-LM ``pretrain_gpt.py`` command line here.
+
+    python tools/from_megatron.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
+        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8 \\
+        --lr 0.00015 --train-iters 500000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 \\
+        --clip-grad 1.0 --lr-warmup-fraction .01 --fp16 --split 949,50,1 --data-path my_gpt2_text_document \\
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --save ckpt --load ckpt
+    python tools/from_megatron.py --output my_run.py <flags>     # writes the config file instead
+
+Or run the flags directly: ``python tools/train_net.py --megatron-args "<flags>" [overrides]``. The flags
+apply to the GPT project's demo config (``projects/GPT/configs/gpt2_pretrain.py``); those with no effect
+here are named on stderr; an unknown one is refused with the nearest known flag.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+
+from libai_lite.config.megatron_args import render_config, translate_megatron_args
+from libai_lite.utils.errors import UsageError
+
+BASE_CONFIG = "projects.GPT.configs.gpt2_pretrain"
+
+
+def checkpoint_kind(path: str) -> str:
+    """What a ``--load`` directory holds: ``"megatron"`` (Megatron-LM's layout), ``"ours"`` or ``""``."""
+    if not os.path.isdir(path):
+        return ""
+    names = os.listdir(path)
+    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") or n == "release" for n in names):
+        return "megatron"
+    if "last_checkpoint" in names or ".metadata" in names or any(n.startswith("model_") for n in names):
+        return "ours"
+    return ""
+
+
+def prepare(flags: str):
+    """(config text, extra train_net arguments, no-effect notes, world size hint) for Megatron ``flags``."""
+    run = translate_megatron_args(flags, checkpoint_kind)
+    extra = ["--resume"] if run.resume else []
+    return render_config(run, BASE_CONFIG, flags), extra, run.no_effect, run.parallel_sizes
+
+
+def write_config(flags: str):
+    """Write the config for ``flags`` to a temporary file; (its path, extra train_net arguments, notes)."""
+    text, extra, notes, _ = prepare(flags)
+    fd, path = tempfile.mkstemp(prefix="megatron_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path, extra, notes
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    output = None
+    if argv[:1] == ["--output"]:
+        if len(argv) < 2:
+            print("error: --output needs a file name", file=sys.stderr)
+            return 1
+        output, argv = argv[1], argv[2:]
+    if not argv:
+        print("error: pass Megatron pretrain_gpt.py flags, e.g. --num-layers 24 --hidden-size 1024 ...",
+              file=sys.stderr)
+        return 1
+    flags = shlex.join(argv)
+    try:
+        text, extra, notes, sizes = prepare(flags)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if notes:
+        print("Megatron flags with no effect here: " + "; ".join(notes), file=sys.stderr)
+    config = output or "megatron_run.py"
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+    else:
+        print(f"# {config}\n{text}")
+    nproc = sizes.get("tp", 1) * sizes.get("pp", 1)
+    hint = f"{nproc} x your data-parallel size" if nproc > 1 else "your GPU count"
+    print(f"# run it ({hint} processes):\nbash tools/train.sh tools/train_net.py {config} NPROC {' '.join(extra)}"
+          .rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
