@@ -14,7 +14,7 @@ import torch
 from ..utils.distributed import (all_reduce_max, all_reduce_mean, all_reduce_sum, broadcast_object, get_rank,
                                  is_main_process)
 from ..utils.errors import UsageError, write_error
-from ..utils.events import format_bytes, format_eta
+from ..utils.events import format_bytes, format_eta, read_scalars
 from ..utils.process import defer_stop_signals, fail_at_step_boundary, pending_failure, stop_requested
 from .trainer import HookBase, StopTraining
 
@@ -82,6 +82,8 @@ class PeriodicCheckpointer(HookBase):
 
     def save(self, name: str, blocking: bool = False) -> None:
         """Save checkpoint ``name`` (in the background with async_save, unless ``blocking``)."""
+        # A save reads the device anyway: the steps' skip decisions first, so no diverged state is saved.
+        self.trainer.check_skipped()
         t = time.perf_counter()
         path = self.checkpointer.save(name, self.trainer_state_fn(), blocking=blocking or self._ending)
         if self.checkpointer.in_flight == name:
@@ -228,7 +230,8 @@ class PeriodicWriter(HookBase):
 
     The log line shows this rank's means over the interval since the last log; `metrics.json`
     holds the logged step's values, the model's outputs reduced over data-parallel ranks as it
-    declares (`metrics`, its `output_metrics()`).
+    declares (`metrics`, its `output_metrics()`). Device values in the window are read back here,
+    once per log line, never on the steps between.
     """
 
     def __init__(self, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
@@ -304,7 +307,7 @@ class PeriodicWriter(HookBase):
         """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
         valid = {k: v for k, v in self.trainer.storage.latest().items() if k.startswith("valid/")}
         if self.main and valid:
-            self._record(iteration, valid)
+            self._record(iteration, read_scalars([valid])[0])
 
     def after_step(self):
         self._window.append(self.trainer.storage.latest())
@@ -317,8 +320,11 @@ class PeriodicWriter(HookBase):
             self._record_valid(it + 1)
 
     def _write(self):
-        latest = self.trainer.storage.latest()
-        window, self._window = self._window, []
+        # The one read of the interval's device values (losses, metrics, norms; EventStorage keeps
+        # them on the device), after the trainer's own read of its skip decisions.
+        self.trainer.check_skipped()
+        latest, *window = read_scalars([self.trainer.storage.latest(), *self._window])
+        self._window = []
         keys = ["total_loss"] + [k for k in self.metrics if k in latest]
         raw = {**latest, **self._reduce_over_dp({k: latest[k] for k in keys})}
         if not self.main:

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..optim.container import optimizer_parts
 from ..utils.distributed import set_activity
 from ..utils.events import EventStorage
 
@@ -88,6 +89,10 @@ class TrainerBase:
     def run_step(self) -> None:
         raise NotImplementedError
 
+    def check_skipped(self) -> None:
+        """Read back what the steps since the last call decided on the device (hooks call it at the
+        log period and before a checkpoint); a trainer that decides nothing there has nothing to do."""
+
 
 class Trainer(TrainerBase):
     """One optimizer step over ``num_accumulation_steps`` micro-batches, with AMP and gradient clipping.
@@ -116,6 +121,11 @@ class Trainer(TrainerBase):
         # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
         self.max_skipped_nonfinite = int(max_skipped_nonfinite or 0)
         self.skipped_nonfinite = 0
+        # Steps whose skip was decided on the device and not yet read back: (iteration, tensors).
+        self._pending: list[tuple[int, dict]] = []
+        # Fused Adam/AdamW/SGD skip a step on the device when given `found_inf` (as GradScaler does).
+        parts = optimizer_parts(optimizer)
+        self._skips_on_device = bool(parts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in parts)
 
     def autocast(self):
         """The autocast context for this run's precision (a no-op in fp32)."""
@@ -166,29 +176,71 @@ class Trainer(TrainerBase):
         combine = {"mean": torch.mean, "sum": torch.sum, "max": torch.max}
         return {k: combine[self.metrics[k].reduce](torch.stack(v)) for k, v in seen.items()}
 
-    def clip_gradients(self) -> float:
-        """Clip to ``optim.params.clip_grad_max_norm`` (inf only measures); returns the global gradient norm."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip to ``optim.params.clip_grad_max_norm`` (inf only measures); returns the global gradient norm,
+        a 0-d device tensor."""
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm_(*self.clip_grad)
         from ..parallel.clip_grad import clip_grad_norm_
 
         return clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], *self.clip_grad)
 
-    def _skip_nonfinite(self, total_loss: float, scalars: dict) -> None:
-        """Skip a step whose loss is NaN/inf while train.max_skipped_nonfinite allows; else stop the run."""
-        if self.skipped_nonfinite >= self.max_skipped_nonfinite:
-            raise FloatingPointError(
-                f"loss is {total_loss} at iteration {self.iter}: training diverged; lower optim.lr, raise "
-                f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from the "
-                f"last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
+    def check_skipped(self) -> None:
+        """Read the skip decisions of the steps since the last call (one read), count them, move the
+        schedule back over them and warn; past train.max_skipped_nonfinite (or an fp32/bf16 loss that
+        is NaN/inf with none allowed), raise the error that stops the run."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        from ..utils.events import read_scalars
+
+        skipped = [(it, v) for it, v in zip([it for it, _ in pending], read_scalars([v for _, v in pending]))
+                   if v["skipped"]]
+        if not skipped:
+            return
+        for it, v in skipped:
+            if "scale_before" in v:
+                logger.warning(f"fp16 overflow at iteration {it}: step skipped, loss scale "
+                               f"{v['scale_before']:g} -> {v['loss_scale']:g}")
+                continue
+            what = f"loss is {v['total_loss']}" if not math.isfinite(v["total_loss"]) else \
+                f"gradient norm is {v['grad_norm']}"
+            if self.skipped_nonfinite >= self.max_skipped_nonfinite:
+                raise FloatingPointError(
+                    f"{what} at iteration {it}: training diverged; lower optim.lr, raise "
+                    f"train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then --resume from "
+                    f"the last checkpoint (or allow skipping with train.max_skipped_nonfinite=N)"
+                )
+            self.skipped_nonfinite += 1
+            logger.warning(
+                f"{what} at iteration {it}: batch skipped without an optimizer step "
+                f"({self.skipped_nonfinite}/{self.max_skipped_nonfinite} allowed by train.max_skipped_nonfinite)"
             )
-        self.skipped_nonfinite += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        logger.warning(
-            f"loss is {total_loss} at iteration {self.iter}: batch skipped without an optimizer step "
-            f"({self.skipped_nonfinite}/{self.max_skipped_nonfinite} allowed by train.max_skipped_nonfinite)"
-        )
-        self.storage.put_scalars(**scalars, grad_norm=float("nan"), skipped=1.0)
+        self._rewind_schedule(len(skipped))
+        if skipped[-1][0] == self.storage.iter:
+            self._mark_skipped_row()
+
+    def _mark_skipped_row(self) -> None:
+        # The row logged for a skipped step says so, as when the skip was decided on the host.
+        self.storage.put_scalars(skipped=1.0, **({} if self.grad_scaler else {"grad_norm": float("nan")}))
+
+    def _rewind_schedule(self, steps: int) -> None:
+        # As in Megatron, a skipped step does not advance the schedule. Each step advanced it without
+        # waiting for the device's decision; the schedules are pure functions of the iteration, so
+        # stepping back lands on the lr of a run that never advanced over the skipped steps.
+        self.scheduler.last_epoch -= steps + 1
+        self.scheduler.step()
+
+    def _optimizer_step(self, found_inf: torch.Tensor) -> None:
+        """One optimizer step that the optimizer itself skips where ``found_inf`` is 1 (no host read)."""
+        parts = optimizer_parts(self.optimizer)
+        for o in parts:
+            o.found_inf = found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            for o in parts:
+                del o.found_inf
 
     def run_step(self) -> None:
         start = time.perf_counter()
@@ -199,30 +251,40 @@ class Trainer(TrainerBase):
         scalars["data_time"] = time.perf_counter() - start
         set_activity("forward/backward (gradient reduction)", self.iter)
         totals = self.forward_backward(batches)
-        scalars.update({k: float(v) for k, v in totals.items()})
-        losses = [v for k, v in totals.items() if k in self.metrics and self.metrics[k].backward]
-        scalars["total_loss"] = float(sum(losses))
-        # fp16 runs leave a non-finite loss to the loss scaler, which skips overflowed steps itself.
-        if not math.isfinite(scalars["total_loss"]) and self.grad_scaler is None:
-            return self._skip_nonfinite(scalars["total_loss"], dict(scalars, time=time.perf_counter() - start))
+        # Values stay on the device: the log period reads them (EventStorage, read_scalars).
+        scalars.update(totals)
+        total_loss = sum(v for k, v in totals.items() if k in self.metrics and self.metrics[k].backward)
+        scalars["total_loss"] = total_loss
         set_activity("gradient clipping and optimizer step", self.iter)
-        scaler, skipped = self.grad_scaler, False
+        scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        scalars["grad_norm"] = float(self.clip_gradients())
+        scalars["grad_norm"] = grad_norm = self.clip_gradients()
         if scaler is not None:
-            scale_before = scaler.get_scale()
+            # A step whose gradients overflowed lowers the scale: both scales are read at the log period.
+            scale_before = scaler._get_scale_async().clone()
             scaler.step(self.optimizer)
             scaler.update()
-            skipped = scaler.get_scale() < scale_before
-            if skipped:
-                logger.warning(f"fp16 overflow at iteration {self.iter}: step skipped, loss scale "
-                               f"{scale_before:g} -> {scaler.get_scale():g}")
-            scalars.update(loss_scale=scaler.get_scale(), skipped=float(skipped))
+            scale = scaler._get_scale_async().clone()
+            skipped = (scale < scale_before).float()
+            scalars.update(loss_scale=scale, skipped=skipped)
+            self._pending.append((self.iter, {"skipped": skipped, "scale_before": scale_before, "loss_scale": scale}))
         else:
-            self.optimizer.step()
+            # fp32/bf16: a NaN/inf loss or gradient norm skips the step, decided on the device.
+            finite = torch.isfinite(total_loss.to(grad_norm.device)) & torch.isfinite(grad_norm)
+            found_inf = (~finite).float()
+            self._pending.append((self.iter, {"skipped": found_inf, "total_loss": total_loss, "grad_norm": grad_norm}))
+            if self._skips_on_device:
+                self._optimizer_step(found_inf)
+            else:
+                # This optimizer cannot skip on the device: decide now, with one read, before it steps.
+                taken = self.skipped_nonfinite
+                self.check_skipped()
+                skipped_now = self.skipped_nonfinite > taken
+                if not skipped_now:
+                    self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # As in Megatron, a skipped step does not advance the schedule.
-        if not skipped:
-            self.scheduler.step()
+        self.scheduler.step()
         self.storage.put_scalars(**scalars, time=time.perf_counter() - start)
+        if scaler is None and not self._skips_on_device and skipped_now:
+            self._mark_skipped_row()

@@ -54,10 +54,14 @@ def clip_grad_norm_(
     pp_group=None,
     exclude_from_norm: Iterable[torch.Tensor] = (),
     error_if_nonfinite: bool = False,
-) -> float:
+) -> torch.Tensor:
     """Clip the gradients' global norm to ``max_norm`` (inf: only measure); returns the norm before clipping,
-    the same on every rank. ``pp_group``: the pipeline group when ranks hold other stages;
-    ``exclude_from_norm``: gradients scaled but not counted (a tied weight's second copy)."""
+    a 0-d fp32 tensor, the same on every rank. ``pp_group``: the pipeline group when ranks hold other stages;
+    ``exclude_from_norm``: gradients scaled but not counted (a tied weight's second copy).
+
+    Nothing is read back to the host (unless ``error_if_nonfinite``): as in torch's own
+    ``clip_grad_norm_``, the coefficient ``min(max_norm / (norm + 1e-6), 1)`` stays a device tensor.
+    """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
@@ -75,10 +79,9 @@ def clip_grad_norm_(
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
     if not inf:
         total = total.pow(1.0 / norm_type)
-    total_norm = float(total)
-    if error_if_nonfinite and not math.isfinite(total_norm):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total_norm}")
-    coef = float(max_norm) / (total_norm + 1e-6)
-    if coef < 1.0 and params:
-        scale_grads_(params, coef)
-    return total_norm
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}")
+    # An infinite max_norm only measures: multiplying every gradient by 1 would be a wasted pass.
+    if params and not math.isinf(max_norm):
+        scale_grads_(params, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total

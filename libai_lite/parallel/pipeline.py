@@ -205,7 +205,7 @@ class PipelineStepper:
 
     def step(self, input_ids, labels: torch.Tensor | None, grad_scaler=None,
              kwargs: dict | None = None) -> torch.Tensor:
-        """Forward + backward of one step; returns the mean micro-batch loss (0-d float64) on every rank.
+        """Forward + backward of one step; returns the mean micro-batch loss (0-d float64, on the device) on every rank.
 
         ``input_ids``: the first stage's input (a tensor or tuple of tensors); ``kwargs`` (masks) reach
         every stage. With ``grad_scaler`` (fp16) each micro-batch loss is scaled before its backward.
@@ -218,26 +218,30 @@ class PipelineStepper:
             # Only the last stage's rank scales a loss, and a GradScaler allocates its scale on the
             # first scale(): without this the other ranks' unscale_() finds none.
             grad_scaler.scale(torch.zeros((), device=self.device))
-        loss_scale = float(grad_scaler.get_scale()) if grad_scaler is not None else 1.0
-        # The auxiliary losses' gradients scaled like the main loss's: loss scale / micro-batches.
-        self._moe.begin_step(loss_scale / self.n_microbatches)
+        # The scale stays a device tensor; only MoE layers, which take it as a number, read it.
+        scale = grad_scaler._get_scale_async() if grad_scaler is not None else None
+        if self._moe.enabled:
+            # The auxiliary losses' gradients scaled like the main loss's: loss scale / micro-batches.
+            self._moe.begin_step((float(scale) if scale is not None else 1.0) / self.n_microbatches)
         try:
             self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), input_ids, labels, kwargs)
         finally:
             self._grad_scaler = None
         sync_tied_weight_grads(self.stage_modules, self.tied_group)
         self.step_metrics = self._moe.step_metrics()
-        values = [0.0] * (1 + len(self.metric_names))
+        values = torch.zeros(1 + len(self.metric_names), dtype=torch.float64, device=self.device)
         if self.is_last:
+            loss = torch.stack([l.detach().float() for l in self._losses]).sum()
             # Scaling by the loss scale (a power of two) is exact, so dividing it out is too.
-            values[0] = float(torch.stack([l.detach().float() for l in self._losses]).sum()) / loss_scale
+            values[0] = loss if scale is None else loss / scale
             if self.metric_names:
                 # The last n: on its first step torch also calls the loss on placeholder outputs.
-                values[1:] = torch.stack(self._metric_records[-self.n_microbatches:]).mean(0).tolist()
-        values = self._broadcast_from_last(values)
-        self.step_metrics.update(
-            {k: torch.tensor(v, dtype=torch.float32) for k, v in zip(self.metric_names, values[1:])})
-        return torch.tensor(values[0], dtype=torch.float64)
+                values[1:] = torch.stack(self._metric_records[-self.n_microbatches:]).mean(0)
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(values, src=self._last_rank, group=self.pp_group)
+        # Device tensors, nothing read back: the trainer's log period reads them.
+        self.step_metrics.update({k: values[i + 1].float() for i, k in enumerate(self.metric_names)})
+        return values[0]
 
     @torch.no_grad()
     def eval_step(self, input_ids, labels: torch.Tensor | None, kwargs: dict | None = None) -> dict:
@@ -265,7 +269,7 @@ class PipelineStepper:
             "num_tokens": torch.tensor(tokens, dtype=torch.float64),
         }
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The one clipper over this rank's stages and the pipeline group, the tied weight counted once."""
         from .clip_grad import clip_grad_norm_
 

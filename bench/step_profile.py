@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Host reads and ATen calls per training step of our model, the optimizer's own step counted apart.
+
+``bench/step_ops.py`` counts every host read of a step; on the CPU, torch's fused AdamW reads each
+parameter's step counter inside its kernel (``aten::_local_scalar_dense`` under ``Optimizer.step``),
+which its CUDA kernel does on the device. This script profiles ``--steps`` steps of
+``Trainer.run_step`` (after ``--warmup`` untimed ones, the model a ``bench/throughput_models.py``
+family, as ``bench/train_throughput.py`` steps it) and reports per step:
+
+* ``host_reads``: ``aten::_local_scalar_dense`` (``float(t)``, ``.item()``, ``bool(t)``), ``aten::nonzero``
+  (boolean indexing) and ``aten::equal`` outside the optimizer's step, each a GPU stall;
+* ``optimizer_host_reads``: the same inside ``Optimizer.step`` (CPU kernels only);
+* ``aten_calls`` / ``top_level_aten_calls``: every ``aten::`` event, and those with no ``aten::``
+  caller (roughly the launches a GPU sees; a composite op is one however many kernels it runs).
+
+    python bench/step_profile.py --model gpt --size demo
+
+The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import torch
+
+from throughput_models import FAMILIES
+from train_throughput import OursStepper, make_batches
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal")
+
+
+def _ancestors(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def count_steps(stepper, steps: int) -> dict:
+    """Profile ``steps`` calls of ``stepper.step()``; the per-step counts described in the module docstring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            stepper.step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in aten if not any(p.name.startswith("aten::") for p in _ancestors(e))]
+    reads, in_optimizer = collections.Counter(), collections.Counter()
+    for e in aten:
+        if e.name in HOST_READS:
+            inside = any(p.name.startswith("Optimizer.step") for p in _ancestors(e))
+            (in_optimizer if inside else reads)[e.name] += 1
+    return {"host_reads": sum(reads.values()) / steps, "host_reads_by_op": {k: v / steps for k, v in reads.items()},
+            "optimizer_host_reads": sum(in_optimizer.values()) / steps, "aten_calls": len(aten) / steps,
+            "top_level_aten_calls": len(top) / steps}
+
+
+def main(argv=None) -> dict:
+    """Parse the options, build and step the model, print and return the counts."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(FAMILIES), default="gpt")
+    p.add_argument("--size", default="demo")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled ones")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (the counts are per step)")
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    family = FAMILIES[args.model]
+    if args.size not in family.sizes:
+        p.error(f"--size {args.size} is not a {args.model} size; {args.model} has {', '.join(family.sizes)}")
+    args.family, args.shape = family, dict(family.sizes[args.size])
+    args.micro_batch = args.shape["micro_batch"]
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = family.build_ours(args.shape, device)
+    stepper = OursStepper(model, make_batches(args, device), device, None)
+    for _ in range(args.warmup):
+        stepper.step()
+    result = {"benchmark": "step_profile", "model": args.model, "size": args.size, **count_steps(stepper, args.steps),
+              "torch": torch.__version__}
+    print(f"{family.label} {args.size}, per training step: {result['host_reads']:g} host reads "
+          f"{result['host_reads_by_op']} (+{result['optimizer_host_reads']:g} inside the optimizer's CPU kernel), "
+          f"{result['aten_calls']:g} ATen calls, {result['top_level_aten_calls']:g} top-level")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""A training step reads nothing back from the device: every read (``float(t)``, ``.item()``, a boolean
+mask) stalls a GPU's launch queue. Counted on the CPU with a ``TorchDispatchMode``
+(tests/workers/host_read_worker.py) in the real trainer with its hooks, for one process and under
+tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed number of batches."""
+import json
+
+import pytest
+
+from tests.launch import tiny, torchrun
+
+STEPS, LOG_PERIOD = 6, 3
+LAYOUTS = {
+    "one_process": (1, []),
+    "tp2": (2, ["train.dist.tensor_parallel_size=2"]),
+    "pp2": (2, ["train.dist.pipeline_parallel_size=2"]),
+    "zero3": (2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"]),
+}
+
+
+def _run(tmp_path, nproc: int, extra: list[str]) -> list[dict]:
+    out = tmp_path / "reads"
+    args = tiny(tmp_path / "run", tmp_path / "cache", f"train.train_iter={STEPS}", f"train.log_period={LOG_PERIOD}",
+                "train.evaluation.enabled=False", "train.checkpointer.period=1000", *extra)
+    torchrun(nproc, "tests/workers/host_read_worker.py", out, *args)
+    return [json.loads((tmp_path / f"reads.rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_no_host_reads_in_a_training_step(tmp_path, layout):
+    nproc, extra = LAYOUTS[layout]
+    for rank, record in enumerate(_run(tmp_path, nproc, extra)):
+        assert sorted(map(int, record["steps"])) == list(range(STEPS))
+        for it, reads in record["steps"].items():
+            if layout == "pp2" and it == "0":
+                # torch's pipelining infers the stages' shapes on its first step, once (a few reads).
+                continue
+            assert reads == [], f"rank {rank}, iteration {it}: {len(reads)} host reads in run_step: {reads}"
+        # Between log lines the hooks read nothing either; a log line reads the trainer's skip
+        # decisions and then the interval's values, one batch each (the rest is the dp reduction's).
+        for it, hooks in record["hooks"].items():
+            logging = (int(it) + 1) % LOG_PERIOD == 0
+            if not logging:
+                # Over several ranks the stop-signal agreement (SignalCheckpointer) all-reduces a flag
+                # every step; with gloo that is a host tensor's tolist, no device read.
+                assert hooks == {"reads": [], "tolist": int(nproc > 1)}, \
+                    f"rank {rank}, iteration {it} (no log line): {hooks}"
+            else:
+                # Two batched reads, plus over several ranks the dp reduction's and the signal agreement's.
+                assert hooks["reads"] == [] and hooks["tolist"] <= 2 + 2 * (nproc > 1), \
+                    f"rank {rank}, iteration {it}: {hooks}"
+                if layout == "one_process":
+                    assert hooks == {"reads": [], "tolist": 2}, f"rank {rank}, iteration {it}: {hooks}"
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device_and_counted_at_the_log_period():
+    """fp32 with fused AdamW: a NaN/inf step leaves the parameters, the optimizer state and (once read)
+    the schedule as they were, without a read in the step; the read at the log period counts it and
+    raises past train.max_skipped_nonfinite."""
+    import torch
+
+    from libai_lite.engine.trainer import Trainer
+    from libai_lite.model import LOSS
+    from libai_lite.utils.events import EventStorage
+    from tests.workers.host_read_worker import HostReadCounter
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return {"loss": (self.w * x).sum()}
+
+    xs = [1.0, float("nan"), 2.0, float("inf")]
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+    trainer = Trainer(model, [{"x": torch.full((2,), x)} for x in xs], opt, sched, metrics={"loss": LOSS},
+                      max_skipped_nonfinite=1)
+    trainer.storage, counter, weights = EventStorage(), HostReadCounter(), []
+    for i in range(3):
+        trainer.iter = i
+        trainer.storage.begin(i)
+        with counter:
+            trainer.run_step()
+        weights.append(model.w.detach().clone())
+    assert counter.reads == []
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=0)  # the NaN step changed nothing
+    assert not torch.equal(weights[2], weights[1])
+    assert int(opt.state[model.w]["step"]) == 2
+    # Not read yet: the schedule advanced over the skipped step, and nothing was counted.
+    assert trainer.skipped_nonfinite == 0 and sched.last_epoch == 3
+    trainer.check_skipped()
+    # Counted, and the schedule moved back: two steps taken, the lr of iteration 2.
+    assert trainer.skipped_nonfinite == 1 and sched.last_epoch == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
+    trainer.iter = 3
+    trainer.storage.begin(3)
+    trainer.run_step()  # decided on the device: nothing raised here
+    with pytest.raises(FloatingPointError, match="loss is inf at iteration 3: training diverged"):
+        trainer.check_skipped()
+    torch.testing.assert_close(model.w.detach(), weights[2], rtol=0, atol=0)
