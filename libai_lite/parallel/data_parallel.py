@@ -15,6 +15,7 @@ and accumulate gradients inside ``no_sync_context``.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -29,6 +30,9 @@ from torch.optim import Optimizer
 
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
+
+logger = logging.getLogger("libai_lite")
+
 
 def validate_zero_config(zero_stage: int | None, offload: bool = False, param_dtype: torch.dtype | None = None) -> int:
     """The ZeRO stage as an int (None means 0); UsageError for a stage or combination that does not exist."""
@@ -109,7 +113,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
     Stage 0/1 return a ``DistributedDataParallel`` wrapper (or, for DTensor parameters, a pipeline
     stage or experts on ``expert_mesh``, the model under FSDP2 ``replicate``), or the model itself at
     dp=1; stage 1 also needs ``build_zero1_optimizer``. Stage 2/3 shard in place with FSDP2 (even at
-    dp=1, so offload and mixed precision still apply). Apply tensor parallelism and activation
+    dp=1 with ``offload``, which needs FSDP's parameter movement; at dp=1 without it there is nothing to
+    shard, so the model runs plain, autocast doing the mixed precision). Apply tensor parallelism and activation
     checkpointing first. ``expert_mesh``: the expert-data-parallel mesh of
     ``expert_parallel.apply_expert_parallel``, over which experts are reduced instead of ``dp_mesh``.
     """
@@ -124,6 +129,13 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
         if dp_size == 1:
             return model
         return apply_replicate(model, dp_mesh) if dtensor_params or pipeline else apply_ddp(model, dp_mesh)
+    if dp_size == 1 and not offload:
+        # FSDP over a group of one only adds per-layer gather/free work and parameter casts; the plain
+        # model's state dict reads and writes the same checkpoints (DCP's get_state_dict), so a run
+        # can resume under FSDP at dp > 1 and back.
+        logger.info(f"ZeRO stage {stage} at data-parallel size 1 without offload: nothing to shard, training the "
+                    f"plain model (no FSDP)")
+        return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
     # Pinned host memory needs an accelerator; on a CPU-only build pinning raises.
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
