@@ -6,6 +6,7 @@ unpermuted. ``scaling`` is a ``config.json`` ``rope_scaling`` dict; ``{"rope_typ
 "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}`` is Llama 3.1's frequency scaling.
 """
 import math
+import weakref
 from typing import Mapping, Optional, Tuple
 
 import torch
@@ -41,10 +42,56 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class _LastAngles:
+    """The last ``(cos, sin)`` any ``RotaryEmbedding`` computed, with ``sin``'s first half negated.
+
+    Every layer of a model rotates by the same angles (the same ``position_ids`` tensor, frequencies and
+    dtype), so one forward computes them once and the other layers reuse them; a new ``position_ids``
+    tensor (the next step's) or other settings compute again. Kept by identity, never by value (a
+    comparison of values would read the device). Compiled code computes its own (fused there).
+    """
+
+    def __init__(self):
+        self.key = None
+        self.positions = None  # a weak reference: the cache never keeps a step's tensors alive
+        self.cos = self.sin = self.signed_sin = None
+
+    def get(self, position_ids: torch.Tensor, key: tuple):
+        if self.key == key and self.positions is not None and self.positions() is position_ids:
+            return self.cos, self.sin
+        return None
+
+    def put(self, position_ids: torch.Tensor, key: tuple, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.key, self.positions = key, weakref.ref(position_ids)
+        self.cos, self.sin, self.signed_sin = cos, sin, _signed(sin)
+
+    def signed(self, sin: torch.Tensor) -> torch.Tensor:
+        if _compiling():
+            return _signed(sin)
+        return self.signed_sin if sin is self.sin else _signed(sin)
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``[s, s] -> [-s, s]``: ``rotate_half(x) * sin == x.roll(half) * _signed(sin)``, exactly."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+_ANGLES = _LastAngles()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, heads, seq, head_size]`` by ``cos``/``sin`` ``[batch or 1, seq, head_size]``."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    """Rotate ``x`` ``[batch, heads, seq, head_size]`` by ``cos``/``sin`` ``[batch or 1, seq, head_size]``.
+
+    ``x * cos + rotate_half(x) * sin`` as one roll, two products and a sum (the negation folded into
+    ``sin`` once per step): four kernels instead of five, bit for bit the same result.
+    """
+    cos, sin = cos.unsqueeze(1), _ANGLES.signed(sin).unsqueeze(1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,7 +100,8 @@ class RotaryEmbedding(nn.Module):
     It holds no parameters or buffers (the frequencies are recomputed, a few hundred numbers), so a
     meta-device build needs no re-initialisation, checkpoints do not hold it, and every pipeline
     stage keeps it (no ``layer_idx``). The angles are computed in fp32 whatever the autocast dtype,
-    then cast, as transformers does: positions in the thousands need fp32 to stay exact.
+    then cast, as transformers does: positions in the thousands need fp32 to stay exact. Layers
+    handed the same ``position_ids`` tensor share one computation (see ``_LastAngles``).
     """
 
     def __init__(self, head_size: int, theta: float = 10000.0, scaling: Optional[Mapping] = None):
@@ -64,9 +112,21 @@ class RotaryEmbedding(nn.Module):
         self.theta = float(theta)
         self.scaling = dict(scaling) if scaling else None
         rope_inv_freq(head_size, self.theta, self.scaling)  # refuse a bad scaling at construction
+        self._key = (head_size, self.theta, repr(sorted((self.scaling or {}).items())))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, ...]:
         """``position_ids`` ``[batch, seq]`` (or ``[seq]``) -> ``(cos, sin)`` in ``dtype``."""
+        compiling = _compiling()
+        key = (*self._key, dtype, position_ids._version) if not compiling else None
+        cached = None if compiling else _ANGLES.get(position_ids, key)
+        if cached is not None:
+            return cached
+        cos, sin = self._angles(position_ids, dtype)
+        if not compiling:
+            _ANGLES.put(position_ids, key, cos, sin)
+        return cos, sin
+
+    def _angles(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         inv_freq = rope_inv_freq(self.head_size, self.theta, self.scaling, device=position_ids.device)

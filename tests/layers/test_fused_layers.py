@@ -201,3 +201,60 @@ def test_an_old_state_dict_loads_through_load_state_dict():
     new.load_state_dict(old.state_dict())
     x = torch.randn(3, 16)
     torch.testing.assert_close(new(x), old(x))
+
+
+# ---------------------------------------------------------------- rotary: once per step, one cheaper apply
+
+
+def test_rotary_apply_is_bit_for_bit_the_rotate_half_formula():
+    from libai_lite.layers.rotary import RotaryEmbedding, apply_rotary, rotate_half
+
+    cos, sin = RotaryEmbedding(32, 5e5)(torch.tensor([[0, 3, 9, 700]]))
+    x = torch.randn(2, 3, 4, 32)
+    want = x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    assert torch.equal(apply_rotary(x, cos, sin), want)
+    # A sin the cache never saw (a caller's own) gives the same.
+    assert torch.equal(apply_rotary(x, cos, sin.clone()), want)
+
+
+def test_rotary_angles_are_computed_once_per_positions_tensor(monkeypatch):
+    from libai_lite.layers.rotary import RotaryEmbedding
+
+    calls = []
+    angles = RotaryEmbedding._angles
+    monkeypatch.setattr(RotaryEmbedding, "_angles", lambda self, *a: calls.append(1) or angles(self, *a))
+    layers = [RotaryEmbedding(16) for _ in range(3)]
+    pos = torch.arange(6)[None]
+    first = [r(pos) for r in layers]
+    assert len(calls) == 1 and all(c[0] is first[0][0] for c in first)
+    # Another step's positions, another dtype or other frequencies compute again.
+    layers[0](torch.arange(6)[None])
+    layers[0](pos, torch.bfloat16)
+    RotaryEmbedding(16, theta=500.0)(pos)
+    assert len(calls) == 4
+    # Positions changed in place are not mistaken for the old ones.
+    fresh = torch.arange(6)[None]
+    cos_before = layers[0](fresh)[0]
+    fresh.add_(1)
+    assert not torch.equal(layers[0](fresh)[0], cos_before)
+
+
+def test_llama_computes_its_rotary_angles_once_per_forward(monkeypatch):
+    from projects.Llama.configs.model import cfg as base
+    from projects.Llama.modeling.llama_model import LlamaForPreTraining
+
+    from libai_lite.layers.rotary import RotaryEmbedding
+
+    cfg = dict(base)
+    cfg.update(hidden_layers=3, vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+               num_key_value_heads=2, max_seq_length=16, attention_dropout_prob=0.0, output_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = LlamaForPreTraining(cfg).eval()
+    ids = torch.randint(0, 64, (2, 10))
+    calls = []
+    angles = RotaryEmbedding._angles
+    monkeypatch.setattr(RotaryEmbedding, "_angles", lambda self, *a: calls.append(1) or angles(self, *a))
+    implicit = model(ids)["logits"]
+    assert len(calls) == 1
+    explicit = model(ids, position_ids=torch.arange(10)[None].expand(2, -1))["logits"]
+    torch.testing.assert_close(implicit, explicit)

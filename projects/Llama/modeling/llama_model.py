@@ -3,7 +3,8 @@
 Read top to bottom: token embedding -> pre-RMSNorm layers (rotary positions, grouped-query attention,
 SwiGLU MLP, no biases) -> final RMSNorm -> LM head (untied unless ``tie_word_embeddings``), then
 the pretraining wrapper that adds the loss. Every piece is a direct attribute so a pipeline splitter
-can delete what a stage does not own; the rotary angles are computed in each attention (no weights).
+can delete what a stage does not own; the rotary angles are computed by the first attention that
+needs them in a step and shared by the others (no weights).
 """
 from dataclasses import replace
 from typing import Any, Mapping, Optional
@@ -135,11 +136,15 @@ class LlamaModel(nn.Module):
         Packed documents: ``position_ids`` restarting per document and ``document_ids`` ``[batch, seq]``.
         """
         hidden_states = self.embeddings(input_ids) if self.embeddings is not None else input_ids
+        if position_ids is None and kv_caches is None and self.embeddings is not None:
+            # One positions tensor for every layer, so the layers share one rotary computation
+            # (libai_lite.layers.rotary); the token ids are whole even under sequence parallelism.
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         extra = {} if document_ids is None else {"document_ids": document_ids}
         for name, layer in self.layers.items():
             cache = kv_caches[name] if kv_caches is not None else None
-            # The attention computes its rotary angles itself: under sequence parallelism only it
-            # sees the whole sequence.
+            # The attention computes its rotary angles itself (once for all layers given one
+            # positions tensor): under sequence parallelism only it sees the whole sequence.
             hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids, **extra)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
