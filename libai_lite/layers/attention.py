@@ -7,7 +7,7 @@ from torch import nn
 
 from ..parallel.sbp import broadcast, declare, hidden
 from ..utils.errors import UsageError
-from .flex_attention import AttentionMask, dense_bias, flex_attend, flex_enabled
+from .flex_attention import AttentionMask, dense_bias, flex_attend, flex_enabled, shared_mask
 from .init_methods import InitMethod
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
@@ -247,9 +247,15 @@ class MultiheadAttention(nn.Module):
                                  "train.dist.context_parallel_size=1")
             key, value, attn_mask = cp.gather_kv(key, value, document_ids)
             is_causal = False
-        elif isinstance(attention_mask, AttentionMask) or score_table is not None:
-            mask = self._attention_mask(query, key, attention_mask, document_ids)
+        elif isinstance(attention_mask, AttentionMask) or score_table is not None or self._shares_mask(
+                key, attention_mask, position_bias, kv_cache, document_ids):
             dropout = self.attention_dropout_prob if self.training else 0.0
+            if isinstance(attention_mask, AttentionMask) or score_table is not None:
+                mask = self._attention_mask(query, key, attention_mask, document_ids)
+            else:  # packed documents or a sliding window: one mask for every layer of the step
+                mask = shared_mask(q_len, key.shape[-2], causal=True, window=self.sliding_window,
+                                   document_ids=document_ids, device=query.device,
+                                   flex=kv_cache is None and flex_enabled(query.device, dropout))
             if kv_cache is None and flex_enabled(query.device, dropout):
                 context = flex_attend(query, key, value, mask, score_table, score_buckets, self.softmax_scale)
                 return self.output_dropout(self.dense(context.transpose(1, 2).reshape(bsz, q_len, -1)))
@@ -262,6 +268,12 @@ class MultiheadAttention(nn.Module):
                                                  scale=self.softmax_scale, **gqa)
         context = context.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.output_dropout(self.dense(context))
+
+    def _shares_mask(self, key, attention_mask, position_bias, kv_cache, document_ids) -> bool:
+        """Whether this call's only mask is causality with packed documents or a window (shared per step)."""
+        window = self.sliding_window is not None and key.shape[-2] > self.sliding_window
+        return (self.attn_mask_type == "causal" and (document_ids is not None or window) and kv_cache is None
+                and attention_mask is None and position_bias is None)
 
     def _attention_mask(self, query, key, attention_mask, document_ids) -> AttentionMask:
         """``attention_mask`` as an ``AttentionMask`` (one given is checked against this attention)."""
@@ -290,8 +302,8 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"the score table holds {table.shape[-1]} heads but this attention {query.shape[1]}; "
                              f"under tensor parallelism give it this rank's heads only")
         keep = mask.keep_mask
-        if table is None and keep is None:
-            return None
+        if table is None and (keep is None or mask.sees_itself):
+            return keep  # boolean, as document_mask: no row is empty
         bias = torch.zeros((), dtype=query.dtype, device=query.device)
         if table is not None:
             bias = bias + dense_bias(table, buckets).to(query.dtype)

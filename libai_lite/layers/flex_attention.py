@@ -114,6 +114,11 @@ class AttentionMask:
         self._keep_built = False
 
     @property
+    def sees_itself(self) -> bool:
+        """Every query sees at least its own key (causal, no padding): a boolean SDPA mask gives no NaN row."""
+        return self.causal and self.q_len == self.k_len and self.key_padding is None and self.keep is None
+
+    @property
     def masks_anything(self) -> bool:
         """False when every query may see every key (no condition set)."""
         return (self.causal or self.window is not None or self.document_ids is not None
@@ -183,6 +188,30 @@ class AttentionMask:
         if self.keep is not None:
             keep = both(keep, self.keep)
         return keep
+
+
+_last_shared: list = [None]
+
+
+def shared_mask(q_len: int, k_len: int, *, causal: bool, window: Optional[int], document_ids: Optional[torch.Tensor],
+                device, flex: bool) -> AttentionMask:
+    """The ``AttentionMask`` every layer of one step asks for, built by the first and handed to the others.
+
+    One entry is kept (the last batch's, holding its ``document_ids``): a layer passing the same
+    ``document_ids`` tensor, unmodified, and the same shape gets the same mask. Inside a compiled region
+    each call builds its own (a kept tensor there would be a tracing artifact).
+    """
+    def build():
+        return AttentionMask(q_len, k_len, causal=causal, window=window, document_ids=document_ids, device=device)
+
+    if torch.compiler.is_compiling():
+        return build().prepare(flex)
+    key = (int(q_len), int(k_len), bool(causal), window, str(device),
+           None if document_ids is None else document_ids._version)
+    entry = _last_shared[0]
+    if entry is None or entry[0] != key or entry[1] is not document_ids:
+        entry = _last_shared[0] = (key, document_ids, build())
+    return entry[2].prepare(flex)
 
 
 def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[AttentionMask] = None,

@@ -207,3 +207,30 @@ def test_bucket_map_is_computed_once_per_shape():
     rel = model.encoder_layers["0"].relative_attention_bias
     assert rel.buckets(19, 19) is rel.buckets(19, 19)
     torch.testing.assert_close(dense_bias(rel.table(), rel.buckets(19, 19)), rel.compute_bias(19, 19))
+
+
+def test_packed_document_mask_is_built_once_for_every_layer(monkeypatch):
+    import libai_lite.layers.flex_attention as flex_module
+
+    built = []
+
+    class Counting(AttentionMask):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("document_ids"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "AttentionMask", Counting)
+    layers = [_attention("causal", hidden=32, sliding_window=9) for _ in range(3)]
+    x, docs = torch.randn(2, 28, 32), _documents(2, 28)
+    with torch.no_grad():
+        outs = [layer(x, document_ids=docs) for layer in layers]
+        assert len(built) == 1
+        fresh = docs.clone()
+        assert all(torch.equal(layer(x, document_ids=fresh), out) for layer, out in zip(layers, outs))
+        assert len(built) == 2
+        fresh[0, 3:] = 7  # changed in place: the kept mask is stale and rebuilt
+        layers[0](x, document_ids=fresh)
+        assert len(built) == 3
+        for layer in layers:  # a window alone (no documents) is shared too
+            layer(x)
+        assert len(built) == 4
