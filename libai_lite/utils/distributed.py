@@ -115,6 +115,11 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
     backend = default_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if backend == "nccl" and local_world > torch.cuda.device_count():
+            raise UsageError(f"{local_world} processes per node but {torch.cuda.device_count()} visible GPU(s): NCCL "
+                             f"needs a GPU per rank; launch at most {torch.cuda.device_count()} per node, or set "
+                             f"train.dist.backend=gloo to share the GPUs")
         if torch.cuda.is_available():
             # Modulo the devices: more local ranks than GPUs share them (gloo; NCCL refuses two ranks on
             # one device at its first collective).

@@ -122,3 +122,16 @@ def test_pipeline_over_gloo_is_refused_only_on_cuda(monkeypatch):
         distributed.check_backend_layout(2)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     distributed.check_backend_layout(2)
+
+
+def test_more_ranks_than_gpus_under_nccl_is_refused_before_init(monkeypatch):
+    """Two local ranks on one GPU with NCCL would fail at the first collective (duplicate GPU); the
+    launch is refused in one line that names gloo, before any process group exists."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UsageError, match=r"^2 processes per node but 1 visible GPU\(s\): NCCL needs a GPU per rank; "
+                                         r".* train.dist.backend=gloo"):
+        distributed._init_process_group(60, "nccl")
+    assert not dist.is_initialized()
