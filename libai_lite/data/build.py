@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 import os
 from typing import Sequence
@@ -15,13 +17,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .gpt_dataset import GPTDataset, check_token_ids, token_id_range
+from .gpt_dataset import GPTDataset, check_token_ids, index_stem, num_epochs_needed, token_id_range
+from .index_budget import check_index_budget
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from .packing import check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
 
 SPLIT_NAMES = ("train", "valid", "test")
+logger = logging.getLogger("libai_lite")
 
 
 def parse_splits_string(splits_string) -> list:
@@ -200,10 +204,18 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
     num_docs = indexed.num_documents
     if num_docs == 0:
         raise IndexedDatasetError(f"{data_prefix}.idx holds no documents: re-run tools/preprocess_data.py")
+    bounds = get_train_valid_test_split(splits_string, num_docs, split_rounding)
+    sizes = indexed.document_sizes()
+    for i, name in enumerate(SPLIT_NAMES):
+        tokens = int(sizes[bounds[i]:bounds[i + 1]].sum(dtype=np.int64))
+        if nums[i] and tokens:
+            # Before anything is cached: a split the machine cannot index is one line and no files.
+            stem = index_stem(data_prefix, cache_dir, name, nums[i], seq_length, seed)
+            check_index_budget(name, data_prefix, nums[i], seq_length, tokens, bounds[i + 1] - bounds[i],
+                               num_epochs_needed(tokens, seq_length, nums[i]), f"{stem}_sample_idx.npy", warn=False)
     if vocab_size is not None:
         # Before any index is cached: refused data must leave nothing behind.
         token_id_range(indexed, data_prefix, cache_dir, vocab_size=vocab_size)
-    bounds = get_train_valid_test_split(splits_string, num_docs, split_rounding)
     out = []
     for i, name in enumerate(SPLIT_NAMES):
         documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
@@ -339,17 +351,49 @@ def megatron_consumed_valid_samples(evaluations_before: int, eval_iter: int, glo
     return max(int(evaluations_before), 0) * int(eval_iter) * int(global_batch_size)
 
 
-def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, split_rounding: str = "core") -> int:
-    """Samples in one epoch of the train split (summed over a blend): its tokens // seq_length."""
+def train_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, split_rounding: str = "core",
+                            split: int = 0) -> int:
+    """Samples in one epoch of the train split (``split`` 1: valid, 2: test; summed over a blend):
+    its tokens // seq_length."""
     prefixes, _ = parse_data_prefix(data_prefix)
     total = 0
     for prefix in prefixes:
         ds = open_indexed_dataset(prefix)
-        split = get_train_valid_test_split(splits_string, ds.num_documents, split_rounding)
-        first, last = int(ds.doc_idx[split[0]]), int(ds.doc_idx[split[1]])
+        bounds = get_train_valid_test_split(splits_string, ds.num_documents, split_rounding)
+        first, last = int(ds.doc_idx[bounds[split]]), int(ds.doc_idx[bounds[split + 1]])
         total += max(int(ds.sizes[first:last].sum()) - 1, 0) // seq_length
     return total
 
 
-# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch).
+def valid_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, split_rounding: str = "core") -> int:
+    """Samples in one epoch of the valid split (summed over a blend)."""
+    return train_samples_per_epoch(data_prefix, splits_string, seq_length, split_rounding, split=1)
+
+
+def cap_eval_iter(loader_cfg, eval_iter: int, samples_per_batch: int) -> int:
+    """``eval_iter``, capped (one warning line) to the batches of one pass over the valid split.
+
+    ``loader_cfg`` is the train loader's LazyCall; its builder says how many samples one epoch of
+    its valid split holds (``valid_samples_per_epoch``; a builder without it is not capped). More
+    batches would read the same samples again, and size the valid and test indices by them: LiBai's
+    default ``eval_iter=1e5`` is millions of samples of the demo corpus.
+    """
+    from ..config.instantiate import instantiate_target
+
+    count = getattr(instantiate_target(loader_cfg), "valid_samples_per_epoch", None)
+    if not callable(count):
+        return eval_iter
+    accepted = inspect.signature(count).parameters
+    per_epoch = int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
+    most = max(1, per_epoch // max(int(samples_per_batch), 1))
+    if per_epoch and eval_iter > most:
+        logger.warning(f"train.evaluation.eval_iter={eval_iter} batches of {samples_per_batch} samples exceed the "
+                       f"{per_epoch:,} samples of the valid split: capped to {most}, one pass over it")
+        return most
+    return eval_iter
+
+
+# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch),
+# and how large an evaluation can be (train.evaluation.eval_iter).
 build_gpt_train_valid_test_loaders.samples_per_epoch = train_samples_per_epoch
+build_gpt_train_valid_test_loaders.valid_samples_per_epoch = valid_samples_per_epoch

@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .index_budget import Progress, check_index_budget
 from .indexed_dataset import MMapIndexedDataset
 from ..utils.distributed import barrier, get_rank
 from ..utils.errors import UsageError
@@ -94,12 +95,12 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
 
 
 def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int,
-                     tokens_per_epoch: int) -> np.ndarray:
+                     tokens_per_epoch: int, progress: Callable[[int], None] | None = None) -> np.ndarray:
     """Megatron's build_sample_idx, vectorised: where each sample starts in the document stream.
 
     Row ``i`` (for ``i >= 1``) locates stream position ``i * seq_length``: the entry of ``doc_idx``
     holding that token and the token's offset inside the document. Documents of length zero never
-    hold a position, exactly as in Megatron's C++ loop.
+    hold a position, exactly as in Megatron's C++ loop. ``progress(samples done)`` is called per chunk.
     """
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     stream_sizes = np.asarray(doc_sizes, dtype=np.int64)[doc_idx]
@@ -112,6 +113,8 @@ def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int
         which = np.searchsorted(ends, pos, side="right")
         out[lo:lo + pos.size, 0] = which
         out[lo:lo + pos.size, 1] = pos - starts[which]
+        if progress is not None:
+            progress(lo + pos.size - 1)
     return out
 
 
@@ -189,6 +192,12 @@ def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     digest = hashlib.md5(os.path.abspath(data_prefix).encode()).hexdigest()[:8]
     return os.path.join(cache_dir, f"{os.path.basename(data_prefix)}-{digest}")
+
+
+def index_stem(data_prefix: str, cache_dir: str | None, name: str, num_samples: int, seq_length: int,
+               seed: int) -> str:
+    """Where a split's index arrays are cached, without their ``_{kind}_idx.npy`` ending (Megatron's names)."""
+    return f"{cache_stem(data_prefix, cache_dir)}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
 
 
 @contextlib.contextmanager
@@ -338,9 +347,12 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_epochs = num_epochs_needed(self.tokens_per_epoch, self.seq_length, self.num_samples)
         self.separate_last_epoch = separate_last_epoch(self.tokens_per_epoch, self.seq_length,
                                                        self.num_samples, self.num_epochs)
-        stem = (f"{cache_stem(self.data_prefix, cache_dir)}_{self.name}_indexmap_"
-                f"{self.num_samples}ns_{self.seq_length}sl_{self.seed}s")
+        stem = index_stem(self.data_prefix, cache_dir, self.name, self.num_samples, self.seq_length, self.seed)
         self.index_paths = {kind: f"{stem}_{kind}_idx.npy" for kind in _INDEX_KINDS} | {"desc": f"{stem}_desc.json"}
+        if not self._cache_valid():
+            # Every rank, before rank 0 builds: arrays the machine cannot hold are one line, not numpy's error.
+            check_index_budget(self.name, self.data_prefix, self.num_samples, self.seq_length, self.tokens_per_epoch,
+                               int(documents.size), self.num_epochs, self.index_paths["sample"])
         _build_on_rank0(self._cache_valid, self._build_indices, self.index_paths["sample"], self._open_indices)
         self.min_token_id, self.max_token_id = token_id_range(indexed_dataset, self.data_prefix, cache_dir)
 
@@ -397,8 +409,10 @@ class GPTDataset(torch.utils.data.Dataset):
         start = time.perf_counter()
         rng = np.random.RandomState(seed=self.seed)
         doc_idx = build_doc_idx(self.documents, self.num_epochs, rng, self.separate_last_epoch)
+        total = (self.num_epochs * self.tokens_per_epoch - 1) // self.seq_length
         sample_idx = build_sample_idx(self.indexed_dataset.document_sizes(), doc_idx, self.seq_length,
-                                      self.num_epochs, self.tokens_per_epoch)
+                                      self.num_epochs, self.tokens_per_epoch,
+                                      Progress(f"building the {self.name} sample index of {self.data_prefix}", total))
         total = sample_idx.shape[0] - 1
         first = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length
         shuffle_idx = build_shuffle_idx(first if self.separate_last_epoch else total, total, rng)

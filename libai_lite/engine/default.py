@@ -18,7 +18,7 @@ from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.checkpointer import check_checkpoint_shapes, resolve_async_save
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
-from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
+from ..data.build import cap_eval_iter, megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.activation_checkpoint import check_ac_mode
@@ -199,6 +199,8 @@ class DefaultTrainer:
             raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
         valid_samples = test_samples = 0
         if cfg.train.evaluation.get("enabled", False) or self.eval_only:
+            cfg.train.evaluation.eval_iter = cap_eval_iter(loader_cfg, int(cfg.train.evaluation.eval_iter), int(
+                cfg.train.test_micro_batch_size) * self.layout.data_parallel_size)
             # A pipeline schedule evaluates num_accumulation_steps batches at once: whole schedules.
             group = int(cfg.train.num_accumulation_steps) if self.layout.pipeline_parallel_size > 1 else 1
             eval_batches = -(-int(cfg.train.evaluation.eval_iter) // group) * group

@@ -147,7 +147,14 @@ class EvalHook(HookBase):
         self._best_due = False
 
     def _run(self):
-        results = self.eval_fn()
+        from ..evaluation.evaluator import EvaluationStopped
+
+        try:
+            results = self.eval_fn()
+        except EvaluationStopped as stop:
+            # SignalCheckpointer (this step) or the final checkpoint (after training) saves, then the run stops.
+            logger.warning(f"{stop}: no valid metrics this time; checkpointing, then stopping")
+            return
         for k, v in results.items():
             self.trainer.storage.put_scalar(f"valid/{k}", v)
         value = results.get(self.metric)

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..utils.distributed import all_reduce_sum
+from ..utils.distributed import all_reduce_max, all_reduce_sum
+from ..utils.process import stop_requested
 
 logger = logging.getLogger("libai_lite")
 
@@ -118,25 +119,61 @@ def eval_mode(model):
         model.train(was_training)
 
 
+# Seconds between two "Inference done X/Y" lines (LiBai's progress line); a shorter evaluation logs none.
+PROGRESS_EVERY_S = 10.0
+
+
+class EvaluationStopped(Exception):
+    """A stop signal (on any rank) ended an evaluation early; the trainer checkpoints and stops as in training."""
+
+
+def _total_batches(data_loader, limit: int | None) -> int | None:
+    try:
+        n = len(data_loader)
+    except TypeError:
+        return limit
+    return n if limit is None else min(n, limit)
+
+
+def _progress_line(done: int, total: int | None, start: float) -> str:
+    elapsed = time.perf_counter() - start
+    if not total:
+        return f"Inference done {done} batches in {elapsed:.0f}s"
+    eta = elapsed * (total - done) / max(done, 1)
+    return f"Inference done {done}/{total}. {elapsed / max(done, 1):.4f} s/iter. ETA={eta:.0f}s"
+
+
 def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_iter: int | None = None,
                          context: EvalContext | None = None, pipeline=None) -> dict:
     """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
 
     `context` gives the device, the precision and loss contexts and the data-parallel group the
     evaluator combines over. With `pipeline` (a ``PipelineStepper``) its micro-batches per step
-    go through the schedule at once, so `eval_iter` is rounded up to whole steps.
+    go through the schedule at once, so `eval_iter` is rounded up to whole steps. A progress line
+    (batches done, total, ETA) is logged every ``PROGRESS_EVERY_S``; a stop signal received during a
+    training run's evaluation (deferred by the trainer) ends it at the next batch on every rank with
+    ``EvaluationStopped``.
     """
     context = context or EvalContext()
     group = pipeline.n_microbatches if pipeline is not None else 1
     limit = None if eval_iter is None else -(-eval_iter // group) * group
     evaluator.process_group = context.dp_group
     evaluator.reset()
-    start = time.perf_counter()
+    start = last_log = time.perf_counter()
+    total = _total_batches(data_loader, limit)
     n, pending = 0, []
     with eval_mode(model):
         for batch in data_loader:
             if limit is not None and n + len(pending) >= limit:
                 break
+            # All ranks agree (a signal may reach one rank first): a rank leaving alone would leave
+            # the others waiting in the model's collectives.
+            if all_reduce_max([1.0 if stop_requested() is not None else 0.0])[0] > 0:
+                raise EvaluationStopped(f"evaluation stopped by a stop signal after {n}"
+                                        f"{'/' + str(total) if total else ''} batches")
+            if time.perf_counter() - last_log >= PROGRESS_EVERY_S:
+                last_log = time.perf_counter()
+                logger.info(_progress_line(n, total, start))
             pending.append({k: v.to(context.device, non_blocking=True) for k, v in batch.items()})
             if len(pending) < group:
                 continue
