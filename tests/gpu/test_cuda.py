@@ -107,6 +107,13 @@ def test_zero3_offload_keeps_parameters_and_optimizer_state_off_the_device():
     layout = distributed.setup_dist(cfg)
     try:
         assert layout.device.type == "cuda"
+        # cuBLAS's workspace (up to 32 MiB on Hopper) goes through the caching allocator and stays: made
+        # here, before the baseline, so only what the model leaves on the device is compared.
+        warm = torch.ones(256, 256, device=layout.device, requires_grad=True)
+        (warm @ warm).sum().backward()
+        del warm
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
         # Large enough (3.7M parameters, 15 MB) that FSDP's few small resident buffers are not mistaken
         # for parameters left on the device.
         torch.manual_seed(0)
@@ -123,7 +130,8 @@ def test_zero3_offload_keeps_parameters_and_optimizer_state_off_the_device():
             assert p.to_local().device.type == "cpu", p.device
         states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         assert states and all((t.to_local() if hasattr(t, "to_local") else t).device.type == "cpu" for t in states)
-        assert torch.cuda.memory_allocated() < param_bytes / 4, (torch.cuda.memory_allocated(), param_bytes, CFG)
+        left = torch.cuda.memory_allocated() - baseline
+        assert left < param_bytes / 4, (left, param_bytes)
     finally:
         distributed.destroy()
 
