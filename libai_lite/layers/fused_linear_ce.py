@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 KERNELS = ("buffer", "chunked", "liger")
-# Liger's reduction="none" backward folds in the per-token gradient (recomputing the logits) from this
-# release on; earlier ones scaled the whole gradient by one number.
+# The release read to fold the per-token gradient into its reduction="none" backward (it recomputes the
+# logits there); a release that scales the whole gradient by one number would train wrongly.
 LIGER_MIN_VERSION = (0, 8, 5)
 
 
@@ -57,10 +57,13 @@ def select_kernel(device: torch.device, vocab_parallel: bool) -> str:
 
 
 def chunk_rows(device: torch.device, vocab: int, tokens: int) -> int:
-    """Tokens per chunk: on a GPU ~256 MiB of fp32-equivalent logits (a handful of chunks per step,
-    each GEMM large enough for the tensor cores); elsewhere ~8 MiB."""
+    """Tokens per chunk: on a GPU at most ~256 MiB of fp32-equivalent logits (a handful of chunks per step,
+    each GEMM large enough for the tensor cores), elsewhere ~8 MiB; the tokens split evenly over the
+    chunks, rounded up to 16 rows (tensor-core tiles), so the padded tail is under 16 rows per chunk."""
     budget = 1 << 28 if device.type == "cuda" else 1 << 23
-    return max(1, min(tokens, max(16, budget // (4 * max(1, vocab)))))
+    most = max(16, budget // (4 * max(1, vocab)))
+    chunks = -(-tokens // most)
+    return max(1, min(tokens, -(-tokens // chunks // 16) * 16 if tokens >= 16 else tokens))
 
 
 def _owned(target, vocab_start: int, vocab: int, ignore_index: int):

@@ -105,6 +105,16 @@ def test_a_cuda_tensor_gets_a_gpu_kernel_and_a_cpu_tensor_the_buffer(monkeypatch
     assert flce.select_kernel(cuda, False) == "chunked"
 
 
+def test_gpu_chunks_are_a_few_hundred_mb_of_logits_and_split_the_tokens_evenly():
+    cuda = torch.device("cuda", 0)
+    for tokens in (1, 17, 2048, 8192, 12288, 65536):
+        rows = flce.chunk_rows(cuda, 50304, tokens)
+        chunks = -(-tokens // rows)
+        assert rows * 50304 * 4 <= (1 << 28) + 16 * 50304 * 4  # ~256 MiB of fp32 logits, plus one tile of rows
+        assert chunks * rows - tokens < 16 * chunks  # the padded tail: under 16 rows per chunk
+    assert flce.chunk_rows(cuda, 50304, 12288) * 50304 * 4 > (1 << 27)  # not a CPU cache's size
+
+
 def test_liger_needs_triton_and_a_release_with_the_per_token_backward(monkeypatch):
     import importlib.metadata
     import importlib.util
