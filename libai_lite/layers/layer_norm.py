@@ -45,10 +45,12 @@ class RMSLayerNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
-        # Casts are no-ops in the usual cases (fp32 residual stream and weights, or both half).
-        out = F.rms_norm(hidden_states.to(dtype), weight.shape, weight.to(dtype), self.eps)
-        return out.to(weight.dtype) if weight.dtype in (torch.float16, torch.bfloat16) else out
+        if hidden_states.dtype != weight.dtype:
+            # bf16 activations with fp32 weights (or the reverse): in the wider dtype, as T5 does.
+            dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
+            hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
+        out = F.rms_norm(hidden_states, weight.shape, weight, self.eps)
+        return out.to(self.weight.dtype) if self.weight.dtype in (torch.float16, torch.bfloat16) else out
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, layer_idx={self.layer_idx}"
