@@ -24,7 +24,6 @@ Files are loaded with ``torch.load(weights_only=False)``: convert only checkpoin
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import sys
@@ -32,35 +31,13 @@ import tempfile
 
 import torch
 
+from libai_lite.checkpoint.foreign import checkpoint_format
 from libai_lite.utils.errors import UsageError
 
 _LEGACY_FILE = "model_optim_rng.pt"
 # Megatron's (legacy) layer-local names -> how tensor-parallel shards join: 0 rows, 1 columns, None replicated.
 _SPLIT_DIM = {"query_key_value": 0, "dense_h_to_4h": 0, "dense_4h_to_h": 1, "self_attention.dense": 1,
               "attention.dense": 1, "word_embeddings": 0}
-
-
-def describe_checkpoint(path: str) -> str:
-    """What kind of checkpoint ``path`` is: ``megatron-legacy``, ``megatron-torch_dist``, ``libai``, ``ours`` or ``""``."""
-    if not os.path.isdir(path):
-        return ""
-    names = set(os.listdir(path))
-    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") or n == "release" for n in names):
-        step = _iteration_dir(path, None) if "latest_checkpointed_iteration.txt" in names else None
-        inner = set(os.listdir(step)) if step and os.path.isdir(step) else names
-        return "megatron-torch_dist" if ".metadata" in inner or "metadata.json" in inner else "megatron-legacy"
-    if any(n.startswith("mp_rank_") for n in names):
-        return "megatron-legacy"
-    if ".metadata" in names and "metadata.json" in names:
-        return "megatron-torch_dist"
-    if "last_checkpoint" in names or "trainer_state.json" in names or "manifest.json" in names:
-        return "ours"
-    # LiBai's Checkpointer: model/ (OneFlow's per-tensor folders, each with a 'meta' file and 'out') and
-    # last_checkpoint naming model_XXXXXXX folders.
-    if glob.glob(os.path.join(path, "**", "meta"), recursive=True) and glob.glob(
-            os.path.join(path, "**", "out"), recursive=True):
-        return "libai"
-    return ""
 
 
 def _iteration_dir(path: str, iteration) -> str:
@@ -273,7 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing --output")
     args = parser.parse_args(argv)
     try:
-        kind = describe_checkpoint(args.input)
+        kind = checkpoint_format(args.input)
         if kind == "libai":
             raise UsageError(f"{args.input} is a LiBai (OneFlow) checkpoint: OneFlow's tensor folders cannot be read "
                              f"without OneFlow; export it to Hugging Face with LiBai, then python tools/hf_convert.py "

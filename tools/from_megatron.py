@@ -19,6 +19,7 @@ import shlex
 import sys
 import tempfile
 
+from libai_lite.checkpoint.foreign import checkpoint_format
 from libai_lite.config.megatron_args import render_config, translate_megatron_args
 from libai_lite.utils.errors import UsageError
 
@@ -26,15 +27,9 @@ BASE_CONFIG = "projects.GPT.configs.gpt2_pretrain"
 
 
 def checkpoint_kind(path: str) -> str:
-    """What a ``--load`` directory holds: ``"megatron"`` (Megatron-LM's layout), ``"ours"`` or ``""``."""
-    if not os.path.isdir(path):
-        return ""
-    names = os.listdir(path)
-    if "latest_checkpointed_iteration.txt" in names or any(n.startswith("iter_") or n == "release" for n in names):
-        return "megatron"
-    if "last_checkpoint" in names or ".metadata" in names or any(n.startswith("model_") for n in names):
-        return "ours"
-    return ""
+    """What a ``--load`` directory holds: ``"megatron"``, ``"ours"`` or ``""`` (``checkpoint_format``'s words)."""
+    kind = checkpoint_format(path)
+    return "megatron" if kind.startswith("megatron") else kind
 
 
 def prepare(flags: str):

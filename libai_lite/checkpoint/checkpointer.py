@@ -402,6 +402,11 @@ def recover_interrupted(save_dir: str, remove_partial: bool = True) -> None:
 
 def read_metadata(path: str) -> dict:
     """The DCP metadata of checkpoint ``path`` by key; a one-line UsageError when it is missing or unreadable."""
+    from .foreign import foreign_checkpoint_error
+
+    foreign = foreign_checkpoint_error(path)
+    if foreign:  # another framework's checkpoint is named, not called incomplete or corrupt
+        raise UsageError(foreign)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise UsageError(f"checkpoint {path} is missing or incomplete (no .metadata): point to a complete "
                          f"checkpoint directory (model_XXXXXXX or model_final)")

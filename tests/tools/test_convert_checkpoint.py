@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from libai_lite.checkpoint import Checkpointer
+from libai_lite.checkpoint.checkpointer import read_metadata
+from libai_lite.utils.errors import UsageError
 from libai_lite.config import LazyConfig, instantiate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +153,13 @@ def test_megatron_gpt_converts_with_the_same_logits(tmp_path, layout):
     assert _tool().main(["--from", "megatron", "--input", str(src), "--output", str(out)]) == 0
     ids = torch.randint(0, VOCAB, (2, POS), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_converted_logits(out, ids), megatron_logits(w, ids), rtol=1e-4, atol=1e-4)
+    # Handed to training unconverted (train.load_weight, --resume), the checkpoint and its iteration
+    # folder are named with the converting command.
+    name = "Megatron-LM legacy" if layout == "legacy_tp2" else "Megatron core torch_dist"
+    for path in (src, next(src.glob("iter_*"))):
+        with pytest.raises(UsageError, match=f"is a {name} checkpoint: convert it with python "
+                                             f"tools/convert_checkpoint.py --from megatron"):
+            read_metadata(str(path))
 
 
 def test_other_checkpoints_are_named_not_called_corrupt(tmp_path, capsys):
