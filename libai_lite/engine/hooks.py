@@ -237,7 +237,8 @@ class PeriodicWriter(HookBase):
 
     The log line shows this rank's means over the interval since the last log; `metrics.json`
     holds the logged step's values, the model's outputs reduced over data-parallel ranks as it
-    declares (`metrics`, its `output_metrics()`). Device values in the window are read back here,
+    declares (`metrics`, its `output_metrics()`), and each mean-reduced loss's interval mean as
+    `<key>_window_mean` (the log line's number). Device values in the window are read back here,
     once per log line, never on the steps between.
     """
 
@@ -333,7 +334,11 @@ class PeriodicWriter(HookBase):
         latest, *window = read_scalars([self.trainer.storage.latest(), *self._window])
         self._window = []
         keys = ["total_loss"] + [k for k in self.metrics if k in latest]
-        raw = {**latest, **self._reduce_over_dp({k: latest[k] for k in keys})}
+        # Two losses, named apart: the log line shows the interval's mean, a metrics.json row the logged
+        # step's value (as plots and TensorBoard do) and the interval's mean as `<key>_window_mean`.
+        means = {f"{k}_window_mean": sum(w.get(k, 0.0) for w in window) / len(window) for k in keys
+                 if k not in self.metrics or self.metrics[k].reduce == "mean"}
+        raw = {**latest, **self._reduce_over_dp({**{k: latest[k] for k in keys}, **means})}
         if not self.main:
             return
         it, batch = self.trainer.iter, self.global_batch_size
@@ -343,6 +348,8 @@ class PeriodicWriter(HookBase):
                    max_mem_bytes=peak_memory_bytes(self.layout.device))
         parts = [f"iteration: {it + 1}/{self.trainer.max_iter}", f"consumed_samples: {raw['consumed_samples']}"]
         parts += [f"{k}: {mean[k]:.4f}" for k in keys]
+        if len(window) > 1:
+            parts[-1] += f" (mean of {len(window)} steps)"
         parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
         if "loss_scale" in raw:
             parts.append(f"loss_scale: {raw['loss_scale']:g}")

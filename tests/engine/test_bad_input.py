@@ -159,7 +159,7 @@ NEEDLES = {
     "layout_not_fitting_model": "does not divide model.cfg.num_attention_heads=3",
     "idx_pointer_past_bin": "is corrupt: sequence 100 ",
     "resume_corrupt_checkpoint": "has 7 bytes but",
-    "load_weight_other_shape": "another model shape",
+    "load_weight_other_shape": "another model shape; model.cfg.hidden_size=32 gives 32 where it has 64",
     "output_dir_not_writable": "not writable",
 }
 
@@ -204,7 +204,8 @@ TESTED_ELSEWHERE = {
     "split_sentences_without_nltk", "packing_without_eod", "wandb_not_installed", "plot_without_metrics",
     "harness_not_installed", "harness_without_checkpoint", "harness_unknown_model_arg", "fp8_on_a_cpu",
     "cp_encoder_decoder", "cp_sequence_not_divisible", "t5_dataset_not_sentence_split",
-    "slurm_outside_a_job",
+    "slurm_outside_a_job", "checkpoint_of_another_tokenizer", "tp_not_dividing_vocab", "index_beyond_memory",
+    "eval_iter_beyond_valid_split", "optim_unknown_argument", "estimate_layout_capped",
 }
 
 
