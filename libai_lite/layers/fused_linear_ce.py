@@ -48,10 +48,12 @@ def liger_available() -> bool:
 
 def select_kernel(device: torch.device, vocab_parallel: bool) -> str:
     """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU, ``liger`` on CUDA
-    for a plain head when installed, else ``chunked`` (always for the vocabulary-parallel head)."""
+    for a plain head when installed and not under ``torch.compile``, else ``chunked`` (always for the
+    vocabulary-parallel head)."""
     if device.type != "cuda":
         return "buffer"
-    if not vocab_parallel and liger_available():
+    # Inside a compiled model the chunked kernel's plain ops become part of its graph; Liger's would not.
+    if not vocab_parallel and not torch.compiler.is_compiling() and liger_available():
         return "liger"
     return "chunked"
 
@@ -95,8 +97,13 @@ def _backward_chunk(h, w, target, lse, scale, grad_w, vocab_start: int, ignore_i
 
 
 @functools.cache
-def _compiled(fn, backend: str):
+def _compile(fn, backend: str):
     return torch.compile(fn, backend=backend)
+
+
+def _compiled(fn, backend: str):
+    """``fn`` compiled with ``backend``, or ``fn`` itself inside a model being compiled (it joins that graph)."""
+    return fn if torch.compiler.is_compiling() else _compile(fn, backend)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

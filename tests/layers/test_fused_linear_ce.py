@@ -95,6 +95,30 @@ def test_chunked_kernel_under_inductor_and_autocast_through_linear_cross_entropy
     torch.testing.assert_close(w.grad, ref_gw, **_tolerance(torch.bfloat16, ref_gw))
 
 
+def test_chunked_kernel_joins_a_compiled_model_without_graph_breaks():
+    """Under a whole-model ``torch.compile`` (fullgraph: a break raises) the kernel's ops are traced in."""
+    import torch._dynamo
+
+    hidden, weight, target, grad = _inputs()
+    results = []
+    for compiled in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+        def model(a, b):  # the tanh stands for the layers before the head
+            return linear_cross_entropy(torch.tanh(a), b, target, kernel="chunked" if compiled else "buffer")
+
+        if compiled:
+            torch._dynamo.reset()
+            model = torch.compile(model, backend="aot_eager", fullgraph=True)
+        loss = model(h, w)
+        loss.backward(grad)
+        results.append((loss.detach(), h.grad, w.grad))
+    (ref_loss, ref_gh, ref_gw), (loss, gh, gw) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=V * torch.finfo(torch.float32).eps, atol=1e-5)
+    torch.testing.assert_close(gh, ref_gh, **_tolerance(torch.float32, ref_gh))
+    torch.testing.assert_close(gw, ref_gw, **_tolerance(torch.float32, ref_gw))
+
+
 def test_a_cuda_tensor_gets_a_gpu_kernel_and_a_cpu_tensor_the_buffer(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert flce.select_kernel(cpu, False) == flce.select_kernel(cpu, True) == "buffer"
