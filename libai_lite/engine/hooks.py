@@ -330,8 +330,14 @@ class PeriodicWriter(HookBase):
     def _write(self):
         # The one read of the interval's device values (losses, metrics, norms; EventStorage keeps
         # them on the device), after the trainer's own read of its skip decisions.
+        waited = time.perf_counter()
         self.trainer.check_skipped()
         latest, *window = read_scalars([self.trainer.storage.latest(), *self._window])
+        # The steps only queued their work: what the device still had to do is charged to the logged
+        # step (its time and the interval's mean), so s/it and tokens/s count it (about 0 on a CPU).
+        waited = time.perf_counter() - waited
+        latest["time"] += waited
+        window[-1]["time"] += waited
         self._window = []
         keys = ["total_loss"] + [k for k in self.metrics if k in latest]
         # Two losses, named apart: the log line shows the interval's mean, a metrics.json row the logged

@@ -15,6 +15,9 @@ from ..utils.events import EventStorage
 
 logger = logging.getLogger("libai_lite")
 
+# Steps whose device-side skip decisions may wait for a read (the log period's) before one is forced.
+_MAX_PENDING = 1000
+
 
 class HookBase:
     """Called around training and around each step; `self.trainer` is set on registration."""
@@ -103,6 +106,11 @@ class Trainer(TrainerBase):
     ``output_metrics()``: the entries back-propagated and how each combines over micro-batches.
     ``context_parallel`` (a ``ContextParallel``, cp > 1): each micro-batch is cut to this rank's part of the
     sequence and its outputs formed over the whole sequence.
+
+    A step reads nothing back from the device: losses, metrics and the gradient norm go to the
+    ``EventStorage`` as tensors, and whether a step is skipped (a NaN/inf loss or gradient norm, an
+    fp16 overflow) is decided on the device; ``check_skipped`` reads those decisions at the log
+    period (and before a checkpoint), counts them and stops a diverged run.
     """
 
     def __init__(self, model, data_loader, optimizer, scheduler, metrics, num_accumulation_steps: int = 1,
@@ -288,3 +296,6 @@ class Trainer(TrainerBase):
         self.storage.put_scalars(**scalars, time=time.perf_counter() - start)
         if scaler is None and not self._skips_on_device and skipped_now:
             self._mark_skipped_row()
+        if len(self._pending) >= _MAX_PENDING:
+            # No log line has read them (a loop without the writer hook): read now rather than pile up.
+            self.check_skipped()

@@ -100,3 +100,49 @@ def test_a_nonfinite_step_is_skipped_on_the_device_and_counted_at_the_log_period
     with pytest.raises(FloatingPointError, match="loss is inf at iteration 3: training diverged"):
         trainer.check_skipped()
     torch.testing.assert_close(model.w.detach(), weights[2], rtol=0, atol=0)
+
+
+def test_fp16_overflow_skips_are_decided_on_the_device_and_read_at_the_log_period(caplog):
+    """fp16 loss scaling with fused AdamW: the overflowed steps are skipped without a read in the
+    step; the read at the log period warns with the scales and moves the schedule back over them."""
+    import logging
+
+    import torch
+
+    from libai_lite.engine.trainer import Trainer
+    from libai_lite.model import LOSS
+    from libai_lite.utils.events import EventStorage, read_scalars
+    from tests.workers.host_read_worker import HostReadCounter
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return {"loss": (self.w * x).sum()}
+
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+    # Gradients of 4 x scale: inf at 2**127 and 2**126 (fp32 ends below 2**128), finite at 2**125.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    trainer = Trainer(model, [{"x": torch.full((2,), 4.0)}], opt, sched, metrics={"loss": LOSS}, grad_scaler=scaler)
+    trainer.storage, counter, weights, rows = EventStorage(), HostReadCounter(), [], []
+    for i in range(3):
+        trainer.iter = i
+        trainer.storage.begin(i)
+        with counter:
+            trainer.run_step()
+        weights.append(model.w.detach().clone())
+        rows.append(trainer.storage.latest())
+    assert counter.reads == []
+    assert torch.equal(weights[0], torch.ones(2)) and torch.equal(weights[1], torch.ones(2))
+    assert not torch.equal(weights[2], weights[1])
+    assert [(r["skipped"], r["loss_scale"]) for r in read_scalars(rows)] == [(1.0, 2.0**126), (1.0, 2.0**125),
+                                                                            (0.0, 2.0**125)]
+    assert sched.last_epoch == 3
+    with caplog.at_level(logging.WARNING, logger="libai_lite"):
+        trainer.check_skipped()
+    assert "fp16 overflow at iteration 1: step skipped, loss scale 8.50706e+37 -> 4.25353e+37" in caplog.text
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 2)
