@@ -26,7 +26,8 @@ _aten = torch.ops.aten
 _VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
           "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "detach", "alias",
           "view_as_real", "view_as_complex", "unflatten", "flatten", "_reshape_alias", "narrow", "diagonal",
-          "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+          "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "promote_types",
+          "result_type", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
 _DATA_SIZED = {"bincount", "masked_select", "nonzero", "unique", "_unique2", "unique_consecutive"}
 
 
@@ -126,6 +127,84 @@ def _moe(smoke: bool):
 MODELS = {"llama": _llama, "mt5": _mt5, "moe_layer": _moe}
 
 
+# ------------------------------------------------------------------ components: the replaced code, kept here
+def _old_rms_norm(x, weight, eps=1e-6):
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _old_rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _old_rotary_layer(head_size, q, k, position_ids):
+    """One attention's rotary work before: angles recomputed in every layer, five kernels per apply."""
+    from libai_lite.layers.rotary import rope_inv_freq
+
+    inv_freq = rope_inv_freq(head_size, 10000.0, None, device=q.device)
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    return q * cos + _old_rotate_half(q) * sin, k * cos + _old_rotate_half(k) * sin
+
+
+def _components():
+    """``{name: (old step, new step, what one step is)}``; each step returns a tensor to back-propagate."""
+    import torch.nn.functional as F
+
+    from libai_lite.layers import MLP, RMSLayerNorm
+    from libai_lite.layers.mlp import split_gate_up
+    from libai_lite.layers.rotary import RotaryEmbedding, apply_rotary
+
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    norm = RMSLayerNorm(64)
+    mlp = MLP(64, 160, activation="silu", gated=True, bias=False)
+    gate, up = (torch.nn.Parameter(t.detach().clone()) for t in split_gate_up(mlp.dense_h_to_4h.weight))
+
+    def old_mlp():
+        return mlp.dense_4h_to_h(F.silu(F.linear(x, gate)) * F.linear(x, up))
+
+    layers, heads, hd = 4, 4, 16
+    q = torch.randn(2, heads, 32, hd, requires_grad=True)
+    k = torch.randn(2, 2, 32, hd, requires_grad=True)
+    rotaries = [RotaryEmbedding(hd) for _ in range(layers)]
+
+    def old_rotary():
+        pos = torch.arange(32)[None]
+        return sum(sum(t.sum() for t in _old_rotary_layer(hd, q, k, pos)) for _ in range(layers))
+
+    def new_rotary():
+        pos = torch.arange(32)[None]  # what LlamaModel.forward hands every layer
+        out = 0
+        for rotary in rotaries:
+            cos, sin = rotary(pos, q.dtype)
+            out = out + apply_rotary(q, cos, sin).sum() + apply_rotary(k, cos, sin).sum()
+        return out
+
+    return {
+        "rms_norm": (lambda: _old_rms_norm(x, norm.weight), lambda: norm(x), "one norm"),
+        "gated_mlp": (old_mlp, lambda: mlp(x), "one SwiGLU MLP"),
+        "rotary": (old_rotary, new_rotary, f"q and k of {layers} layers"),
+    }
+
+
+def count_components() -> dict:
+    """ATen ops (views apart) of each replaced piece, old and new, forward and backward apart."""
+    out = {}
+    for name, (old, new, what) in _components().items():
+        row = {"per": what}
+        for label, fn in (("old", old), ("new", new)):
+            for _ in range(2):  # the second is counted (caches warm, as in a training step)
+                with CountOps() as fwd:
+                    y = fn()
+                with CountOps() as bwd:
+                    y.float().sum().backward()
+            row[label] = {"forward": fwd.kernels, "backward": bwd.kernels}
+        out[name] = row
+    return out
+
+
 def count(name: str, smoke: bool) -> dict:
     """ATen ops (views apart), views, and host reads in one forward+backward of ``name`` after a warm-up."""
     torch.manual_seed(0)
@@ -144,6 +223,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     p.add_argument("--smoke", action="store_true", help="two-layer models: checks the script runs")
+    p.add_argument("--components", action="store_true",
+                   help="also count the replaced pieces (RMSNorm, gated MLP, rotary) old against new")
     args = p.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -155,6 +236,12 @@ def main(argv=None) -> dict:
     print(f"{'model':10} {'kernels':>8} {'views':>6} {'host reads':>10}  host-read ops")
     for n, r in result.items():
         print(f"{n:10} {r['kernels']:8d} {r['views']:6d} {r['host_reads']:10d}  {r['host_read_ops']}")
+    if args.components:
+        result["components"] = count_components()
+        print(f"\n{'component':10} {'old fwd':>8} {'old bwd':>8} {'new fwd':>8} {'new bwd':>8}  per")
+        for n, r in result["components"].items():
+            print(f"{n:10} {r['old']['forward']:8d} {r['old']['backward']:8d} {r['new']['forward']:8d} "
+                  f"{r['new']['backward']:8d}  {r['per']}")
     print(json.dumps(result))
     return result
 
