@@ -34,13 +34,13 @@ def _tool():
     return module
 
 
-def _weights(seed=0) -> dict:
+def _weights(seed=0, vocab=VOCAB) -> dict:
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, std=0.2):
         return torch.randn(*shape, generator=g) * std
 
-    w = {"wte": r(VOCAB, H), "wpe": r(POS, H), "lnf.w": 1 + r(H, std=0.1), "lnf.b": r(H, std=0.1)}
+    w = {"wte": r(vocab, H), "wpe": r(POS, H), "lnf.w": 1 + r(H, std=0.1), "lnf.b": r(H, std=0.1)}
     for i in range(L):
         w.update({f"{i}.ln1.w": 1 + r(H, std=0.1), f"{i}.ln1.b": r(H, std=0.1), f"{i}.qkv.w": r(3 * H, H),
                   f"{i}.qkv.b": r(3 * H), f"{i}.dense.w": r(H, H), f"{i}.dense.b": r(H),
@@ -175,3 +175,29 @@ def test_other_checkpoints_are_named_not_called_corrupt(tmp_path, capsys):
     assert tool.main(["--from", "megatron", "--input", str(tmp_path / "empty"), "--output", str(tmp_path / "o")]) == 1
     assert "is not a Megatron-LM checkpoint directory" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_converted_checkpoint_trains_alike_under_tp2_and_on_one_process(tmp_path):
+    from tests.launch import ROOT as REPO, losses, train_net, train_sh
+
+    src, out = tmp_path / "megatron", tmp_path / "ours"
+    # The demo tokenizer's 8000 ids, padded as Megatron pads them (a multiple of 128).
+    write_megatron_legacy(src, _weights(vocab=8064))
+    demo = REPO / "data_test" / "gpt2"
+    assert _tool().main(["--from", "megatron", "--input", str(src), "--output", str(out), "--vocab-file",
+                         str(demo / "vocab.json"), "--merge-file", str(demo / "merges.txt")]) == 0
+    common = [f"dataloader.train.data_prefix={demo / 'demo_gpt2_text_document'}", "train.train_iter=2",
+              "train.evaluation.enabled=False", "train.train_micro_batch_size=2", "train.global_batch_size=2",
+              "dataloader.train.num_workers=0", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+              "train.log_period=1", "train.log_memory_estimate=False", "model.cfg.embedding_dropout_prob=0.0",
+              "model.cfg.attention_dropout_prob=0.0", "model.cfg.output_dropout_prob=0.0"]
+    one = train_net([*common, f"train.output_dir={tmp_path / 'one'}"], config=str(out / "config.py"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    tp2 = train_sh(2, [*common, f"train.output_dir={tmp_path / 'tp2'}", "train.dist.tensor_parallel_size=2"],
+                   config=str(out / "config.py"))
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "tp2")
+    assert len(a) == 2 and a.keys() == b.keys()
+    for it in a:  # float32 sums in another order across two ranks
+        assert abs(a[it] - b[it]) < 1e-4 * abs(a[it]), (a, b)
