@@ -8,8 +8,8 @@
     python tools/generate.py --hf-dir ./gpt2 --prompt "Hello" --do-sample --top-p 0.9 --seed 1
 
 With a config, the model is built from ``model`` (after the ``key=value`` overrides) with the
-vocabulary size of the checkpoint's embedding (a run at tensor_parallel_size=2 pads it to a
-multiple of 256), and the tokenizer from ``tokenization.tokenizer``. Under torchrun the model is
+vocabulary size of the checkpoint's embedding (older versions padded it to a multiple of 256 at
+tensor_parallel_size=2), and the tokenizer from ``tokenization.tokenizer``. Under torchrun the model is
 split tensor-parallel over all processes; rank 0 prints.
 """
 from __future__ import annotations

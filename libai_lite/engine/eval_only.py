@@ -22,9 +22,9 @@ class EvalOnlyTrainer(DefaultTrainer):
     def build_tokenizer(self, cfg):
         """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
 
-        Training pads the vocabulary to a multiple of 128 x its tensor-parallel size, so a checkpoint
-        saved at tp=2 has more rows than tp=1 would pad to; the checkpoint's size wins, which lets any
-        layout evaluate it.
+        A checkpoint may be padded otherwise than this config pads (older versions padded to 128 x the
+        tensor-parallel size: 8192 rows at tp=2); the checkpoint's size wins, which lets any layout
+        evaluate it.
         """
         tokenizer = super().build_tokenizer(cfg)
         rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight)

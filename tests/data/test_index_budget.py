@@ -61,3 +61,13 @@ def test_eval_iter_beyond_the_valid_split_is_capped_in_one_warning(caplog):
         assert cap_eval_iter(loader, 2, 8) == 2
     lines = [r for r in caplog.records if "eval_iter" in r.getMessage()]
     assert len(lines) == 1 and "capped to" in lines[0].getMessage()
+
+
+def test_t5_loaders_cap_eval_iter_by_their_valid_split():
+    from projects.MT5.data.t5_dataset import build_t5_train_valid_test_loaders, t5_valid_samples_per_epoch
+
+    prefix = str(ROOT / "data_test/bert/demo_bert_text_document")
+    loader = LazyCall(build_t5_train_valid_test_loaders)(data_prefix=prefix, max_seq_length=64)
+    per_epoch = t5_valid_samples_per_epoch(prefix, max_seq_length=64)
+    assert 0 < per_epoch < valid_samples_per_epoch(prefix, "949,50,1", 64)  # raw windows are longer
+    assert cap_eval_iter(loader, 10**9, 4) == max(1, per_epoch // 4)

@@ -8,7 +8,8 @@ from ..modeling.gpt_model import GPTForPreTraining
 
 cfg = dict(
     hidden_layers=12,
-    # Replaced at startup by the tokenizer's size padded to make_vocab_size_divisible_by x tp.
+    # Replaced at startup by the tokenizer's size padded to a multiple of make_vocab_size_divisible_by
+    # (whatever the layout).
     vocab_size=50304,
     hidden_size=768,
     ffn_hidden_size=3072,

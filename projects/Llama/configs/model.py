@@ -8,7 +8,8 @@ from ..modeling.llama_model import LlamaForPreTraining
 
 cfg = dict(
     hidden_layers=22,
-    # Replaced at startup by the tokenizer's size padded to make_vocab_size_divisible_by x tp.
+    # Replaced at startup by the tokenizer's size padded to a multiple of make_vocab_size_divisible_by
+    # (whatever the layout).
     vocab_size=32000,
     hidden_size=2048,
     ffn_hidden_size=5632,

@@ -11,7 +11,8 @@ from libai_lite.config import LazyCall
 from ..mt5_model import MT5ForPreTraining, MT5Model
 
 cfg = dict(
-    # Replaced at startup by the tokenizer's size padded to make_vocab_size_divisible_by x tp.
+    # Replaced at startup by the tokenizer's size padded to a multiple of make_vocab_size_divisible_by
+    # (whatever the layout).
     vocab_size=250112,
     hidden_size=768,
     hidden_layers=12,

@@ -413,5 +413,14 @@ def t5_train_samples_per_epoch(data_prefix, splits_string="949,50,1", max_seq_le
     return train_samples_per_epoch(data_prefix, splits_string, raw_length)
 
 
-# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch).
+def t5_valid_samples_per_epoch(data_prefix, splits_string="949,50,1", max_seq_length: int = 512,
+                               masked_lm_prob: float = 0.15, mean_span_length: float = 3.0) -> int:
+    """T5 samples in one epoch of the valid split (what one evaluation can read without repeating)."""
+    raw_length, _ = random_spans_helper(max_seq_length, masked_lm_prob, mean_span_length)
+    return train_samples_per_epoch(data_prefix, splits_string, raw_length, split=1)
+
+
+# What the trainer asks a loader builder when the config counts training in epochs (train.train_epoch),
+# and how large an evaluation can be (train.evaluation.eval_iter).
 build_t5_train_valid_test_loaders.samples_per_epoch = t5_train_samples_per_epoch
+build_t5_train_valid_test_loaders.valid_samples_per_epoch = t5_valid_samples_per_epoch
