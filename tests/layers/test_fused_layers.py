@@ -258,3 +258,49 @@ def test_llama_computes_its_rotary_angles_once_per_forward(monkeypatch):
     assert len(calls) == 1
     explicit = model(ids, position_ids=torch.arange(10)[None].expand(2, -1))["logits"]
     torch.testing.assert_close(implicit, explicit)
+
+
+def _load_old_checkpoint_under_fsdp(rank, world, store, path, expected_file, result_file):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        new = _Block(MLP(16, 24, activation="silu", gated=True, bias=False))
+        fully_shard(new.mlp, mesh=mesh)
+        fully_shard(new, mesh=mesh)
+        opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
+        Checkpointer(new, opt).load(path)
+        expected = torch.load(expected_file)
+        fused = new.mlp.dense_h_to_4h.weight
+        assert type(fused).__name__ == "DTensor" and fused.to_local().shape[0] == 48 // world
+        torch.testing.assert_close(fused.full_tensor(), expected["weight"], atol=0, rtol=0)
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[fused][name].full_tensor(), expected[name], atol=0, rtol=0)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                f.write("ok")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_old_checkpoint_loads_into_the_fused_mlp_sharded_over_two_ranks(tmp_path):
+    from tests.launch import spawn_ranks
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    old = _Block(_OldGatedMLP(16, 24))
+    old_opt = torch.optim.AdamW(old.parameters(), lr=1e-2)
+    _train_step(old, old_opt, x)
+    path = Checkpointer(old, old_opt, str(tmp_path)).save("model_0000000", {"iteration": 0})
+    gate, up = old.mlp.dense_h_to_4h.weight, old.mlp.dense_h_to_4h_linear.weight
+    expected = {"weight": join_gate_up(gate, up).detach()}
+    for name in ("exp_avg", "exp_avg_sq"):
+        expected[name] = join_gate_up(old_opt.state[gate][name], old_opt.state[up][name])
+    torch.save(expected, tmp_path / "expected.pt")
+    spawn_ranks(_load_old_checkpoint_under_fsdp, 2,
+                (2, str(tmp_path / "store"), path, str(tmp_path / "expected.pt"), str(tmp_path / "result")))
+    assert (tmp_path / "result").read_text() == "ok"
