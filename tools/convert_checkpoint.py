@@ -149,7 +149,8 @@ _MCORE_LAYER = {
     "input_layernorm": "input_layernorm", "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "self_attention.linear_qkv": "self_attention.query_key_value", "self_attention.linear_proj": "self_attention.dense",
-    "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "post_attention_layernorm.bias",
     "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h",
 }
@@ -215,7 +216,8 @@ def to_hf_gpt2(flat: dict, args, version: float) -> tuple:
         missing = [k for k in ("input_layernorm.weight", "self_attention.query_key_value.weight") if m + k not in flat]
         if missing:
             raise UsageError(f"the checkpoint has no {m + missing[0]}: its layers do not match num_layers={layers}")
-        sd[h + "ln_1.weight"], sd[h + "ln_1.bias"] = flat[m + "input_layernorm.weight"], flat[m + "input_layernorm.bias"]
+        sd[h + "ln_1.weight"] = flat[m + "input_layernorm.weight"]
+        sd[h + "ln_1.bias"] = flat[m + "input_layernorm.bias"]
         sd[h + "attn.c_attn.weight"] = _qkv_to_hf(flat[m + "self_attention.query_key_value.weight"], heads, version).t()
         sd[h + "attn.c_attn.bias"] = _qkv_to_hf(flat[m + "self_attention.query_key_value.bias"], heads, version)
         sd[h + "attn.c_proj.weight"] = flat[m + "self_attention.dense.weight"].t()

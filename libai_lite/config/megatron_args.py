@@ -78,7 +78,8 @@ _DIRECT: Dict[str, tuple] = {
 _SWITCHES: Dict[str, Dict[str, Any]] = {
     "--fp16": {"train.amp.enabled": True, "train.amp.dtype": "fp16"},
     "--bf16": {"train.amp.enabled": True, "train.amp.dtype": "bf16"},
-    "--checkpoint-activations": {"train.activation_checkpoint.enabled": True, "train.activation_checkpoint.mode": "full"},
+    "--checkpoint-activations": {"train.activation_checkpoint.enabled": True,
+                                 "train.activation_checkpoint.mode": "full"},
     "--recompute-activations": {"train.activation_checkpoint.enabled": True,
                                 "train.activation_checkpoint.mode": "selective"},
     "--sequence-parallel": {"train.dist.sequence_parallel": True},
@@ -200,7 +201,8 @@ def translate_megatron_args(text: str, checkpoint_exists: Callable[[str], str] =
         kind = checkpoint_exists(load)
         if kind == "megatron":
             raise UsageError(f"--load {load} is a Megatron-LM checkpoint: convert it first with python "
-                             f"tools/convert_checkpoint.py --from megatron --input {load} --output DIR, then --load DIR")
+                             f"tools/convert_checkpoint.py --from megatron --input {load} --output DIR, "
+                             f"then --load DIR")
         if load == a.get("train.output_dir"):
             run.resume = True
         elif kind == "ours":

@@ -266,7 +266,8 @@ def open_corpus(path: str, keys: Sequence[str], text_docs: Optional[str] = None,
         raise CorpusError(f"{path} is neither JSON lines nor a known format; for plain text pass --text-docs line "
                           f"(a document per line) or --text-docs blank-line (documents between blank lines)")
     if mode is not None and len(keys) != 1:
-        raise CorpusError(f"plain text has one field: pass one --json-keys (it names the output files), not {len(keys)}")
+        raise CorpusError(f"plain text has one field: pass one --json-keys (it names the output files), "
+                          f"not {len(keys)}")
     compressed = magic.startswith((_GZIP, _ZSTD))
     kind = ("compressed " if compressed else "") + ("text" if mode else "JSON lines")
 

@@ -54,13 +54,15 @@ COMMON = ["train.train_iter=3", "train.train_micro_batch_size=2", "train.test_mi
           "+train.log_memory_estimate=False"]
 TINY = {
     GPT: ["model.cfg.hidden_layers=2", "model.cfg.hidden_size=64", "model.cfg.ffn_hidden_size=128",
-          "model.cfg.num_attention_heads=4", "model.cfg.max_seq_length=32", "dataloader.train.dataset.0.max_seq_length=32",
+          "model.cfg.num_attention_heads=4", "model.cfg.max_seq_length=32",
+          "dataloader.train.dataset.0.max_seq_length=32",
           "train.dist.pipeline_num_layers=2"],
     T5: ["model.cfg.hidden_layers=1", "model.cfg.hidden_size=32", "model.cfg.intermediate_size=64",
          "model.cfg.num_attention_heads=2", "dataloader.train.dataset.0.max_seq_length=32",
          "dataloader.train.dataset.0.max_seq_length_dec=16", "train.dist.pipeline_num_layers=2"],
     MT5: ["model.cfg.hidden_layers=1", "model.cfg.hidden_size=32", "model.cfg.head_size=16",
-          "model.cfg.intermediate_size=64", "model.cfg.num_attention_heads=2", "dataloader.train.dataset.0.max_seq_length=32",
+          "model.cfg.intermediate_size=64", "model.cfg.num_attention_heads=2",
+          "dataloader.train.dataset.0.max_seq_length=32",
           "dataloader.train.dataset.0.max_seq_length_dec=16", "train.dist.pipeline_num_layers=2", "train.train_epoch=0",
           "train.num_accumulation_steps=1"],
 }
@@ -113,7 +115,8 @@ def test_configs_load_as_this_projects_objects(libai_tree):
     assert gpt.dataloader.train._target_.__module__ == "libai_lite.data.libai_compat"
     assert gpt.optim._target_.__module__ == "libai_lite.optim.libai_compat"
     t5 = LazyConfig.load(libai_tree / T5)
-    assert t5.model._target_.__module__ == "projects.MT5.libai_compat" and t5.model._target_.__name__ == "T5ForPreTraining"
+    assert t5.model._target_.__module__ == "projects.MT5.libai_compat"
+    assert t5.model._target_.__name__ == "T5ForPreTraining"
     mt5 = LazyConfig.load(libai_tree / MT5)
     assert mt5.model._target_.__name__ == "MT5ForPreTraining" and mt5.model.cfg.initializer_range == 0.02
     # LiBai's train.update(...) kept its own keys: the file's evaluation, scheduler and dist.
