@@ -4,6 +4,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from libai_lite.layers import Embedding
 from libai_lite.layers.init_methods import InitMethod
@@ -63,7 +64,9 @@ def bucket_map(query_length: int, key_length: int, query_offset: int = 0, *, bid
     """
     args = (int(query_length), int(key_length), int(query_offset), bool(bidirectional), int(num_buckets),
             int(max_distance), torch.device(device if device is not None else "cpu"))
-    if torch.compiler.is_compiling():
+    # Under a tracing mode (the memory planner's FakeTensorMode, a dispatch-mode counter) the result would be a
+    # fake or traced tensor: keeping it would hand a FakeTensor to the first real step.
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return _buckets(*args)
     return _cached_buckets(*args)
 
