@@ -72,6 +72,7 @@ _DIRECT: Dict[str, tuple] = {
     "--make-vocab-size-divisible-by": ("tokenization.make_vocab_size_divisible_by", _int),
     "--num-workers": ("dataloader.train.num_workers", _int),
     "--initial-loss-scale": ("train.amp.initial_scale", _num),
+    "--loss-scale": ("train.amp.initial_scale", _num),
     "--loss-scale-window": ("train.amp.growth_interval", _int),
 }
 # Switches (no value) -> assignments.
@@ -108,12 +109,37 @@ _NO_EFFECT: Dict[str, str] = {
     "--tokenizer-type": "GPT2BPETokenizer is the GPT project's tokenizer",
     "--deepspeed": "ZeRO is train.zero_optimization here",
     "--deepspeed_config": "ZeRO is train.zero_optimization here",
+    "--deepspeed-activation-checkpointing": "activation checkpointing follows --checkpoint-activations",
+    "--partition-activations": "checkpointed activations stay on their rank",
+    "--checkpoint-num-layers": "train.activation_checkpoint.every_n_layers chooses the layers",
+    "--no-pipeline-parallel": "pipeline parallelism is train.dist.pipeline_parallel_size",
+    "--hysteresis": "the loss scale halves at the first overflow",
+    "--attention-softmax-in-fp32": "softmax runs in fp32 here",
+    "--no-query-key-layer-scaling": "an fp16 overflow guard; softmax runs in fp32 here",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are reduced in their own dtype (fp32 master weights)",
+    "--use-checkpoint-lr-scheduler": "the schedule is this run's config; a resume keeps its position",
+    "--override-opt_param-scheduler": "the schedule is this run's config; a resume keeps its position",
+    "--override-lr-scheduler": "the schedule is this run's config; a resume keeps its position",
+    "--no-async-tensor-model-parallel-allreduce": "collectives are DTensor's",
+}
+# Flags of other model families: refused with where they are built here.
+_REFUSED: Dict[str, str] = {
+    "--swiglu": "a Llama-style model: use projects/Llama's configs",
+    "--use-rotary-position-embeddings": "a Llama-style model: use projects/Llama's configs",
+    "--position-embedding-type": "a Llama-style model (rope): use projects/Llama's configs",
+    "--normalization": "a Llama-style model (RMSNorm): use projects/Llama's configs",
+    "--disable-bias-linear": "a Llama-style model: use projects/Llama's configs",
+    "--group-query-attention": "a Llama-style model: use projects/Llama's configs",
+    "--num-query-groups": "a Llama-style model: use projects/Llama's configs",
+    "--untie-embeddings-and-output-weights": "the GPT project ties its LM head to the embedding",
+    "--num-layers-per-virtual-pipeline-stage": "set train.dist.virtual_pipeline_size and pipeline_schedule instead",
+    "--num-experts": "write a config with model.cfg.moe (README 'Mixture of experts')",
 }
 # Flags with a rule of their own (handled in translate_megatron_args).
 _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "--lr-warmup-fraction",
           "--lr-warmup-iters", "--load", "--data-path", "--adam-beta1", "--adam-beta2", "--hidden-dropout",
           "--recompute-granularity", "--zero-stage", "--cpu-optimizer")
-KNOWN_FLAGS = sorted(set(_DIRECT) | set(_SWITCHES) | set(_NO_EFFECT) | set(_RULES))
+KNOWN_FLAGS = sorted(set(_DIRECT) | set(_SWITCHES) | set(_NO_EFFECT) | set(_RULES) | set(_REFUSED))
 _DECAY = {"cosine": "cosine", "linear": "linear", "constant": "constant", "inverse-square-root": None}
 
 
@@ -154,6 +180,8 @@ def translate_megatron_args(text: str, checkpoint_exists: Callable[[str], str] =
     given = dict(_parse(text))
     a = run.assignments
     for name, values in given.items():
+        if name in _REFUSED:
+            raise UsageError(f"Megatron flag {name} is not built from a command line here: {_REFUSED[name]}")
         if name in _DIRECT:
             key, convert = _DIRECT[name]
             a[key] = _one(name, values, convert)

@@ -72,3 +72,23 @@ def test_rules_of_the_flags_without_a_one_to_one_key():
         translate_megatron_args("--train-iters 100 --lr-decay-iters 50 --lr 1e-4")
     with pytest.raises(UsageError, match="Megatron-LM checkpoint: convert it first"):
         translate_megatron_args("--load ckpt", lambda path: "megatron")
+
+
+def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate():
+    # Megatron-DeepSpeed's examples/run_deepspeed_example.sh and OneFlow-GPT's pretrain script flags.
+    ds = translate_megatron_args(
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024 "
+        "--num-attention-heads 16 --micro-batch-size 4 --global-batch-size 64 --seq-length 1024 "
+        "--max-position-embeddings 1024 --train-iters 5000 --lr-decay-iters 5000 --data-path d_text_document "
+        "--vocab-file v.json --merge-file m.txt --data-impl mmap --split 949,50,1 --distributed-backend nccl "
+        "--lr 1.5e-4 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 "
+        "--lr-warmup-fraction .01 --checkpoint-activations --log-interval 10 --save-interval 1000 "
+        "--eval-interval 1000 --eval-iters 10 --fp16 --loss-scale 12 --hysteresis 2 --deepspeed "
+        "--deepspeed_config ds.json --zero-stage 1 --deepspeed-activation-checkpointing --partition-activations "
+        "--checkpoint-num-layers 1")
+    a = ds.assignments
+    assert a["train.dist.pipeline_parallel_size"] == 2 and a["train.zero_optimization.stage"] == 1
+    assert a["train.amp.initial_scale"] == 12.0 and ds.parallel_sizes == {"tp": 2, "pp": 2}
+    assert any(n.startswith("--partition-activations") for n in ds.no_effect)
+    with pytest.raises(UsageError, match="--swiglu is not built from a command line here: a Llama-style model"):
+        translate_megatron_args("--num-layers 2 --swiglu")
