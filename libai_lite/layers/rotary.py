@@ -117,7 +117,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, ...]:
         """``position_ids`` ``[batch, seq]`` (or ``[seq]``) -> ``(cos, sin)`` in ``dtype``."""
         compiling = _compiling()
-        key = (*self._key, dtype, position_ids._version) if not compiling else None
+        # Inference tensors cannot be saved for a backward: angles from inference mode stay there.
+        key = (*self._key, dtype, position_ids._version, torch.is_inference_mode_enabled()) if not compiling else None
         cached = None if compiling else _ANGLES.get(position_ids, key)
         if cached is not None:
             return cached

@@ -304,3 +304,14 @@ def test_an_old_checkpoint_loads_into_the_fused_mlp_sharded_over_two_ranks(tmp_p
     spawn_ranks(_load_old_checkpoint_under_fsdp, 2,
                 (2, str(tmp_path / "store"), path, str(tmp_path / "expected.pt"), str(tmp_path / "result")))
     assert (tmp_path / "result").read_text() == "ok"
+
+
+def test_rotary_angles_from_inference_mode_are_not_reused_for_training():
+    from libai_lite.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rotary, pos = RotaryEmbedding(16), torch.arange(5)[None]
+    with torch.inference_mode():
+        rotary(pos)
+    q = torch.randn(1, 2, 5, 16, requires_grad=True)
+    apply_rotary(q, *rotary(pos)).sum().backward()  # an inference tensor saved for backward would raise
+    assert q.grad is not None
