@@ -15,7 +15,7 @@ family, as ``bench/train_throughput.py`` steps it) and reports per step:
 
     python bench/step_profile.py --model gpt --size demo
 
-The last line is one JSON object.
+``--smoke``: one warm-up and one profiled step. The last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -65,7 +65,10 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled ones")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (the counts are per step)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--smoke", action="store_true", help="one warm-up and one profiled step (the test suite's run)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.warmup, args.steps = 1, 1
     family = FAMILIES[args.model]
     if args.size not in family.sizes:
         p.error(f"--size {args.size} is not a {args.model} size; {args.model} has {', '.join(family.sizes)}")
