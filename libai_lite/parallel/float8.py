@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -153,6 +154,10 @@ def float8_after_optimizer_step(optimizer, module: nn.Module) -> bool:
     there were any."""
     from torch.distributed.tensor import DTensor
 
+    # Without a float8 conversion torchao was never imported: importing it here would cost every run its
+    # import time (and its warnings about kernels built for other GPUs) for nothing.
+    if "torchao" not in sys.modules:
+        return False
     try:
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
     except ImportError:
