@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps per window; the background write should end within it")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
+    p.add_argument("--writer-threads", type=int, default=None,
+                   help="DCP writer threads per save (default: the Checkpointer's, 1 without a GPU, 4 with one)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, 1 round of 2 steps (the test suite's run)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -137,7 +139,8 @@ def main(argv=None) -> dict:
     size = 0
     # One checkpointer per mode for the whole job, as a training run has (async_save keeps its
     # staging memory from one save to the next).
-    cks = {m: Checkpointer(model, optimizer, str(base / m), async_save=(m == "async")) for m in MODES}
+    cks = {m: Checkpointer(model, optimizer, str(base / m), async_save=(m == "async"),
+                           writer_threads=args.writer_threads) for m in MODES}
     try:
         for r in range(args.rounds + 1):
             order = MODES[r % 3:] + MODES[:r % 3]
@@ -163,6 +166,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "checkpoint_stall", "config": args.config, "smoke": args.smoke, "parameters": params,
               "checkpoint_bytes": size, "seq_length": args.seq_length, "micro_batch": args.micro_batch,
               "steps_per_save": args.steps_per_save, "rounds": args.rounds,
+              "writer_threads": cks["sync"].writer_threads,
               "step_s": statistics.median(x["window_s"] for x in none) / args.steps_per_save}
     for mode in ("sync", "async"):
         result[mode] = {
