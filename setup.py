@@ -19,6 +19,9 @@ setup(
     packages=find_packages(
         include=["libai_lite", "libai_lite.*", "configs", "configs.*", "projects", "projects.*"]
     ),
+    # Plugins the core finds without naming a project: LiBai's model-level names for LiBai config files
+    # (libai_lite/config/libai_compat.py reads this group; a project of yours can add an entry).
+    entry_points={"libai_lite.libai_names": ["projects = projects.libai_compat:LIBAI_NAMES"]},
     install_requires=[
         # 2.11.0a0 as the floor admits the pre-release builds NVIDIA's containers ship (2.11.0a0+<git>).
         "torch>=2.11.0a0,<=2.13.0",

@@ -5,8 +5,8 @@ A LiBai config imports ``libai.config``, ``libai.scheduler``, ``libai.data...``,
 those imports are answered from the tables below instead of ``sys.modules``/``sys.path``: no
 top-level ``libai`` or ``oneflow`` package is installed or registered, so a real LiBai install keeps
 working in the same environment. Names the core does not have (model classes, model-specific
-datasets) come from the module ``projects.libai_compat``, which the model projects fill: the core
-names no model.
+datasets) come from the tables installed packages declare under the ``libai_lite.libai_names`` entry-point
+group (this repository's projects declare theirs in setup.py): the core names no model and no project.
 
 After the load, :func:`translate_libai_config` rewrites the keys that mean something else here
 (``train.amp.enabled`` is fp16 in LiBai) and names, in one warning line, every LiBai key that has
@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import types
+from importlib.metadata import entry_points
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, open_dict
@@ -29,8 +30,8 @@ logger = logging.getLogger("libai_lite")
 
 # Top-level module names a LiBai config imports that are answered here.
 LIBAI_TOPS = ("libai", "oneflow")
-# The module the projects fill with LiBai's model-level names ({"libai.models": {"T5Model": ...}}).
-_PROJECT_TABLE = "projects.libai_compat"
+# The entry-point group whose entries are tables of LiBai's model-level names ({"libai.models": {"T5Model": ...}}).
+_NAMES_GROUP = "libai_lite.libai_names"
 
 # LiBai module -> {name: "module:attribute" of its counterpart here}.
 _CORE_NAMES: Dict[str, Dict[str, str]] = {
@@ -107,12 +108,12 @@ def _resolve(spec: Any) -> Any:
 
 
 def _project_names() -> Dict[str, Dict[str, Any]]:
-    try:
-        return dict(getattr(importlib.import_module(_PROJECT_TABLE), "LIBAI_NAMES", {}))
-    except ModuleNotFoundError as e:
-        if e.name not in ("projects", _PROJECT_TABLE):
-            raise
-        return {}
+    """LiBai's model-level names from every installed table of the ``libai_lite.libai_names`` group."""
+    tables: Dict[str, Dict[str, Any]] = {}
+    for entry in entry_points(group=_NAMES_GROUP):
+        for module, names in dict(entry.load()).items():
+            tables.setdefault(module, {}).update(names)
+    return tables
 
 
 class LibaiImports:
@@ -188,7 +189,7 @@ def translate_libai_config(cfg: Any) -> List[str]:
     warn once about the keys with none. Returns the keys named in the warning.
 
     Translated: ``train.amp.enabled=True`` (fp16 in LiBai) gets ``train.amp.dtype="fp16"`` unless a dtype is
-    set; ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
+    set; ``train.dist.data_parallel_size`` becomes null (LiBai always derives it from the launch); ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
     ``Acc@1``) becomes ``PPL``; the ``graph`` section is dropped (named in the warning); ``dataloader.train``
     gets the run's tokenizer, which LiBai's T5 dataset needs.
     """
@@ -203,6 +204,13 @@ def translate_libai_config(cfg: Any) -> List[str]:
             amp.dtype = "fp16"
         logger.warning("LiBai key translated: train.amp.enabled=True is fp16 with loss scaling in LiBai, so "
                        "train.amp.dtype=fp16 here (set train.amp.dtype=bf16 for bfloat16)")
+    dist = _select(cfg, "train.dist")
+    if isinstance(dist, DictConfig) and dist.get("data_parallel_size") is not None:
+        # LiBai derives it from the launch whatever the file says; here a number must match the launch.
+        logger.warning(f"LiBai key translated: train.dist.data_parallel_size={dist.data_parallel_size} is "
+                       f"world / (tp x pp) in LiBai whatever the file says, so null here (the launch decides)")
+        with open_dict(dist):
+            dist.data_parallel_size = None
     ev = _select(cfg, "train.evaluation")
     if isinstance(ev, DictConfig) and "PPLEvaluator" in _target_name(ev.get("evaluator")) \
             and ev.get("eval_metric") not in (None, "PPL"):

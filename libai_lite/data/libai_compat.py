@@ -4,7 +4,7 @@ LiBai describes data as ``build_nlp_train_val_test_loader(dataset=[GPT2Dataset(d
 indexed_dataset=get_indexed_dataset(...)), ...], splits=[[949, 50, 1]], weights=[1.0])``. Here the
 dataset classes return a :class:`LibaiDataset` description (instantiating a config builds the inner
 calls first), and the loader builder hands it, with the run's sample counts and layout, to the loader
-builder it names: the GPT one of this package, or one a project registers (``projects.libai_compat``).
+builder it names: the GPT one of this package, or one a project registers (the ``libai_lite.libai_names`` entry points).
 LiBai splits documents as legacy Megatron-LM does, so ``split_rounding="legacy"``.
 """
 from __future__ import annotations

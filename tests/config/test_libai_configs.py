@@ -122,6 +122,8 @@ def test_configs_load_as_this_projects_objects(libai_tree):
     # LiBai's train.update(...) kept its own keys: the file's evaluation, scheduler and dist.
     assert mt5.train.scheduler._target_.__name__ == "WarmupExponentialLR"
     assert mt5.train.dist.tensor_parallel_size == 2
+    # LiBai's data_parallel_size=2 is ignored there (world / (tp x pp)): null here, so the launch decides.
+    assert mt5.train.dist.data_parallel_size is None
     # No libai or oneflow module is left behind for a real LiBai install to trip over.
     assert not [m for m in sys.modules if m.split(".")[0] in ("libai", "oneflow")]
 
