@@ -75,8 +75,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--compile", action="store_true",
-                   help="our model compiled per transformer layer (train.compile) against our model eager, "
+                   help="our model compiled (train.compile; --compile-scope) against our model eager, "
                         "instead of against HF")
+    p.add_argument("--compile-scope", choices=["model", "layers"], default="model",
+                   help="with --compile: the whole model (what train.compile.scope=auto does on one GPU) or each "
+                        "transformer layer (under a pipeline, tp or data parallelism)")
+    p.add_argument("--compile-mode", default=None,
+                   help="with --compile: torch.compile's mode (train.compile.mode), e.g. reduce-overhead")
     p.add_argument("--compile-loss", action="store_true",
                    help="with --compile: also compile the cross entropy (train.compile.loss; with "
                         "--unfused-cross-entropy, else our fused head never calls it)")
@@ -389,7 +394,8 @@ def timed_warmup(stepper, steps: int, device: torch.device) -> float:
 
 
 def compile_main(args, device: torch.device, amp_dtype) -> dict:
-    """``--compile``: our model compiled per layer against itself eager; prints a table and the JSON line."""
+    """``--compile``: our model compiled (whole or per layer, ``--compile-scope``) against itself eager; prints a
+    table and the JSON line."""
     from torch._dynamo.utils import counters
 
     from libai_lite.parallel.compile import CompileOptions, apply_compile
@@ -399,8 +405,8 @@ def compile_main(args, device: torch.device, amp_dtype) -> dict:
     for name in ("eager", "compiled"):
         torch.manual_seed(args.seed)
         models[name] = family.build_ours(shape, device, fused_cross_entropy=not args.unfused_cross_entropy)
-    options = CompileOptions(enabled=True, loss=args.compile_loss)
-    apply_compile(models["compiled"], options)
+    options = CompileOptions(enabled=True, loss=args.compile_loss, scope=args.compile_scope, mode=args.compile_mode)
+    apply_compile(models["compiled"], options, whole_model_ok=True)
     batches = make_batches(args, device)
     steppers = {name: OursStepper(m, batches, device, amp_dtype, args.fused_adamw) for name, m in models.items()}
     # One untimed eager step first: the process's one-off costs (thread pools, allocator) would
@@ -418,6 +424,7 @@ def compile_main(args, device: torch.device, amp_dtype) -> dict:
         "benchmark": "train_throughput_compile",
         "model": args.model, "size": args.size, "device": str(device), "dtype": args.dtype,
         "threads": torch.get_num_threads(), "backend": options.backend, "compile_loss": options.loss,
+        "compile_scope": options.scope, "compile_mode": options.mode,
         "layers": shape["layers"], "hidden": shape["hidden"], "seq_length": shape["seq"], "vocab": shape["vocab"],
         "micro_batch": args.micro_batch, "steps_per_block": args.steps, "blocks": args.blocks,
         "warmup": args.warmup, "ours_fused_cross_entropy": not args.unfused_cross_entropy,
