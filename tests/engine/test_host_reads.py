@@ -32,7 +32,9 @@ def test_no_host_reads_in_a_training_step(tmp_path, layout):
         assert sorted(map(int, record["steps"])) == list(range(STEPS))
         for it, reads in record["steps"].items():
             if layout == "pp2" and it == "0":
-                # torch's pipelining infers the stages' shapes on its first step, once (a few reads).
+                # torch's pipelining infers the stages' shapes on its first step, once: a few reads,
+                # all inside its schedule (the innermost frame of ours is the schedule's call).
+                assert all(r.split(" at ")[1].startswith("pipeline.py:") for r in reads), reads
                 continue
             assert reads == [], f"rank {rank}, iteration {it}: {len(reads)} host reads in run_step: {reads}"
         # Between log lines the hooks read nothing either; a log line reads the trainer's skip

@@ -43,7 +43,7 @@ def _is_read(func, args) -> bool:
 
 
 class HostReadCounter(TorchDispatchMode):
-    """Records each host read (op name and the innermost project frame) while counting is on."""
+    """Records each host read (op name, the innermost project frame, the innermost frames) while counting is on."""
 
     def __init__(self):
         super().__init__()
@@ -52,7 +52,7 @@ class HostReadCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused and _is_read(func, args):
-            # The innermost project frame, and the innermost frame of all (often inside torch).
+            # The innermost project frame, then the three innermost frames of all (often inside torch).
             stack = traceback.extract_stack()[:-1]
             ours = [f for f in stack if "libai_lite" in f.filename or "projects" in f.filename]
             where = [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in (ours[-1:] + stack[-3:])]
