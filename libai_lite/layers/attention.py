@@ -7,7 +7,7 @@ from torch import nn
 
 from ..parallel.sbp import broadcast, declare, hidden
 from ..utils.errors import UsageError
-from .flex_attention import AttentionMask, dense_bias, flex_attend, flex_enabled, shared_mask
+from .flex_attention import AttentionMask, flex_attend, flex_enabled, shared_mask
 from .init_methods import InitMethod
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
@@ -304,11 +304,7 @@ class MultiheadAttention(nn.Module):
         keep = mask.keep_mask
         if table is None and (keep is None or mask.sees_itself):
             return keep  # boolean, as document_mask: no row is empty
-        bias = torch.zeros((), dtype=query.dtype, device=query.device)
-        if table is not None:
-            bias = bias + dense_bias(table, buckets).to(query.dtype)
-        # A finite floor, as _score_mask: a row with no visible key gets uniform weights, not NaN.
-        return bias if keep is None else torch.where(keep, bias, torch.finfo(query.dtype).min)
+        return mask.dense_bias(table, buckets, query.dtype)
 
     def _score_mask(self, query, key, attention_mask, position_bias, document_ids=None):
         """Return ``(attn_mask, is_causal)`` for SDPA, preferring the mask-free causal kernel when possible."""

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BACKENDS = ("auto", "flex", "dense")
 _backend = "auto"
@@ -55,6 +56,12 @@ def flex_enabled(device, dropout_p: float = 0.0) -> bool:
 def _compiled_flex():
     # Created once: every call site shares one compiled function (and its cache of kernels per shape).
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _tracing() -> bool:
+    # Under torch.compile or a dispatch mode (the memory planner's FakeTensorMode, an op counter) a
+    # tensor is a fake or traced one: nothing built there may be kept for a later real step.
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def _table_bias(table: torch.Tensor, buckets: torch.Tensor):
@@ -112,6 +119,7 @@ class AttentionMask:
         self._block_mask: Optional[BlockMask] = None
         self._keep_mask: Optional[torch.Tensor] = None
         self._keep_built = False
+        self._dense_bias = None
 
     @property
     def sees_itself(self) -> bool:
@@ -167,6 +175,27 @@ class AttentionMask:
             self._keep_mask, self._keep_built = self._dense_keep(), True
         return self._keep_mask
 
+    def dense_bias(self, table: Optional[torch.Tensor], buckets: Optional[torch.Tensor], dtype) -> torch.Tensor:
+        """This mask and ``table[buckets]`` as one additive SDPA mask ``[batch or 1, heads, q, k]``.
+
+        Masked scores get a finite floor (``finfo.min``): a row with no visible key gets uniform
+        weights, not NaN. Every layer of a stack passes the same table: the first builds it, the
+        others reuse it (outside compiled regions), so the dense path gathers and masks once per stack.
+        """
+        kept = self._dense_bias
+        if kept is not None and kept[0] is table and kept[1] is buckets and kept[2] == dtype:
+            return kept[3]
+        device = self.device if table is None else table.device
+        bias = torch.zeros((), dtype=dtype, device=device)
+        if table is not None:
+            bias = bias + dense_bias(table, buckets).to(dtype)
+        keep = self.keep_mask
+        if keep is not None:
+            bias = torch.where(keep, bias, torch.finfo(dtype).min)
+        if not _tracing():
+            self._dense_bias = (table, buckets, dtype, bias)
+        return bias
+
     def _dense_keep(self) -> Optional[torch.Tensor]:
         q, k, dev = self.q_len, self.k_len, self.device
         keep = None
@@ -204,7 +233,7 @@ def shared_mask(q_len: int, k_len: int, *, causal: bool, window: Optional[int], 
     def build():
         return AttentionMask(q_len, k_len, causal=causal, window=window, document_ids=document_ids, device=device)
 
-    if torch.compiler.is_compiling():
+    if _tracing():
         return build().prepare(flex)
     key = (int(q_len), int(k_len), bool(causal), window, str(device),
            None if document_ids is None else document_ids._version)

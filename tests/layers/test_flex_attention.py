@@ -234,3 +234,14 @@ def test_packed_document_mask_is_built_once_for_every_layer(monkeypatch):
         for layer in layers:  # a window alone (no documents) is shared too
             layer(x)
         assert len(built) == 4
+
+
+def test_a_mask_built_under_fake_tensors_is_not_kept_for_a_real_step():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    layer = _attention("causal", hidden=32, sliding_window=9)
+    with torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True):  # as the memory planner's start-up estimate
+            layer(torch.randn(2, 28, 32))
+        out = layer(torch.randn(2, 28, 32))
+    assert not isinstance(out, FakeTensor) and torch.isfinite(out).all()
