@@ -18,13 +18,17 @@ import numpy as np
 import torch
 
 from .gpt_dataset import GPTDataset, check_token_ids, index_stem, num_epochs_needed, token_id_range
-from .index_budget import check_index_budget
+from .index_budget import Progress, available_memory, check_index_budget
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from .packing import check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
+from ..utils.events import format_bytes
 
 SPLIT_NAMES = ("train", "valid", "test")
+_BLEND_CHUNK = 1 << 20
+# build_blending_indices' two Python lists: a pointer each, plus an int object for most sample numbers.
+_BLEND_BYTES_PER_SAMPLE = 2 * 8 + 32
 logger = logging.getLogger("libai_lite")
 
 
@@ -129,15 +133,19 @@ def build_blending_indices(weights, size: int) -> tuple:
     # at ~0.3 s per million samples, which is the price of matching Megatron's order exactly.
     w, counts, others = (weights / weights.sum()).tolist(), [0] * weights.size, range(1, weights.size)
     chosen, taken = [0] * size, [0] * size
-    for n in range(size):
-        scale = n if n > 1 else 1.0
-        best, best_err = 0, w[0] * scale - counts[0]
-        for i in others:
-            err = w[i] * scale - counts[i]
-            if err > best_err:
-                best, best_err = i, err
-        chosen[n], taken[n] = best, counts[best]
-        counts[best] += 1
+    progress = Progress("blending datasets", size)
+    # In chunks, so a long blend reports progress at no cost per sample.
+    for lo in range(0, size, _BLEND_CHUNK):
+        for n in range(lo, min(lo + _BLEND_CHUNK, size)):
+            scale = n if n > 1 else 1.0
+            best, best_err = 0, w[0] * scale - counts[0]
+            for i in others:
+                err = w[i] * scale - counts[i]
+                if err > best_err:
+                    best, best_err = i, err
+            chosen[n], taken[n] = best, counts[best]
+            counts[best] += 1
+        progress(min(lo + _BLEND_CHUNK, size))
     return np.array(chosen, dtype=np.uint8 if weights.size < 256 else np.int32), np.array(taken, dtype=np.int64)
 
 
@@ -149,6 +157,11 @@ class BlendableDataset(torch.utils.data.Dataset):
             raise UsageError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
         self.datasets = list(datasets)
         self.size = int(size)
+        have = available_memory()
+        if have is not None and self.size * _BLEND_BYTES_PER_SAMPLE > have:
+            raise UsageError(f"blending {self.size:,} samples needs about "
+                             f"{format_bytes(self.size * _BLEND_BYTES_PER_SAMPLE)} of memory, more than the "
+                             f"{format_bytes(have)} available; lower train.train_iter or train.evaluation.eval_iter")
         self.dataset_index, self.dataset_sample_index = build_blending_indices(weights, self.size)
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for i, (ds, need) in enumerate(zip(self.datasets, counts)):

@@ -71,3 +71,19 @@ def test_t5_loaders_cap_eval_iter_by_their_valid_split():
     per_epoch = t5_valid_samples_per_epoch(prefix, max_seq_length=64)
     assert 0 < per_epoch < valid_samples_per_epoch(prefix, "949,50,1", 64)  # raw windows are longer
     assert cap_eval_iter(loader, 10**9, 4) == max(1, per_epoch // 4)
+
+
+def test_a_blend_beyond_memory_is_one_line_and_a_long_blend_shows_progress(monkeypatch, caplog):
+    import libai_lite.data.build as build
+    import libai_lite.data.index_budget as budget
+
+    monkeypatch.setattr(build, "available_memory", lambda: 10**6)
+    with pytest.raises(UsageError, match="blending 1,000,000 samples needs about .* lower train.train_iter"):
+        build.BlendableDataset([list(range(10**6))] * 2, [0.5, 0.5], 10**6)
+    monkeypatch.setattr(build, "available_memory", lambda: 2**40)
+    monkeypatch.setattr(build, "_BLEND_CHUNK", 4)
+    monkeypatch.setattr(budget, "_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO):
+        index, _ = build.build_blending_indices([0.5, 0.5], 10)
+    assert index.tolist() == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
+    assert "blending datasets: 8/10 (80%), ETA" in caplog.text
