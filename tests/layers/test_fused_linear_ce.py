@@ -79,7 +79,6 @@ def test_chunked_kernel_matches_the_unfused_loss_and_gradients(compute_dtype):
     assert h.grad.dtype == w.grad.dtype == torch.float32
 
 
-@pytest.mark.slow  # a cold inductor build of two graphs: about a minute on two busy cores
 def test_chunked_kernel_under_inductor_and_autocast_through_linear_cross_entropy():
     """``linear_cross_entropy(kernel="chunked")`` compiled by inductor, bf16 autocast, on a [batch, seq] target."""
     hidden, weight, target, grad = _inputs(seed=1)

@@ -180,6 +180,27 @@ def test_whole_model_is_compiled_where_nothing_needs_the_layers_apart():
     assert apply_compile(build_model(), CompileOptions()) is None
 
 
+@pytest.mark.parametrize("layout,whole", [
+    (dict(), True),
+    (dict(pipeline_parallel_size=2), False),
+])
+def test_parallelize_compiles_the_whole_model_only_where_nothing_needs_the_layers_apart(layout, whole):
+    """``parallelize_part``'s choice for train.compile.scope=auto, on a one-rank layout (the others need
+    processes: their condition is the same expression)."""
+    from types import SimpleNamespace
+
+    from libai_lite.parallel.parallelize import parallelize_part
+
+    stub = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, context_parallel_size=1, replica_size=1,
+                           offload=False, zero_stage=0, sequence_parallel=False,
+                           replica_mesh=SimpleNamespace(size=lambda: 1))
+    stub.__dict__.update(layout)
+    model = build_model()
+    parallelize_part(model, stub, compile=CompileOptions(enabled=True))
+    assert (model._compiled_call_impl is not None) == whole
+    assert all((layer._compiled_call_impl is not None) != whole for layer in model.GPT_model.layers.values())
+
+
 def _fullgraph_train(build, whole_model):
     """Three SGD steps of ``build()`` compiled with fullgraph=True (a graph break raises) by aot_eager (the
     traced forward and backward graphs, without inductor's build time); the losses and compile counts."""
