@@ -107,7 +107,8 @@ def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: boo
     for loss in losses:
         loss.compile(**kwargs)
     logger.info(f"torch.compile ({options.backend}{f', {options.mode}' if options.mode else ''}) on "
-                f"{len(layers)} transformer layers" + (f" and {len(losses)} cross-entropy losses" if options.loss else ""))
+                f"{len(layers)} transformer layers"
+                + (f" and {len(losses)} cross-entropy losses" if options.loss else ""))
     return "layers"
 
 

@@ -159,7 +159,10 @@ def float8_after_optimizer_step(optimizer, module: nn.Module) -> bool:
     if "torchao" not in sys.modules:
         return False
     try:
-        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+        from torchao.float8.fsdp_utils import (
+            WeightWithDynamicFloat8CastTensor,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
     except ImportError:
         return False
     if not any(isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
