@@ -284,7 +284,8 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     if cp > 1:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-    _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None)
+    _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None,
+                    control=dist.new_group(backend="gloo") if world_size > 1 else None)
     return layout
 
 
@@ -293,7 +294,9 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
 # What this rank is doing, for the message a collective timeout turns into. A separate gloo
 # group (its own connections, untouched by the timed-out collective) lets rank 0 ask who is missing.
 _ACTIVITY: dict = {"what": "setup", "iteration": None}
-_MONITOR: dict = {"timeout_s": None, "group": None}
+# "control": a gloo group over all ranks for the few host scalars ranks agree on (the stop flag every step,
+# a log line's sums): reduced in host memory, so under NCCL they never wait on, or read back from, the GPU.
+_MONITOR: dict = {"timeout_s": None, "group": None, "control": None}
 
 
 def set_activity(what: str, iteration: int | None = None) -> None:
@@ -380,6 +383,8 @@ def _all_reduce_scalars(values: Sequence[float], group, op, mean: bool = False) 
     values = [float(v) for v in values]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
+    if group is None and _MONITOR["control"] is not None:
+        group = _MONITOR["control"]
     t = torch.tensor(values, dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(t, op=op, group=group)
     return (t / dist.get_world_size(group) if mean else t).tolist()
@@ -405,13 +410,13 @@ def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_MONITOR["control"])
     return box[0]
 
 
 def destroy() -> None:
     """Tear down the process group (end of a run or a test)."""
-    _MONITOR.update(timeout_s=None, group=None)
+    _MONITOR.update(timeout_s=None, group=None, control=None)
     set_activity("setup")
     if dist.is_initialized():
         dist.destroy_process_group()
