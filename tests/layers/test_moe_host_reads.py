@@ -100,3 +100,28 @@ def test_fixed_capacity_dispatch_equals_the_variable_one():
     params = [x, *layer.experts.parameters()]
     for a, b in zip(torch.autograd.grad(fixed, params, g, retain_graph=True), torch.autograd.grad(variable, params, g)):
         torch.testing.assert_close(a, b)
+
+
+def test_an_mt5_moe_training_step_reads_nothing_back():
+    # The whole model: embeddings, T5 attention with padding, MoE feed-forwards in every layer, the
+    # fused LM head and loss; forward and backward.
+    from projects.MT5.mt5_model import MT5ForPreTraining
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=128, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
+               intermediate_size=48, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, model_type="mt5",
+               moe=dict(enabled=True, num_experts=4, top_k=2, capacity_factor=1.25, every_n_layers=1))
+    model = MT5ForPreTraining(cfg)
+    enc, dec = torch.randint(1, 128, (2, 16)), torch.randint(1, 128, (2, 8))
+    enc_mask, dec_mask = torch.ones(2, 16, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    enc_mask[1, 12:] = 0
+    dec_mask[1, 6:] = 0
+    labels = dec.masked_fill(dec_mask == 0, -100)
+    for _ in range(2):  # the second step is counted (anything built once is built)
+        model.zero_grad(set_to_none=True)
+        with HostReads() as counter:
+            out = model(encoder_input_ids=enc, decoder_input_ids=dec, labels=labels, encoder_attn_mask=enc_mask,
+                        decoder_attn_mask=dec_mask)
+            (out["lm_loss"] + out["moe_aux_loss"]).backward()
+    assert dict(counter.reads) == {}
