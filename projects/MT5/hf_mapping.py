@@ -191,15 +191,17 @@ class _GateUp(tuple):
 
 
 def _mlp_pairs(cfg: MT5Config, ours: str, ffn: str):
+    """``(our key, Hugging Face key)`` of one feed-forward block; ``_mlp_names``' ``dense_h_to_4h_linear``
+    (the up projection's old name) is joined into the gated ``dense_h_to_4h``, a ``_GateUp`` pair."""
     names = dict(_mlp_names(cfg))
+    gated = "dense_h_to_4h" in names and LEGACY_UP in names
     for our_name, hf_name in _mlp_names(cfg):
-        if our_name == LEGACY_UP and "dense_h_to_4h" in names:
-            continue  # joined into dense_h_to_4h
-        if our_name == "dense_h_to_4h" and LEGACY_UP in names:
-            hf_name = _GateUp((f"{ffn}{hf_name}.weight", f"{ffn}{names[LEGACY_UP]}.weight"))
-            yield f"{ours}mlp.{our_name}.weight", hf_name
+        if gated and our_name == LEGACY_UP:
             continue
-        yield f"{ours}mlp.{our_name}.weight", f"{ffn}{hf_name}.weight"
+        theirs = f"{ffn}{hf_name}.weight"
+        if gated and our_name == "dense_h_to_4h":
+            theirs = _GateUp((theirs, f"{ffn}{names[LEGACY_UP]}.weight"))
+        yield f"{ours}mlp.{our_name}.weight", theirs
 
 
 def _key_pairs(cfg: MT5Config):
