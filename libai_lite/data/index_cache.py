@@ -1,0 +1,136 @@
+"""Index caches of the GPT dataset: files written atomically by global rank 0 under a file lock and
+memory-mapped by every rank and DataLoader worker (Megatron's names, next to the data or in
+``cache_dir``)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from typing import Callable
+
+import numpy as np
+
+from ..utils.distributed import barrier, get_rank
+from ..utils.files import atomic_write
+
+logger = logging.getLogger("libai_lite.data.gpt_dataset")
+
+
+def _atomic_write(path: str, data) -> None:
+    """Write an array as ``.npy`` or a dict as JSON so that readers see the whole file or none."""
+    if isinstance(data, np.ndarray):
+        atomic_write(path, lambda f: np.save(f, data, allow_pickle=False))
+    else:
+        atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
+
+
+def _load_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        # A plain ndarray view of the map (no copy): indexing a np.memmap builds a memmap object per
+        # row and element read, a third of the loader's time (bench/data_loader.py).
+        return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
+    except ValueError:
+        # An empty array cannot be memory-mapped; it is also too small to matter.
+        return np.load(path, allow_pickle=False)
+
+
+def _dir_writable(directory: str) -> bool:
+    directory = directory or "."
+    # root passes os.access everywhere; a directory with no write bit at all is meant read-only
+    # (shared fixtures, published corpora), so do not litter it even when we could.
+    return (os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+            and bool(os.stat(directory).st_mode & 0o222))
+
+
+_warned_read_only: set = set()
+
+
+def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
+    """Path stem for files cached about ``data_prefix``.
+
+    Next to the data it is the prefix itself (Megatron's names). In ``cache_dir`` the basename
+    gets a short hash of the prefix's absolute path, so ``en/text_document`` and
+    ``zh/text_document`` sharing one cache do not evict each other. When the data directory is
+    read-only and no ``cache_dir`` is given, ``$LIBAI_LITE_CACHE_DIR`` (default
+    ``~/.cache/libai_lite``) is used instead.
+    """
+    data_prefix = str(data_prefix)
+    if cache_dir is None:
+        if _dir_writable(os.path.dirname(data_prefix)):
+            return data_prefix
+        cache_dir = os.environ.get("LIBAI_LITE_CACHE_DIR", os.path.join("~", ".cache", "libai_lite"))
+        if data_prefix not in _warned_read_only:
+            _warned_read_only.add(data_prefix)
+            logger.warning(f"{os.path.dirname(data_prefix) or '.'} is not writable; caching dataset "
+                           f"indices in {cache_dir} (set cache_dir to choose another place)")
+    cache_dir = os.path.expanduser(str(cache_dir))
+    os.makedirs(cache_dir, exist_ok=True)
+    digest = hashlib.md5(os.path.abspath(data_prefix).encode()).hexdigest()[:8]
+    return os.path.join(cache_dir, f"{os.path.basename(data_prefix)}-{digest}")
+
+
+def index_stem(data_prefix: str, cache_dir: str | None, name: str, num_samples: int, seq_length: int,
+               seed: int) -> str:
+    """Where a split's index arrays are cached, without their ``_{kind}_idx.npy`` ending (Megatron's names)."""
+    return f"{cache_stem(data_prefix, cache_dir)}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
+
+
+@contextlib.contextmanager
+def _cache_lock(path: str, exclusive: bool):
+    """An advisory ``flock`` on ``{path}.lock``: builders take it exclusively, readers shared.
+
+    Two jobs (or two ranks of jobs sharing a cache) then never read arrays another is still
+    writing or removing. Where locks cannot be taken (a read-only cache, a filesystem without
+    ``flock``) the atomic writes alone still keep every file whole.
+    """
+    try:
+        f = open(f"{path}.lock", "a+b")
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError:
+            pass
+        yield  # closing the file releases the lock
+
+
+def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], what: str,
+                    open_cache: Callable[[], None] | None = None, lock: bool = True) -> None:
+    """Rank 0 builds when the cache is not valid; every rank then waits, checks and opens it.
+
+    With ``lock`` (caches of several files) the check and the build happen under one exclusive
+    lock, and every rank checks and opens the cache under a shared one, so another job rebuilding
+    the same files can never be caught half-way. A one-file cache written atomically needs none.
+    """
+    guard = _cache_lock if lock else (lambda path, exclusive: contextlib.nullcontext())
+    error = None
+    if get_rank() == 0:
+        try:
+            with guard(what, exclusive=True):
+                if not is_valid():
+                    build()
+        except Exception as e:  # reach the barrier anyway, or the other ranks hang until timeout
+            error = e
+    barrier()
+    if error is not None:
+        raise error
+    with guard(what, exclusive=False):
+        if not is_valid():
+            raise RuntimeError(
+                f"rank {get_rank()}: {what} is missing or stale after rank 0 built it; rank 0 failed "
+                f"(see its log) or the cache is not on storage every rank can read (set cache_dir)")
+        if open_cache is not None:
+            open_cache()
