@@ -23,7 +23,8 @@ class BertTokenizer(TokenizersBackend):
 
     def __init__(self, vocab_file, do_lower_case: bool = True, vocab_extra_ids: int = 0):
         vocab_file = check_file(
-            vocab_file, "BERT vocab file", "set tokenization.tokenizer.vocab_file (tools/preprocess_data.py: --vocab-file) to a "
+            vocab_file, "BERT vocab file",
+            "set tokenization.tokenizer.vocab_file (tools/preprocess_data.py: --vocab-file) to a "
             "WordPiece vocab.txt, e.g. data_test/bert/vocab.txt"
         )
         try:

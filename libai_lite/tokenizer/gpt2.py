@@ -21,11 +21,13 @@ class GPT2Tokenizer(TokenizersBackend):
 
     def __init__(self, vocab_file, merges_file):
         self.vocab_file = check_file(
-            vocab_file, "GPT-2 vocab file", "set tokenization.tokenizer.vocab_file (tools/preprocess_data.py: --vocab-file) to the GPT-2 "
+            vocab_file, "GPT-2 vocab file",
+            "set tokenization.tokenizer.vocab_file (tools/preprocess_data.py: --vocab-file) to the GPT-2 "
             "vocab.json, e.g. data_test/gpt2/vocab.json"
         )
         self.merges_file = check_file(
-            merges_file, "GPT-2 merges file", "set tokenization.tokenizer.merges_file (tools/preprocess_data.py: --merge-file) to the GPT-2 "
+            merges_file, "GPT-2 merges file",
+            "set tokenization.tokenizer.merges_file (tools/preprocess_data.py: --merge-file) to the GPT-2 "
             "merges.txt, e.g. data_test/gpt2/merges.txt"
         )
         try:
