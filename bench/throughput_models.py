@@ -196,6 +196,14 @@ def span_corruption_batch(shape: dict, micro_batch: int, gen: torch.Generator) -
     return batch
 
 
+def _mt5_lookup_weights(hf) -> torch.Tensor:
+    """The input embedding and both relative bias tables (lookups, as ours drops them), as one meta tensor
+    of their combined size."""
+    tables = [m.relative_attention_bias.weight for m in hf.modules() if hasattr(m, "relative_attention_bias")
+              and m.relative_attention_bias is not None]
+    return torch.empty(hf.shared.weight.numel() + sum(t.numel() for t in tables), device="meta")
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family of the benchmark: ours against transformers' class of the same shape."""
@@ -226,7 +234,7 @@ FAMILIES = {
     "llama": Family("Llama", "LlamaForCausalLM", LLAMA_SIZES, build_ours_llama, build_hf_llama,
                     lambda hf: hf.model.embed_tokens.weight),
     "mt5": Family("MT5", "MT5ForConditionalGeneration", MT5_SIZES, build_ours_mt5, build_hf_mt5,
-                  lambda hf: hf.shared.weight, make_batch=span_corruption_batch,
+                  _mt5_lookup_weights, make_batch=span_corruption_batch,
                   tokens_per_sample=lambda shape: shape["seq"] + shape["dec"],
                   # MT5Model.flops_per_token counts per encoder token: spread over encoder + decoder tokens.
                   flops_per_token=lambda ours, shape: ours.flops_per_token(shape["seq"], shape["dec"]) * shape["seq"]
