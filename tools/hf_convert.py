@@ -252,7 +252,8 @@ def cmd_export(args) -> int:
     # The vocabulary the run padded to (a run before padding stopped depending on tp: 256 at tp=2), not a fresh one.
     model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_class)
     module = build_empty(lambda: model_class(dict(model_cfg)))
-    Checkpointer(module).load(args.checkpoint, weights_only=True)
+    # With model.cfg, a shape refusal names the key that differs (model.cfg.hidden_size=...).
+    Checkpointer(module, model_config=model_cfg).load(args.checkpoint, weights_only=True)
 
     tokenizer = None
     tok_cfg = cfg.get("tokenization")

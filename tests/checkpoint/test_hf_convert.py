@@ -356,7 +356,7 @@ def test_export_refuses_a_checkpoint_of_another_shape_and_writes_nothing(gpt2_di
     exp = tmp_path / "exported"
     base = ["export", "--config-file", str(out / "config.py"), "--output", str(exp)]
     msg = _error(capsys, base + ["--checkpoint", str(out), "model.cfg.hidden_size=32"])
-    assert "shape" in msg and "make model.cfg match it" in msg
+    assert "another model shape; model.cfg.hidden_size=32 gives 32 where it has 64" in msg
     assert "missing or incomplete" in _error(capsys, base + ["--checkpoint", str(tmp_path / "nowhere")])
     assert "Unknown config key" in _error(capsys, base + ["--checkpoint", str(out), "model.cfg.hiden_size=32"])
     unmapped = tmp_path / "unmapped.py"
