@@ -50,7 +50,7 @@ class MT5TransformerLayer(nn.Module):
     (fused head-major ``query_key_value``, ``dense``), ``relative_attention_bias`` (first
     layer only), ``post_attention_layernorm``, then for a decoder ``cross_attention``
     (``query``, ``key_value``, ``dense``) and ``post_cross_attention_layernorm``, then
-    ``mlp`` (``dense_h_to_4h``, gated ``dense_h_to_4h_linear``, ``dense_4h_to_h``), or with
+    ``mlp`` (``dense_h_to_4h``, for mT5 gate and up in one weight with rows interleaved, ``dense_4h_to_h``), or with
     ``moe`` a ``MoELayer`` (``mlp.router``, ``mlp.experts.<e>.dense_h_to_4h``, ...).
     """
 
