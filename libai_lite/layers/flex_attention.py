@@ -8,8 +8,8 @@ kernel, so the bias's gradient is accumulated straight into the ``[buckets, head
 
 Flex kernels are fast only compiled, and FlexAttention has no backward on the CPU; so the backend
 ``"auto"`` (the default) runs flex on CUDA, compiled once (``dynamic=False``), and everywhere else the same
-mask and bias materialised densely (``AttentionMask.keep``, ``dense_bias``) through SDPA, which is the
-computation the dense path has always done. ``attention_backend("flex")`` forces flex on any device (the
+mask and bias materialised densely (``AttentionMask.keep_mask`` and ``AttentionMask.dense_bias``) through
+SDPA, which is the computation the dense path has always done. ``attention_backend("flex")`` forces flex on any device (the
 tests run it eagerly on the CPU); ``"dense"`` forces the dense path.
 
 One difference: a query that may see no key at all gets uniform weights from the dense path's finite
