@@ -119,7 +119,6 @@ class AttentionMask:
         self._block_mask: Optional[BlockMask] = None
         self._keep_mask: Optional[torch.Tensor] = None
         self._keep_built = False
-        self._dense_bias = None
 
     @property
     def sees_itself(self) -> bool:
@@ -179,12 +178,9 @@ class AttentionMask:
         """This mask and ``table[buckets]`` as one additive SDPA mask ``[batch or 1, heads, q, k]``.
 
         Masked scores get a finite floor (``finfo.min``): a row with no visible key gets uniform
-        weights, not NaN. Every layer of a stack passes the same table: the first builds it, the
-        others reuse it (outside compiled regions), so the dense path gathers and masks once per stack.
+        weights, not NaN. Built in each layer, not kept for the next: activation checkpointing
+        recomputes a layer from its inputs and must save the same tensors as its forward did.
         """
-        kept = self._dense_bias
-        if kept is not None and kept[0] is table and kept[1] is buckets and kept[2] == dtype:
-            return kept[3]
         device = self.device if table is None else table.device
         bias = torch.zeros((), dtype=dtype, device=device)
         if table is not None:
@@ -192,8 +188,6 @@ class AttentionMask:
         keep = self.keep_mask
         if keep is not None:
             bias = torch.where(keep, bias, torch.finfo(dtype).min)
-        if not _tracing():
-            self._dense_bias = (table, buckets, dtype, bias)
         return bias
 
     def _dense_keep(self) -> Optional[torch.Tensor]:
