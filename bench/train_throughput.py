@@ -186,7 +186,9 @@ class HFStepper:
                 x = batch.to(self.device, non_blocking=True)
                 loss = self.model(input_ids=x, labels=x).loss
         loss.backward()
-        float(loss.detach())  # the trainer reads the loss every step (its NaN check); so does this loop
+        # Not read here: the trainer keeps its loss on the device until a log line (none in the timed
+        # blocks), and a read per step would stall a GPU's launch queue in this loop alone. Read once at the end.
+        self.last_loss = loss.detach()
         torch.nn.utils.clip_grad_norm_(self.params, CLIP)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -535,6 +537,7 @@ def main(argv=None) -> dict:
         "mfu_ours": flops_per_token * ours_tps / peak,
         "mfu_hf": flops_per_token * hf_tps / peak,
         "profile_ms_per_step": breakdown,
+        "hf_last_loss": float(steppers["hf"].last_loss),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "date": datetime.date.today().isoformat(),
