@@ -154,7 +154,7 @@ def _tokenizer_from_files(vocab_file=None, merges_file=None, spm_model=None):
 
 def checkpoint_vocab_size(cfg, path: str) -> int:
     """Rows of the checkpoint's token embedding, named by building ``cfg.model`` on the meta device."""
-    from libai_lite.checkpoint.checkpointer import stored_rows
+    from libai_lite.checkpoint.integrity import stored_rows
     from libai_lite.config import instantiate
     from libai_lite.layers import VocabEmbedding
 
@@ -194,14 +194,13 @@ def load_model(args):
         from omegaconf import open_dict
 
         from libai_lite.checkpoint import Checkpointer
-        from libai_lite.checkpoint.checkpointer import build_empty, read_metadata, set_verification
+        from libai_lite.checkpoint.dcp_io import build_empty
+        from libai_lite.checkpoint.integrity import read_metadata
         from libai_lite.config import LazyConfig, instantiate
 
         if not args.checkpoint:
             raise UsageError("--config-file needs --checkpoint DIR (a model_XXXXXXX or model_final directory)")
         path = args.checkpoint
-        if args.no_verify:
-            set_verification(False)
         read_metadata(path)  # a missing or corrupt checkpoint is refused before the config is read
         cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config_file), args.opts)
         ctx = _setup_dist(_explicit_tp(args.opts))
@@ -216,7 +215,7 @@ def load_model(args):
         model = build_empty(lambda: instantiate(cfg.model), device)
         if ctx.tensor_parallel_size > 1:
             apply_tensor_parallel(model, ctx.mesh["tp"])
-        Checkpointer(model).load(path, weights_only=True)
+        Checkpointer(model, verify=not args.no_verify).load(path, weights_only=True)
     else:
         if args.checkpoint:
             raise UsageError("--checkpoint goes with --config-file; a --hf-dir directory holds its own weights")

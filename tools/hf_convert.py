@@ -238,13 +238,13 @@ def cmd_export(args) -> int:
     from omegaconf import OmegaConf, open_dict
 
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import build_empty, read_metadata, set_verification
+    from libai_lite.checkpoint.dcp_io import build_empty
     from libai_lite.checkpoint.hf import checkpoint_vocab_size, mapping_for_model, save_hf_model
     from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
+    from libai_lite.checkpoint.integrity import read_metadata
     from libai_lite.config import instantiate
 
     check_output_dir(args.output, args.force)
-    set_verification(not args.no_verify)
     read_metadata(args.checkpoint)  # a missing or corrupt checkpoint is refused before the config is read
     cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])
     mapping_for_model(model_class)  # a class without a mapping is refused before the checkpoint is read
@@ -253,7 +253,7 @@ def cmd_export(args) -> int:
     model_cfg["vocab_size"] = checkpoint_vocab_size(args.checkpoint, model_class)
     module = build_empty(lambda: model_class(dict(model_cfg)))
     # With model.cfg, a shape refusal names the key that differs (model.cfg.hidden_size=...).
-    Checkpointer(module, model_config=model_cfg).load(args.checkpoint, weights_only=True)
+    Checkpointer(module, model_config=model_cfg, verify=not args.no_verify).load(args.checkpoint, weights_only=True)
 
     tokenizer = None
     tok_cfg = cfg.get("tokenization")

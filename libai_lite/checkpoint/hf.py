@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from ..utils.errors import UsageError
-from .checkpointer import build_empty, stored_rows
+from .dcp_io import build_empty
 from .hf_io import HFTokenizer, read_hf_config, read_hf_state_dict, write_hf_dir
+from .integrity import stored_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,20 +24,6 @@ Check that everything works with a few iterations:
 """
 
 
-class _NoVerify(argparse.Action):
-    """``--no-verify``: this process loads checkpoints without checking their files against their manifest."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        # Set where the checkpoints are loaded (lazily imported: the config package loads no torch code).
-        from ..checkpoint.checkpointer import set_verification
-
-        set_verification(False)
-        setattr(namespace, self.dest, True)
-
-
 class _FlagsAnywhereParser(argparse.ArgumentParser):
     """Accepts the flags before or after the ``key=value`` overrides (``... train.train_iter=100 --resume``)."""
 
@@ -63,7 +49,7 @@ def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentPa
     parser.add_argument("--eval-only", action="store_true", help="Perform evaluation only")
     parser.add_argument(
         "--no-verify",
-        action=_NoVerify,
+        action="store_true",
         help="Load checkpoints without checking their files against the CRC-32 checksums saved in their "
         "manifest.json (accept the risk of training on from corrupt bytes)",
     )

@@ -6,7 +6,6 @@ overrides any one of them (LiBai's extension point) still trains.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -15,7 +14,9 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from ..checkpoint import Checkpointer, resolve_resume
-from ..checkpoint.checkpointer import check_checkpoint_shapes, resolve_async_save
+from ..checkpoint.dcp_io import resolve_async_save
+from ..checkpoint.integrity import check_checkpoint_shapes
+from ..checkpoint.trainer_state import read_trainer_state
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
 from ..data.build import cap_eval_iter, megatron_consumed_valid_samples, megatron_valid_samples
@@ -46,8 +47,10 @@ class DefaultTrainer:
     Subclass and override a ``build_*`` method to change one piece, LiBai style.
     """
 
-    def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False):
+    def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True):
         self.cfg, self.layout, self.eval_only = cfg, layout, eval_only
+        # False (--no-verify): checkpoints load without checking their files against their manifest.
+        self.verify = verify
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
         meta_model = self.build_meta_model(cfg)
@@ -60,11 +63,9 @@ class DefaultTrainer:
             # Against the meta model: a wrong --resume or load_weight is refused before anything is written.
             check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict(),
                                     vocab_ids=getattr(self.tokenizer, "vocab_size", None),
-                                    model_config=cfg.model.get("cfg"))
-        trainer_state = {}
-        if self.resume_path is not None:
-            with open(os.path.join(self.resume_path, "trainer_state.json")) as f:
-                trainer_state = json.load(f)
+                                    model_config=cfg.model.get("cfg"), verify=self.verify)
+        # The data position is needed before the loaders are built; the rest comes from Checkpointer.load.
+        trainer_state = read_trainer_state(self.resume_path) if self.resume_path is not None else {}
         self.consumed_samples = int(trainer_state.get("consumed_samples", 0))  # at the start of this run
         self.start_iter = int(trainer_state.get("iteration", -1)) + 1
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
@@ -85,8 +86,7 @@ class DefaultTrainer:
         self.grad_scaler = self.build_grad_scaler(cfg)
         self.checkpointer = self.build_checkpointer(cfg, self.model, self.optimizer)
         if self.resume_path is not None:
-            self.checkpointer.load(self.resume_path)
-            self._restore_trainer_state(trainer_state)
+            self._restore_trainer_state(self.checkpointer.load(self.resume_path))
             logger.info(f"Resumed from {self.resume_path} at iteration {self.start_iter}, "
                         f"{self.consumed_samples} samples consumed")
         elif cfg.train.get("load_weight"):
@@ -291,7 +291,7 @@ class DefaultTrainer:
                             tied_copies=model.tied_copies,
                             async_save=resolve_async_save(cfg.train.checkpointer.get("async_save"), self.layout.device),
                             vocab_ids=getattr(self.tokenizer, "vocab_size", None),
-                            model_config=cfg.model.get("cfg"))
+                            model_config=cfg.model.get("cfg"), verify=self.verify)
 
     def build_trainer(self, cfg, model: ParallelModel, train_loader, optimizer, scheduler, grad_scaler) -> Trainer:
         """The step runner: eager, or through the pipeline schedule when the model is pipelined."""

@@ -15,9 +15,9 @@ class EvalOnlyTrainer(DefaultTrainer):
     evaluator that reads its own data); the training data of the config is never opened.
     """
 
-    def __init__(self, cfg, layout, data_loader_fn):
+    def __init__(self, cfg, layout, data_loader_fn, verify: bool = True):
         self._data_loader_fn = data_loader_fn
-        super().__init__(cfg, layout, eval_only=True)
+        super().__init__(cfg, layout, eval_only=True, verify=verify)
 
     def build_tokenizer(self, cfg):
         """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
@@ -77,12 +77,9 @@ def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: st
     global batch need not fit this layout: evaluation batches are `train.test_micro_batch_size` per
     data-parallel rank.
     """
-    from ..checkpoint.checkpointer import set_verification
     from ..config import LazyConfig
     from .launch import default_setup
 
-    if not verify:
-        set_verification(False)
     cfg = LazyConfig.load(config_file)
     cfg = LazyConfig.apply_overrides(cfg, list(opts or []))
     cfg.train.load_weight = checkpoint
@@ -90,4 +87,4 @@ def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: st
     cfg.train.evaluation.enabled = False
     cfg.train.global_batch_size = None
     layout = default_setup(cfg, argparse.Namespace(fast_dev_run=False))
-    return EvalOnlyTrainer(cfg, layout, data_loader_fn)
+    return EvalOnlyTrainer(cfg, layout, data_loader_fn, verify=verify)

@@ -152,7 +152,8 @@ def launch(args) -> int:
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         layout = default_setup(cfg, args)
-        trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only)
+        trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
+                                 verify=not getattr(args, "no_verify", False))
         if args.eval_only:
             trainer.test()
         else:

@@ -23,6 +23,9 @@ from tests.launch import (CONFIG, ROOT, env, free_port, losses, mounted_tmpfs, o
 ARGS = ["train.evaluation.enabled=False", "train.train_iter=8", "train.checkpointer.period=2"]
 BACKGROUND = "writing in the background"
 
+# tools/train_net.py holding one save (paused_train_net.py says how).
+PAUSED_TRAIN_NET = str(Path(__file__).with_name("paused_train_net.py"))
+
 
 def _model_and_optimizer(width: int = 64):
     torch.manual_seed(0)
@@ -35,9 +38,8 @@ def _model_and_optimizer(width: int = 64):
 
 @pytest.fixture
 def held_write(monkeypatch):
-    """Holds every background write just before its manifest until ``release`` is set."""
-    from libai_lite.checkpoint import checkpointer as module
-
+    """Holds every background write just before its manifest until ``release`` is set: ``(reached, release,
+    the Checkpointer's on_save_step)``."""
     reached, release = threading.Event(), threading.Event()
 
     def pause(name, step):
@@ -45,17 +47,16 @@ def held_write(monkeypatch):
             reached.set()
             assert release.wait(60), "the test never released the background write"
 
-    monkeypatch.setattr(module, "_pause_for_test", pause)
-    yield reached, release
+    yield reached, release, pause
     release.set()
 
 
 def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp_path, held_write):
     from libai_lite.checkpoint import Checkpointer, resolve_resume
 
-    reached, release = held_write
+    reached, release, pause = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause)
     release.set()
     ck.save("model_0000001", {"iteration": 1})
     assert ck.wait() == str(tmp_path / "model_0000001")
@@ -95,9 +96,9 @@ def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp
 def test_a_save_while_one_is_in_flight_waits_for_it_and_pruning_follows_publication(tmp_path, held_write):
     from libai_lite.checkpoint import Checkpointer
 
-    reached, release = held_write
+    reached, release, pause = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), max_to_keep=1, async_save=True)
+    ck = Checkpointer(model, opt, str(tmp_path), max_to_keep=1, async_save=True, on_save_step=pause)
     ck.save("model_0000001", {"iteration": 1})
     assert reached.wait(30)
     done = []
@@ -122,9 +123,9 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
     from libai_lite.engine.hooks import PeriodicCheckpointer
     from libai_lite.engine.trainer import TrainerBase
 
-    reached, release = held_write
+    reached, release, pause = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause)
 
     class FailsAtStep3(TrainerBase):
         def run_step(self):
@@ -174,7 +175,7 @@ def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keep
     """The same 1 MiB filesystem as the synchronous test (tests/engine/test_reliability.py): the second
     checkpoint does not fit, and the error surfaces when the trainer next looks (poll or wait)."""
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
     from libai_lite.utils.errors import UsageError
 
     with mounted_tmpfs(tmp_path / "disk", "1m") as disk:
@@ -283,7 +284,7 @@ def test_a_job_killed_while_a_background_write_is_in_flight_resumes_from_the_pre
     out, flag = tmp_path / "run", tmp_path / "held"
     args = tiny(out, tmp_path / "cache", *ARGS, "train.checkpointer.async_save=True")
     e = env(PORT=str(free_port()), LIBAI_LITE_TEST_PAUSE_SAVE=f"model_0000003:background:{flag}")
-    p = subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1", *args], cwd=ROOT, env=e,
+    p = subprocess.Popen(["bash", "tools/train.sh", PAUSED_TRAIN_NET, CONFIG, "1", *args], cwd=ROOT, env=e,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -316,7 +317,7 @@ def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchron
     """The 16 MiB filesystem of the synchronous test (tests/checkpoint/test_checkpoint_integrity.py), two
     data-parallel ranks: model_0000003 does not fit; the failure, seen in the background, stops the run
     at a step boundary with the synchronous save's line, and the previous checkpoint stays."""
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
 
     with mounted_tmpfs(tmp_path / "disk", "16m") as disk:
         out = disk / "run"

@@ -19,19 +19,12 @@ import torch
 from tests.launch import (CONFIG, ROOT, env, losses, mounted_tmpfs, one_error_line, tiny, train_cmd, train_net,
                           train_sh, tree_snapshot)
 
+# tools/train_net.py holding one save (tests/checkpoint/paused_train_net.py says how).
+PAUSED_TRAIN_NET = str(Path(__file__).with_name("paused_train_net.py"))
 BASE = ["train.evaluation.enabled=False", "model.cfg.hidden_layers=4"]
 # generate.py builds the model from the same config and overrides the run used.
 MODEL = ["model.cfg.hidden_layers=4", "model.cfg.hidden_size=64", "model.cfg.ffn_hidden_size=128",
          "model.cfg.num_attention_heads=2", "model.cfg.max_seq_length=32"]
-
-
-@pytest.fixture(autouse=True)
-def _verification_on():
-    """--no-verify parsed in this process (generate.py run in-process) must not leak into other tests."""
-    from libai_lite.checkpoint.checkpointer import set_verification
-
-    yield
-    set_verification(True)
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +163,12 @@ def test_checkpoint_saved_without_a_manifest_loads_with_a_warning(run):
 _SAVER = """
 import sys, torch
 from libai_lite.checkpoint import Checkpointer
+from tests.checkpoint.paused_train_net import pause_at
 model = torch.nn.Linear(32, 32)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 32)).sum().backward()
 opt.step()
-ck = Checkpointer(model, opt, sys.argv[1])
+ck = Checkpointer(model, opt, sys.argv[1], on_save_step=pause_at(sys.argv[2]))
 for it in (1, 2):
     with torch.no_grad():
         model.weight.fill_(it)
@@ -184,8 +178,8 @@ for it in (1, 2):
 
 def _kill_at(step: str, save_dir: Path, flag: Path) -> None:
     """Run _SAVER until the second save reaches ``step``, then SIGKILL it there."""
-    p = subprocess.Popen([sys.executable, "-c", _SAVER, str(save_dir)], cwd=ROOT,
-                         env=env(LIBAI_LITE_TEST_PAUSE_SAVE=f"model_best:{step}:{flag}"),
+    p = subprocess.Popen([sys.executable, "-c", _SAVER, str(save_dir), f"model_best:{step}:{flag}"], cwd=ROOT,
+                         env=env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -240,7 +234,8 @@ def test_run_killed_while_replacing_model_best_resumes_from_it(tmp_path):
     args = tiny(out, tmp_path / "cache", "train.train_iter=6", "train.evaluation.eval_period=2",
                 "train.checkpointer.period=1000")
     flag = tmp_path / "paused"
-    p = subprocess.Popen(train_cmd(args), cwd=ROOT, env=env(LIBAI_LITE_TEST_PAUSE_SAVE=f"model_best:aside:{flag}"),
+    p = subprocess.Popen([sys.executable, PAUSED_TRAIN_NET, *train_cmd(args)[2:]], cwd=ROOT,
+                         env=env(LIBAI_LITE_TEST_PAUSE_SAVE=f"model_best:aside:{flag}"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -269,7 +264,7 @@ def test_run_killed_while_replacing_model_best_resumes_from_it(tmp_path):
 def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, nproc):
     """A real 16 MiB filesystem: the first checkpoint (about 9.4 MiB) fits, the second does not; with two
     data-parallel ranks DCP's CheckpointException reaches both and rank 0 prints the one line."""
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
 
     with mounted_tmpfs(tmp_path / "disk", "16m") as disk:
         out = disk / "run"

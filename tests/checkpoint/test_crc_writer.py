@@ -27,7 +27,7 @@ def _file_crc(path) -> str:
 def reads(monkeypatch):
     """Every read of a checkpoint file's bytes during the test: the manifest's read-back path and any
     open() for reading of a file (not a directory, which fsyncs open) under the checkpoint directory."""
-    from libai_lite.checkpoint import checkpointer as module
+    from libai_lite.checkpoint import integrity as module
 
     seen = []
     record, real_open = module._file_record, io.open
@@ -71,7 +71,7 @@ def test_a_save_checksums_every_file_as_it_writes_it_and_reads_none_back(tmp_pat
 
 def test_writer_threads_write_one_file_each_and_the_checkpoint_loads_back_exactly(tmp_path):
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
 
     model, opt = _model_and_optimizer()
     Checkpointer(model, opt, str(tmp_path), writer_threads=3).save("model_0000001", {"iteration": 1})
@@ -89,7 +89,7 @@ def test_writer_threads_write_one_file_each_and_the_checkpoint_loads_back_exactl
 def test_a_flipped_byte_is_still_refused_at_load(tmp_path):
     """The CRC computed while writing is that of the bytes the loader reads: corruption after the save shows."""
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
     from libai_lite.utils.errors import UsageError
 
     model, opt = _model_and_optimizer()
@@ -103,14 +103,14 @@ def test_a_flipped_byte_is_still_refused_at_load(tmp_path):
 
 
 def test_files_no_rank_checksummed_or_whose_size_changed_are_read_back_for_the_manifest(tmp_path):
-    from libai_lite.checkpoint.checkpointer import _write_manifest
+    from libai_lite.checkpoint.integrity import write_manifest
 
     (tmp_path / "a.bin").write_bytes(b"a" * 1000)
     (tmp_path / "b.bin").write_bytes(b"b" * 10)
     (tmp_path / "c.bin").write_bytes(b"c" * 7)
     # c's record is trusted (its size matches); a's size does not match; b has no record.
     known = {"a.bin": {"bytes": 999, "crc32": "00000000"}, "c.bin": {"bytes": 7, "crc32": "0badc0de"}}
-    assert _write_manifest(str(tmp_path), known=known) == ""
+    assert write_manifest(str(tmp_path), known=known) == ""
     files = json.loads((tmp_path / "manifest.json").read_text())["files"]
     assert files == {"a.bin": {"bytes": 1000, "crc32": _file_crc(tmp_path / "a.bin")},
                      "b.bin": {"bytes": 10, "crc32": _file_crc(tmp_path / "b.bin")},
@@ -136,7 +136,7 @@ def test_a_stream_that_seeks_records_nothing_and_a_rename_carries_the_record(tmp
 @pytest.mark.parametrize("value, device, expected", [(None, "cuda", True), (None, "cpu", False),
                                                      (False, "cuda", False), (True, "cpu", True)])
 def test_async_save_defaults_to_on_for_a_gpu_run_and_off_on_the_cpu(value, device, expected):
-    from libai_lite.checkpoint.checkpointer import resolve_async_save
+    from libai_lite.checkpoint.dcp_io import resolve_async_save
 
     assert resolve_async_save(value, torch.device(device)) is expected
 

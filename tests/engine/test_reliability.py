@@ -130,7 +130,7 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
     """On a real 1 MiB filesystem the first checkpoint (about 0.8 MiB) fits and the second does not: DCP's
     CheckpointException becomes one UsageError, the partial files go and the previous checkpoint stays."""
     from libai_lite.checkpoint import Checkpointer
-    from libai_lite.checkpoint.checkpointer import verify_checkpoint
+    from libai_lite.checkpoint.integrity import verify_checkpoint
     from libai_lite.utils.errors import UsageError
     from tests.launch import mounted_tmpfs
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from libai_lite.checkpoint import Checkpointer
-from libai_lite.checkpoint.checkpointer import read_metadata
+from libai_lite.checkpoint.integrity import read_metadata
 from libai_lite.utils.errors import UsageError
 from libai_lite.config import LazyConfig, instantiate
 

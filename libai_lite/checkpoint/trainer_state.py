@@ -1,0 +1,114 @@
+"""The trainer's state in a checkpoint: ``trainer_state.json`` (iteration, consumed samples, scheduler and
+loss-scaler state, written by rank 0) and each rank's RNG streams (``rng_state_{rank}.pt``, tensors and
+ints only, loaded with ``weights_only``).
+
+The RNG is a ``Stateful`` (``RngState``) the ``Checkpointer`` is given, as torchtitan passes ``states=``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..utils.distributed import get_rank
+from ..utils.errors import UsageError
+from ..utils.files import atomic_write
+from .crc_writer import record_of
+from .integrity import CORRUPT_FIX, describe
+
+logger = logging.getLogger("libai_lite")
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def read_trainer_state(path: str, fix: str = "resume from an earlier checkpoint") -> dict:
+    """``path/trainer_state.json`` as a dict; a one-line UsageError naming the file when it is missing or garbled."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint {path} has no {TRAINER_STATE}: it is incomplete; {fix}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{file} is truncated or garbled ({type(e).__name__}: {e}): the checkpoint is "
+                         f"corrupt; {fix}") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{file} holds a {type(state).__name__}, not a trainer state: the checkpoint is corrupt; "
+                         f"{fix}")
+    return state
+
+
+def write_trainer_state(directory: str, trainer_state: dict) -> dict:
+    """Rank 0: write ``directory/trainer_state.json``; returns ``{name: manifest record}``."""
+    text = json.dumps(trainer_state, indent=1, sort_keys=True).encode("utf-8")
+    atomic_write(os.path.join(directory, TRAINER_STATE), lambda f: f.write(text))
+    return {TRAINER_STATE: record_of(text)}
+
+
+def rng_state() -> dict:
+    """This rank's RNG states in a form `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RngState(Stateful):
+    """This rank's Python, NumPy, torch (and CUDA) RNG streams, one file per rank."""
+
+    def state_dict(self) -> dict:
+        """What ``rng_state`` captures."""
+        return rng_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what ``state_dict`` captured."""
+        set_rng_state(state_dict)
+
+    @staticmethod
+    def file_name(rank: int) -> str:
+        """The file rank ``rank`` keeps its streams in."""
+        return f"rng_state_{rank}.pt"
+
+    def save(self, directory: str) -> dict:
+        """Write this rank's file into ``directory``; returns ``{name: manifest record}``."""
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        data, name = buffer.getvalue(), self.file_name(get_rank())
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
+        return {name: record_of(data)}
+
+    def load(self, directory: str) -> None:
+        """Restore this rank's streams from ``directory`` (fresh streams, with a warning, when the
+        checkpoint was saved with fewer ranks); a one-line UsageError when the file is unreadable."""
+        path = os.path.join(directory, self.file_name(get_rank()))
+        if not os.path.isfile(path):
+            logger.warning(f"{path} not found (the checkpoint was saved with fewer ranks): RNG streams start fresh")
+            return
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file here means corrupt bytes
+            raise UsageError(f"{path} cannot be read ({describe(e)}): the checkpoint is corrupt; {CORRUPT_FIX}") from e
+        self.load_state_dict(state)
