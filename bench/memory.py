@@ -12,7 +12,7 @@ rank reports:
     before forward; under ZeRO-2 this includes the parameters FSDP keeps gathered);
   - peak fwd+bwd: the high-water mark during forward+backward above the memory before forward;
   - peak step: the high-water mark during a whole step above the memory before the model existed;
-  - estimated: what ``tools/estimate_memory.py`` (``libai_lite.utils.memory_planner``) predicts for that
+  - estimated: what ``tools/estimate_memory.py`` (``libai_lite.planning``) predicts for that
     peak before anything runs, planned for this job's device, and est/meas its ratio to the measured one
     (the planner's acceptance: within 15% on every row).
 
@@ -262,13 +262,13 @@ def model_cfg(args, fused_ce: bool) -> dict:
 
 
 def estimate_configs(args, device: str) -> dict:
-    """``libai_lite.utils.memory_planner``'s per-rank estimate of each configuration (name -> its numbers), whose
+    """``libai_lite.planning``'s per-rank estimate of each configuration (name -> its numbers), whose
     ``peak_step_bytes`` is comparable to the measured "peak step": the device peak, planned for this job's
     device (on a CPU, offload moves nothing)."""
     import torch
 
     from libai_lite.optim.build import get_default_optimizer_params
-    from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings
+    from libai_lite.planning import MemoryPlanner, PlanSettings
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
     sample = {"input_ids": torch.zeros(args.seq, dtype=torch.long), "labels": torch.zeros(args.seq, dtype=torch.long)}

@@ -9,7 +9,7 @@ Prints parameters, gradients, optimizer state, activations and the expected peak
 one) for the config's model, layout (data, tensor, pipeline, expert parallel; sequence parallel), ZeRO
 stage and offload, activation checkpointing, micro-batch, sequence length and mixed precision, from the
 model built on the meta device and one forward+backward traced on fake tensors
-(libai_lite/utils/memory_planner.py). With --device-memory it answers "fits", or "does not fit" with the
+(libai_lite/planning/). With --device-memory it answers "fits", or "does not fit" with the
 cheapest single change that fits (more ZeRO, activation checkpointing, a smaller micro-batch, more tensor
 or pipeline parallelism), re-estimated. Overrides are the training command's (key=value).
 
@@ -20,7 +20,7 @@ import sys
 
 from libai_lite.config import LazyConfig
 from libai_lite.engine.launch import report_cli_error
-from libai_lite.utils.memory_planner import format_estimate, gib, parse_bytes, planner_from_config, suggest
+from libai_lite.planning import format_estimate, gib, parse_bytes, planner_from_config, suggest
 
 DOES_NOT_FIT = 2
 

@@ -1,22 +1,8 @@
-"""Mixed precision: the run's autocast dtype and fp16 loss scaling that agrees on every rank."""
+"""Mixed precision: fp16 loss scaling that agrees on every rank (the autocast dtype is ``config.resolve.amp_dtype``)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from ..utils.errors import UsageError
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def amp_dtype(amp_cfg) -> torch.dtype | None:
-    """The autocast dtype ``train.amp`` asks for, or None (fp32)."""
-    if not amp_cfg.get("enabled", False):
-        return None
-    name = str(amp_cfg.get("dtype", "bf16"))
-    if name not in AMP_DTYPES:
-        raise UsageError(f"train.amp.dtype={name!r} is not supported; use 'bf16' or 'fp16'")
-    return AMP_DTYPES[name]
 
 
 class SyncedGradScaler(torch.amp.GradScaler):

@@ -19,6 +19,7 @@ from ..checkpoint.integrity import check_checkpoint_shapes
 from ..checkpoint.trainer_state import read_trainer_state
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_target, instantiate_with
+from ..config.resolve import amp_dtype
 from ..data.build import cap_eval_iter, megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
@@ -26,6 +27,7 @@ from ..parallel.activation_checkpoint import check_ac_mode
 from ..parallel.compile import compile_options
 from ..parallel.float8 import check_float8, float8_after_optimizer_step, float8_options
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
+from ..planning import startup_estimate
 from ..tokenizer import pad_vocab_size
 from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError, write_error
@@ -33,7 +35,7 @@ from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
 from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
 from . import hooks
-from .amp import amp_dtype, build_loss_scaler
+from .amp import build_loss_scaler
 from .profiler import ProfilerHook
 from .trainer import Trainer
 from .wandb_writer import build_wandb_writer
@@ -76,8 +78,6 @@ class DefaultTrainer:
         self.check_context_parallel(self.train_loader)
         if (cfg.train.get("log_memory_estimate", True) and self.layout.rank == 0
                 and getattr(self.train_loader, "dataset", None) is not None):
-            from ..utils.memory_planner import startup_estimate
-
             # What the planner expects this run to need per rank (tools/estimate_memory.py explains it).
             logger.info(startup_estimate(cfg, self.layout, self.train_loader.dataset[0]))
         self.model = self.build_model(cfg)

@@ -11,6 +11,7 @@ import torch
 from omegaconf import open_dict
 
 from ..config import InstantiationError, LazyConfig
+from ..config.resolve import resolve_batch_sizes
 from ..config.validate import check_ranges
 from ..utils.distributed import (Layout, describe_capping, describe_collective_timeout, destroy, is_collective_timeout,
                                  setup_dist)
@@ -19,40 +20,6 @@ from ..utils.logger import setup_logger
 from ..utils.process import die_with_launcher, install_stop_signals, release_locks
 
 logger = logging.getLogger("libai_lite")
-
-
-def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
-    """Make global = micro x dp x accumulation hold, filling in whichever one is left out."""
-    micro = train_cfg.get("train_micro_batch_size")
-    glob = train_cfg.get("global_batch_size")
-    acc = train_cfg.get("num_accumulation_steps")
-    if micro is None and glob is None:
-        raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
-
-    def divide_global(by: int, what: str) -> int:
-        if glob % by:
-            raise UsageError(f"train.global_batch_size={glob} is not divisible by {what}; pick sizes with "
-                             f"global = micro x dp x accumulation")
-        return glob // by
-
-    if micro is None:
-        acc = acc or 1
-        micro = divide_global(dp_size * acc, f"data_parallel_size({dp_size}) x num_accumulation_steps({acc})")
-    elif glob is None:
-        acc = acc or 1
-        glob = micro * dp_size * acc
-    elif acc is None:
-        acc = divide_global(micro * dp_size, f"train_micro_batch_size({micro}) x data_parallel_size({dp_size})")
-    if micro * dp_size * acc != glob:
-        raise UsageError(
-            f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
-            f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
-        )
-    if micro < 1 or acc < 1:
-        raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
-    train_cfg.train_micro_batch_size = int(micro)
-    train_cfg.global_batch_size = int(glob)
-    train_cfg.num_accumulation_steps = int(acc)
 
 
 def default_setup(cfg, args) -> Layout:

@@ -25,7 +25,7 @@ class ParallelCrossEntropyLoss(nn.Module):
         return loss.view(target.shape)
 
 
-def _scratch_rows(probs: torch.Tensor) -> int:
+def scratch_rows(probs: torch.Tensor) -> int:
     """Rows of bf16/fp16 logits normalised per fp32 chunk (at least 8)."""
     # On a CPU about 512 KiB of fp32, so a chunk stays in cache while it is normalised and copied back;
     # on a GPU, where every chunk costs kernel launches, 256 MiB, so a step takes a few chunks.
@@ -63,7 +63,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if group is not None:
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
             denominator = torch.empty_like(row_max)
-            rows = probs.shape[0] if probs.dtype == acc else _scratch_rows(probs)
+            rows = probs.shape[0] if probs.dtype == acc else scratch_rows(probs)
             for start in range(0, probs.shape[0], rows):
                 chunk, end = probs[start:start + rows], start + rows
                 e = chunk.to(acc).sub_(row_max[start:end, None]).exp_()  # in place when already fp32

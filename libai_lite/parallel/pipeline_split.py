@@ -85,7 +85,7 @@ def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
     return tuple(tied) if tied else None
 
 
-def _pieces(inner: nn.Module):
+def pipeline_pieces(inner: nn.Module):
     """``(container or None, name, module)`` for every placeable piece of a pipeline module."""
     for name, child in list(inner.named_children()):
         if isinstance(child, nn.ModuleDict) and all(k.isdigit() for k in child.keys()):
@@ -95,15 +95,16 @@ def _pieces(inner: nn.Module):
             yield None, name, child
 
 
-def _layer_of(module: nn.Module, key: str) -> int | None:
+def layer_index_of(module: nn.Module, key: str) -> int | None:
+    """The layer a piece of ``pipeline_pieces`` belongs to: its ``layer_idx``, else its numeric key, else None."""
     idx = getattr(module, "layer_idx", None)
     return int(idx) if idx is not None else int(key) if key.isdigit() else None
 
 
 def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, stage_of_layer: Sequence[int]) -> None:
     num_layers = len(stage_of_layer)
-    for container, key, module in _pieces(inner):
-        idx = _layer_of(module, key)
+    for container, key, module in pipeline_pieces(inner):
+        idx = layer_index_of(module, key)
         if idx is None:
             if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
                 raise UsageError(f"{type(inner).__name__}.{key} has parameters but no layer_idx, so no pipeline "
@@ -123,8 +124,8 @@ def _check_split(inner: nn.Module, stage_ids: Sequence[int], num_stages: int, st
 
 def _prune(inner: nn.Module, owned: set[int], stage_of_layer: Sequence[int]) -> None:
     """Delete from ``inner`` (in place) what none of the stages in ``owned`` keeps."""
-    for container, key, module in _pieces(inner):
-        idx = _layer_of(module, key)
+    for container, key, module in pipeline_pieces(inner):
+        idx = layer_index_of(module, key)
         if idx is None or stage_of_layer[idx] in owned:
             continue
         if container is not None:

@@ -248,7 +248,7 @@ def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[in
     return [s for s in range(pp) for _ in range(base + (s < extra))]
 
 
-def _zero_settings(zero_cfg) -> tuple[int, bool]:
+def zero_settings(zero_cfg) -> tuple[int, bool]:
     """(ZeRO stage, offload) from ``train.zero_optimization``; ``validate_zero_config`` checks the pair."""
     if not zero_cfg:
         return 0, False
@@ -266,7 +266,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
     check_backend_layout(pp)
-    zero_stage, offload = _zero_settings(zero_cfg)
+    zero_stage, offload = zero_settings(zero_cfg)
     virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
     if virtual < 1:
         raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")

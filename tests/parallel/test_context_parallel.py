@@ -131,7 +131,7 @@ def test_train_net_refuses_cp_that_does_not_divide_the_world(tmp_path):
 def test_planner_divides_activations_by_cp_and_shards_zero_over_dp_x_cp():
     import dataclasses
 
-    from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings
+    from libai_lite.planning import MemoryPlanner, PlanSettings
 
     sample = {"input_ids": torch.zeros(cp_worker.SEQ, dtype=torch.long),
               "labels": torch.zeros(cp_worker.SEQ, dtype=torch.long)}

@@ -1,4 +1,4 @@
-"""tools/estimate_memory.py and libai_lite.utils.memory_planner against what runs.
+"""tools/estimate_memory.py and libai_lite.planning against what runs.
 
 The benchmark's smoke rows (bench/memory.py: a 4-rank torchrun job measuring each configuration's peak
 per rank) must agree with the planner within 15%; a 1.3B GPT on 16 GiB devices must not fit and the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from libai_lite.utils.errors import UsageError
-from libai_lite.utils.memory_planner import MemoryPlanner, PlanSettings, parse_bytes
+from libai_lite.planning import MemoryPlanner, PlanSettings, parse_bytes
 from tests.launch import ROOT, free_port
 
 GPT_1_3B = "projects/GPT/configs/gpt2_1.3B.py"
@@ -173,7 +173,7 @@ def test_startup_line_is_the_tools_estimate():
     """The line the trainer logs at start-up states the estimate tools/estimate_memory.py prints for the run."""
     from libai_lite.config import LazyConfig
     from libai_lite.utils.distributed import Layout
-    from libai_lite.utils.memory_planner import gib, planner_from_config, startup_estimate
+    from libai_lite.planning import gib, planner_from_config, startup_estimate
 
     def load():
         cfg = LazyConfig.load(str(ROOT / "projects/GPT/configs/gpt2_pretrain.py"))
@@ -198,7 +198,7 @@ def test_accelerator_kernels_hold_under_activation_checkpointing():
     """Planned for an accelerator, attention runs the fused kernel in the forward and in the checkpointed
     layers' recomputation alike (else the recomputed tensors would not match the saved ones); with attention
     dropout the fused kernel keeps less than the CPU's math path, which stores the [seq, seq] probabilities."""
-    from libai_lite.utils.memory_planner import trace_activations
+    from libai_lite.planning import trace_activations
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
     cfg = dict(hidden_layers=2, vocab_size=256, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
