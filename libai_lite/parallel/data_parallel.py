@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from ..layers.moe import Experts
 from ..utils.errors import UsageError
 from .activation_checkpoint import transformer_layers
 
@@ -59,6 +60,28 @@ def check_zero1(tensor_parallel: bool = False, expert_parallel: bool = False) ->
                          f"train.zero_optimization.stage=2, which also shards gradients and optimizer state")
 
 
+def wrap_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy=None, offload_policy=None,
+                 reshard_after_forward: bool | None = None) -> None:
+    """Each MoE layer's experts reduced over their edp group, averaged over all dp ranks: FSDP2 ``replicate``
+    (ZeRO 0, ``reshard_after_forward`` None) or ``fully_shard`` (ZeRO 2/3); the dense wrapper then leaves
+    them alone."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        if reshard_after_forward is None:
+            replicate(experts, mesh=edp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+        else:
+            fully_shard(experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        offload_policy=offload_policy)
+        # replicate divides by the factor before its all-reduce (a SUM): gloo-safe as it is.
+        experts.set_gradient_divide_factor(float(dp_size))
+        if reshard_after_forward is not None and edp_mesh.size() > 1:
+            # A factor other than the group size makes FSDP reduce-scatter with NCCL's PREMUL_SUM,
+            # which gloo lacks; forcing SUM divides afterwards. (On a one-rank mesh FSDP divides
+            # by the factor itself, and forcing SUM would divide a second time.)
+            experts.set_force_sum_reduction_for_comms(True)
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> DistributedDataParallel:
     """``DistributedDataParallel`` over the dp group: full replicas, gradients all-reduced in buckets."""
     first = next(model.parameters(), None)
@@ -75,8 +98,6 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, expert_mesh: DeviceMe
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     if expert_mesh is not None:
-        from .expert_parallel import wrap_experts
-
         wrap_experts(model, expert_mesh, dp_mesh.size())
     for layer in transformer_layers(model):
         replicate(layer, mesh=dp_mesh)
@@ -95,8 +116,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     layers = transformer_layers(model)
     options = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     if expert_mesh is not None:
-        from .expert_parallel import wrap_experts
-
         wrap_experts(model, expert_mesh, dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **options)

@@ -130,29 +130,6 @@ def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_e
     return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
 
 
-def wrap_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy=None, offload_policy=None,
-                 reshard_after_forward: bool | None = None) -> None:
-    """Each MoE layer's experts reduced over their edp group, averaged over all dp ranks: FSDP2 ``replicate``
-    (ZeRO 0, ``reshard_after_forward`` None) or ``fully_shard`` (ZeRO 2/3); the dense wrapper then leaves
-    them alone."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        if reshard_after_forward is None:
-            replicate(experts, mesh=edp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
-        else:
-            fully_shard(experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                        offload_policy=offload_policy)
-        # replicate divides by the factor before its all-reduce (a SUM): gloo-safe as it is.
-        experts.set_gradient_divide_factor(float(dp_size))
-        if reshard_after_forward is not None and edp_mesh.size() > 1:
-            # A factor other than the group size makes FSDP reduce-scatter with NCCL's PREMUL_SUM,
-            # which gloo lacks; forcing SUM divides afterwards. (On a one-rank mesh FSDP divides
-            # by the factor itself, and forcing SUM would divide a second time.)
-            experts.set_force_sum_reduction_for_comms(True)
-
-
 class PipelineMoE:
     """The MoE layers of this rank's pipeline stages, each back-propagating its own auxiliary loss
     (``MoELayer.backprop_aux_loss``); ``step_metrics`` combines the records their backward left per
