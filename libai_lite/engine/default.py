@@ -115,7 +115,7 @@ class DefaultTrainer:
     def check_layout(self, cfg, model: torch.nn.Module) -> None:
         """Refuse, before any work, parallel settings the model (built on ``meta``) or the world cannot take."""
         from ..parallel.data_parallel import validate_zero_config
-        from ..parallel.tensor_parallel import check_declared_splits, check_sequence_divides
+        from ..parallel.tensor_parallel import check_declared_splits, check_sequence_parallel_split
 
         layout = self.layout
         validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
@@ -129,7 +129,7 @@ class DefaultTrainer:
         check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
         check_float8(float8_options(cfg.train.get("fp8")), layout.device, layout.tensor_parallel_size)
         if layout.sequence_parallel and max_seq_length(model) is not None:
-            check_sequence_divides(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
+            check_sequence_parallel_split(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
         if layout.stage_of_layer:
             with open_dict(cfg):
                 # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
@@ -137,30 +137,30 @@ class DefaultTrainer:
 
     def check_sequence_parallel(self, loader) -> None:
         """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
-        from ..parallel.tensor_parallel import check_sequence_divides
+        from ..parallel.tensor_parallel import check_sequence_parallel_split
 
         tp, dataset = self.layout.tensor_parallel_size, getattr(loader, "dataset", None)
         if not self.layout.sequence_parallel or tp == 1 or not dataset:
             return
         for name, value in dataset[0].items():
             if len(getattr(value, "shape", ())) == 1:
-                check_sequence_divides(value.shape[0], tp, f"the samples' {name}")
+                check_sequence_parallel_split(value.shape[0], tp, f"the samples' {name}")
 
     def check_context_parallel(self, loader) -> None:
         """Under context parallelism every sequence of a sample must cut into 2 x cp equal chunks (and, with
         sequence parallelism, each rank's part split evenly over the tp ranks)."""
-        from ..parallel.context_parallel import check_sequence_divides as check_cp_divides
-        from ..parallel.tensor_parallel import check_sequence_divides
+        from ..parallel.context_parallel import check_context_parallel_chunks
+        from ..parallel.tensor_parallel import check_sequence_parallel_split
 
         cp, dataset = self.layout.context_parallel_size, getattr(loader, "dataset", None)
         if cp == 1 or not dataset:
             return
         for name, value in dataset[0].items():
             if len(getattr(value, "shape", ())) == 1:
-                check_cp_divides(value.shape[0], cp, f"the samples' {name}")
+                check_context_parallel_chunks(value.shape[0], cp, f"the samples' {name}")
                 if self.layout.sequence_parallel:
-                    check_sequence_divides(value.shape[0] // cp, self.layout.tensor_parallel_size,
-                                           f"each context-parallel rank's part of the samples' {name}")
+                    check_sequence_parallel_split(value.shape[0] // cp, self.layout.tensor_parallel_size,
+                                                  f"each context-parallel rank's part of the samples' {name}")
 
     # ------------------------------------------------------------ building
     def build_meta_model(self, cfg) -> torch.nn.Module:

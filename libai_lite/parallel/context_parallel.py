@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..utils.errors import UsageError
 
 
-def check_sequence_divides(seq_length: int, cp: int, what: str = "the sequence") -> None:
+def check_context_parallel_chunks(seq_length: int, cp: int, what: str = "the sequence") -> None:
     """Refuse a sequence length the load-balanced sharding cannot cut into ``2 * cp`` equal chunks."""
     if seq_length % (2 * cp):
         raise UsageError(f"{what} ({seq_length} tokens) is not divisible by 2 x train.dist.context_parallel_size "
@@ -45,7 +45,7 @@ def check_sequence_divides(seq_length: int, cp: int, what: str = "the sequence")
 
 def shard_positions(seq_length: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """The global positions cp rank ``rank`` holds, in its local order: chunks ``rank`` and ``2*cp-1-rank``."""
-    check_sequence_divides(seq_length, cp)
+    check_context_parallel_chunks(seq_length, cp)
     chunk = seq_length // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)

@@ -286,7 +286,7 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
             gathered.add(name)
 
 
-def check_sequence_divides(length: int, tp: int, what: str = "the sequences") -> None:
+def check_sequence_parallel_split(length: int, tp: int, what: str = "the sequences") -> None:
     """Refuse, in one line, a sequence length that sequence parallelism cannot split over ``tp`` ranks
     (gloo aborts the process on the uneven reduce-scatter otherwise)."""
     if tp > 1 and length % tp:
@@ -301,7 +301,7 @@ def _sequence_divides(tp: int):
     def check(module, args, kwargs):
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point():
-                check_sequence_divides(t.shape[1], tp, "a batch's sequences")
+                check_sequence_parallel_split(t.shape[1], tp, "a batch's sequences")
 
     return check
 
