@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.sbp import broadcast, declare, hidden
+from ..sbp import broadcast, declare, hidden
 from ..utils.errors import UsageError
 from .flex_attention import AttentionMask, flex_attend, flex_enabled, shared_mask
 from .init_methods import InitMethod

@@ -3,7 +3,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..parallel.sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
+from ..sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
 from .init_methods import InitMethod
 
 # The table is [num_embeddings, embedding_dim] and the ids are whole on every rank. "vocab" splits

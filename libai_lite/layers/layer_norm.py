@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.sbp import broadcast, declare, hidden
+from ..sbp import broadcast, declare, hidden
 
 _NORM_SBP = declare(weight=broadcast, bias=broadcast, input=hidden, output=hidden)
 

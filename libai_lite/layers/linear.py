@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
+from ..sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
 from .init_methods import InitMethod
 
 # LiBai's Linear1D: the weight is [out_features, in_features], so "col" splits outputs (dim 0) and

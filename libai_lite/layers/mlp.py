@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.sbp import broadcast, declare, hidden
+from ..sbp import broadcast, declare, hidden
 from .init_methods import InitMethod
 from .linear import Linear1D
 

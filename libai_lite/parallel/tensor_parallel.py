@@ -30,7 +30,7 @@ from ..layers.embedding import SBP_SHORTHAND as EMBEDDING_SBP
 from ..layers.layer_norm import LayerNorm
 from ..layers.linear import SBP_SHORTHAND as LINEAR_SBP
 from ..utils.errors import UsageError
-from .sbp import LayerSBP, broadcast, hidden, nd_sbp, placements, split
+from ..sbp import LayerSBP, broadcast, hidden, nd_sbp, placements, split
 
 __all__ = ["apply_tensor_parallel", "check_declared_splits", "loss_parallel_context"]
 
@@ -235,7 +235,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
                 if any(True for _ in m.children()):
                     raise UsageError(f"{name} ({type(m).__name__}) has its own parameters and submodules but "
                                      f"declares no SBP; move the parameters into a leaf layer or set `sbp = "
-                                     f"declare(weight=broadcast)` (libai_lite.parallel.sbp) on it to replicate it "
+                                     f"declare(weight=broadcast)` (libai_lite.sbp) on it to replicate it "
                                      f"whole under tensor parallelism")
                 plan[name] = ReplicateParallel()
                 owned.add(name)

@@ -21,7 +21,7 @@ from libai_lite.layers import (
     linear_cross_entropy,
     scaled_init_method_normal,
 )
-from libai_lite.parallel.sbp import broadcast, placements, split
+from libai_lite.sbp import broadcast, placements, split
 
 
 @pytest.fixture(autouse=True)

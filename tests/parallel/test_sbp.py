@@ -1,4 +1,4 @@
-"""The SBP vocabulary (libai_lite.parallel.sbp), what each layer declares with it, and the split-size check."""
+"""The SBP vocabulary (libai_lite.sbp), what each layer declares with it, and the split-size check."""
 import copy
 
 import pytest
@@ -15,7 +15,7 @@ from libai_lite.layers import (
     RMSLayerNorm,
     VocabEmbedding,
 )
-from libai_lite.parallel.sbp import (
+from libai_lite.sbp import (
     LayerSBP,
     broadcast,
     declare,

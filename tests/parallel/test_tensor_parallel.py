@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from libai_lite.layers import Linear1D, MultiheadAttention
-from libai_lite.parallel.sbp import broadcast, declare, split
+from libai_lite.sbp import broadcast, declare, split
 from libai_lite.parallel.tensor_parallel import (
     GatherSequence,
     ReplicateParallel,

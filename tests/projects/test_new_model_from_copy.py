@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from libai_lite.layers import Linear1D
-from libai_lite.parallel.sbp import broadcast, declare, hidden
+from libai_lite.sbp import broadcast, declare, hidden
 
 _ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 

@@ -26,7 +26,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..utils.errors import UsageError
+from .utils.errors import UsageError
 
 broadcast = Replicate()
 partial_sum = Partial()
