@@ -79,11 +79,6 @@ class Checkpointer:
         self._in_flight: InFlight | None = None
         self._last_cause: BaseException | None = None
 
-    @property
-    def aliases(self) -> dict:
-        """{name this rank holds: name to read it from} (``ModelState.aliases``)."""
-        return self.model_state.aliases
-
     def _write_own_files(self, tmp: str, trainer_state: dict) -> dict:
         """Write this rank's ``states`` and (rank 0) the trainer state into ``tmp``; returns their manifest records."""
         out = {}
@@ -107,7 +102,8 @@ class Checkpointer:
         final = os.path.join(self.save_dir, name)
         tmp = final + ".tmp"
         rank = get_rank()
-        # Test hooks pause only a save that replaces an existing checkpoint (the dangerous case).
+        # on_save_step's "partial" and publishing steps come only for a save that replaces an existing
+        # checkpoint (the dangerous case).
         replacing = os.path.isdir(final)
         error = ""
         if rank == 0:

@@ -102,6 +102,20 @@ def test_a_flipped_byte_is_still_refused_at_load(tmp_path):
         verify_checkpoint(str(tmp_path / "model_0000001"))
 
 
+def test_verification_is_the_loaders_argument_not_a_setting_of_the_process(tmp_path):
+    """verify=False (--no-verify) loads changed bytes for that checkpointer only: the next one still refuses them."""
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.utils.errors import UsageError
+
+    model, opt = _model_and_optimizer()
+    Checkpointer(model, opt, str(tmp_path)).save("model_0000001", {"iteration": 1})
+    state = tmp_path / "model_0000001" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"iteration": 1', '"iteration": 7'))  # same size, other CRC
+    assert Checkpointer(model, opt, verify=False).load(str(state.parent))["iteration"] == 7
+    with pytest.raises(UsageError, match="trainer_state.json differ from those saved"):
+        Checkpointer(model, opt).load(str(state.parent))
+
+
 def test_files_no_rank_checksummed_or_whose_size_changed_are_read_back_for_the_manifest(tmp_path):
     from libai_lite.checkpoint.integrity import write_manifest
 
