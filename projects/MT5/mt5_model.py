@@ -477,17 +477,9 @@ class MT5Model(nn.Module):
         encoder_attn_mask: Optional[torch.Tensor] = None,
         decoder_start_token_id: int = 0,
         max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        eos_token_id=None,
-        pad_token_id: Optional[int] = None,
         use_cache: bool = True,
-        generator: Optional[torch.Generator] = None,
         vocab_size: Optional[int] = None,
-        return_logits: bool = False,
+        **options,
     ):
         """Decode from ``decoder_start_token_id`` (T5's pad id, 0) given the encoder input; returns
         the decoder ids ``[batch, 1 + new]``, start token first, as Hugging Face does.
@@ -496,8 +488,8 @@ class MT5Model(nn.Module):
         on the padding. The encoder runs once; with ``use_cache`` each decoder step feeds one
         token, its self-attention keys and values are cached (the relative position bias is
         computed for the new position only) and the encoder's keys and values are projected
-        once per layer. ``vocab_size`` and the other options are as in ``GPTModel.generate``
-        and ``libai_lite.inference.decode``.
+        once per layer. ``vocab_size`` and ``options`` (``do_sample``, ``temperature``, ...) are as in
+        ``libai_lite.decoder_lm.DecoderLM.generate`` and ``libai_lite.inference.decode``.
         """
         from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
 
@@ -520,12 +512,8 @@ class MT5Model(nn.Module):
                 logits = self.decode(ids, encoder_hidden, encoder_attn_mask, caches, cross, logits_to_keep=1)
                 return gather_logits(logits)[:, -1]
 
-            return decode(
-                step, start, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.cfg.vocab_size,
-                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                generator=generator, sync_group=tensor_parallel_group(self), return_logits=return_logits,
-            )
+            return decode(step, start, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.cfg.vocab_size,
+                          sync_group=tensor_parallel_group(self), **options)
 
 
 class MT5ForPreTraining(nn.Module):

@@ -92,7 +92,7 @@ GPT = Copy(
     classes=r"\bGPT(ForPreTraining|Model|Embedding|Loss)\b",
     new_files={"modeling/gated_mlp.py": GATED_MLP.lstrip() + GATED_GPT_LAYER},
     edits=[
-        ("modeling/gpt_model.py", r"\n(from libai_lite\.model import LOSS\n)",
+        ("modeling/gpt_model.py", r"\n(from libai_lite\.layers\.moe import inactive_expert_parameters\n)",
          r"\n\1from .gated_mlp import GatedTransformerLayer\n", 1),
         ("modeling/gpt_model.py", r"str\(i\): TransformerLayer\(", "str(i): GatedTransformerLayer(", 1),
         ("modeling/hf_mapping.py", r'HF_MODEL_TYPE = "gpt2"', 'HF_MODEL_TYPE = "my_lm"', 1),

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from libai_lite.decoder_lm import CausalLMLoss  # noqa: E402
 from libai_lite.layers import (  # noqa: E402
     MLP,
     Embedding,
@@ -26,7 +27,7 @@ from libai_lite.layers import (  # noqa: E402
     init_method_normal,
 )
 from libai_lite.parallel.tensor_parallel import apply_tensor_parallel, loss_parallel_context  # noqa: E402
-from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTLoss  # noqa: E402
+from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 10
 TINY_GPT = dict(
@@ -98,7 +99,7 @@ class TinyT5(nn.Module):
         self.cross_attn = MultiheadAttention(hidden, heads, attn_mask_type="padding", is_cross_attention=True, **attn)
         self.dec_mlp = MLP(hidden, ffn, bias=False, activation="gelu_tanh", gated=True, init_method=init)
         self.lm_head = Linear1D(hidden, vocab, bias=False, parallel="vocab", init_method=init)
-        self.loss_func = GPTLoss()
+        self.loss_func = CausalLMLoss()
 
     def forward(self, input_ids, decoder_input_ids, labels, loss_mask=None):
         enc_len, dec_len = input_ids.shape[1], decoder_input_ids.shape[1]
@@ -197,7 +198,7 @@ def reference(kind: str, parts: int = 1) -> dict:
 
 
 def _loss_comms(model: nn.Module) -> dict:
-    """Placement of the GPT logits and the collectives GPTLoss issues on them, forward and backward."""
+    """Placement of the GPT logits and the collectives CausalLMLoss issues on them, forward and backward."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     batch = make_batches("gpt", 1)[0]

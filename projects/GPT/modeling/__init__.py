@@ -3,6 +3,6 @@
 Importing the package registers the Hugging Face GPT-2 mapping (``hf_mapping``) for ``GPTForPreTraining``.
 """
 from . import hf_mapping  # noqa: F401  (registers the Hugging Face mapping)
-from .gpt_model import GPTEmbedding, GPTForPreTraining, GPTLoss, GPTModel
+from .gpt_model import GPTEmbedding, GPTForPreTraining, GPTModel
 
-__all__ = ["GPTEmbedding", "GPTForPreTraining", "GPTLoss", "GPTModel"]
+__all__ = ["GPTEmbedding", "GPTForPreTraining", "GPTModel"]

@@ -5,28 +5,24 @@ then the pretraining wrapper that adds the loss. Every piece is a direct attribu
 pipeline splitter can delete what a stage does not own (torchtitan style) and the
 forward still runs on what is left.
 """
-from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
+from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Embedding,
     LayerNorm,
     Linear1D,
     MoEConfig,
-    ParallelCrossEntropyLoss,
     TransformerLayer,
     VocabEmbedding,
-    fusable_head_weight,
     init_method_normal,
-    linear_cross_entropy,
     scaled_init_method_normal,
 )
 from libai_lite.layers.attention import KVCache
-from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import LOSS
+from libai_lite.layers.moe import inactive_expert_parameters
 
 # LiBai GPT config keys that name kernel fusions or fp16 tricks with no numerical effect
 # here; accepted so LiBai configs load unchanged.
@@ -63,7 +59,7 @@ class GPTEmbedding(nn.Module):
         return self.dropout(self.token_embeddings(input_ids) + self.position_embeddings(position_ids))
 
 
-class GPTModel(nn.Module):
+class GPTModel(DecoderLM):
     """GPT-2: pre-LN causal transformer whose LM head shares the token-embedding weight.
 
     ``forward(input_ids)`` returns logits ``[batch, seq, vocab]``. On a pipeline stage
@@ -214,20 +210,7 @@ class GPTModel(nn.Module):
         for name, layer in self.layers.items():
             cache = kv_caches[name] if kv_caches is not None else None
             hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, **extra)
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-        if self.lm_head is None:
-            return hidden_states
-        if lm_labels is not None and self.fuses_cross_entropy():
-            return linear_cross_entropy(hidden_states, self.lm_head.weight, lm_labels)
-        return self.lm_head(hidden_states)
-
-    def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits (``linear_cross_entropy``): configured so, on a
-        stage with the head, and the head plain or split on the vocabulary over the tensor-parallel ranks."""
-        return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
+        return self.norm_and_head(hidden_states, logits_to_keep, lm_labels)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Count parameters present on this module (the tied embedding/head once).
@@ -253,202 +236,13 @@ class GPTModel(nn.Module):
         """
         return 6 * self.active_parameters + 12 * self.hidden_layers * self.hidden_size * seq_length
 
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        eos_token_id=None,
-        pad_token_id: Optional[int] = None,
-        use_cache: bool = True,
-        generator: Optional[torch.Generator] = None,
-        vocab_size: Optional[int] = None,
-        return_logits: bool = False,
-    ):
-        """Continue the prompts ``input_ids`` ``[batch, len]``; returns ``[batch, len + new]`` ids.
 
-        Prompts of different lengths are left-padded, with ``attention_mask`` 0 on the padding
-        (``libai_lite.inference.pad_prompts``); positions count from each row's first real token,
-        as Hugging Face does. ``use_cache`` keeps every layer's keys and values so each step
-        feeds one token; without it each step re-reads the whole sequence (same tokens, slower).
-        ``vocab_size`` is the tokenizer's real size: ids from it up to the padded embedding
-        size are never produced (default: the model's whole, padded vocabulary). The other
-        options are those of ``libai_lite.inference.decode``. Runs in eval mode, also on a
-        tensor-parallel model (every rank must call it with the same arguments).
-        """
-        from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
-        from libai_lite.utils.errors import UsageError
-
-        if self.embeddings is None or self.lm_head is None:
-            raise UsageError(
-                "generate needs the whole GPT model (embeddings to LM head); build it without pipeline parallelism"
-            )
-        prompt_len = input_ids.shape[1]
-        total = prompt_len + int(max_new_tokens)
-        if total > self.max_seq_length:
-            raise UsageError(
-                f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                f"max_seq_length={self.max_seq_length}; shorten the prompt or generate fewer tokens"
-            )
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
-        padded = not bool(mask.all())
-        caches = {name: KVCache(capacity=total) for name in self.layers} if use_cache else None
-        seen = {"ids": input_ids[:, :0], "mask": mask[:, :0]}
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            new_mask = mask if seen["ids"].shape[1] == 0 else torch.ones_like(tokens)
-            seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
-            seen["mask"] = torch.cat([seen["mask"], new_mask], dim=1)
-            ids = tokens if use_cache else seen["ids"]
-            # Left padding shifts each row: its first real token is position 0.
-            positions = (seen["mask"].cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            # Without padding SDPA's causal kernel needs no mask at all.
-            logits = self(ids, seen["mask"] if padded else None, positions, caches, logits_to_keep=1)
-            return gather_logits(logits)[:, -1]
-
-        with eval_mode(self):
-            return decode(
-                step, input_ids, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.vocab_size,
-                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                generator=generator, ignore_mask=mask == 0, sync_group=tensor_parallel_group(self),
-                return_logits=return_logits,
-            )
-
-
-class GPTLoss(nn.Module):
-    """Token-averaged LM loss plus the sums needed for token-weighted perplexity across ranks.
-
-    Labels equal to ``ignore_index`` (-100) do not count; ``loss_mask`` (1 keep / 0 drop,
-    or fractional weights) multiplies each token's loss. Returns ``lm_loss`` (to
-    back-propagate), ``num_tokens`` (LongTensor count of tokens with non-zero weight)
-    and ``nll_sum`` (detached weighted sum of token NLLs): perplexity over many batches
-    or ranks is ``exp(sum(nll_sum) / sum(num_tokens))`` for 0/1 masks.
-    """
-
-    def __init__(self, ignore_index: int = -100):
-        super().__init__()
-        self.ignore_index = ignore_index
-        self.cross_entropy = ParallelCrossEntropyLoss()
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
-        """The loss dict from logits ``[batch, seq, vocab]`` (a DTensor under tensor parallelism)."""
-        return self.reduce(self.cross_entropy(logits, labels, ignore_index=self.ignore_index), labels, loss_mask)
-
-    def reduce(self, per_token: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
-        """Token-weighted mean of a per-token loss and the sums for perplexity."""
-        weights = (labels != self.ignore_index).to(per_token.dtype)
-        if loss_mask is not None:
-            weights = weights * loss_mask.to(per_token.dtype)
-        nll_sum = (per_token * weights).sum()
-        # A batch with nothing to predict yields 0, not NaN (0 / tiny == 0).
-        lm_loss = nll_sum / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
-        return {"lm_loss": lm_loss, "num_tokens": (weights != 0).sum(), "nll_sum": nll_sum.detach()}
-
-
-class GPTForPreTraining(nn.Module):
+class GPTForPreTraining(DecoderLMForPreTraining):
     """GPT language model with its pretraining loss; LiBai configs build it as ``LazyCall(GPTForPreTraining)(cfg=cfg)``.
 
-    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels returns
-    ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``GPTLoss``), plus ``moe_aux_loss``,
-    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers (``collect_moe_outputs``);
-    without, ``{"logits"}``. Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
-    as the GPT dataset produces them. ``position_ids`` and ``document_ids`` ``[batch, seq]`` come with packed
-    documents (the loader's ``reset_position_ids`` / ``reset_attention_mask``, see ``libai_lite.data.packing``).
+    ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
     """
 
     def __init__(self, cfg: Mapping[str, Any]):
-        super().__init__()
-        self.GPT_model = GPTModel.from_config(cfg)
-        self.loss_func = GPTLoss()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: Optional[torch.Tensor] = None,
-        loss_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        document_ids: Optional[torch.Tensor] = None,
-    ) -> dict:
-        model = self.GPT_model
-        packed = dict(position_ids=position_ids, document_ids=document_ids)
-        if labels is not None and model.fuses_cross_entropy():
-            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
-            outputs.update(collect_moe_outputs(model))
-            return outputs
-        logits = model(input_ids, **packed)
-        if labels is None:
-            return {"logits": logits}
-        outputs = self.loss_func(logits, labels, loss_mask)
-        outputs.update(collect_moe_outputs(self.GPT_model))
-        return outputs
-
-    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
-    def output_metrics(self) -> dict:
-        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
-        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
-        lm_loss = replace(LOSS, tokens="num_tokens")
-        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.GPT_model) else {})}
-
-    @staticmethod
-    def tokens_per_sample(sample: Mapping) -> int:
-        """Tokens one training sample feeds the model: its sequence."""
-        return len(sample["input_ids"])
-
-    def flops_per_sample(self, sample: Mapping) -> float:
-        """Training FLOPs of one sample (see ``GPTModel.flops_per_token``)."""
-        seq = self.tokens_per_sample(sample)
-        return float(self.GPT_model.flops_per_token(seq)) * seq
-
-    @property
-    def max_seq_length(self) -> int:
-        """The longest sequence the position embeddings cover."""
-        return self.GPT_model.max_seq_length
-
-    @property
-    def pipeline_num_layers(self) -> int:
-        """Layers the pipeline places: the transformer layers (embeddings go with 0, the head with the last)."""
-        return self.GPT_model.hidden_layers
-
-    def pipeline_module(self) -> nn.Module:
-        """The module ``libai_lite.parallel.pipeline_split`` cuts into stages by its pieces' ``layer_idx``."""
-        return self.GPT_model
-
-    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
-        """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
-        ``lm_labels``, so the last one returns per-token losses from the fused head; packed documents'
-        ``position_ids`` and ``document_ids`` reach every stage too (each attention masks with the latter)."""
-        kwargs = {"lm_labels": batch["labels"]} if self.GPT_model.fused_cross_entropy else {}
-        kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
-        return (batch["input_ids"],), kwargs, batch["labels"]
-
-    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
-
-        The output is the per-token loss when the stage fuses its head (``pipeline_batch`` then sent
-        it ``lm_labels``), else logits (``model.cfg.fused_cross_entropy=False``, or a head that
-        cannot fuse).
-        """
-        if self.GPT_model.fuses_cross_entropy():
-            return self.loss_func.reduce(output, labels)["lm_loss"]
-        return self.loss_func(output, labels)["lm_loss"]
-
-    def num_parameters(self, non_embedding: bool = False) -> int:
-        """See ``GPTModel.num_parameters``."""
-        return self.GPT_model.num_parameters(non_embedding)
-
-    def flops_per_token(self, seq_length: int) -> int:
-        """See ``GPTModel.flops_per_token``."""
-        return self.GPT_model.flops_per_token(seq_length)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
-        """Continue prompts; ``GPTModel.generate`` lists the options (``max_new_tokens``, ``do_sample``, ...)."""
-        return self.GPT_model.generate(input_ids, attention_mask, **options)
+        # "GPT_model" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).
+        super().__init__(GPTModel.from_config(cfg), decoder_name="GPT_model")

@@ -3,6 +3,6 @@
 Importing the package registers the Hugging Face Llama, Mistral and Qwen2 mapping (``hf_mapping``).
 """
 from . import hf_mapping  # noqa: F401  (registers the Hugging Face mapping)
-from .llama_model import LlamaForPreTraining, LlamaLoss, LlamaModel
+from .llama_model import LlamaForPreTraining, LlamaModel
 
-__all__ = ["LlamaForPreTraining", "LlamaLoss", "LlamaModel"]
+__all__ = ["LlamaForPreTraining", "LlamaModel"]

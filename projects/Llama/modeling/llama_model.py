@@ -6,30 +6,26 @@ the pretraining wrapper that adds the loss. Every piece is a direct attribute so
 can delete what a stage does not own; the rotary angles are computed by the first attention that
 needs them in a step and shared by the others (no weights).
 """
-from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
+from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Linear1D,
     MoEConfig,
-    ParallelCrossEntropyLoss,
     RMSLayerNorm,
     TransformerLayer,
     VocabEmbedding,
-    fusable_head_weight,
     init_method_normal,
-    linear_cross_entropy,
     scaled_init_method_normal,
 )
 from libai_lite.layers.attention import KVCache
-from libai_lite.layers.moe import MOE_METRICS, collect_moe_outputs, inactive_expert_parameters, moe_layers
-from libai_lite.model import LOSS
+from libai_lite.layers.moe import inactive_expert_parameters
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderLM):
     """The decoder: ``forward(input_ids)`` returns logits ``[batch, seq, vocab]``.
 
     ``num_key_value_heads`` (default ``num_attention_heads``) < heads is grouped-query attention;
@@ -105,7 +101,7 @@ class LlamaModel(nn.Module):
         self.tie_weights()
         # Counted whole, now: a pipeline stage later holds only some of the layers. A token runs only
         # top_k experts, so the others' weights cost it no FLOPs.
-        self.matmul_parameters = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
+        self.active_parameters = self.num_parameters(non_embedding=True) - inactive_expert_parameters(self)
 
     @property
     def pipeline_tied(self):
@@ -130,7 +126,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
-        As ``GPTModel.forward``: ``attention_mask`` ``[batch, keys]`` (0 = left padding),
+        As ``libai_lite.decoder_lm`` asks of a decoder: ``attention_mask`` ``[batch, keys]`` (0 = left padding),
         ``position_ids`` ``[batch, seq]`` (default ``0..seq-1``), ``kv_caches`` per layer key,
         ``logits_to_keep`` and ``lm_labels`` (per-token loss from the fused head instead of logits).
         Packed documents: ``position_ids`` restarting per document and ``document_ids`` ``[batch, seq]``.
@@ -146,19 +142,7 @@ class LlamaModel(nn.Module):
             # The attention computes its rotary angles itself (once for all layers given one
             # positions tensor): under sequence parallelism only it sees the whole sequence.
             hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids, **extra)
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-        if self.lm_head is None:
-            return hidden_states
-        if lm_labels is not None and self.fuses_cross_entropy():
-            return linear_cross_entropy(hidden_states, self.lm_head.weight, lm_labels)
-        return self.lm_head(hidden_states)
-
-    def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits (see ``GPTModel.fuses_cross_entropy``)."""
-        return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
+        return self.norm_and_head(hidden_states, logits_to_keep, lm_labels)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module (a tied head once); ``non_embedding`` drops an untied token
@@ -170,157 +154,17 @@ class LlamaModel(nn.Module):
 
     def flops_per_token(self, seq_length: int) -> int:
         """Training FLOPs per token, ``6 N + 12 L (heads x head_size) T`` (PaLM appendix B), ``N`` the
-        matmul parameters counted at construction."""
+        active parameters (non-embedding, a token's ``top_k`` experts only) counted at construction."""
         attn_width = self.num_attention_heads * self.head_size
-        return 6 * self.matmul_parameters + 12 * self.hidden_layers * attn_width * seq_length
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 max_new_tokens: int = 20, use_cache: bool = True, vocab_size: Optional[int] = None, **options):
-        """Continue the prompts ``input_ids`` ``[batch, len]``; returns ``[batch, len + new]`` ids.
-
-        Left-padded prompts carry ``attention_mask`` 0 on the padding, and positions count from each
-        row's first real token, as Hugging Face does. ``use_cache`` keeps each layer's keys and values
-        (only the key/value heads); ``vocab_size`` is the tokenizer's real size. ``options`` are
-        ``libai_lite.inference.decode``'s (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``, ``generator``, ``return_logits``).
-        """
-        from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
-        from libai_lite.utils.errors import UsageError
-
-        if self.embeddings is None or self.lm_head is None:
-            raise UsageError("generate needs the whole Llama model (embeddings to LM head); build it without "
-                             "pipeline parallelism")
-        prompt_len = input_ids.shape[1]
-        total = prompt_len + int(max_new_tokens)
-        if total > self.max_seq_length:
-            raise UsageError(f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-                             f"model's max_seq_length={self.max_seq_length}; shorten the prompt or generate fewer")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
-        padded = not bool(mask.all())
-        caches = {name: KVCache(capacity=total) for name in self.layers} if use_cache else None
-        seen = {"ids": input_ids[:, :0], "mask": mask[:, :0]}
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            new_mask = mask if seen["ids"].shape[1] == 0 else torch.ones_like(tokens)
-            seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
-            seen["mask"] = torch.cat([seen["mask"], new_mask], dim=1)
-            ids = tokens if use_cache else seen["ids"]
-            # Left padding shifts each row: its first real token is position 0.
-            positions = (seen["mask"].cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            logits = self(ids, seen["mask"] if padded else None, positions, caches, logits_to_keep=1)
-            return gather_logits(logits)[:, -1]
-
-        with eval_mode(self):
-            return decode(step, input_ids, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.vocab_size,
-                          ignore_mask=mask == 0, sync_group=tensor_parallel_group(self), **options)
+        return 6 * self.active_parameters + 12 * self.hidden_layers * attn_width * seq_length
 
 
-class LlamaLoss(nn.Module):
-    """Token-averaged LM loss plus ``num_tokens`` and ``nll_sum`` for token-weighted perplexity (as GPT's)."""
-
-    def __init__(self, ignore_index: int = -100):
-        super().__init__()
-        self.ignore_index = ignore_index
-        self.cross_entropy = ParallelCrossEntropyLoss()
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
-        """The loss dict from logits ``[batch, seq, vocab]`` (a DTensor under tensor parallelism)."""
-        return self.reduce(self.cross_entropy(logits, labels, ignore_index=self.ignore_index), labels, loss_mask)
-
-    def reduce(self, per_token: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
-        """Token-weighted mean of a per-token loss and the sums for perplexity."""
-        weights = (labels != self.ignore_index).to(per_token.dtype)
-        if loss_mask is not None:
-            weights = weights * loss_mask.to(per_token.dtype)
-        nll_sum = (per_token * weights).sum()
-        lm_loss = nll_sum / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
-        return {"lm_loss": lm_loss, "num_tokens": (weights != 0).sum(), "nll_sum": nll_sum.detach()}
-
-
-class LlamaForPreTraining(nn.Module):
+class LlamaForPreTraining(DecoderLMForPreTraining):
     """Llama with its pretraining loss; configs build it as ``LazyCall(LlamaForPreTraining)(cfg=cfg)``.
 
-    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels
-    (already shifted, as the GPT dataset gives them) returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (plus
-    ``moe_aux_loss``, ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers); without, ``{"logits"}``.
-    ``position_ids`` and ``document_ids`` come with packed documents (``libai_lite.data.packing``).
+    ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
     """
 
     def __init__(self, cfg: Mapping[str, Any]):
-        super().__init__()
-        self.llama = LlamaModel(**dict(cfg))
-        self.loss_func = LlamaLoss()
-
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> dict:
-        model = self.llama
-        packed = dict(position_ids=position_ids, document_ids=document_ids)
-        if labels is not None and model.fuses_cross_entropy():
-            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
-        else:
-            logits = model(input_ids, **packed)
-            if labels is None:
-                return {"logits": logits}
-            outputs = self.loss_func(logits, labels, loss_mask)
-        outputs.update(collect_moe_outputs(model))
-        return outputs
-
-    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
-    def output_metrics(self) -> dict:
-        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
-        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
-        lm_loss = replace(LOSS, tokens="num_tokens")
-        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.llama) else {})}
-
-    @staticmethod
-    def tokens_per_sample(sample: Mapping) -> int:
-        """Tokens one training sample feeds the model: its sequence."""
-        return len(sample["input_ids"])
-
-    def flops_per_sample(self, sample: Mapping) -> float:
-        """Training FLOPs of one sample (see ``LlamaModel.flops_per_token``)."""
-        seq = self.tokens_per_sample(sample)
-        return float(self.llama.flops_per_token(seq)) * seq
-
-    @property
-    def max_seq_length(self) -> int:
-        """The longest sequence generation and evaluation feed the model."""
-        return self.llama.max_seq_length
-
-    @property
-    def pipeline_num_layers(self) -> int:
-        """Layers the pipeline places: the decoder layers (embedding with 0, norm and head with the last)."""
-        return self.llama.hidden_layers
-
-    def pipeline_module(self) -> nn.Module:
-        """The module ``libai_lite.parallel.pipeline_split`` cuts into stages by its pieces' ``layer_idx``."""
-        return self.llama
-
-    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
-        """``(first-stage inputs, every-stage kwargs, labels)``; labels reach the last stage as ``lm_labels``,
-        packed documents' ``position_ids`` (rotary, in every layer) and ``document_ids`` every stage."""
-        kwargs = {"lm_labels": batch["labels"]} if self.llama.fused_cross_entropy else {}
-        kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
-        return (batch["input_ids"],), kwargs, batch["labels"]
-
-    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of the last stage's output: per-token losses when it fuses its head, else logits."""
-        if self.llama.fuses_cross_entropy():
-            return self.loss_func.reduce(output, labels)["lm_loss"]
-        return self.loss_func(output, labels)["lm_loss"]
-
-    def num_parameters(self, non_embedding: bool = False) -> int:
-        """See ``LlamaModel.num_parameters``."""
-        return self.llama.num_parameters(non_embedding)
-
-    def flops_per_token(self, seq_length: int) -> int:
-        """See ``LlamaModel.flops_per_token``."""
-        return self.llama.flops_per_token(seq_length)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
-        """Continue prompts; ``LlamaModel.generate`` lists the options."""
-        return self.llama.generate(input_ids, attention_mask, **options)
+        # "llama" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).
+        super().__init__(LlamaModel(**dict(cfg)), decoder_name="llama")

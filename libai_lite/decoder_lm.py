@@ -1,0 +1,241 @@
+"""What every decoder-only language model gives the engine the same way: its loss, the model protocol
+(``libai_lite.model``) and generation. A project keeps only what differs: embeddings, layers, head, FLOPs.
+
+``DecoderLM`` is the base of the decoder itself (``GPTModel``, ``LlamaModel``): it asks for the
+attributes ``embeddings``, ``layers`` (an ``nn.ModuleDict`` of layers taking ``kv_cache=``),
+``final_layernorm``, ``lm_head``, ``vocab_size``, ``max_seq_length``, ``hidden_layers`` and
+``fused_cross_entropy``, and a ``forward(input_ids, attention_mask, position_ids, kv_caches,
+logits_to_keep, lm_labels, document_ids)`` returning logits (per-token losses given ``lm_labels`` and
+a fused head); it adds ``norm_and_head`` (the end of that forward), ``fuses_cross_entropy`` and
+``generate``. ``DecoderLMForPreTraining`` wraps such a decoder with ``CausalLMLoss`` and answers the
+protocol; a project's wrapper only builds its decoder and names the attribute holding it (that name is
+in the checkpoint's keys, so each project keeps its own).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from .layers import ParallelCrossEntropyLoss, fusable_head_weight, linear_cross_entropy
+from .layers.attention import KVCache
+from .layers.moe import MOE_METRICS, collect_moe_outputs, moe_layers
+from .model import LOSS
+from .utils.errors import UsageError
+
+
+class CausalLMLoss(nn.Module):
+    """Token-averaged LM loss plus the sums needed for token-weighted perplexity across ranks.
+
+    Labels equal to ``ignore_index`` (-100) do not count; ``loss_mask`` (1 keep / 0 drop,
+    or fractional weights) multiplies each token's loss. Returns ``lm_loss`` (to
+    back-propagate), ``num_tokens`` (LongTensor count of tokens with non-zero weight)
+    and ``nll_sum`` (detached weighted sum of token NLLs): perplexity over many batches
+    or ranks is ``exp(sum(nll_sum) / sum(num_tokens))`` for 0/1 masks.
+    """
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.cross_entropy = ParallelCrossEntropyLoss()
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
+        """The loss dict from logits ``[batch, seq, vocab]`` (a DTensor under tensor parallelism)."""
+        return self.reduce(self.cross_entropy(logits, labels, ignore_index=self.ignore_index), labels, loss_mask)
+
+    def reduce(self, per_token: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> dict:
+        """Token-weighted mean of a per-token loss and the sums for perplexity."""
+        weights = (labels != self.ignore_index).to(per_token.dtype)
+        if loss_mask is not None:
+            weights = weights * loss_mask.to(per_token.dtype)
+        nll_sum = (per_token * weights).sum()
+        # A batch with nothing to predict yields 0, not NaN (0 / tiny == 0).
+        lm_loss = nll_sum / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
+        return {"lm_loss": lm_loss, "num_tokens": (weights != 0).sum(), "nll_sum": nll_sum.detach()}
+
+
+class DecoderLM(nn.Module):
+    """Base of a decoder-only language model: the final norm and head, the fused-loss switch and generation
+    (see the module docstring)."""
+
+    def fuses_cross_entropy(self) -> bool:
+        """Whether the training loss may skip the logits (``linear_cross_entropy``): configured so, on a
+        stage with the head, and the head plain or split on the vocabulary over the tensor-parallel ranks."""
+        return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
+
+    def norm_and_head(self, hidden_states: torch.Tensor, logits_to_keep: int = 0,
+                      lm_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The end of ``forward`` after the last layer: the last ``logits_to_keep`` positions (> 0),
+        the final norm and the LM head where this pipeline stage has them (hidden states come out
+        otherwise), and with ``lm_labels`` and a head that fuses, the per-token loss ``[batch, seq]``
+        (fp32) instead of the logits: the pretraining loss and a pipeline's last stage never hold them."""
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        if self.lm_head is None:
+            return hidden_states
+        if lm_labels is not None and self.fuses_cross_entropy():
+            return linear_cross_entropy(hidden_states, self.lm_head.weight, lm_labels)
+        return self.lm_head(hidden_states)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 max_new_tokens: int = 20, use_cache: bool = True, vocab_size: Optional[int] = None, **options):
+        """Continue the prompts ``input_ids`` ``[batch, len]``; returns ``[batch, len + new]`` ids.
+
+        Prompts of different lengths are left-padded, with ``attention_mask`` 0 on the padding
+        (``libai_lite.inference.pad_prompts``); positions count from each row's first real token,
+        as Hugging Face does. ``use_cache`` keeps every layer's keys and values (an attention with
+        fewer key/value heads caches only those) so each step feeds one token; without it each step
+        re-reads the whole sequence (same tokens, slower). ``vocab_size`` is the tokenizer's real
+        size: ids from it up to the padded embedding size are never produced (default: the model's
+        whole, padded vocabulary). ``options`` are ``libai_lite.inference.decode``'s (``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``,
+        ``pad_token_id``, ``generator``, ``return_logits``). Runs in eval mode, also on a
+        tensor-parallel model (every rank must call it with the same arguments).
+        """
+        from .inference import decode, eval_mode, gather_logits, tensor_parallel_group
+
+        if self.embeddings is None or self.lm_head is None:
+            raise UsageError(f"generate needs the whole {type(self).__name__} (embeddings to LM head); build it "
+                             f"without pipeline parallelism")
+        prompt_len = input_ids.shape[1]
+        total = prompt_len + int(max_new_tokens)
+        if total > self.max_seq_length:
+            raise UsageError(
+                f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                f"max_seq_length={self.max_seq_length}; shorten the prompt or generate fewer tokens"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+        padded = not bool(mask.all())
+        caches = {name: KVCache(capacity=total) for name in self.layers} if use_cache else None
+        seen = {"ids": input_ids[:, :0], "mask": mask[:, :0]}
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            new_mask = mask if seen["ids"].shape[1] == 0 else torch.ones_like(tokens)
+            seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
+            seen["mask"] = torch.cat([seen["mask"], new_mask], dim=1)
+            ids = tokens if use_cache else seen["ids"]
+            # Left padding shifts each row: its first real token is position 0.
+            positions = (seen["mask"].cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            # Without padding SDPA's causal kernel needs no mask at all.
+            logits = self(ids, seen["mask"] if padded else None, positions, caches, logits_to_keep=1)
+            return gather_logits(logits)[:, -1]
+
+        with eval_mode(self):
+            return decode(step, input_ids, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.vocab_size,
+                          ignore_mask=mask == 0, sync_group=tensor_parallel_group(self), **options)
+
+
+class DecoderLMForPreTraining(nn.Module):
+    """A ``DecoderLM`` with its pretraining loss, answering the model protocol (``libai_lite.model``).
+
+    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels
+    returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``CausalLMLoss``), plus ``moe_aux_loss``,
+    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers (``collect_moe_outputs``); without,
+    ``{"logits"}``. Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
+    as the GPT-style dataset produces them. ``position_ids`` and ``document_ids`` ``[batch, seq]`` come
+    with packed documents (the loader's ``reset_position_ids`` / ``reset_attention_mask``, see
+    ``libai_lite.data.packing``).
+
+    ``decoder_name`` is the attribute the decoder is registered under, hence the prefix of its
+    checkpoint keys and Hugging Face mapping (``inner``); ``self.decoder`` reaches it whatever its name.
+    """
+
+    def __init__(self, decoder: DecoderLM, decoder_name: str):
+        super().__init__()
+        self.decoder_name = decoder_name
+        setattr(self, decoder_name, decoder)
+        self.loss_func = CausalLMLoss()
+
+    @property
+    def decoder(self) -> DecoderLM:
+        """The decoder (looked up by name: a wrapper may replace the attribute, as compilation does)."""
+        return getattr(self, self.decoder_name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> dict:
+        model = self.decoder
+        packed = dict(position_ids=position_ids, document_ids=document_ids)
+        if labels is not None and model.fuses_cross_entropy():
+            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
+        else:
+            logits = model(input_ids, **packed)
+            if labels is None:
+                return {"logits": logits}
+            outputs = self.loss_func(logits, labels, loss_mask)
+        outputs.update(collect_moe_outputs(model))
+        return outputs
+
+    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
+    def output_metrics(self) -> dict:
+        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
+        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
+        lm_loss = replace(LOSS, tokens="num_tokens")
+        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.decoder) else {})}
+
+    @staticmethod
+    def tokens_per_sample(sample: Mapping) -> int:
+        """Tokens one training sample feeds the model: its sequence."""
+        return len(sample["input_ids"])
+
+    def flops_per_sample(self, sample: Mapping) -> float:
+        """Training FLOPs of one sample (see the decoder's ``flops_per_token``)."""
+        seq = self.tokens_per_sample(sample)
+        return float(self.decoder.flops_per_token(seq)) * seq
+
+    @property
+    def max_seq_length(self) -> int:
+        """The longest sequence generation and evaluation feed the model."""
+        return self.decoder.max_seq_length
+
+    @property
+    def pipeline_num_layers(self) -> int:
+        """Layers the pipeline places: the decoder layers (embeddings go with 0, norm and head with the last)."""
+        return self.decoder.hidden_layers
+
+    def pipeline_module(self) -> nn.Module:
+        """The module ``libai_lite.parallel.pipeline_split`` cuts into stages by its pieces' ``layer_idx``."""
+        return self.decoder
+
+    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
+        ``lm_labels``, so the last one returns per-token losses from the fused head; packed documents'
+        ``position_ids`` and ``document_ids`` reach every stage too (each attention masks with the latter)."""
+        kwargs = {"lm_labels": batch["labels"]} if self.decoder.fused_cross_entropy else {}
+        kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
+        return (batch["input_ids"],), kwargs, batch["labels"]
+
+    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
+
+        The output is the per-token loss when the stage fuses its head (``pipeline_batch`` then sent
+        it ``lm_labels``), else logits (``model.cfg.fused_cross_entropy=False``, or a head that
+        cannot fuse).
+        """
+        if self.decoder.fuses_cross_entropy():
+            return self.loss_func.reduce(output, labels)["lm_loss"]
+        return self.loss_func(output, labels)["lm_loss"]
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """See the decoder's ``num_parameters``."""
+        return self.decoder.num_parameters(non_embedding)
+
+    def flops_per_token(self, seq_length: int) -> int:
+        """See the decoder's ``flops_per_token``."""
+        return self.decoder.flops_per_token(seq_length)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
+        """Continue prompts; ``DecoderLM.generate`` lists the options (``max_new_tokens``, ``do_sample``, ...)."""
+        return self.decoder.generate(input_ids, attention_mask, **options)
