@@ -314,41 +314,31 @@ class DefaultTrainer:
         )
 
     def build_hooks(self):
+        """The trainer's hooks, in the order ``hooks.hooks_in_order`` gives (and explains)."""
         cfg = self.cfg
         periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period, self.trainer_state)
-        # A step's metrics row is written before any checkpoint of that step is published (a checkpoint
-        # becomes last_checkpoint): a kill in between then resumes at that step and logs it, instead
-        # of resuming after a step metrics.json never got. Evaluation comes first so its results join
-        # the step's row.
-        out = [hooks.IterationTimer()]
-        after_writer = [periodic]
+        evaluation = best = None
         ev = cfg.train.evaluation
         if ev.get("enabled", False) and self.valid_loader is not None:
             metric = ev.get("eval_metric")
             evaluation = hooks.EvalHook(ev.eval_period, self.evaluate, periodic.save if metric else None, metric,
                                         ev.get("eval_mode", "min"))
-            out.append(evaluation)
-            after_writer.append(hooks.BestCheckpointer(evaluation))
+            best = hooks.BestCheckpointer(evaluation)
         dataset = getattr(self.train_loader, "dataset", None)
         tokens, flops = sample_throughput(self.model.source, dataset[0]) if dataset else (None, None)
-        out.append(
-            hooks.PeriodicWriter(
-                self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
-                device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None,
-                                  cfg.train.get("peak_tflops", None)),
-                lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
-                wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
-            )
+        writer = hooks.PeriodicWriter(
+            self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
+            device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None,
+                              cfg.train.get("peak_tflops", None)),
+            lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
+            wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
         )
-        out += after_writer
-        # Last, so the step a signal interrupts is fully logged before the checkpoint and stop.
-        out.append(hooks.SignalCheckpointer(periodic))
         profile = cfg.train.get("profile") or {}
-        if profile.get("enabled", False):
-            # After the others: a traced step spans its iteration's hooks too.
-            out.append(ProfilerHook(self.output_dir, self.layout.device, **{
-                k: profile[k] for k in ("wait", "warmup", "active", "repeat", "memory_snapshot") if k in profile}))
-        return out
+        profiler = ProfilerHook(self.output_dir, self.layout.device, **{
+            k: profile[k] for k in ("wait", "warmup", "active", "repeat", "memory_snapshot") if k in profile
+        }) if profile.get("enabled", False) else None
+        return hooks.hooks_in_order(hooks.IterationTimer(), writer, periodic, hooks.SignalCheckpointer(periodic),
+                                    evaluation=evaluation, best=best, profiler=profiler)
 
     # --------------------------------------------------------------- state
     def consumed_samples_at(self, iteration: int) -> int:

@@ -1,10 +1,8 @@
 """Hooks that make up the trainer's behaviour: timing, checkpoints, evaluation, signals, writers."""
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import signal
 import sys
 import time
@@ -14,9 +12,11 @@ import torch
 from ..utils.distributed import (all_reduce_max, all_reduce_mean, all_reduce_sum, broadcast_object, get_rank,
                                  is_main_process)
 from ..utils.errors import UsageError, write_error
-from ..utils.events import format_bytes, format_eta, read_scalars
+from ..utils.events import format_eta, read_scalars
+from ..utils.flops import achieved_tflops
 from ..utils.process import defer_stop_signals, fail_at_step_boundary, pending_failure, stop_requested
 from .trainer import HookBase, StopTraining
+from .writers import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 logger = logging.getLogger("libai_lite")
 
@@ -208,32 +208,10 @@ class IterationTimer(HookBase):
             logger.info(f"Total training time: {format_eta(total)} ({total / done:.4f} s / it over {done} iterations)")
 
 
-def _event_file(tb) -> str:
-    """The path of a SummaryWriter's event file (its directory where tensorboard hides it)."""
-    name = getattr(tb._get_file_writer().event_writer, "_file_name", None)
-    return os.fsdecode(name) if name else tb.get_logdir()
-
-
-def _quiet_tensorboard_write_errors() -> None:
-    """TensorBoard writes in a thread which, on a full disk, prints its traceback and dies; the same
-    error comes back to the writer hook at its next flush, which reports it in one line."""
-    import threading
-
-    previous = threading.excepthook
-    if getattr(previous, "_libai_lite", False):
-        return
-
-    def hook(args):
-        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
-            return
-        previous(args)
-
-    hook._libai_lite = True
-    threading.excepthook = hook
-
-
 class PeriodicWriter(HookBase):
-    """Every `period` iterations: the log line, a `metrics.json` row and TensorBoard scalars (rank 0).
+    """Every `period` iterations (and after the last): a log row to the writers on rank 0, the console
+    line (`CommonMetricPrinter`), `metrics.json` (`JSONWriter`), TensorBoard (`TensorboardXWriter`) and
+    W&B (`wandb`, a `WandbWriter`, when asked for), with tqdm's progress bar on a terminal.
 
     The log line shows this rank's means over the interval since the last log; `metrics.json`
     holds the logged step's values, the model's outputs reduced over data-parallel ranks as it
@@ -252,26 +230,24 @@ class PeriodicWriter(HookBase):
         self.layout = layout
         self.metrics = dict(metrics)
         self.main = is_main_process()
-        self._json_path = os.path.join(output_dir, "metrics.json")
-        # Unbuffered: a row either reaches the file or fails on the spot, and nothing is left in a
-        # buffer for close() to fail on again.
-        self._json = open(self._json_path, "ab", buffering=0) if self.main else None
         self._failed: UsageError | None = None
-        self._tb = None
+        # The file writers, in the order a row reaches them: metrics.json first, the record a resume reads.
+        self._files: list = []
         # A WandbWriter (libai_lite/engine/wandb_writer.py) on the main process, or None.
         self._wandb = wandb
+        self._printer: CommonMetricPrinter | None = None
         if self.main:
+            self._files.append(JSONWriter(output_dir))
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(output_dir)
-                _quiet_tensorboard_write_errors()
+                self._files.append(TensorboardXWriter(output_dir))
             except ImportError:
                 logger.warning("tensorboard is not installed: no event files will be written")
         self._window: list[dict] = []
         self._bar = None
 
     def before_train(self):
+        if self.main:
+            self._printer = CommonMetricPrinter(self.trainer.max_iter, self.global_batch_size, self.tokens_per_sample)
         if self.main and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -283,33 +259,17 @@ class PeriodicWriter(HookBase):
         at the step boundary with one error line, metrics.json cut back to its last whole row."""
         if self._failed is not None:
             return
-        row = (json.dumps({"iteration": iteration, **scalars}, sort_keys=True) + "\n").encode()
-        size, path = os.fstat(self._json.fileno()).st_size, self._json_path
-        try:
-            view = memoryview(row)
-            while view:
-                view = view[self._json.write(view):]
-            if self._tb is not None:
-                path = _event_file(self._tb)
-                for k, v in scalars.items():
-                    if k != "consumed_samples":
-                        self._tb.add_scalar(k, v, iteration)
-                self._tb.flush()
-        except OSError as e:
-            self._failed = write_error(path, e)
-            if path == self._json_path:
-                try:
-                    os.truncate(self._json_path, size)
-                except OSError:
-                    pass
-            fail_at_step_boundary(self._failed)
-            return
+        for writer in self._files:
+            try:
+                writer.write(iteration, scalars)
+            except OSError as e:
+                self._failed = write_error(writer.path, e)
+                fail_at_step_boundary(self._failed)
+                return
         # After the row is safely in metrics.json: the W&B run holds the same values (its own
         # service process writes them).
         if self._wandb is not None:
-            for k, v in scalars.items():
-                self._wandb.add_scalar(k, v, iteration)
-            self._wandb.flush()
+            self._wandb.write(iteration, scalars)
 
     def _record_valid(self, iteration: int) -> None:
         """Evaluation results stored after the step's log line (or on a step not logged) still get a row."""
@@ -352,27 +312,14 @@ class PeriodicWriter(HookBase):
         samples_s = batch / mean["time"]
         raw.update(consumed_samples=self.consumed_fn(), samples_per_sec=batch / raw["time"],
                    max_mem_bytes=peak_memory_bytes(self.layout.device))
-        parts = [f"iteration: {it + 1}/{self.trainer.max_iter}", f"consumed_samples: {raw['consumed_samples']}"]
-        parts += [f"{k}: {mean[k]:.4f}" for k in keys]
-        if len(window) > 1:
-            parts[-1] += f" (mean of {len(window)} steps)"
-        parts += [f"lr: {raw['lr']:.3e}", f"grad_norm: {raw['grad_norm']:.3f}"]
-        if "loss_scale" in raw:
-            parts.append(f"loss_scale: {raw['loss_scale']:g}")
-        parts += [f"time: {mean['time']:.4f} s/it", f"data_time: {mean['data_time']:.4f} s/it",
-                  f"samples/s: {samples_s:.2f}"]
         if self.tokens_per_sample:
             raw["tokens_per_sec"] = batch * self.tokens_per_sample / raw["time"]
-            parts.append(f"tokens/s: {samples_s * self.tokens_per_sample:.0f}")
         if self.flops_per_sample:
-            raw["tflops_per_rank"] = tflops = samples_s * self.flops_per_sample / self.layout.world_size / 1e12
-            parts.append(f"TFLOP/s/rank: {tflops:.3f}")
-            if self.peak_flops:
-                raw["mfu"] = tflops * 1e12 / self.peak_flops
-                parts.append(f"MFU: {100 * raw['mfu']:.1f}%")
-        parts.append(f"max_mem: {format_bytes(raw['max_mem_bytes'])}")
-        parts.append(f"eta: {format_eta(mean['time'] * (self.trainer.max_iter - it - 1))}")
-        logger.info("  ".join(parts))
+            raw["tflops_per_rank"], mfu = achieved_tflops(samples_s, self.flops_per_sample, self.layout.world_size,
+                                                          self.peak_flops)
+            if mfu is not None:
+                raw["mfu"] = mfu
+        self._printer.write(it + 1, raw, mean, len(window))
         self._record(it + 1, raw)
 
     def _reduce_over_dp(self, values: dict) -> dict:
@@ -387,12 +334,32 @@ class PeriodicWriter(HookBase):
         # Evaluation at the end stores valid/* after the last log line; record it too.
         if self._failed is None:
             self._record_valid(self.trainer.iter)
-        for closing in (self._bar, self._json, self._tb, self._wandb):
+        json_path = self._files[0].path if self._files else None
+        for closing in (self._bar, *self._files, self._wandb):
             try:
                 if closing is not None:
                     closing.close()
             except OSError as e:
                 # After a failed write, closing fails the same way: the first error is the one to report.
                 if self._failed is None:
-                    self._failed = write_error(_event_file(self._tb) if closing is self._tb else self._json_path, e)
+                    self._failed = write_error(getattr(closing, "path", json_path), e)
                     raise self._failed from e
+
+
+def hooks_in_order(timer: IterationTimer, writer: PeriodicWriter, checkpointer: PeriodicCheckpointer,
+                   signal_checkpointer: SignalCheckpointer, evaluation: EvalHook | None = None,
+                   best: BestCheckpointer | None = None, profiler: HookBase | None = None) -> list[HookBase]:
+    """The trainer's hooks in the order each step runs them (those given as None left out), and why:
+
+    1. ``timer``: first, so the run's total time spans the others.
+    2. ``evaluation``: before the writer, so its ``valid/*`` results join the step's metrics row.
+    3. ``writer``: a step's metrics row is written before any checkpoint of that step is published (a
+       checkpoint becomes last_checkpoint): a kill in between then resumes at that step and logs it,
+       instead of resuming after a step metrics.json never got.
+    4. ``checkpointer``, then ``best`` (model_best): after the row, for the same reason.
+    5. ``signal_checkpointer``: after those, so the step a signal interrupts is fully logged before the
+       checkpoint and stop; at the end it stops deferring signals after the final checkpoint.
+    6. ``profiler``: after the others, so a traced step spans its iteration's hooks too.
+    """
+    ordered = [timer, evaluation, writer, checkpointer, best, signal_checkpointer, profiler]
+    return [h for h in ordered if h is not None]

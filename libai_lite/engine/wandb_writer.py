@@ -18,6 +18,7 @@ import uuid
 
 from ..utils.errors import UsageError
 from ..utils.files import atomic_write
+from .writers import EventWriter
 
 logger = logging.getLogger("libai_lite")
 
@@ -41,8 +42,9 @@ def check_wandb_options(mode: str):
     return import_wandb()
 
 
-class WandbWriter:
-    """A W&B run driven like TensorBoard's ``SummaryWriter``: ``add_scalar``, ``flush``, ``close``.
+class WandbWriter(EventWriter):
+    """A W&B run, one of the trainer's writers (``write`` a log row), also driven like TensorBoard's
+    ``SummaryWriter``: ``add_scalar``, ``flush``, ``close``.
 
     The config is given once, at the start. Scalars given for one step are merged into one W&B
     history row (an evaluation result recorded after the step's log line joins that step's row).
@@ -81,6 +83,12 @@ class WandbWriter:
         run_id = uuid.uuid4().hex[:8]  # W&B's own ids are 8 characters of [a-z0-9]
         atomic_write(path, lambda f: f.write(run_id + "\n"), mode="w")
         return run_id, False
+
+    def write(self, iteration: int, scalars: dict) -> None:
+        """One log row: every scalar of it at step ``iteration``, as ``metrics.json`` holds them."""
+        for k, v in scalars.items():
+            self.add_scalar(k, v, iteration)
+        self.flush()
 
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:
         """Record ``tag`` at step ``global_step`` (the training iteration)."""

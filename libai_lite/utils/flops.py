@@ -1,4 +1,4 @@
-"""Model FLOPs and device peaks, for the TFLOP/s and MFU the trainer logs."""
+"""Model FLOPs, device peaks, and the TFLOP/s and MFU the trainer logs."""
 from __future__ import annotations
 
 import re
@@ -76,3 +76,12 @@ def device_peak_flops(device: torch.device, low_precision: bool, peak_tflops: fl
 def transformer_flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:
     """Training FLOPs per token, forward and backward: 6N + 12·L·H·T (PaLM's appendix B)."""
     return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_length
+
+
+def achieved_tflops(samples_per_sec: float, flops_per_sample: float, world_size: int,
+                    peak_flops: float | None) -> tuple[float, float | None]:
+    """``(TFLOP/s per rank, MFU)`` of a run doing ``samples_per_sec`` samples of ``flops_per_sample`` training
+    FLOPs each over ``world_size`` ranks; MFU, the fraction of ``peak_flops`` (``device_peak_flops``),
+    is None when the peak is unknown."""
+    tflops = samples_per_sec * flops_per_sample / world_size / 1e12
+    return tflops, (tflops * 1e12 / peak_flops if peak_flops else None)
