@@ -72,7 +72,7 @@ train = dict(
         # null: the processes launched decide (world / (pp x cp x tp)), so one config runs on 1, 4 or 8
         # processes; a number must match the launch.
         data_parallel_size=None,
-        # Capped at the world size (pipeline and context at what remains) as LiBai does, with a start-up
+        # Capped at the world size (pipeline at what remains) as LiBai does, with a start-up
         # warning; strict_layout=True refuses a world too small for them instead.
         tensor_parallel_size=1,
         pipeline_parallel_size=1,

@@ -161,12 +161,13 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
 
     The data-parallel size follows the launch: left null it is world / (pp x cp x tp), so one recipe runs on
     1, 4 or 8 processes. A world smaller than the configured model parallelism caps the tensor size at the
-    world size and the pipeline (then context) size at what remains, as LiBai's ``_init_parallel_size``
-    does (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
+    world size and the pipeline size at what remains, as LiBai's ``_init_parallel_size`` does (context
+    parallelism is never capped) (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
     data-parallel size set explicitly must fit the world.
     """
     configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
-    for name, value in configured.items():
+    cp = int(dist_cfg.get("context_parallel_size", 1) or 1)
+    for name, value in (*configured.items(), ("context_parallel_size", cp)):
         if value < 1:
             raise UsageError(f"train.dist.{name}={value} must be at least 1")
     used = capped_sizes(world_size, configured)
@@ -175,7 +176,7 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
         raise UsageError(f"train.dist asks for {need} = {_product(configured)} processes but {world_size} were "
                          f"launched (train.dist.strict_layout=True); launch at least {_product(configured)} "
                          f"processes or set train.dist.strict_layout=False to have the sizes capped")
-    tp, pp, cp = used["tensor_parallel_size"], used["pipeline_parallel_size"], used["context_parallel_size"]
+    tp, pp = used["tensor_parallel_size"], used["pipeline_parallel_size"]
     model = pp * cp * tp
     named = f"pipeline_parallel_size({pp}) x " + (f"context_parallel_size({cp}) x " if cp > 1 else "") + \
         f"tensor_parallel_size({tp})"
@@ -194,8 +195,9 @@ def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
     return pp, dp, cp, tp
 
 
-# The model-parallel dimensions in LiBai's capping order: tensor first, then pipeline, then context.
-_MODEL_DIMS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+# The model-parallel dimensions in LiBai's capping order: tensor first, then pipeline. Context parallelism
+# is not capped: it is chosen for a sequence length, and a run without it would not fit where it was meant to.
+_MODEL_DIMS = ("tensor_parallel_size", "pipeline_parallel_size")
 
 
 def _product(sizes: dict) -> int:
@@ -285,7 +287,9 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None,
-                    control=dist.new_group(backend="gloo") if world_size > 1 else None)
+                    # train.dist.timeout applies here too: a stuck rank must still end the run in time.
+                    control=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1
+                    else None)
     return layout
 
 

@@ -38,8 +38,8 @@ def dist(**kw) -> dict:
     (4, dist(tensor_parallel_size=2, pipeline_parallel_size=4), (2, 1, 1, 2)),
     (2, dist(tensor_parallel_size=4, pipeline_parallel_size=2), (1, 1, 1, 2)),
     (8, dist(tensor_parallel_size=2, pipeline_parallel_size=4), (4, 1, 1, 2)),
-    # Context parallelism after both.
-    (4, dist(tensor_parallel_size=2, context_parallel_size=4), (1, 1, 2, 2)),
+    # Context parallelism is never capped (it is chosen for a sequence length): it must fit as given.
+    (8, dist(tensor_parallel_size=2, context_parallel_size=2), (1, 2, 2, 2)),
 ])
 def test_layout_follows_the_launch(world, cfg, expected):
     assert resolve_layout(world, cfg) == expected
@@ -50,8 +50,8 @@ def test_capping_is_announced_with_both_sizes():
     line = describe_capping(1, dist(tensor_parallel_size=2, pipeline_parallel_size=2))
     assert "tensor_parallel_size 2 -> 1" in line and "pipeline_parallel_size 2 -> 1" in line
     assert "1 launched process" in line and "strict_layout" in line
-    assert capped_sizes(8, {"tensor_parallel_size": 2, "pipeline_parallel_size": 8, "context_parallel_size": 1}) == \
-        {"tensor_parallel_size": 2, "pipeline_parallel_size": 4, "context_parallel_size": 1}
+    assert capped_sizes(8, {"tensor_parallel_size": 2, "pipeline_parallel_size": 8}) == \
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 4}
 
 
 @pytest.mark.parametrize("world,cfg,needle", [
@@ -61,6 +61,9 @@ def test_capping_is_announced_with_both_sizes():
     # An explicit data-parallel size must still fit the world.
     (8, dist(tensor_parallel_size=2, data_parallel_size=2), "launch 4 processes or set train.dist.data_parallel_size=4"),
     (1, dist(tensor_parallel_size=2, data_parallel_size=2), "does not match the world size 1"),
+    # Context parallelism larger than the world is refused, not capped.
+    (1, dist(context_parallel_size=2), "world size 1 is not divisible by pipeline_parallel_size(1) x "
+                                       "context_parallel_size(2) x tensor_parallel_size(1)"),
     # A tensor size that fits but does not divide the world.
     (6, dist(tensor_parallel_size=4), "world size 6 is not divisible by pipeline_parallel_size(1) x tensor_parallel_size(4)"),
 ])
