@@ -301,10 +301,8 @@ class DefaultTrainer:
         tp = self.layout.tensor_parallel_size > 1
         return Trainer(
             model.module, train_loader, optimizer, scheduler, model.metrics,
-            num_accumulation_steps=int(cfg.train.num_accumulation_steps),
-            device=self.layout.device,
-            amp_dtype=amp_dtype(cfg.train.amp),
-            grad_scaler=grad_scaler,
+            num_accumulation_steps=int(cfg.train.num_accumulation_steps), device=self.layout.device,
+            amp_dtype=amp_dtype(cfg.train.amp), grad_scaler=grad_scaler,
             clip_grad_max_norm=optim.get("clip_grad_max_norm"),
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
             max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
