@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Host reads and ATen calls per training step of our model, the optimizer's own step counted apart.
 
-``bench/step_ops.py`` counts every host read of a step; on the CPU, torch's fused AdamW reads each
-parameter's step counter inside its kernel (``aten::_local_scalar_dense`` under ``Optimizer.step``),
-which its CUDA kernel does on the device. This script profiles ``--steps`` steps of
+On the CPU, torch's fused AdamW reads each parameter's step counter inside its kernel
+(``aten::_local_scalar_dense`` under ``Optimizer.step``), which its CUDA kernel does on the device, so
+those are counted apart. This script profiles ``--steps`` steps of
 ``Trainer.run_step`` (after ``--warmup`` untimed ones, the model a ``bench/throughput_models.py``
 family, as ``bench/train_throughput.py`` steps it) and reports per step:
 
@@ -14,6 +14,7 @@ family, as ``bench/train_throughput.py`` steps it) and reports per step:
   caller (roughly the launches a GPU sees; a composite op is one however many kernels it runs).
 
     python bench/step_profile.py --model gpt --size demo
+    python bench/step_profile.py --model mt5 --size demo
 
 ``--smoke``: one warm-up and one profiled step. The last line is one JSON object.
 """
@@ -54,7 +55,8 @@ def count_steps(stepper, steps: int) -> dict:
             (in_optimizer if inside else reads)[e.name] += 1
     return {"host_reads": sum(reads.values()) / steps, "host_reads_by_op": {k: v / steps for k, v in reads.items()},
             "optimizer_host_reads": sum(in_optimizer.values()) / steps, "aten_calls": len(aten) / steps,
-            "top_level_aten_calls": len(top) / steps}
+            "top_level_aten_calls": len(top) / steps,
+            "top_level_most_common": collections.Counter(e.name for e in top).most_common(12)}
 
 
 def main(argv=None) -> dict:
