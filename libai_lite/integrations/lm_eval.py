@@ -27,6 +27,10 @@ import logging
 
 import torch
 
+from ..engine.eval_only import build_eval_trainer
+from ..evaluation.scoring import ScoringExample, score
+from ..inference import pad_prompts
+from ..model import is_encoder_decoder, max_seq_length, special_token_ids, unwrap
 from ..utils.errors import UsageError
 
 try:
@@ -66,9 +70,6 @@ class LibaiLiteLM(TemplateLM):
         if device not in (None, "cpu", "cuda") and not str(device).startswith("cuda"):
             raise UsageError(f"--device {device}: the libai_lite model runs where its config puts it "
                              f"(train.device); leave --device out")
-        from ..engine.eval_only import build_eval_trainer
-        from ..model import is_encoder_decoder, max_seq_length, special_token_ids, unwrap
-
         opts = [_override(k, v) for k, v in kwargs.items()]
         self._trainer = build_eval_trainer(str(config), str(checkpoint), opts, subdir="lm_eval", verify=bool(verify))
         trainer = self._trainer
@@ -132,15 +133,11 @@ class LibaiLiteLM(TemplateLM):
         return self.tokenizer.decode(list(ids))
 
     def _score(self, examples) -> list[tuple[float, bool]]:
-        from .scoring import score
-
         return score(self._module, self._context, examples, batch_size=self._batch_size,
                      max_seq_length=self._max_length, vocab_size=int(self.tokenizer.vocab_size),
                      pad_id=int(self._ids["pad"]), decoder_start_id=self._ids.get("decoder_start"))
 
     def _example(self, context_enc: list[int], continuation_enc: list[int]):
-        from .scoring import ScoringExample
-
         if not continuation_enc:
             raise UsageError("a request's continuation tokenizes to nothing; the task's target must be text")
         if len(continuation_enc) > self._max_length:
@@ -202,8 +199,6 @@ class LibaiLiteLM(TemplateLM):
         return out
 
     def _generate(self, contexts: list[str], gen_kwargs: dict) -> list[str]:
-        from ..inference import pad_prompts
-
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.pop("max_gen_toks", self._max_gen_toks))
