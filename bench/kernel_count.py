@@ -4,7 +4,8 @@ Every ATen op the dispatcher runs below autograd is one kernel launch on a GPU (
 launch nothing; they are counted apart), so the count predicts launch overhead where shapes are small
 and eager mode runs; host reads (``aten._local_scalar_dense``: ``.item()``/``float()``/``bool()``,
 ``aten.nonzero``, boolean-mask ``aten.index``, and ops whose output size depends on the data:
-``bincount``, ``masked_select``, ``repeat_interleave`` without ``output_size``) are each a GPU stall.
+``bincount``, ``masked_select``, ``repeat_interleave`` without ``output_size``; ``torch.equal``,
+``Tensor.tolist``; counted by ``libai_lite/utils/host_reads.py``) are each a GPU stall.
 The models are tiny (the counts do not depend on the widths, only on the structure); a warm-up step
 runs first. Prints one table and, last, one JSON line. ``--smoke`` is the same at the smallest sizes.
 """
@@ -17,65 +18,31 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-_aten = torch.ops.aten
+from libai_lite.utils.host_reads import HostReadCounter  # noqa: E402  (after the repo root is on the path)
+
 # Ops a GPU runs without a kernel (metadata only).
 _VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
           "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "detach", "alias",
           "view_as_real", "view_as_complex", "unflatten", "flatten", "_reshape_alias", "narrow", "diagonal",
           "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "promote_types",
           "result_type", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
-_DATA_SIZED = {"bincount", "masked_select", "nonzero", "unique", "_unique2", "unique_consecutive"}
 
 
-def is_host_read(func, args, kwargs) -> bool:
-    """Whether the op reads a device value back to the host (or sizes its output by the data)."""
-    name = func.overloadpacket.__name__
-    if func is _aten._local_scalar_dense.default or name in _DATA_SIZED:
-        return True
-    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) >= 2 \
-            and isinstance(args[1], torch.Tensor):
-        return True
-    if name in ("index", "index_put", "index_put_") and len(args) > 1:
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
-    return False
-
-
-class CountOps(TorchDispatchMode):
-    """Counts ATen ops (views apart) and host reads while active."""
+class CountOps(HostReadCounter):
+    """Counts ATen ops (views apart) and, as ``HostReadCounter`` with ``tolist``, host reads while active."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(tolist=True)
         self.ops = collections.Counter()
-        self.host_reads = collections.Counter()
+        self.host_reads = self.counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if is_host_read(func, args, kwargs):
-            self.host_reads[name] += 1
         self.ops["<views>" if name in _VIEWS else name] += 1
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        # On the CPU ``Tensor.tolist`` reads memory without dispatching an op; on a GPU it is a copy
-        # to the host and a stall, so it is counted by wrapping it.
-        self._tolist = torch.Tensor.tolist
-        reads, tolist = self.host_reads, self._tolist
-
-        def counted(t, *a, **k):
-            reads["tolist"] += 1
-            return tolist(t, *a, **k)
-
-        torch.Tensor.tolist = counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     @property
     def kernels(self) -> int:

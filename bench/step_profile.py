@@ -13,6 +13,10 @@ family, as ``bench/train_throughput.py`` steps it) and reports per step:
 * ``aten_calls`` / ``top_level_aten_calls``: every ``aten::`` event, and those with no ``aten::``
   caller (roughly the launches a GPU sees; a composite op is one however many kernels it runs).
 
+A profile, not ``libai_lite.utils.host_reads.HostReadCounter``: a dispatch mode does not see the ops a
+kernel runs inside it, so it would miss the optimizer's reads; the events counted are that module's
+``PROFILER_READS``.
+
     python bench/step_profile.py --model gpt --size demo
     python bench/step_profile.py --model mt5 --size demo
 
@@ -26,10 +30,9 @@ import json
 
 import torch
 
+from libai_lite.utils.host_reads import PROFILER_READS
 from throughput_models import FAMILIES
 from train_throughput import OursStepper, make_batches
-
-HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal")
 
 
 def _ancestors(event):
@@ -50,7 +53,7 @@ def count_steps(stepper, steps: int) -> dict:
     top = [e for e in aten if not any(p.name.startswith("aten::") for p in _ancestors(e))]
     reads, in_optimizer = collections.Counter(), collections.Counter()
     for e in aten:
-        if e.name in HOST_READS:
+        if e.name in PROFILER_READS:
             inside = any(p.name.startswith("Optimizer.step") for p in _ancestors(e))
             (in_optimizer if inside else reads)[e.name] += 1
     return {"host_reads": sum(reads.values()) / steps, "host_reads_by_op": {k: v / steps for k, v in reads.items()},

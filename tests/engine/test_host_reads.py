@@ -1,7 +1,7 @@
 """A training step reads nothing back from the device: every read (``float(t)``, ``.item()``, a boolean
-mask) stalls a GPU's launch queue. Counted on the CPU with a ``TorchDispatchMode``
-(tests/workers/host_read_worker.py) in the real trainer with its hooks, for one process and under
-tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed number of batches."""
+mask) stalls a GPU's launch queue. Counted on the CPU with libai_lite/utils/host_reads.py's
+``TorchDispatchMode`` (driven by tests/workers/host_read_worker.py) in the real trainer with its hooks,
+for one process and under tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed number of batches."""
 import json
 
 import pytest
@@ -65,7 +65,7 @@ def test_a_nonfinite_step_is_skipped_on_the_device_and_counted_at_the_log_period
     from libai_lite.engine.trainer import Trainer
     from libai_lite.model import LOSS
     from libai_lite.utils.events import EventStorage
-    from tests.workers.host_read_worker import HostReadCounter
+    from libai_lite.utils.host_reads import HostReadCounter
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -116,7 +116,7 @@ def test_fp16_overflow_skips_are_decided_on_the_device_and_read_at_the_log_perio
     from libai_lite.engine.trainer import Trainer
     from libai_lite.model import LOSS
     from libai_lite.utils.events import EventStorage, read_scalars
-    from tests.workers.host_read_worker import HostReadCounter
+    from libai_lite.utils.host_reads import HostReadCounter
 
     class Model(torch.nn.Module):
         def __init__(self):

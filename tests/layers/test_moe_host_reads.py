@@ -2,52 +2,16 @@
 
 Host reads are what stall a GPU's launch queue: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
 ``bool()``), ``aten.nonzero``, boolean-mask ``aten.index``, ops that size their output by the data
-(``bincount``), and ``Tensor.tolist`` (no op on the CPU, so it is wrapped). Counted on the CPU with a
-``TorchDispatchMode`` over forward, the statistics the model reports, and backward.
+(``bincount``), and ``Tensor.tolist`` (no op on the CPU, so it is wrapped). Counted on the CPU with
+``libai_lite.utils.host_reads`` over forward, the statistics the model reports, and backward.
 """
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
-
-aten = torch.ops.aten
-
-
-class HostReads(TorchDispatchMode):
-    """Counts host reads by op name while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func is aten._local_scalar_dense.default or name in ("nonzero", "bincount", "masked_select", "unique"):
-            self.reads[name] += 1
-        elif name in ("index", "index_put", "index_put_") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
-            self.reads[f"{name}[bool]"] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        reads, tolist = self.reads, self._tolist
-
-        def counted(t, *a, **k):
-            reads["tolist"] += 1
-            return tolist(t, *a, **k)
-
-        torch.Tensor.tolist = counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
+from libai_lite.utils.host_reads import count_host_reads
 
 
 def _step(layer, x):
@@ -63,13 +27,13 @@ def test_moe_forward_and_backward_read_nothing_back(top_k, gated):
     cfg = MoEConfig(enabled=True, num_experts=4, top_k=top_k, capacity_factor=1.0)
     layer = MoELayer(cfg, hidden_size=16, ffn_hidden_size=32, activation="silu", gated=gated, bias=False)
     x = torch.randn(2, 12, 16)
-    with HostReads() as counter:
+    with count_host_reads() as counter:
         stats = _step(layer, x)
-    assert dict(counter.reads) == {}
+    assert dict(counter.counts) == {}
     # The statistics are tensors, read when the trainer logs; the counter sees that read.
-    with HostReads() as counter:
+    with count_host_reads() as counter:
         float(stats["moe_dropped_frac"])
-    assert counter.reads["_local_scalar_dense"] == 1
+    assert counter.counts["_local_scalar_dense"] == 1
 
 
 def test_the_counter_sees_the_reads_of_the_unlimited_capacity_path():
@@ -78,9 +42,9 @@ def test_the_counter_sees_the_reads_of_the_unlimited_capacity_path():
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(enabled=True, num_experts=4, capacity_factor=None), hidden_size=16,
                      ffn_hidden_size=32, activation="gelu")
-    with HostReads() as counter:
+    with count_host_reads() as counter:
         _step(layer, torch.randn(2, 12, 16))
-    assert counter.reads["nonzero"] >= 1 and counter.reads["tolist"] >= 1
+    assert counter.counts["nonzero"] >= 1 and counter.counts["tolist"] >= 1
 
 
 def test_fixed_capacity_dispatch_equals_the_variable_one():
@@ -120,8 +84,8 @@ def test_an_mt5_moe_training_step_reads_nothing_back():
     labels = dec.masked_fill(dec_mask == 0, -100)
     for _ in range(2):  # the second step is counted (anything built once is built)
         model.zero_grad(set_to_none=True)
-        with HostReads() as counter:
+        with count_host_reads() as counter:
             out = model(encoder_input_ids=enc, decoder_input_ids=dec, labels=labels, encoder_attn_mask=enc_mask,
                         decoder_attn_mask=dec_mask)
             (out["lm_loss"] + out["moe_aux_loss"]).backward()
-    assert dict(counter.reads) == {}
+    assert dict(counter.counts) == {}

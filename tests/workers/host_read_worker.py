@@ -2,70 +2,21 @@
 
 Usage: ``torchrun --nproc_per_node N tests/workers/host_read_worker.py OUT_JSON OVERRIDE...``. Builds the
 tiny demo GPT run the way ``tools/train_net.py`` does (``DefaultTrainer``, its hooks included), trains it,
-and writes, per rank, each iteration's host reads: the ATen calls that copy a device value back to the
-host (``aten._local_scalar_dense`` behind ``float(t)``/``.item()``/``bool(t)``, ``nonzero``,
-``masked_select``, indexing with a boolean mask) made inside ``run_step``, the optimizer's own step left
-out; and, for the hooks after the step (the log period), how many such reads plus ``tolist`` calls.
+and writes, per rank, each iteration's host reads as ``libai_lite.utils.host_reads.HostReadCounter``
+counts them (``float(t)``/``.item()``/``bool(t)``, ``nonzero``, a boolean mask, ...) made inside
+``run_step``, the optimizer's own step left out; and, for the hooks after the step (the log period), how
+many such reads plus ``tolist`` calls. ``HostReadCounter`` is imported here for the tests that drive these
+wrappers in their own process.
 """
 from __future__ import annotations
 
 import json
 import sys
-import traceback
-from contextlib import contextmanager
 from types import SimpleNamespace
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from libai_lite.utils.host_reads import HostReadCounter
 
-aten = torch.ops.aten
-_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default}
-_MASKED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
-
-
-def _masked_fill(self, indices, value, accumulate=False) -> bool:
-    # torch's index_put_ turns `t[mask] = scalar` into masked_fill_ (canDispatchToMaskedFill in
-    # TensorAdvancedIndexing.cpp): one boolean mask on self's device, a one-element CPU value.
-    masks = [i for i in indices if i is not None]
-    return (not accumulate and value.numel() == 1 and value.device.type == "cpu" and len(masks) == 1
-            and masks[0].dtype in (torch.bool, torch.uint8) and masks[0].device == self.device)
-
-
-def _is_read(func, args) -> bool:
-    if func in _READS:
-        return True
-    if func in _MASKED:
-        # A boolean mask's selection has a data-dependent size: its count is read back.
-        if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
-            return False
-        return func is aten.index.Tensor or not _masked_fill(*args)
-    return False
-
-
-class HostReadCounter(TorchDispatchMode):
-    """Records each host read (op name, the innermost project frame, the innermost frames) while counting is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-        self.paused = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and _is_read(func, args):
-            # The innermost project frame, then the three innermost frames of all (often inside torch).
-            stack = traceback.extract_stack()[:-1]
-            ours = [f for f in stack if "libai_lite" in f.filename or "projects" in f.filename]
-            where = [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in (ours[-1:] + stack[-3:])]
-            self.reads.append(f"{func} at {' < '.join(where)}")
-        return func(*args, **(kwargs or {}))
-
-    @contextmanager
-    def paused_here(self):
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
+__all__ = ["HostReadCounter", "count_log_reads", "count_run_step"]
 
 
 def count_run_step(trainer, counter: HostReadCounter, record: dict) -> None:
@@ -74,7 +25,7 @@ def count_run_step(trainer, counter: HostReadCounter, record: dict) -> None:
 
     def paused(step):
         def wrapped(*a, **k):
-            with counter.paused_here():
+            with counter.paused():
                 return step(*a, **k)
         return wrapped
 
@@ -84,7 +35,7 @@ def count_run_step(trainer, counter: HostReadCounter, record: dict) -> None:
         trainer.optimizer.step = paused(trainer.optimizer.step)
 
     def counted():
-        counter.reads = []
+        counter.reset()
         with counter:
             run_step()
         record.setdefault("steps", {})[trainer.iter] = counter.reads
@@ -99,20 +50,16 @@ def count_log_reads(trainer, counter: HostReadCounter, record: dict) -> None:
     def counted(stage):
         if stage != "after_step":
             return call_hooks(stage)
-        tolist, calls = torch.Tensor.tolist, []
-
-        def counting_tolist(self, *a, **k):
-            calls.append(1)
-            return tolist(self, *a, **k)
-
-        counter.reads = []
-        torch.Tensor.tolist = counting_tolist
+        # tolist apart: over several ranks gloo's host tensors are listed, which reads no device.
+        counter.reset()
+        tolist, counter.tolist = counter.tolist, True
         try:
             with counter:
                 call_hooks(stage)
         finally:
-            torch.Tensor.tolist = tolist
-            record.setdefault("hooks", {})[trainer.iter] = {"reads": counter.reads, "tolist": len(calls)}
+            counter.tolist = tolist
+            reads = [r for r in counter.reads if not r.startswith("Tensor.tolist ")]
+            record.setdefault("hooks", {})[trainer.iter] = {"reads": reads, "tolist": counter.counts["tolist"]}
 
     trainer._call_hooks = counted
 
