@@ -120,7 +120,7 @@ def _build(args, name, virtual, layout):
 
     from libai_lite.parallel.pipeline import PipelineStepper
     from libai_lite.parallel.pipeline_split import build_stage_modules, build_tied_weight_group, local_stage_ids
-    from libai_lite.utils.distributed import layer_stages
+    from libai_lite.utils.parallel_dims import layer_stages
 
     pp, rank = layout.pipeline_parallel_size, layout.pp_rank
     num_stages = pp * virtual

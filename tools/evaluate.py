@@ -39,9 +39,9 @@ def ppl_loader_fn(data, json_key, stride, split, seq_length):
         return build_ppl_eval_loader(
             path, seq_length=int(seq), json_key=json_key, stride=stride, split=which or "all",
             splits_string=cfg.dataloader.train.get("splits_string", "949,50,1"), tokenizer=trainer.tokenizer,
-            micro_batch_size=int(cfg.train.test_micro_batch_size), data_parallel_rank=trainer.layout.dp_rank,
+            micro_batch_size=trainer.spec.batch.test_micro_batch_size, data_parallel_rank=trainer.layout.dp_rank,
             data_parallel_size=trainer.layout.data_parallel_size,
-            batches_multiple_of=int(cfg.train.num_accumulation_steps) if trainer.layout.pipeline_parallel_size > 1 else 1,
+            batches_multiple_of=trainer.spec.batch.num_accumulation_steps if trainer.layout.pipeline_parallel_size > 1 else 1,
             vocab_size=trainer.tokenizer.vocab_size if trainer.tokenizer is not None else None,
         )
 

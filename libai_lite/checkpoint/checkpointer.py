@@ -35,7 +35,7 @@ from .crc_writer import CrcFileSystemWriter
 from .dcp_io import (BackgroundWriter, InFlight, ModelState, default_writer_threads, first_error, state_bytes,
                      write_failure)
 from .integrity import describe, write_manifest
-from .trainer_state import RngState, read_trainer_state, write_trainer_state
+from .trainer_state import RngState, TrainerState, read_trainer_state
 
 logger = logging.getLogger("libai_lite")
 
@@ -52,7 +52,8 @@ class Checkpointer:
     With `async_save`, `save` returns once the state is copied to CPU memory and the files are
     written in the background; `poll` (each step) or `wait` publishes the checkpoint when they are.
     `states` are the ``Stateful`` objects kept in files of their own beside the DCP files (each with
-    ``save(directory)`` and ``load(directory)``; by default this rank's RNG streams, ``RngState``).
+    ``save(directory)`` and ``load(directory)``; by default this rank's RNG streams, ``RngState``; the trainer
+    adds its ``TrainerState``: iteration, data position, lr schedule, loss scale).
     `verify` (False: --no-verify) checks a checkpoint's files against its manifest before loading it.
     `on_save_step(name, step)` is called on rank 0 at each step of a save (after "partial" files,
     "background" write, "written", "aside", "published", "marked": ``protocol.publish``), the
@@ -79,17 +80,23 @@ class Checkpointer:
         self._in_flight: InFlight | None = None
         self._last_cause: BaseException | None = None
 
-    def _write_own_files(self, tmp: str, trainer_state: dict) -> dict:
-        """Write this rank's ``states`` and (rank 0) the trainer state into ``tmp``; returns their manifest records."""
+    def _write_own_files(self, tmp: str, trainer_state: dict | None) -> dict:
+        """Write this rank's ``states`` into ``tmp`` (``trainer_state``, when given, as the trainer's); returns their
+        manifest records."""
+        states = dict(self.states)
+        if trainer_state is not None:
+            states["trainer"] = TrainerState.fixed(trainer_state)
+        if not any(isinstance(state, TrainerState) for state in states.values()):
+            raise ValueError("a checkpoint needs the trainer's state: give Checkpointer(states={'trainer': "
+                             "TrainerState(...)}) or save(name, trainer_state)")
         out = {}
-        for state in self.states.values():
+        for state in states.values():
             out.update(state.save(tmp))
-        if get_rank() == 0:
-            out.update(write_trainer_state(tmp, trainer_state))
         return out
 
-    def save(self, name: str, trainer_state: dict, blocking: bool = False) -> str:
-        """Write checkpoint `name` with the given trainer state; returns its final path.
+    def save(self, name: str, trainer_state: dict | None = None, blocking: bool = False) -> str:
+        """Write checkpoint `name` with the ``states`` the checkpointer was given (or `trainer_state` as the
+        trainer's, for a checkpoint written without a trainer); returns its final path.
 
         Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
         removes the partial files and raises a UsageError on every rank; the previous checkpoints
@@ -172,7 +179,7 @@ class Checkpointer:
         )
 
     # ------------------------------------------------------------------ background saves
-    def _start_background_save(self, name: str, trainer_state: dict, replacing: bool) -> None:
+    def _start_background_save(self, name: str, trainer_state: dict | None, replacing: bool) -> None:
         """Stage the state in CPU memory and hand the writing of ``NAME.tmp`` to a background thread."""
         final = os.path.join(self.save_dir, name)
         tmp, rank = final + ".tmp", get_rank()
@@ -265,8 +272,9 @@ class Checkpointer:
                              f"({describe(e)}): check the permissions and free space there") from None
 
     def load(self, path: str, weights_only: bool = False) -> dict:
-        """Load a checkpoint into the model (and optimizer, ``states`` unless `weights_only`); returns the
-        trainer state saved with it (``{}`` with `weights_only` or without an optimizer).
+        """Load a checkpoint into the model (and optimizer, ``states`` unless `weights_only`: the trainer's state
+        reaches its ``TrainerState``); returns the trainer state saved with it (``{}`` with `weights_only` or
+        without an optimizer).
 
         Collective when distributed. The checkpoint is verified first (``check_checkpoint_shapes``):
         corrupt files (unless ``verify`` is False) or tensors that do not fit the model are refused in one line.

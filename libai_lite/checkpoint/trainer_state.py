@@ -2,7 +2,9 @@
 loss-scaler state, written by rank 0) and each rank's RNG streams (``rng_state_{rank}.pt``, tensors and
 ints only, loaded with ``weights_only``).
 
-The RNG is a ``Stateful`` (``RngState``) the ``Checkpointer`` is given, as torchtitan passes ``states=``.
+Both are ``Stateful`` objects the ``Checkpointer`` is given, as torchtitan passes ``states=``: ``RngState``
+and ``TrainerState`` (whose ``state_dict`` and ``load_state_dict`` are the trainer's), each with
+``save(directory)`` and ``load(directory)`` for its own file.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import logging
 import os
 import random
+from typing import Callable
 
 import numpy as np
 import torch
@@ -112,3 +115,36 @@ class RngState(Stateful):
         except Exception as e:  # noqa: BLE001 - any unreadable file here means corrupt bytes
             raise UsageError(f"{path} cannot be read ({describe(e)}): the checkpoint is corrupt; {CORRUPT_FIX}") from e
         self.load_state_dict(state)
+
+
+class TrainerState(Stateful):
+    """The trainer's position (iteration, consumed samples: the data position), its batch and layout, the lr
+    schedule and loss scale: ``trainer_state.json``, written by rank 0 and read by every rank.
+
+    ``get()`` returns the state to save; ``put(state)`` restores one (None: the state is only written, as by a
+    tool writing a checkpoint without a trainer)."""
+
+    def __init__(self, get: Callable[[], dict], put: Callable[[dict], None] | None = None):
+        self._get, self._put = get, put
+
+    @classmethod
+    def fixed(cls, state: dict) -> TrainerState:
+        """A state that saves ``state`` as it is."""
+        return cls(lambda: state)
+
+    def state_dict(self) -> dict:
+        """The owner's state now."""
+        return self._get()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Hand ``state_dict`` back to the owner."""
+        if self._put is not None:
+            self._put(state_dict)
+
+    def save(self, directory: str) -> dict:
+        """Rank 0 writes ``directory/trainer_state.json``; returns ``{name: manifest record}`` (``{}`` elsewhere)."""
+        return write_trainer_state(directory, self.state_dict()) if get_rank() == 0 else {}
+
+    def load(self, directory: str) -> None:
+        """Restore from ``directory/trainer_state.json`` (a one-line UsageError when it is missing or garbled)."""
+        self.load_state_dict(read_trainer_state(directory))

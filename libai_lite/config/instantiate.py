@@ -13,7 +13,7 @@ import importlib
 from collections import abc
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 __all__ = ["instantiate", "instantiate_target", "instantiate_with", "locate", "InstantiationError"]
 
@@ -139,14 +139,15 @@ def instantiate_with(node, **kwargs):
     # Run-time arguments may replace nested LazyCalls (optim.params), which must not be built
     # here; they are taken out for the call and put back so the saved config is unchanged.
     stashed = {k: node[k] for k in kwargs if k in node}
-    with open_dict(node):
+    # A resolved config is read-only (libai_lite.run_spec); this edit is undone before returning.
+    with read_write(node), open_dict(node):
         for key in stashed:
             del node[key]
         node._partial_ = True
     try:
         fn = instantiate(node)
     finally:
-        with open_dict(node):
+        with read_write(node), open_dict(node):
             del node["_partial_"]
             for key, value in stashed.items():
                 node[key] = value

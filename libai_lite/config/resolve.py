@@ -1,5 +1,5 @@
-"""Config resolution shared by the trainer, the evaluation-only trainer and the memory planner: batch sizes and
-the autocast dtype a loaded config asks for, with nothing built."""
+"""Pure readings of a loaded config that ``libai_lite.run_spec.resolve_run`` combines: batch sizes and the
+autocast dtype, with nothing built and nothing written."""
 from __future__ import annotations
 
 import torch
@@ -19,8 +19,9 @@ def amp_dtype(amp_cfg) -> torch.dtype | None:
     return AMP_DTYPES[name]
 
 
-def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
-    """Make global = micro x dp x accumulation hold, filling in whichever one is left out."""
+def batch_sizes(train_cfg, dp_size: int) -> tuple[int, int, int]:
+    """(micro, global, accumulation) from ``train``, global = micro x dp x accumulation, whichever one is left out
+    (null) filled in; UsageError when the three given do not agree."""
     micro = train_cfg.get("train_micro_batch_size")
     glob = train_cfg.get("global_batch_size")
     acc = train_cfg.get("num_accumulation_steps")
@@ -48,7 +49,5 @@ def resolve_batch_sizes(train_cfg, dp_size: int) -> None:
         )
     if micro < 1 or acc < 1:
         raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
-    train_cfg.train_micro_batch_size = int(micro)
-    train_cfg.global_batch_size = int(glob)
-    train_cfg.num_accumulation_steps = int(acc)
+    return int(micro), int(glob), int(acc)
 

@@ -1,34 +1,31 @@
-"""``DefaultTrainer``: from a resolved config and its ``Layout`` to a running training job.
+"""``DefaultTrainer``: from a config and its ``Layout`` to a running training job.
 
-Each ``build_*`` method returns what it builds from its arguments alone, so a subclass that
+The config is resolved once (``libai_lite.run_spec.resolve_run``) into ``self.spec``; every ``build_*`` method
+then reads the resolved config it is given and the spec, and returns what it builds, so a subclass that
 overrides any one of them (LiBai's extension point) still trains.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import os
 
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
 from ..checkpoint.integrity import check_checkpoint_shapes
-from ..checkpoint.trainer_state import read_trainer_state
+from ..checkpoint.trainer_state import RngState, TrainerState, read_trainer_state
 from ..config import LazyConfig, instantiate
-from ..config.instantiate import instantiate_target, instantiate_with
-from ..config.resolve import amp_dtype
-from ..data.build import cap_eval_iter, megatron_consumed_valid_samples, megatron_valid_samples
+from ..config.instantiate import instantiate_with
+from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
-from ..parallel.activation_checkpoint import check_ac_mode
-from ..parallel.compile import compile_options
-from ..parallel.float8 import check_float8, float8_after_optimizer_step, float8_options
+from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..planning import startup_estimate
-from ..tokenizer import pad_vocab_size
+from ..run_spec import RunSpec, build_tokenizer, resolve_run
 from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
@@ -55,6 +52,9 @@ class DefaultTrainer:
         self.verify = verify
         self.output_dir = cfg.train.output_dir
         self.tokenizer = self.build_tokenizer(cfg)
+        # The one resolution of the config; from here on only the resolved (read-only) copy is read.
+        self.spec = self.resolve(cfg)
+        cfg = self.cfg = self.spec.cfg
         meta_model = self.build_meta_model(cfg)
         self.check_layout(cfg, meta_model)
         self.resume_path = resolve_resume(self.output_dir) if resume else None
@@ -79,14 +79,14 @@ class DefaultTrainer:
         if (cfg.train.get("log_memory_estimate", True) and self.layout.rank == 0
                 and getattr(self.train_loader, "dataset", None) is not None):
             # What the planner expects this run to need per rank (tools/estimate_memory.py explains it).
-            logger.info(startup_estimate(cfg, self.layout, self.train_loader.dataset[0]))
+            logger.info(startup_estimate(self.spec, self.layout.device.type, self.train_loader.dataset[0]))
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.grad_scaler = self.build_grad_scaler(cfg)
         self.checkpointer = self.build_checkpointer(cfg, self.model, self.optimizer)
         if self.resume_path is not None:
-            self._restore_trainer_state(self.checkpointer.load(self.resume_path))
+            self.checkpointer.load(self.resume_path)  # the trainer's state comes back through its TrainerState
             logger.info(f"Resumed from {self.resume_path} at iteration {self.start_iter}, "
                         f"{self.consumed_samples} samples consumed")
         elif cfg.train.get("load_weight"):
@@ -118,7 +118,7 @@ class DefaultTrainer:
         from ..parallel.tensor_parallel import check_declared_splits, check_sequence_parallel_split
 
         layout = self.layout
-        validate_zero_config(layout.zero_stage, layout.offload, self.fsdp_param_dtype(cfg, layout))
+        validate_zero_config(layout.zero_stage, layout.offload, self.spec.param_dtype)
         # Whatever the model's config keys: every dimension its layers declare split must divide.
         check_declared_splits(model, layout.tensor_parallel_size, cfg.model.get("cfg"))
         given = cfg.train.dist.get("pipeline_num_layers")
@@ -126,14 +126,10 @@ class DefaultTrainer:
         if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
-        check_model_layout(model, layout, int(cfg.train.num_accumulation_steps))
-        check_float8(float8_options(cfg.train.get("fp8")), layout.device, layout.tensor_parallel_size)
+        check_model_layout(model, layout, self.spec.batch.num_accumulation_steps)
+        check_float8(self.spec.float8, layout.device, layout.tensor_parallel_size)
         if layout.sequence_parallel and max_seq_length(model) is not None:
             check_sequence_parallel_split(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
-        if layout.stage_of_layer:
-            with open_dict(cfg):
-                # The resolved assignment goes into config.yaml, so a run can be reproduced exactly.
-                cfg.train.dist.stage_of_layer = list(layout.stage_of_layer)
 
     def check_sequence_parallel(self, loader) -> None:
         """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
@@ -169,48 +165,35 @@ class DefaultTrainer:
             return instantiate(cfg.model)
 
     def build_tokenizer(self, cfg):
-        """Instantiate the tokenizer and set `model.cfg.vocab_size` to its padded size."""
-        tok_cfg = cfg.get("tokenization")
-        if tok_cfg is None or tok_cfg.get("tokenizer") is None:
-            return None
-        tokenizer = instantiate(tok_cfg.tokenizer)
-        padded = pad_vocab_size(tokenizer.vocab_size, tok_cfg.get("make_vocab_size_divisible_by", 128))
-        with open_dict(cfg):
-            cfg.model.cfg.vocab_size = padded
-        logger.info(f"Tokenizer with {tokenizer.vocab_size} ids; vocab padded to {padded}")
-        return tokenizer
+        """``tokenization.tokenizer`` instantiated (None without one); its padded size becomes the model's vocabulary
+        when the config is resolved."""
+        return build_tokenizer(cfg)
+
+    def resolve(self, cfg) -> RunSpec:
+        """``cfg`` resolved for this layout and tokenizer (``resolve_run``), with the start-up line that states it."""
+        spec = resolve_run(cfg, self.layout.dims, self.tokenizer, eval_only=self.eval_only)
+        if self.tokenizer is not None:
+            logger.info(f"Tokenizer with {self.tokenizer.vocab_size} ids; vocab padded to {spec.vocab_size}")
+        logger.info(f"Run: {spec.describe()}")
+        return spec
 
     def build_loaders(self, cfg):
-        """Train/valid/test loaders sized for the run; also resolves ``train.train_iter`` from ``train_epoch``."""
-        glob = cfg.train.global_batch_size
-        loader_cfg = cfg.dataloader.train
-        if cfg.train.get("train_epoch", 0):
-            count = getattr(instantiate_target(loader_cfg), "samples_per_epoch", None)
-            if not callable(count):
-                raise UsageError(f"{loader_cfg._target_} cannot count an epoch (it has no samples_per_epoch); "
-                                 f"set train.train_iter instead of train.train_epoch")
-            accepted = inspect.signature(count).parameters
-            per_epoch = int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
-            by_epoch = math.ceil(cfg.train.train_epoch * per_epoch / glob)
-            cfg.train.train_iter = max(int(cfg.train.train_iter or 0), by_epoch)
-            logger.info(f"train.train_epoch={cfg.train.train_epoch}: {per_epoch} samples per epoch, "
-                        f"train.train_iter set to {cfg.train.train_iter}")
-        if not cfg.train.train_iter or cfg.train.train_iter < 1:
-            raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
+        """Train/valid/test loaders sized for the run's iterations and evaluations (``self.spec``)."""
+        spec, loader_cfg = self.spec, cfg.dataloader.train
+        glob, micro, test_micro = (spec.batch.global_batch_size, spec.batch.micro_batch_size,
+                                   spec.batch.test_micro_batch_size)
         valid_samples = test_samples = 0
         if cfg.train.evaluation.get("enabled", False) or self.eval_only:
-            cfg.train.evaluation.eval_iter = cap_eval_iter(loader_cfg, int(cfg.train.evaluation.eval_iter), int(
-                cfg.train.test_micro_batch_size) * self.layout.data_parallel_size)
             # A pipeline schedule evaluates num_accumulation_steps batches at once: whole schedules.
-            group = int(cfg.train.num_accumulation_steps) if self.layout.pipeline_parallel_size > 1 else 1
-            eval_batches = -(-int(cfg.train.evaluation.eval_iter) // group) * group
-            read = eval_batches * int(cfg.train.test_micro_batch_size) * self.layout.data_parallel_size
+            group = spec.batch.num_accumulation_steps if self.layout.pipeline_parallel_size > 1 else 1
+            eval_batches = -(-spec.eval_iter // group) * group
+            read = eval_batches * test_micro * self.layout.data_parallel_size
             # The valid and test splits are sized as Megatron-LM sizes them (eval_iters global batches
             # per evaluation, one evaluation per eval_interval and one at the end), so their indices
             # are Megatron's; each evaluation reads the window of that order Megatron's would (evaluate).
-            eval_iter, period = int(cfg.train.evaluation.eval_iter), int(cfg.train.evaluation.eval_period)
-            valid_samples = megatron_valid_samples(int(cfg.train.train_iter), period, eval_iter, glob, read)
-            test_samples = max(read, eval_iter * glob)
+            period = int(cfg.train.evaluation.eval_period)
+            valid_samples = megatron_valid_samples(spec.train_iter, period, spec.eval_iter, glob, read)
+            test_samples = max(read, spec.eval_iter * glob)
         extra = {}
         if self.tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
             # Packed-document options need the end-of-document id: the run's tokenizer knows it.
@@ -218,33 +201,25 @@ class DefaultTrainer:
         return instantiate_with(
             loader_cfg,
             **extra,
-            train_valid_test_num_samples=[int(cfg.train.train_iter) * glob, valid_samples, test_samples],
-            micro_batch_size=int(cfg.train.train_micro_batch_size),
-            eval_micro_batch_size=int(cfg.train.test_micro_batch_size),
+            train_valid_test_num_samples=[spec.train_iter * glob, valid_samples, test_samples],
+            micro_batch_size=micro,
+            eval_micro_batch_size=test_micro,
             consumed_samples=self.consumed_samples,
             data_parallel_rank=self.layout.dp_rank,
             data_parallel_size=self.layout.data_parallel_size,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
         )
 
-    @staticmethod
-    def fsdp_param_dtype(cfg, layout: Layout):
-        """Under FSDP (ZeRO-2/3) mixed precision is FSDP's policy: parameters gathered in the amp dtype."""
-        return amp_dtype(cfg.train.amp) if layout.zero_stage >= 2 else None
-
     def build_model(self, cfg) -> ParallelModel:
-        """``cfg.model`` on this rank's device, parallelized as the layout says (``parallelize_model``)."""
-        float8 = float8_options(cfg.train.get("fp8"))
+        """``cfg.model`` on this rank's device, parallelized as the layout and the spec say (``parallelize_model``)."""
+        spec = self.spec
         model = instantiate(cfg.model).to(self.layout.device)
         logger.info(f"Model {type(model).__name__} with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
                     f"parameters")
-        ac = cfg.train.activation_checkpoint
-        every = int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0
-        return parallelize_model(model, self.layout, int(cfg.train.num_accumulation_steps),
-                                 activation_checkpoint_every=every,
-                                 activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")),
-                                 compile=compile_options(cfg.train.get("compile")),
-                                 param_dtype=self.fsdp_param_dtype(cfg, self.layout), float8=float8)
+        return parallelize_model(model, self.layout, spec.batch.num_accumulation_steps,
+                                 activation_checkpoint_every=spec.activation_checkpoint_every,
+                                 activation_checkpoint_mode=spec.activation_checkpoint_mode, compile=spec.compile,
+                                 param_dtype=spec.param_dtype, float8=spec.float8)
 
     def build_optimizer(self, cfg, model: ParallelModel):
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
@@ -272,13 +247,13 @@ class DefaultTrainer:
 
     def build_lr_scheduler(self, cfg, optimizer):
         """Instantiate `train.scheduler` with `max_iter` and `warmup_iter` filled in."""
-        warmup_iter = int(cfg.train.train_iter * float(cfg.train.get("warmup_ratio", 0) or 0))
-        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=int(cfg.train.train_iter),
-                                warmup_iter=warmup_iter)
+        train_iter = self.spec.train_iter
+        warmup_iter = int(train_iter * float(cfg.train.get("warmup_ratio", 0) or 0))
+        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=train_iter, warmup_iter=warmup_iter)
 
     def build_grad_scaler(self, cfg):
         """fp16's loss scaler (None for fp32 and bf16)."""
-        if amp_dtype(cfg.train.amp) is not torch.float16:
+        if self.spec.amp_dtype is not torch.float16:
             return None
         amp = cfg.train.amp
         return build_loss_scaler(self.layout.device, float(amp.get("initial_scale", 2.0**16)),
@@ -286,7 +261,8 @@ class DefaultTrainer:
 
     def build_checkpointer(self, cfg, model: ParallelModel, optimizer) -> Checkpointer:
         """DCP checkpoints of the model parts and optimizer in ``train.output_dir``."""
-        return Checkpointer(model.parts, optimizer, cfg.train.output_dir,
+        states = {"rng": RngState(), "trainer": TrainerState(self.trainer_state, self._restore_trainer_state)}
+        return Checkpointer(model.parts, optimizer, cfg.train.output_dir, states=states,
                             max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases,
                             tied_copies=model.tied_copies,
                             async_save=resolve_async_save(cfg.train.checkpointer.get("async_save"), self.layout.device),
@@ -301,8 +277,8 @@ class DefaultTrainer:
         tp = self.layout.tensor_parallel_size > 1
         return Trainer(
             model.module, train_loader, optimizer, scheduler, model.metrics,
-            num_accumulation_steps=int(cfg.train.num_accumulation_steps), device=self.layout.device,
-            amp_dtype=amp_dtype(cfg.train.amp), grad_scaler=grad_scaler,
+            num_accumulation_steps=self.spec.batch.num_accumulation_steps, device=self.layout.device,
+            amp_dtype=self.spec.amp_dtype, grad_scaler=grad_scaler,
             clip_grad_max_norm=optim.get("clip_grad_max_norm"),
             clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
             max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
@@ -314,7 +290,7 @@ class DefaultTrainer:
     def build_hooks(self):
         """The trainer's hooks, in the order ``hooks.hooks_in_order`` gives (and explains)."""
         cfg = self.cfg
-        periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period, self.trainer_state)
+        periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period)
         evaluation = best = None
         ev = cfg.train.evaluation
         if ev.get("enabled", False) and self.valid_loader is not None:
@@ -325,8 +301,8 @@ class DefaultTrainer:
         dataset = getattr(self.train_loader, "dataset", None)
         tokens, flops = sample_throughput(self.model.source, dataset[0]) if dataset else (None, None)
         writer = hooks.PeriodicWriter(
-            self.output_dir, cfg.train.log_period, cfg.train.global_batch_size, tokens, flops,
-            device_peak_flops(self.layout.device, amp_dtype(cfg.train.amp) is not None,
+            self.output_dir, cfg.train.log_period, self.spec.batch.global_batch_size, tokens, flops,
+            device_peak_flops(self.layout.device, self.spec.amp_dtype is not None,
                               cfg.train.get("peak_tflops", None)),
             lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
             wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
@@ -341,16 +317,17 @@ class DefaultTrainer:
     # --------------------------------------------------------------- state
     def consumed_samples_at(self, iteration: int) -> int:
         """Samples consumed once `iteration` steps of this run (counted from 0) are done."""
-        return self.consumed_samples + (iteration - self.start_iter) * int(self.cfg.train.global_batch_size)
+        return self.consumed_samples + (iteration - self.start_iter) * self.spec.batch.global_batch_size
 
     def trainer_state(self) -> dict:
+        """What ``trainer_state.json`` holds for a checkpoint taken now (``TrainerState``)."""
         # `iteration` is the last one done: at the end of a run trainer.iter is already max_iter,
         # which would make a resume skip one iteration and count its samples as consumed.
         done = self.trainer.next_iter
         state = {
             "iteration": done - 1,
             "consumed_samples": self.consumed_samples_at(done),
-            "global_batch_size": int(self.cfg.train.global_batch_size),
+            "global_batch_size": self.spec.batch.global_batch_size,
             "data_parallel_size": self.layout.data_parallel_size,
             "scheduler": self.scheduler.state_dict(),
         }
@@ -359,6 +336,7 @@ class DefaultTrainer:
         return state
 
     def _restore_trainer_state(self, state: dict) -> None:
+        """A resumed checkpoint's trainer state: the schedule, loss scale (the position was read before the loaders)."""
         from ..scheduler.lr_scheduler import restore_scheduler
 
         changed = restore_scheduler(self.scheduler, state["scheduler"])
@@ -426,7 +404,7 @@ class DefaultTrainer:
             # Megatron would have evaluated iter // eval_period times before.
             period = int(ev.eval_period)
             before = self.trainer.iter // period if period > 0 else 0
-            start = megatron_consumed_valid_samples(before, int(ev.eval_iter), int(self.cfg.train.global_batch_size))
+            start = megatron_consumed_valid_samples(before, self.spec.eval_iter, self.spec.batch.global_batch_size)
             if start >= sampler.total_samples:
                 # A split shorter than the run's evaluations need (a builder that caps it): go round again.
                 logger.warning(f"the valid split holds {sampler.total_samples} samples, too few for evaluation "
@@ -434,16 +412,16 @@ class DefaultTrainer:
                 start %= sampler.total_samples
             sampler.seek(start)
             logger.info(f"Evaluating valid window {before}: samples from {start} on")
-        return self._inference(self.valid_loader, instantiate(ev.evaluator), int(ev.eval_iter))
+        return self._inference(self.valid_loader, instantiate(ev.evaluator), self.spec.eval_iter)
 
     def test(self) -> dict:
         """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader."""
-        eval_iter = int(self.cfg.train.evaluation.eval_iter)
+        eval_iter = self.spec.eval_iter
         splits = [("valid", self.valid_loader, eval_iter), ("test", self.test_loader, eval_iter)]
         return evaluate_splits(self.cfg, self.model, splits, self.eval_context())
 
     def train(self) -> None:
         """Train from `start_iter` to `train.train_iter`."""
-        max_iter = int(self.cfg.train.train_iter)
+        max_iter = self.spec.train_iter
         logger.info(f"Starting training from iteration {self.start_iter} to {max_iter}")
         self.trainer.train(self.start_iter, max_iter)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from .default import DefaultTrainer
@@ -19,19 +18,18 @@ class EvalOnlyTrainer(DefaultTrainer):
         self._data_loader_fn = data_loader_fn
         super().__init__(cfg, layout, eval_only=True, verify=verify)
 
-    def build_tokenizer(self, cfg):
-        """The config's tokenizer, with the model's vocabulary as padded as the checkpoint's embedding.
+    def resolve(self, cfg):
+        """The config resolved for evaluation alone (no training data counted), the model's vocabulary as padded as
+        the checkpoint's embedding.
 
         A checkpoint may be padded otherwise than this config pads (older versions padded to 128 x the
         tensor-parallel size: 8192 rows at tp=2); the checkpoint's size wins, which lets any layout
         evaluate it.
         """
-        tokenizer = super().build_tokenizer(cfg)
-        rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight)
-        if tokenizer is not None and rows is not None and rows != cfg.model.cfg.vocab_size:
-            logging.getLogger("libai_lite").info(f"Model vocabulary set to the checkpoint's {rows} rows")
-            cfg.model.cfg.vocab_size = rows
-        return tokenizer
+        from ..run_spec import resolve_run
+
+        rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight) if self.tokenizer is not None else None
+        return resolve_run(cfg, self.layout.dims, self.tokenizer, vocab_rows=rows, data=False, eval_only=True)
 
     def build_loaders(self, cfg):
         # The base builds the train loader from the config's data; evaluation needs none of it.

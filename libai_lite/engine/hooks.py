@@ -40,7 +40,8 @@ class PeriodicCheckpointer(HookBase):
     ends, before the write in flight has finished.
     """
 
-    def __init__(self, checkpointer, period: int, trainer_state_fn):
+    def __init__(self, checkpointer, period: int, trainer_state_fn=None):
+        # trainer_state_fn: a checkpointer not given the trainer's TrainerState saves what it returns.
         self.checkpointer = checkpointer
         self.period = int(period)
         self.trainer_state_fn = trainer_state_fn
@@ -85,7 +86,8 @@ class PeriodicCheckpointer(HookBase):
         # A save reads the device anyway: the steps' skip decisions first, so no diverged state is saved.
         self.trainer.check_skipped()
         t = time.perf_counter()
-        path = self.checkpointer.save(name, self.trainer_state_fn(), blocking=blocking or self._ending)
+        state = self.trainer_state_fn() if self.trainer_state_fn is not None else None
+        path = self.checkpointer.save(name, state, blocking=blocking or self._ending)
         if self.checkpointer.in_flight == name:
             logger.info(f"Checkpoint {path} staged in {time.perf_counter() - t:.2f}s, writing in the background")
         else:

@@ -8,13 +8,11 @@ import sys
 
 import numpy as np
 import torch
-from omegaconf import open_dict
 
 from ..config import InstantiationError, LazyConfig
-from ..config.resolve import resolve_batch_sizes
 from ..config.validate import check_ranges
-from ..utils.distributed import (Layout, describe_capping, describe_collective_timeout, destroy, is_collective_timeout,
-                                 setup_dist)
+from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
+from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
 from ..utils.process import die_with_launcher, install_stop_signals, release_locks
@@ -23,7 +21,8 @@ logger = logging.getLogger("libai_lite")
 
 
 def default_setup(cfg, args) -> Layout:
-    """Process group, mesh, seeds, logger and batch sizes for a run; returns its ``Layout``.
+    """Process group, mesh, seeds and logger for a run; returns its ``Layout``. ``cfg`` is read, not changed: the
+    trainer resolves it (``libai_lite.run_spec``).
 
     Nothing is written to disk yet: ``DefaultTrainer`` creates the output directory (and writes
     ``config.yaml``) only once every input has been checked, so a run refused for bad input
@@ -37,27 +36,17 @@ def default_setup(cfg, args) -> Layout:
     check_ranges(cfg)
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     capped = describe_capping(layout.world_size, cfg.train.dist)
-    with open_dict(cfg):
-        # The saved config.yaml records the sizes this world ran with, not the ones asked for.
-        cfg.train.dist.data_parallel_size = layout.data_parallel_size
-        cfg.train.dist.tensor_parallel_size = layout.tensor_parallel_size
-        cfg.train.dist.pipeline_parallel_size = layout.pipeline_parallel_size
-        cfg.train.dist.context_parallel_size = layout.context_parallel_size
     setup_logger(layout.rank)
     if capped:
         logger.warning(capped)
-    resolve_batch_sizes(cfg.train, layout.data_parallel_size)
     # Every rank seeds alike so model init is identical; data order comes from the sampler.
     seed = int(cfg.train.seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     cp = f" cp={layout.context_parallel_size}" if layout.context_parallel_size > 1 else ""
-    t = cfg.train
     logger.info(f"Rank {layout.rank} of {layout.world_size}; layout pp={layout.pipeline_parallel_size} "
-                f"dp={layout.data_parallel_size}{cp} tp={layout.tensor_parallel_size} on {layout.device}; "
-                f"global batch {t.global_batch_size} = micro {t.train_micro_batch_size} x dp "
-                f"{layout.data_parallel_size} x accumulation {t.num_accumulation_steps}")
+                f"dp={layout.data_parallel_size}{cp} tp={layout.tensor_parallel_size} on {layout.device}")
     logger.info(f"Command line: {' '.join(sys.argv)}")
     logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     return layout

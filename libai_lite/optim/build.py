@@ -71,7 +71,7 @@ def build_optimizer(node, model: nn.Module):
     constructor's TypeError. LiBai's ``do_bias_correction=True`` is accepted as what torch's Adam and
     AdamW always do (and not passed on); ``False`` has no torch counterpart and is refused.
     """
-    from omegaconf import open_dict
+    from omegaconf import open_dict, read_write
 
     from ..config.instantiate import instantiate_target, instantiate_with
     from ..utils.errors import UsageError
@@ -92,7 +92,7 @@ def build_optimizer(node, model: nn.Module):
         accepted = ", ".join(k for k in inspect.signature(target).parameters if k not in ("self", "params"))
         raise UsageError(f"optim.{unknown[0]} is not an argument of {name} (it takes {accepted}); "
                          f"remove optim.{unknown[0]} or correct its name")
-    with open_dict(node):
+    with read_write(node), open_dict(node):
         for key in stashed:
             del node[key]
     try:
@@ -103,5 +103,5 @@ def build_optimizer(node, model: nn.Module):
         raise UsageError(f"optim: {e}; remove that argument from optim or correct its name") from None
     finally:
         # The saved config.yaml keeps what the user wrote.
-        with open_dict(node):
+        with read_write(node), open_dict(node):
             node.update(stashed)

@@ -29,7 +29,7 @@ optimizer state to host memory, reported as ``host`` beside the device peak. ``s
 cheapest changes in turn (ZeRO stage up, activation checkpointing on, a smaller micro-batch, more tensor
 then pipeline parallelism), each checked against the world size and the model and re-estimated.
 """
-from .config import planner_from_config, settings_from_config, startup_estimate
+from .config import plan_settings, planner_from_config, resolve_for_plan, settings_from_config, startup_estimate
 from .estimate import MemoryPlanner, optimizer_state_ratio
 from .settings import GiB, MemoryEstimate, PlanSettings, format_estimate, gib, parse_bytes, startup_line
 from .suggest import candidate_changes, suggest
@@ -37,5 +37,5 @@ from .trace import ActivationTrace, optimizer_step_temporaries, trace_activation
 
 __all__ = ["ActivationTrace", "GiB", "MemoryEstimate", "MemoryPlanner", "PlanSettings", "candidate_changes",
            "format_estimate", "gib", "optimizer_state_ratio", "optimizer_step_temporaries", "parse_bytes",
-           "planner_from_config", "settings_from_config", "startup_estimate", "startup_line", "suggest",
+           "plan_settings", "planner_from_config", "resolve_for_plan", "settings_from_config", "startup_estimate", "startup_line", "suggest",
            "trace_activations"]

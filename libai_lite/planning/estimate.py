@@ -116,10 +116,10 @@ class MemoryPlanner:
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.parallelize import check_model_layout
         from ..parallel.tensor_parallel import check_declared_splits
-        from ..utils.distributed import resolve_layout
+        from ..utils.parallel_dims import resolve_layout
 
         # Strict: the planner estimates the sizes it is given, never ones capped to fit the world.
-        resolve_layout(s.world_size, {**s.dist_sizes(), "strict_layout": True})
+        resolve_layout(s.world_size, {**s.sizes(), "strict_layout": True})
         validate_zero_config(s.zero_stage, s.offload)
         check_declared_splits(self.model, s.tensor_parallel_size)
         check_model_layout(self.model, s.layout(), s.num_microbatches)
@@ -142,7 +142,7 @@ class MemoryPlanner:
         """(modules, pipeline layers) each pipeline rank keeps, cut as ``pipeline_split`` cuts them."""
         from ..model import pipeline_num_layers
         from ..parallel.pipeline_split import layer_index_of, local_stage_ids, pipeline_module, pipeline_pieces
-        from ..utils.distributed import layer_stages
+        from ..utils.parallel_dims import layer_stages
 
         pp = s.pipeline_parallel_size
         if pp == 1:
@@ -174,7 +174,7 @@ class MemoryPlanner:
 
     def _step_temporaries(self, params: list[tuple[int, _Param]], s: PlanSettings) -> int:
         """What this rank's optimizer step allocates beyond its state, on the shapes the rank steps."""
-        fsdp = s.zero_stage >= 2
+        fsdp = _zero_stage(s) >= 2
         by_id = {i: ((math.ceil(p.shard_numel(s.data_parallel_size)),) if fsdp else p.shape) for i, p in params}
         shapes = tuple(tuple(by_id[id(q)] for q in g if id(q) in by_id) for g in self.groups)
         if shapes not in self._step_temps:
@@ -202,7 +202,7 @@ class MemoryPlanner:
     def _estimate_stage(self, s: PlanSettings, trace: ActivationTrace, rank: int, params: list[tuple[int, _Param]],
                         layers: set[int] | None) -> MemoryEstimate:
         # Gradients are reduced, and ZeRO shards, over dp x cp: every cp rank holds the whole parameters.
-        dp, stage, tp = s.data_parallel_size * s.context_parallel_size, s.zero_stage, s.tensor_parallel_size
+        dp, stage, tp = s.data_parallel_size * s.context_parallel_size, _zero_stage(s), s.tensor_parallel_size
         # The trace is of whole sequences; a cp rank keeps about 1/cp of it: its [local, whole] attention
         # scores are 1/cp of the [whole, whole] ones. Not counted: the keys and values each attention
         # gathers whole and keeps for backward (2 x seq x kv width per layer) and the one [local, whole]
@@ -295,3 +295,10 @@ class MemoryPlanner:
         return MemoryEstimate(int(param_b), int(grad_b), int(opt_b), int(activations), int(max(constant + dynamic, step)),
                               int(host), rank, int(num), s)
 
+
+def _zero_stage(s: PlanSettings) -> int:
+    """The ZeRO stage the trainer runs: ``apply_data_parallel`` trains the plain model under ZeRO-2/3 over a
+    data-parallel (dp x cp) group of one without offload, where FSDP would only add gathers."""
+    if s.zero_stage >= 2 and s.data_parallel_size * s.context_parallel_size == 1 and not s.offload:
+        return 0
+    return s.zero_stage

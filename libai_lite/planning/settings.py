@@ -2,69 +2,42 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..utils.distributed import Layout
 from ..utils.errors import UsageError
+from ..utils.parallel_dims import ParallelDims
 
 GiB = 2**30
 
 _DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-
-# The fields PlanSettings shares with the trainer's Layout, under the same names.
-_LAYOUT_FIELDS = ("pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "sequence_parallel",
-                  "zero_stage", "offload", "pipeline_schedule", "virtual_pipeline_size", "context_parallel_size")
-
-
 @dataclass(frozen=True)
-class PlanSettings:
-    """Everything besides the model and its sample that decides memory per rank."""
+class PlanSettings(ParallelDims):
+    """Everything besides the model and its sample that decides memory per rank: a layout (``ParallelDims``, whose
+    fields it has) and what the run's spec adds to it."""
 
-    world_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    offload: bool = False
     activation_checkpoint_every: int = 0  # 0: off; N: every N-th transformer layer
     activation_checkpoint_mode: str = "full"  # or "selective" (libai_lite.parallel.activation_checkpoint)
     micro_batch_size: int = 1
     num_microbatches: int = 1  # gradient accumulation steps: a pipeline schedule's micro-batches
     amp_dtype: torch.dtype | None = None
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_size: int = 1
-    custom_pipeline_stage_id: tuple[int, ...] | None = None
-    # Each sample's sequence split over cp ranks: activations divide by it; ZeRO shards over dp x cp.
-    context_parallel_size: int = 1
     # "cuda": an accelerator beside host memory, where offload moves state off the device; "cpu": training in
     # host memory, where offload moves nothing (the bench's CPU rows measure exactly that).
     device: str = "cuda"
 
     @classmethod
-    def from_layout(cls, layout: Layout, **rest) -> PlanSettings:
-        """The settings of a run's ``Layout`` (sizes, ZeRO, pipeline options, device kind); ``rest``: the others
-        (batch sizes, precision, activation checkpointing)."""
-        custom, shared = layout.custom_pipeline_stage_id, {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
-        shared["zero_stage"] = int(shared["zero_stage"] or 0)
-        return cls(world_size=layout.world_size, **shared, custom_pipeline_stage_id=tuple(custom) if custom is not None else None,
-                   device=layout.device.type, **rest)
+    def from_dims(cls, dims: ParallelDims, **rest) -> PlanSettings:
+        """The settings of a run's ``ParallelDims`` (sizes, ZeRO, pipeline options); ``rest``: the others (batch
+        sizes, precision, activation checkpointing, device kind)."""
+        return cls(**{f.name: getattr(dims, f.name) for f in fields(ParallelDims)}, **rest)
 
     def layout(self) -> Layout:
         """These settings as a ``Layout`` of rank 0 without a process group: what the trainer's checks read."""
-        custom = self.custom_pipeline_stage_id
-        return Layout(self.world_size, 0, 0, torch.device(self.device), mesh=None,
-                      **{name: getattr(self, name) for name in _LAYOUT_FIELDS},
-                      custom_pipeline_stage_id=list(custom) if custom is not None else None)
-
-    def dist_sizes(self) -> dict:
-        """The parallel sizes as ``train.dist`` names them."""
-        return {name: getattr(self, name) for name in ("pipeline_parallel_size", "data_parallel_size",
-                                                       "tensor_parallel_size", "context_parallel_size")}
+        return Layout.of(self, device=torch.device(self.device))
 
     def describe(self) -> str:
         """The layout and the memory-relevant switches, in one line."""

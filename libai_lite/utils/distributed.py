@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
+from .parallel_dims import ParallelDims, layer_stages
 
 
 @dataclass
@@ -40,6 +41,27 @@ class Layout:
     context_parallel_size: int = 1
     # dp x cp flattened (setup_dist): kept here, as torch deprecates slicing a flattened dim from the root mesh.
     dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, dims: ParallelDims, rank: int = 0, local_rank: int = 0, device: torch.device | None = None,
+           mesh: DeviceMesh | None = None) -> Layout:
+        """The ``Layout`` of ``dims`` for one rank (``mesh`` None: no process group, what the planner checks)."""
+        custom = dims.custom_pipeline_stage_id
+        return cls(dims.world_size, rank, local_rank, device if device is not None else torch.device("cpu"),
+                   dims.pipeline_parallel_size, dims.data_parallel_size, dims.tensor_parallel_size, mesh,
+                   sequence_parallel=dims.sequence_parallel, zero_stage=dims.zero_stage, offload=dims.offload,
+                   pipeline_schedule=dims.pipeline_schedule, virtual_pipeline_size=dims.virtual_pipeline_size,
+                   custom_pipeline_stage_id=list(custom) if custom is not None else None,
+                   context_parallel_size=dims.context_parallel_size)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The sizes and options this layout was built from."""
+        custom = self.custom_pipeline_stage_id
+        return ParallelDims(self.world_size, self.pipeline_parallel_size, self.data_parallel_size,
+                            self.context_parallel_size, self.tensor_parallel_size, self.sequence_parallel,
+                            int(self.zero_stage or 0), bool(self.offload), self.pipeline_schedule,
+                            self.virtual_pipeline_size, tuple(custom) if custom is not None else None)
 
     # Coordinates on the mesh (0 without one).
     pp_rank = property(lambda self: self._coord("pp"))
@@ -155,134 +177,21 @@ def check_backend_layout(pipeline_parallel_size: int) -> None:
                          f"or pipeline_parallel_size=1 when ranks share a GPU")
 
 
-def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
-    """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; raises UsageError if they
-    don't fit.
-
-    The data-parallel size follows the launch: left null it is world / (pp x cp x tp), so one recipe runs on
-    1, 4 or 8 processes. A world smaller than the configured model parallelism caps the tensor size at the
-    world size and the pipeline size at what remains, as LiBai's ``_init_parallel_size`` does (context
-    parallelism is never capped) (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
-    data-parallel size set explicitly must fit the world.
-    """
-    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
-    cp = int(dist_cfg.get("context_parallel_size", 1) or 1)
-    for name, value in (*configured.items(), ("context_parallel_size", cp)):
-        if value < 1:
-            raise UsageError(f"train.dist.{name}={value} must be at least 1")
-    used = capped_sizes(world_size, configured)
-    if used != configured and bool(dist_cfg.get("strict_layout", False)):
-        need = " x ".join(f"{n}({v})" for n, v in configured.items() if v > 1)
-        raise UsageError(f"train.dist asks for {need} = {_product(configured)} processes but {world_size} were "
-                         f"launched (train.dist.strict_layout=True); launch at least {_product(configured)} "
-                         f"processes or set train.dist.strict_layout=False to have the sizes capped")
-    tp, pp = used["tensor_parallel_size"], used["pipeline_parallel_size"]
-    model = pp * cp * tp
-    named = f"pipeline_parallel_size({pp}) x " + (f"context_parallel_size({cp}) x " if cp > 1 else "") + \
-        f"tensor_parallel_size({tp})"
-    fits = world_size % model == 0
-    dp = dist_cfg.get("data_parallel_size", None)
-    if dp is None and not fits:
-        raise UsageError(f"world size {world_size} is not divisible by {named}; launch a multiple of {model} "
-                         f"processes or change train.dist")
-    dp = world_size // model if dp is None else int(dp)
-    if dp * model != world_size:
-        fix = world_size // model if fits else "null"
-        with_cp = f" x context_parallel_size({cp})" if cp > 1 else ""
-        raise UsageError(f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
-                         f"pipeline_parallel_size({pp}){with_cp} = {dp * model} does not match the world size "
-                         f"{world_size}; launch {dp * model} processes or set train.dist.data_parallel_size={fix}")
-    return pp, dp, cp, tp
-
-
-# The model-parallel dimensions in LiBai's capping order: tensor first, then pipeline. Context parallelism
-# is not capped: it is chosen for a sequence length, and a run without it would not fit where it was meant to.
-_MODEL_DIMS = ("tensor_parallel_size", "pipeline_parallel_size")
-
-
-def _product(sizes: dict) -> int:
-    out = 1
-    for v in sizes.values():
-        out *= v
-    return out
-
-
-def capped_sizes(world_size: int, configured: dict) -> dict:
-    """The model-parallel sizes a world of ``world_size`` processes can hold: each of ``_MODEL_DIMS`` in turn
-    capped at what the sizes before it leave (LiBai: tp = min(tp, world), pp = min(pp, world // tp))."""
-    used, left = {}, world_size
-    for name in _MODEL_DIMS:
-        used[name] = max(1, min(configured[name], left))
-        left = max(1, left // used[name])
-    return used
-
-
-def describe_capping(world_size: int, dist_cfg) -> str | None:
-    """The start-up warning for sizes ``resolve_layout`` capped to fit ``world_size``, or None."""
-    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
-    used = capped_sizes(world_size, configured)
-    changed = [f"{name} {configured[name]} -> {used[name]}" for name in _MODEL_DIMS if used[name] != configured[name]]
-    if not changed:
-        return None
-    return (f"train.dist: {', '.join(changed)} to fit the {world_size} launched process(es) (LiBai's rule: model "
-            f"parallel sizes are capped at the world size; train.dist.strict_layout=True refuses instead)")
-
-
-def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
-    """Stage of each layer: an even split (earlier stages take the remainder) or the user's list.
-
-    ``num_stages`` counts every stage of the pipeline: pipeline_parallel_size x stages per rank.
-    """
-    pp = num_stages
-    if custom_stage_ids is not None:
-        ids = [int(s) for s in custom_stage_ids]
-        if len(ids) != num_layers:
-            raise UsageError(f"train.dist.custom_pipeline_stage_id has {len(ids)} entries for {num_layers} layers; "
-                             f"give one stage id per layer")
-        if ids != sorted(ids) or set(ids) != set(range(pp)):
-            raise UsageError(f"train.dist.custom_pipeline_stage_id={ids} must be non-decreasing and use every "
-                             f"stage 0..{pp - 1}")
-        return ids
-    if num_layers < pp:
-        raise UsageError(f"the pipeline's {pp} stages (pipeline_parallel_size x stages per rank) are more stages "
-                         f"than the model's {num_layers} layers; use at most {num_layers} pipeline stages")
-    base, extra = divmod(num_layers, pp)
-    return [s for s in range(pp) for _ in range(base + (s < extra))]
-
-
-def zero_settings(zero_cfg) -> tuple[int, bool]:
-    """(ZeRO stage, offload) from ``train.zero_optimization``; ``validate_zero_config`` checks the pair."""
-    if not zero_cfg:
-        return 0, False
-    # Offload asked without ZeRO is kept, so the parallel code refuses it rather than ignore it.
-    offload = bool(zero_cfg.get("offload", False))
-    return (zero_cfg.get("stage", 1) if zero_cfg.get("enabled", False) else 0), offload
-
-
 def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     """Initialise the process group and the ("pp", "dp", "cp", "tp") mesh from ``train.dist`` and
-    ``train.zero_optimization``; returns the run's ``Layout``."""
+    ``train.zero_optimization`` (``ParallelDims.resolve`` for the world launched); returns the run's ``Layout``."""
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
     _init_process_group(timeout_s, dist_cfg.get("backend", None))
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
-    check_backend_layout(pp)
-    zero_stage, offload = zero_settings(zero_cfg)
-    virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
-    if virtual < 1:
-        raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
+    dims = ParallelDims.resolve(world_size, dist_cfg, zero_cfg)
+    check_backend_layout(dims.pipeline_parallel_size)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     # torchtitan's order: cp sits between dp and tp, so a cp group's ranks are tp apart and a
     # dp x cp replica group is contiguous once flattened.
+    pp, dp, cp, tp = (dims.pipeline_parallel_size, dims.data_parallel_size, dims.context_parallel_size,
+                      dims.tensor_parallel_size)
     mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    custom = dist_cfg.get("custom_pipeline_stage_id", None)
-    layout = Layout(
-        world_size, rank, local_rank, device, pp, dp, tp, mesh,
-        sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)), zero_stage=zero_stage, offload=offload,
-        pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"), virtual_pipeline_size=virtual,
-        custom_pipeline_stage_id=list(custom) if custom is not None else None, context_parallel_size=cp,
-    )
+    layout = Layout.of(dims, rank, int(os.environ.get("LOCAL_RANK", 0)), device, mesh)
     if cp > 1:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")

@@ -239,7 +239,8 @@ def _pp2_worker(rank, port, result_dir):
 
     from libai_lite.parallel.pipeline import PipelineStepper
     from libai_lite.parallel.pipeline_split import build_stage_modules, local_stage_ids
-    from libai_lite.utils.distributed import destroy, layer_stages, setup_dist
+    from libai_lite.utils.distributed import destroy, setup_dist
+    from libai_lite.utils.parallel_dims import layer_stages
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

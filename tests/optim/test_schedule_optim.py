@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from libai_lite.config.resolve import resolve_batch_sizes
+from libai_lite.config.resolve import batch_sizes
 from libai_lite.optim import get_default_optimizer_params
 from libai_lite.scheduler import (
     WarmupConstantLR,
@@ -110,9 +110,7 @@ def test_no_weight_decay_on_bias_and_norm_and_shared_params_once():
     ],
 )
 def test_batch_sizes_any_two_determine_the_third(given, dp, expect):
-    cfg = OmegaConf.create(given)
-    resolve_batch_sizes(cfg, dp)
-    assert (cfg.train_micro_batch_size, cfg.global_batch_size, cfg.num_accumulation_steps) == expect
+    assert batch_sizes(OmegaConf.create(given), dp) == expect
 
 
 @pytest.mark.parametrize(
@@ -125,4 +123,4 @@ def test_batch_sizes_any_two_determine_the_third(given, dp, expect):
 )
 def test_inconsistent_batch_sizes_are_refused(given, dp, needle):
     with pytest.raises(UsageError, match=needle):
-        resolve_batch_sizes(OmegaConf.create(given), dp)
+        batch_sizes(OmegaConf.create(given), dp)

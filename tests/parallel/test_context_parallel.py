@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from libai_lite.parallel.context_parallel import check_context_parallel, shard_positions
-from libai_lite.utils.distributed import resolve_layout
+from libai_lite.utils.parallel_dims import resolve_layout
 from libai_lite.utils.errors import UsageError
 from projects.GPT.modeling.gpt_model import GPTForPreTraining
 from projects.MT5.mt5_model import MT5ForPreTraining

@@ -8,7 +8,7 @@ run for a CPU.
 import pytest
 
 from tests.launch import losses, one_error_line, train_sh
-from libai_lite.utils.distributed import capped_sizes, describe_capping, resolve_layout
+from libai_lite.utils.parallel_dims import capped_sizes, describe_capping, resolve_layout
 from libai_lite.utils.errors import UsageError
 
 RECIPE = "projects/MT5/configs/mt5_pretrain.py"

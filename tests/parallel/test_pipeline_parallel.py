@@ -27,7 +27,7 @@ from libai_lite.parallel.pipeline_split import (
     tied_checkpoint_aliases,
     tied_weight_copies,
 )
-from libai_lite.utils.distributed import layer_stages
+from libai_lite.utils.parallel_dims import layer_stages
 from libai_lite.utils.errors import UsageError
 from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTModel
 

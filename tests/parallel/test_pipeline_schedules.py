@@ -12,7 +12,7 @@ import torch
 
 from libai_lite.parallel.pipeline import check_schedule
 from libai_lite.parallel.pipeline_split import local_stage_ids, stage_ranks
-from libai_lite.utils.distributed import layer_stages
+from libai_lite.utils.parallel_dims import layer_stages
 from libai_lite.utils.errors import UsageError
 from tests.launch import torchrun
 

@@ -122,7 +122,7 @@ def test_pipeline_stages_hold_what_the_splitter_keeps():
     """Per pipeline rank, the planner's parameters are those the pipeline splitter leaves on that stage."""
     from libai_lite.model import pipeline_num_layers
     from libai_lite.parallel.pipeline_split import split_pipeline_stage
-    from libai_lite.utils.distributed import layer_stages
+    from libai_lite.utils.parallel_dims import layer_stages
 
     planner, cls, cfg = _tiny_gpt_planner(layers=4)
     settings = PlanSettings(world_size=2, pipeline_parallel_size=2, num_microbatches=4)
@@ -161,6 +161,20 @@ def test_activation_checkpointing_and_zero_reduce_the_peak():
     assert zero3.peak < plain.peak
 
 
+def test_zero_at_data_parallel_size_one_is_planned_as_the_plain_model_the_trainer_trains():
+    """apply_data_parallel trains the plain model under ZeRO-2/3 at dp=1 without offload: the same estimate."""
+    planner, _cls, _cfg = _tiny_gpt_planner()
+    base = PlanSettings(world_size=1, micro_batch_size=4, device="cpu")
+    plain = planner.estimate(base)
+    for stage in (2, 3):
+        zero = planner.estimate(dataclasses.replace(base, zero_stage=stage))
+        assert (zero.params, zero.grads, zero.optimizer, zero.peak) == (plain.params, plain.grads, plain.optimizer,
+                                                                       plain.peak)
+    # Offload still moves the state to host memory through FSDP.
+    offloaded = planner.estimate(dataclasses.replace(base, zero_stage=3, offload=True, device="cuda"))
+    assert offloaded.host > 0
+
+
 def test_bad_layout_is_refused():
     planner, _cls, _cfg = _tiny_gpt_planner()
     with pytest.raises(UsageError, match="does not match the world size"):
@@ -172,8 +186,7 @@ def test_bad_layout_is_refused():
 def test_startup_line_is_the_tools_estimate():
     """The line the trainer logs at start-up states the estimate tools/estimate_memory.py prints for the run."""
     from libai_lite.config import LazyConfig
-    from libai_lite.utils.distributed import Layout
-    from libai_lite.planning import gib, planner_from_config, startup_estimate
+    from libai_lite.planning import gib, planner_from_config, resolve_for_plan, startup_estimate
 
     def load():
         cfg = LazyConfig.load(str(ROOT / "projects/GPT/configs/gpt2_pretrain.py"))
@@ -184,14 +197,12 @@ def test_startup_line_is_the_tools_estimate():
 
     planner, settings = planner_from_config(load(), 1, "cpu")
     expected = planner.estimate(settings)
-    cfg = load()
-    planner_from_config(cfg, 1, "cpu")  # resolves batch sizes and pads the vocabulary, as the trainer does
-    layout = Layout(1, 0, 0, torch.device("cpu"), 1, 1, 1, None)
-    line = startup_estimate(cfg, layout, planner.sample)
+    spec, _ = resolve_for_plan(load(), 1)  # batch sizes and the padded vocabulary, as the trainer resolves them
+    line = startup_estimate(spec, "cpu", planner.sample)
     assert line.startswith("Memory estimate per rank (pp=1 dp=1 tp=1, no ZeRO, micro-batch 8, fp32): ")
     assert f"peak {gib(expected.peak)}" in line and f"params {gib(expected.params)}" in line
     # An estimate that cannot be made says so instead of stopping the run.
-    assert startup_estimate(cfg, layout, {}).startswith("Memory estimate not available (")
+    assert startup_estimate(spec, "cpu", {}).startswith("Memory estimate not available (")
 
 
 def test_accelerator_kernels_hold_under_activation_checkpointing():

@@ -41,7 +41,8 @@ from libai_lite.parallel.pipeline_split import (  # noqa: E402
     pipeline_model_view,
     tied_checkpoint_aliases,
 )
-from libai_lite.utils.distributed import destroy, layer_stages, setup_dist  # noqa: E402
+from libai_lite.utils.distributed import destroy, setup_dist  # noqa: E402
+from libai_lite.utils.parallel_dims import layer_stages  # noqa: E402
 from projects.GPT.modeling.gpt_model import GPTForPreTraining, GPTModel  # noqa: E402
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -1,0 +1,162 @@
+"""A run resolved once: ``resolve_run`` turns a loaded config and the world it runs on into a frozen ``RunSpec``.
+
+Everything a run decides from its config before building anything is decided here, in one pass: the layout
+(``ParallelDims``), the batch sizes, the padded vocabulary, the iterations, the pipeline stage of each layer,
+precision, FP8, compilation and activation checkpointing. The trainer, the evaluation-only trainer, the memory
+planner and ``tools/estimate_memory.py`` read the same ``RunSpec``; builders take their config section plus what
+the spec says. ``RunSpec.cfg`` is the resolved config (the caller's is left as it was), read-only: what
+``config.yaml`` saves, and nothing edits it afterwards.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from .config.instantiate import instantiate, instantiate_target
+from .config.resolve import amp_dtype, batch_sizes
+from .data.build import cap_eval_iter
+from .model import pipeline_num_layers, supports_pipeline
+from .parallel.activation_checkpoint import check_ac_mode
+from .parallel.compile import CompileOptions, compile_options
+from .parallel.float8 import Float8Options, float8_options
+from .tokenizer import pad_vocab_size
+from .utils.errors import UsageError
+from .utils.parallel_dims import ParallelDims, layer_stages
+
+logger = logging.getLogger("libai_lite")
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """global = micro x data-parallel size x accumulation, each filled in (``config.resolve.batch_sizes``)."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_accumulation_steps: int
+    test_micro_batch_size: int
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a config means for one world: resolved once by ``resolve_run``, read by every builder."""
+
+    dims: ParallelDims
+    batch: BatchSizes
+    # The model's vocabulary rows (the tokenizer's, padded; or a checkpoint's), None: the config's own.
+    vocab_size: int | None
+    # Iterations to train (train.train_epoch counted in samples when it is set) and batches per evaluation.
+    train_iter: int
+    eval_iter: int
+    # The pipeline stage of each layer (empty without a pipeline).
+    stage_of_layer: tuple[int, ...]
+    amp_dtype: torch.dtype | None
+    # FSDP's (ZeRO-2/3) mixed precision: parameters gathered in the amp dtype.
+    param_dtype: torch.dtype | None
+    float8: Float8Options | None
+    compile: CompileOptions | None
+    activation_checkpoint_every: int  # 0: off
+    activation_checkpoint_mode: str
+    cfg: DictConfig
+
+    def describe(self) -> str:
+        """The start-up line: batch arithmetic and iterations."""
+        b, d = self.batch, self.dims
+        return (f"global batch {b.global_batch_size} = micro {b.micro_batch_size} x dp {d.data_parallel_size} x "
+                f"accumulation {b.num_accumulation_steps}; {self.train_iter} iterations")
+
+
+def build_tokenizer(cfg):
+    """``tokenization.tokenizer`` instantiated, or None when the config has none."""
+    tok_cfg = cfg.get("tokenization")
+    if tok_cfg is None or tok_cfg.get("tokenizer") is None:
+        return None
+    return instantiate(tok_cfg.tokenizer)
+
+
+def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | None = None, data: bool = True,
+                eval_only: bool = False) -> RunSpec:
+    """The ``RunSpec`` of ``cfg`` on the layout ``dims``; UsageError (one line) for what cannot run.
+
+    ``tokenizer``: the run's (its vocabulary, padded, sizes the model); ``vocab_rows``: a checkpoint's vocabulary
+    rows, which win (evaluating a checkpoint padded otherwise). ``data``: the config's own loaders feed the run,
+    so ``train.train_epoch`` is counted and ``eval_iter`` capped to the valid split (the planner, and an
+    evaluation on other data, pass False). ``eval_only``: ``--eval-only``, which evaluates whatever
+    ``train.evaluation.enabled`` says.
+    """
+    train = cfg.train
+    micro, glob, acc = batch_sizes(train, dims.data_parallel_size)
+    batch = BatchSizes(micro, glob, acc, int(train.get("test_micro_batch_size") or micro))
+    vocab = None
+    if tokenizer is not None:
+        vocab = pad_vocab_size(tokenizer.vocab_size, cfg.tokenization.get("make_vocab_size_divisible_by", 128))
+    if vocab_rows is not None and vocab_rows != vocab:
+        logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
+        vocab = vocab_rows
+    train_iter = int(train.get("train_iter") or 0)
+    ev = train.get("evaluation") or {}
+    eval_iter = int(ev.get("eval_iter", 0) or 0)
+    if data:
+        train_iter = _iterations(cfg.dataloader.train, train, glob)
+        if ev.get("enabled", False) or eval_only:
+            eval_iter = cap_eval_iter(cfg.dataloader.train, eval_iter, batch.test_micro_batch_size *
+                                      dims.data_parallel_size)
+    amp = amp_dtype(train.amp)
+    ac = train.get("activation_checkpoint") or {}
+    resolved = copy.deepcopy(cfg)
+    with open_dict(resolved):
+        # config.yaml records what ran: the sizes this world holds, not the ones asked for.
+        resolved.train.dist.update(dims.sizes())
+        resolved.train.train_micro_batch_size, resolved.train.global_batch_size = micro, glob
+        resolved.train.num_accumulation_steps = acc
+        resolved.train.train_iter = train_iter
+        if data and (ev.get("enabled", False) or eval_only):
+            resolved.train.evaluation.eval_iter = eval_iter
+        if vocab is not None:
+            resolved.model.cfg.vocab_size = vocab
+        stages = _stage_of_layer(resolved, dims)
+        if stages:
+            # The assignment goes into config.yaml, so a run can be reproduced exactly.
+            resolved.train.dist.stage_of_layer = list(stages)
+    OmegaConf.set_readonly(resolved, True)
+    return RunSpec(
+        dims=dims, batch=batch, vocab_size=vocab, train_iter=train_iter, eval_iter=eval_iter,
+        stage_of_layer=tuple(stages), amp_dtype=amp, param_dtype=amp if dims.zero_stage >= 2 else None,
+        float8=float8_options(train.get("fp8")), compile=compile_options(train.get("compile")),
+        activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0,
+        activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), cfg=resolved)
+
+
+def _iterations(loader_cfg, train, global_batch: int) -> int:
+    """``train.train_iter``, or the iterations ``train.train_epoch`` epochs take when that is more."""
+    train_iter = int(train.get("train_iter") or 0)
+    if train.get("train_epoch", 0):
+        count = getattr(instantiate_target(loader_cfg), "samples_per_epoch", None)
+        if not callable(count):
+            raise UsageError(f"{loader_cfg._target_} cannot count an epoch (it has no samples_per_epoch); "
+                             f"set train.train_iter instead of train.train_epoch")
+        accepted = inspect.signature(count).parameters
+        per_epoch = int(count(**{k: v for k, v in loader_cfg.items() if k in accepted}))
+        train_iter = max(train_iter, math.ceil(train.train_epoch * per_epoch / global_batch))
+        logger.info(f"train.train_epoch={train.train_epoch}: {per_epoch} samples per epoch, "
+                    f"train.train_iter set to {train_iter}")
+    if train_iter < 1:
+        raise UsageError("set train.train_iter (or train.train_epoch) to a positive number of iterations")
+    return train_iter
+
+
+def _stage_of_layer(cfg, dims: ParallelDims) -> list[int]:
+    """Each layer's pipeline stage (``layer_stages``), from the model built on the meta device; empty without a
+    pipeline or for a model that cannot be pipelined (the layout check refuses that one, naming it)."""
+    if dims.pipeline_parallel_size == 1:
+        return []
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    if not supports_pipeline(model):
+        return []
+    return layer_stages(pipeline_num_layers(model), dims.num_stages, dims.custom_pipeline_stage_id)

@@ -1,0 +1,164 @@
+"""The parallel sizes of a run, decided from ``train.dist`` and the world size before any process group exists:
+``ParallelDims`` (torchtitan's name), LiBai's capping rule, the ZeRO settings and each layer's pipeline stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The validated layout of a run for ``world_size`` processes: sizes, ZeRO and pipeline options.
+
+    ``ParallelDims.resolve`` is the only place ``train.dist`` and ``train.zero_optimization`` are read; the
+    process group's ``Layout`` (``utils.distributed.setup_dist``), the run specification
+    (``libai_lite.run_spec``) and the memory planner all start from it.
+    """
+
+    world_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    context_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    offload: bool = False
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    custom_pipeline_stage_id: tuple[int, ...] | None = None
+    # The warning line when sizes were capped to fit the world (LiBai's rule), else None.
+    capping: str | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def resolve(cls, world_size: int, dist_cfg, zero_cfg=None) -> ParallelDims:
+        """``train.dist`` and ``train.zero_optimization`` for ``world_size`` processes; UsageError when they do
+        not fit."""
+        dist_cfg = dist_cfg if dist_cfg is not None else {}
+        pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
+        zero_stage, offload = zero_settings(zero_cfg)
+        virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
+        if virtual < 1:
+            raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
+        custom = dist_cfg.get("custom_pipeline_stage_id", None)
+        return cls(world_size, pp, dp, cp, tp, sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)),
+                   zero_stage=int(zero_stage or 0), offload=bool(offload),
+                   pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),
+                   virtual_pipeline_size=virtual,
+                   custom_pipeline_stage_id=tuple(int(s) for s in custom) if custom is not None else None,
+                   capping=describe_capping(world_size, dist_cfg))
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ranks x virtual stages per rank."""
+        return self.pipeline_parallel_size * self.virtual_pipeline_size
+
+    def sizes(self) -> dict:
+        """The four sizes under their ``train.dist`` names (what config.yaml records)."""
+        return {"pipeline_parallel_size": self.pipeline_parallel_size, "data_parallel_size": self.data_parallel_size,
+                "tensor_parallel_size": self.tensor_parallel_size, "context_parallel_size": self.context_parallel_size}
+
+
+def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; raises UsageError if they
+    don't fit.
+
+    The data-parallel size follows the launch: left null it is world / (pp x cp x tp), so one recipe runs on
+    1, 4 or 8 processes. A world smaller than the configured model parallelism caps the tensor size at the
+    world size and the pipeline size at what remains, as LiBai's ``_init_parallel_size`` does (context
+    parallelism is never capped) (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
+    data-parallel size set explicitly must fit the world.
+    """
+    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
+    cp = int(dist_cfg.get("context_parallel_size", 1) or 1)
+    for name, value in (*configured.items(), ("context_parallel_size", cp)):
+        if value < 1:
+            raise UsageError(f"train.dist.{name}={value} must be at least 1")
+    used = capped_sizes(world_size, configured)
+    if used != configured and bool(dist_cfg.get("strict_layout", False)):
+        need = " x ".join(f"{n}({v})" for n, v in configured.items() if v > 1)
+        raise UsageError(f"train.dist asks for {need} = {_product(configured)} processes but {world_size} were "
+                         f"launched (train.dist.strict_layout=True); launch at least {_product(configured)} "
+                         f"processes or set train.dist.strict_layout=False to have the sizes capped")
+    tp, pp = used["tensor_parallel_size"], used["pipeline_parallel_size"]
+    model = pp * cp * tp
+    named = f"pipeline_parallel_size({pp}) x " + (f"context_parallel_size({cp}) x " if cp > 1 else "") + \
+        f"tensor_parallel_size({tp})"
+    fits = world_size % model == 0
+    dp = dist_cfg.get("data_parallel_size", None)
+    if dp is None and not fits:
+        raise UsageError(f"world size {world_size} is not divisible by {named}; launch a multiple of {model} "
+                         f"processes or change train.dist")
+    dp = world_size // model if dp is None else int(dp)
+    if dp * model != world_size:
+        fix = world_size // model if fits else "null"
+        with_cp = f" x context_parallel_size({cp})" if cp > 1 else ""
+        raise UsageError(f"train.dist layout data_parallel_size({dp}) x tensor_parallel_size({tp}) x "
+                         f"pipeline_parallel_size({pp}){with_cp} = {dp * model} does not match the world size "
+                         f"{world_size}; launch {dp * model} processes or set train.dist.data_parallel_size={fix}")
+    return pp, dp, cp, tp
+
+
+# The model-parallel dimensions in LiBai's capping order: tensor first, then pipeline. Context parallelism
+# is not capped: it is chosen for a sequence length, and a run without it would not fit where it was meant to.
+_MODEL_DIMS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def _product(sizes: dict) -> int:
+    out = 1
+    for v in sizes.values():
+        out *= v
+    return out
+
+
+def capped_sizes(world_size: int, configured: dict) -> dict:
+    """The model-parallel sizes a world of ``world_size`` processes can hold: each of ``_MODEL_DIMS`` in turn
+    capped at what the sizes before it leave (LiBai: tp = min(tp, world), pp = min(pp, world // tp))."""
+    used, left = {}, world_size
+    for name in _MODEL_DIMS:
+        used[name] = max(1, min(configured[name], left))
+        left = max(1, left // used[name])
+    return used
+
+
+def describe_capping(world_size: int, dist_cfg) -> str | None:
+    """The start-up warning for sizes ``resolve_layout`` capped to fit ``world_size``, or None."""
+    configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
+    used = capped_sizes(world_size, configured)
+    changed = [f"{name} {configured[name]} -> {used[name]}" for name in _MODEL_DIMS if used[name] != configured[name]]
+    if not changed:
+        return None
+    return (f"train.dist: {', '.join(changed)} to fit the {world_size} launched process(es) (LiBai's rule: model "
+            f"parallel sizes are capped at the world size; train.dist.strict_layout=True refuses instead)")
+
+
+def layer_stages(num_layers: int, num_stages: int, custom_stage_ids: Sequence[int] | None = None) -> list[int]:
+    """Stage of each layer: an even split (earlier stages take the remainder) or the user's list.
+
+    ``num_stages`` counts every stage of the pipeline: pipeline_parallel_size x stages per rank.
+    """
+    pp = num_stages
+    if custom_stage_ids is not None:
+        ids = [int(s) for s in custom_stage_ids]
+        if len(ids) != num_layers:
+            raise UsageError(f"train.dist.custom_pipeline_stage_id has {len(ids)} entries for {num_layers} layers; "
+                             f"give one stage id per layer")
+        if ids != sorted(ids) or set(ids) != set(range(pp)):
+            raise UsageError(f"train.dist.custom_pipeline_stage_id={ids} must be non-decreasing and use every "
+                             f"stage 0..{pp - 1}")
+        return ids
+    if num_layers < pp:
+        raise UsageError(f"the pipeline's {pp} stages (pipeline_parallel_size x stages per rank) are more stages "
+                         f"than the model's {num_layers} layers; use at most {num_layers} pipeline stages")
+    base, extra = divmod(num_layers, pp)
+    return [s for s in range(pp) for _ in range(base + (s < extra))]
+
+
+def zero_settings(zero_cfg) -> tuple[int, bool]:
+    """(ZeRO stage, offload) from ``train.zero_optimization``; ``validate_zero_config`` checks the pair."""
+    if not zero_cfg:
+        return 0, False
+    # Offload asked without ZeRO is kept, so the parallel code refuses it rather than ignore it.
+    offload = bool(zero_cfg.get("offload", False))
+    return (zero_cfg.get("stage", 1) if zero_cfg.get("enabled", False) else 0), offload

@@ -1,0 +1,107 @@
+"""The config is resolved once (``libai_lite.run_spec.resolve_run``): the caller's config is left as it was, the
+resolved one is read-only, and the trainer, the planner and the checkpointer's trainer state read the same spec."""
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
+
+from libai_lite.config import LazyConfig
+from libai_lite.run_spec import build_tokenizer, resolve_run
+from libai_lite.utils.errors import UsageError
+from libai_lite.utils.parallel_dims import ParallelDims
+from tests.launch import CONFIG, ROOT, tiny
+
+
+def _load(tmp_path, *extra):
+    cfg = LazyConfig.load(str(ROOT / CONFIG))
+    return LazyConfig.apply_overrides(cfg, tiny(tmp_path / "out", tmp_path / "cache", *extra))
+
+
+def _dims(world, **dist):
+    return ParallelDims.resolve(world, dist)
+
+
+def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_one(tmp_path):
+    cfg = _load(tmp_path, "train.global_batch_size=null", "train.num_accumulation_steps=3",
+                "train.dist.data_parallel_size=null", "train.dist.tensor_parallel_size=2")
+    before = OmegaConf.to_yaml(cfg)
+    spec = resolve_run(cfg, _dims(4, **cfg.train.dist), build_tokenizer(cfg))
+    assert OmegaConf.to_yaml(cfg) == before
+    # 4 processes at tp 2: dp 2, so the global batch is micro 4 x dp 2 x accumulation 3.
+    assert (spec.dims.data_parallel_size, spec.dims.tensor_parallel_size) == (2, 2)
+    assert (spec.batch.micro_batch_size, spec.batch.global_batch_size, spec.batch.num_accumulation_steps) == (4, 24, 3)
+    assert spec.vocab_size == 8064 and spec.cfg.model.cfg.vocab_size == 8064
+    assert spec.cfg.train.global_batch_size == 24 and spec.cfg.train.dist.data_parallel_size == 2
+    assert spec.describe() == "global batch 24 = micro 4 x dp 2 x accumulation 3; 300 iterations"
+    with pytest.raises(ReadonlyConfigError):
+        spec.cfg.train.train_iter = 5
+    with pytest.raises(ReadonlyConfigError):
+        spec.cfg.model.cfg.hidden_size = 8
+
+
+def test_pipeline_stages_epochs_and_the_evaluation_cap_are_resolved_into_the_spec(tmp_path):
+    cfg = _load(tmp_path, "train.dist.pipeline_parallel_size=2", "train.train_epoch=2", "train.train_iter=1",
+                "train.evaluation.eval_iter=100000")
+    spec = resolve_run(cfg, _dims(2, **cfg.train.dist), build_tokenizer(cfg))
+    assert spec.stage_of_layer == (0, 1) and list(spec.cfg.train.dist.stage_of_layer) == [0, 1]
+    # The demo corpus at 32 tokens a sample: two epochs of its train split, 8 samples a step.
+    from libai_lite.config.instantiate import instantiate_target
+
+    loader = cfg.dataloader.train
+    count = instantiate_target(loader).samples_per_epoch
+    import inspect
+
+    per_epoch = count(**{k: v for k, v in loader.items() if k in inspect.signature(count).parameters})
+    assert spec.train_iter == -(-2 * per_epoch // 8) == spec.cfg.train.train_iter
+    # eval_iter beyond one pass over the valid split is capped to it (one warning), in the spec and config.yaml.
+    assert 1 <= spec.eval_iter < 100000 and spec.cfg.train.evaluation.eval_iter == spec.eval_iter
+    assert cfg.train.train_iter == 1 and cfg.train.evaluation.eval_iter == 100000
+
+
+def test_what_cannot_run_is_refused_while_resolving(tmp_path):
+    cfg = _load(tmp_path, "train.global_batch_size=10")
+    with pytest.raises(UsageError, match="train.global_batch_size=10 is not divisible"):
+        resolve_run(cfg, _dims(1), None)
+    cfg = _load(tmp_path, "train.train_iter=0")
+    with pytest.raises(UsageError, match="set train.train_iter"):
+        resolve_run(cfg, _dims(1), None)
+    cfg = _load(tmp_path, "train.dist.pipeline_parallel_size=4")
+    with pytest.raises(UsageError, match="more stages than the model's 2 layers"):
+        resolve_run(cfg, _dims(4, **cfg.train.dist), None)
+    cfg = _load(tmp_path, "train.amp.enabled=True", "train.amp.dtype=fp8")
+    with pytest.raises(UsageError, match="train.amp.dtype='fp8'"):
+        resolve_run(cfg, _dims(1), None)
+
+
+def test_the_planner_plans_the_run_the_trainer_resolves(tmp_path):
+    from libai_lite.planning import plan_settings, settings_from_config
+
+    cfg = _load(tmp_path, "train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
+                "train.zero_optimization.stage=2", "train.amp.enabled=True", "train.activation_checkpoint.enabled=True")
+    spec = resolve_run(cfg, ParallelDims.resolve(4, cfg.train.dist, cfg.train.zero_optimization), build_tokenizer(cfg))
+    settings = settings_from_config(cfg, 4, "cpu")
+    assert settings == plan_settings(spec, "cpu")
+    assert (settings.data_parallel_size, settings.tensor_parallel_size, settings.zero_stage) == (2, 2, 2)
+    assert settings.amp_dtype is spec.param_dtype is torch.bfloat16 and settings.activation_checkpoint_every == 1
+
+
+def test_the_trainer_state_is_a_stateful_the_checkpointer_is_given(tmp_path):
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.checkpoint.trainer_state import RngState, TrainerState
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    position = {"iteration": 4, "consumed_samples": 40, "scheduler": {"last_epoch": 5}}
+    restored = []
+    ck = Checkpointer(model, opt, str(tmp_path / "a"),
+                      states={"rng": RngState(), "trainer": TrainerState(lambda: position, restored.append)})
+    path = ck.save("model_0000004")
+    # The same trainer_state.json as a save handed the dict.
+    Checkpointer(model, opt, str(tmp_path / "b")).save("model_0000004", position)
+    files = [json.load(open(tmp_path / d / "model_0000004" / "trainer_state.json")) for d in ("a", "b")]
+    assert files[0] == files[1] == position
+    assert ck.load(path) == position and restored == [position]
+    with pytest.raises(ValueError, match="needs the trainer's state"):
+        Checkpointer(model, opt, str(tmp_path / "c")).save("model_0000001")
