@@ -64,11 +64,15 @@ class RunSpec:
     activation_checkpoint_mode: str
     cfg: DictConfig
 
-    def describe(self) -> str:
-        """The start-up line: batch arithmetic and iterations."""
+    def describe(self, device=None) -> str:
+        """The layout (on ``device`` when given) and the batch arithmetic, as the start-up line states them."""
         b, d = self.batch, self.dims
-        return (f"global batch {b.global_batch_size} = micro {b.micro_batch_size} x dp {d.data_parallel_size} x "
-                f"accumulation {b.num_accumulation_steps}; {self.train_iter} iterations")
+        cp = f" cp={d.context_parallel_size}" if d.context_parallel_size > 1 else ""
+        where = f" on {device}" if device is not None else ""
+        return (f"layout pp={d.pipeline_parallel_size} dp={d.data_parallel_size}{cp} tp={d.tensor_parallel_size}"
+                f"{where}; "
+                f"global batch {b.global_batch_size} = micro {b.micro_batch_size} x dp {d.data_parallel_size} x "
+                f"accumulation {b.num_accumulation_steps}")
 
 
 def build_tokenizer(cfg):
@@ -90,8 +94,8 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     ``train.evaluation.enabled`` says.
     """
     train = cfg.train
-    micro, glob, acc = batch_sizes(train, dims.data_parallel_size)
-    batch = BatchSizes(micro, glob, acc, int(train.get("test_micro_batch_size") or micro))
+    micro, global_batch, acc = batch_sizes(train, dims.data_parallel_size)
+    batch = BatchSizes(micro, global_batch, acc, int(train.get("test_micro_batch_size") or micro))
     vocab = None
     if tokenizer is not None:
         vocab = pad_vocab_size(tokenizer.vocab_size, cfg.tokenization.get("make_vocab_size_divisible_by", 128))
@@ -102,7 +106,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     ev = train.get("evaluation") or {}
     eval_iter = int(ev.get("eval_iter", 0) or 0)
     if data:
-        train_iter = _iterations(cfg.dataloader.train, train, glob)
+        train_iter = _iterations(cfg.dataloader.train, train, global_batch)
         if ev.get("enabled", False) or eval_only:
             eval_iter = cap_eval_iter(cfg.dataloader.train, eval_iter, batch.test_micro_batch_size *
                                       dims.data_parallel_size)
@@ -112,7 +116,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     with open_dict(resolved):
         # config.yaml records what ran: the sizes this world holds, not the ones asked for.
         resolved.train.dist.update(dims.sizes())
-        resolved.train.train_micro_batch_size, resolved.train.global_batch_size = micro, glob
+        resolved.train.train_micro_batch_size, resolved.train.global_batch_size = micro, global_batch
         resolved.train.num_accumulation_steps = acc
         resolved.train.train_iter = train_iter
         if data and (ev.get("enabled", False) or eval_only):

@@ -23,31 +23,32 @@ def batch_sizes(train_cfg, dp_size: int) -> tuple[int, int, int]:
     """(micro, global, accumulation) from ``train``, global = micro x dp x accumulation, whichever one is left out
     (null) filled in; UsageError when the three given do not agree."""
     micro = train_cfg.get("train_micro_batch_size")
-    glob = train_cfg.get("global_batch_size")
+    global_batch = train_cfg.get("global_batch_size")
     acc = train_cfg.get("num_accumulation_steps")
-    if micro is None and glob is None:
+    if micro is None and global_batch is None:
         raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
 
     def divide_global(by: int, what: str) -> int:
-        if glob % by:
-            raise UsageError(f"train.global_batch_size={glob} is not divisible by {what}; pick sizes with "
+        if global_batch % by:
+            raise UsageError(f"train.global_batch_size={global_batch} is not divisible by {what}; pick sizes with "
                              f"global = micro x dp x accumulation")
-        return glob // by
+        return global_batch // by
 
     if micro is None:
         acc = acc or 1
         micro = divide_global(dp_size * acc, f"data_parallel_size({dp_size}) x num_accumulation_steps({acc})")
-    elif glob is None:
+    elif global_batch is None:
         acc = acc or 1
-        glob = micro * dp_size * acc
+        global_batch = micro * dp_size * acc
     elif acc is None:
         acc = divide_global(micro * dp_size, f"train_micro_batch_size({micro}) x data_parallel_size({dp_size})")
-    if micro * dp_size * acc != glob:
+    if micro * dp_size * acc != global_batch:
         raise UsageError(
-            f"train.global_batch_size={glob} != train_micro_batch_size({micro}) x data_parallel_size({dp_size}) x "
+            f"train.global_batch_size={global_batch} != train_micro_batch_size({micro}) x "
+            f"data_parallel_size({dp_size}) x "
             f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
         )
     if micro < 1 or acc < 1:
         raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
-    return int(micro), int(glob), int(acc)
+    return int(micro), int(global_batch), int(acc)
 

@@ -174,13 +174,13 @@ class DefaultTrainer:
         spec = resolve_run(cfg, self.layout.dims, self.tokenizer, eval_only=self.eval_only)
         if self.tokenizer is not None:
             logger.info(f"Tokenizer with {self.tokenizer.vocab_size} ids; vocab padded to {spec.vocab_size}")
-        logger.info(f"Run: {spec.describe()}")
+        logger.info(f"Rank {self.layout.rank} of {self.layout.world_size}; {spec.describe(self.layout.device)}")
         return spec
 
     def build_loaders(self, cfg):
         """Train/valid/test loaders sized for the run's iterations and evaluations (``self.spec``)."""
         spec, loader_cfg = self.spec, cfg.dataloader.train
-        glob, micro, test_micro = (spec.batch.global_batch_size, spec.batch.micro_batch_size,
+        global_batch, micro, test_micro = (spec.batch.global_batch_size, spec.batch.micro_batch_size,
                                    spec.batch.test_micro_batch_size)
         valid_samples = test_samples = 0
         if cfg.train.evaluation.get("enabled", False) or self.eval_only:
@@ -192,8 +192,8 @@ class DefaultTrainer:
             # per evaluation, one evaluation per eval_interval and one at the end), so their indices
             # are Megatron's; each evaluation reads the window of that order Megatron's would (evaluate).
             period = int(cfg.train.evaluation.eval_period)
-            valid_samples = megatron_valid_samples(spec.train_iter, period, spec.eval_iter, glob, read)
-            test_samples = max(read, spec.eval_iter * glob)
+            valid_samples = megatron_valid_samples(spec.train_iter, period, spec.eval_iter, global_batch, read)
+            test_samples = max(read, spec.eval_iter * global_batch)
         extra = {}
         if self.tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
             # Packed-document options need the end-of-document id: the run's tokenizer knows it.
@@ -201,7 +201,7 @@ class DefaultTrainer:
         return instantiate_with(
             loader_cfg,
             **extra,
-            train_valid_test_num_samples=[spec.train_iter * glob, valid_samples, test_samples],
+            train_valid_test_num_samples=[spec.train_iter * global_batch, valid_samples, test_samples],
             micro_batch_size=micro,
             eval_micro_batch_size=test_micro,
             consumed_samples=self.consumed_samples,

@@ -44,9 +44,6 @@ def default_setup(cfg, args) -> Layout:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    cp = f" cp={layout.context_parallel_size}" if layout.context_parallel_size > 1 else ""
-    logger.info(f"Rank {layout.rank} of {layout.world_size}; layout pp={layout.pipeline_parallel_size} "
-                f"dp={layout.data_parallel_size}{cp} tp={layout.tensor_parallel_size} on {layout.device}")
     logger.info(f"Command line: {' '.join(sys.argv)}")
     logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     return layout

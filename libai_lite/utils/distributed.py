@@ -19,9 +19,10 @@ from .parallel_dims import ParallelDims, layer_stages
 
 @dataclass
 class Layout:
-    """The parallel layout of a run, built and validated once from ``train.dist`` (``setup_dist``) and passed
-    to whatever needs it (torchtitan's ``ParallelDims``). ``place_layers`` fills ``stage_of_layer`` once
-    the model says how many layers it has; ``get_layer_placement(i)`` (LiBai's name) then reads it."""
+    """The parallel layout of a running rank: the sizes of its ``ParallelDims`` (``dims``) with this rank's place,
+    device and ("pp", "dp", "cp", "tp") mesh, built once by ``setup_dist`` and passed to whatever needs it.
+    ``place_layers`` fills ``stage_of_layer`` once the model says how many layers it has;
+    ``get_layer_placement(i)`` (LiBai's name) then reads it."""
 
     world_size: int
     rank: int

@@ -2,7 +2,7 @@
 ``ParallelDims`` (torchtitan's name), LiBai's capping rule, the ZeRO settings and each layer's pipeline stage."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import UsageError
@@ -28,8 +28,6 @@ class ParallelDims:
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
     custom_pipeline_stage_id: tuple[int, ...] | None = None
-    # The warning line when sizes were capped to fit the world (LiBai's rule), else None.
-    capping: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def resolve(cls, world_size: int, dist_cfg, zero_cfg=None) -> ParallelDims:
@@ -46,8 +44,7 @@ class ParallelDims:
                    zero_stage=int(zero_stage or 0), offload=bool(offload),
                    pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),
                    virtual_pipeline_size=virtual,
-                   custom_pipeline_stage_id=tuple(int(s) for s in custom) if custom is not None else None,
-                   capping=describe_capping(world_size, dist_cfg))
+                   custom_pipeline_stage_id=tuple(int(s) for s in custom) if custom is not None else None)
 
     @property
     def num_stages(self) -> int:

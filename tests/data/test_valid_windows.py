@@ -34,6 +34,8 @@ def _evaluations(valid, iterations):
     (`TRAIN_ITER`: the evaluation at the end)."""
     cfg = OmegaConf.create({"train": {"global_batch_size": GLOBAL_BATCH, "evaluation": {
         "eval_period": PERIOD, "eval_iter": EVAL_ITER, "evaluator": None}}})
+    # What DefaultTrainer.evaluate reads of the run's spec (libai_lite.run_spec.RunSpec).
+    spec = SimpleNamespace(eval_iter=EVAL_ITER, batch=SimpleNamespace(global_batch_size=GLOBAL_BATCH))
     read = []
 
     def inference(loader, evaluator, eval_iter):
@@ -43,7 +45,8 @@ def _evaluations(valid, iterations):
 
     runs = []
     for it in iterations:
-        trainer = SimpleNamespace(cfg=cfg, valid_loader=valid, trainer=SimpleNamespace(iter=it), _inference=inference)
+        trainer = SimpleNamespace(cfg=cfg, spec=spec, valid_loader=valid, trainer=SimpleNamespace(iter=it),
+                                  _inference=inference)
         DefaultTrainer.evaluate(trainer)
         runs.append(read.pop())
     return runs

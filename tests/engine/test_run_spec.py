@@ -34,7 +34,8 @@ def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_o
     assert (spec.batch.micro_batch_size, spec.batch.global_batch_size, spec.batch.num_accumulation_steps) == (4, 24, 3)
     assert spec.vocab_size == 8064 and spec.cfg.model.cfg.vocab_size == 8064
     assert spec.cfg.train.global_batch_size == 24 and spec.cfg.train.dist.data_parallel_size == 2
-    assert spec.describe() == "global batch 24 = micro 4 x dp 2 x accumulation 3; 300 iterations"
+    assert spec.train_iter == 300
+    assert spec.describe() == "layout pp=1 dp=2 tp=2; global batch 24 = micro 4 x dp 2 x accumulation 3"
     with pytest.raises(ReadonlyConfigError):
         spec.cfg.train.train_iter = 5
     with pytest.raises(ReadonlyConfigError):
