@@ -224,9 +224,10 @@ class MoELayer(nn.Module):
             str(e): MLP(hidden_size, ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
             for e in range(moe.num_experts)
         })
-        # How dispatched tokens reach the experts: here, or (set by
+        # How dispatched tokens (or, with a capacity, fixed slots) reach the experts: here, or (set by
         # libai_lite.parallel.expert_parallel) over the expert-parallel group and back.
         self.dispatch = _local_experts
+        self.run_slots = _local_slots
         self.ep_size = 1
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: dict = {}
@@ -253,7 +254,10 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor)
         aux_loss = load_balancing_loss(routing.probs, routing.load)
-        if self.dispatch is _local_experts and self.capacity_factor is not None:
+        # Fixed slots need no host read. Across expert-parallel ranks they also need the same token count on
+        # every rank (the built-in loaders' fixed shapes in training); evaluation may batch each rank's data to
+        # its own length, so there the exchange sizes its pieces by the routing.
+        if self.capacity_factor is not None and (self.run_slots is _local_slots or torch.is_grad_enabled()):
             out = self._fixed_capacity(x, routing)
         else:
             out = self._variable(x, routing)
@@ -279,7 +283,7 @@ class MoELayer(nn.Module):
         slot = torch.where(keep, flat_expert * capacity + routing.position.reshape(-1), num_experts * capacity)
         token_of = torch.arange(keep.numel(), device=x.device) // k
         slots = x.new_zeros(num_experts * capacity + 1, x.shape[-1]).index_add_(0, slot, x.index_select(0, token_of))
-        expert_out = self.experts.run_fixed(slots[:-1], capacity)
+        expert_out = self.run_slots(self.experts, slots[:-1], capacity)
         expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])
         gates = (routing.gates.reshape(-1) * keep).to(expert_out.dtype)
         weighted = (expert_out.index_select(0, slot) * gates.unsqueeze(1)).to(x.dtype)
@@ -287,7 +291,7 @@ class MoELayer(nn.Module):
 
     def _variable(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts on exactly their kept tokens: sizes read back to the host (no capacity limit, or
-        expert parallelism, whose all-to-all takes host split sizes)."""
+        expert-parallel evaluation, whose all-to-all takes host split sizes)."""
         kept = routing.keep.reshape(-1).nonzero().squeeze(1)
         flat_expert = routing.expert_index.reshape(-1)
         # Kept assignments grouped by expert; within an expert, in token order.
@@ -309,6 +313,10 @@ class MoELayer(nn.Module):
 
 def _local_experts(experts: Experts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return experts(tokens, tokens_per_expert.tolist())
+
+
+def _local_slots(experts: Experts, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+    return experts.run_fixed(slots, capacity)
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -97,6 +97,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> list:
             if int(key) not in mine:
                 del layer.experts[key]
         layer.dispatch = functools.partial(expert_parallel_forward, group=ep_mesh.get_group(), ep_size=ep_size)
+        layer.run_slots = functools.partial(expert_parallel_slots, group=ep_mesh.get_group(), ep_size=ep_size)
         layer.ep_size = ep_size
     if layers:
         logger.info(f"Expert parallel: ep={ep_size}, this rank holds experts {layers[0].local_expert_ids} "
@@ -128,6 +129,22 @@ def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_e
     out = experts(received.index_select(0, perm), recv_matrix.sum(0).tolist())
     out = out.index_select(0, torch.argsort(perm))
     return funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+
+
+def expert_parallel_slots(experts: Experts, slots: torch.Tensor, capacity: int, *, group, ep_size: int) -> torch.Tensor:
+    """An ``MoELayer.run_slots``: ``slots`` ``[experts * capacity, hidden]`` (global expert order) to the ranks
+    holding their experts and the outputs back, in the same layout, through two all-to-alls of equal pieces:
+    no size is read back to the host. Every rank must route the same number of tokens (same capacity).
+    Differentiable: backward runs the two all-to-alls in reverse."""
+    import torch.distributed._functional_collectives as funcol
+
+    local = slots.shape[0] // (capacity * ep_size)
+    # Rank r receives the slots of its `local` experts from every rank: (source rank, local expert, slot).
+    received = funcol.all_to_all_single_autograd(slots.contiguous(), None, None, group)
+    per_expert = received.view(ep_size, local, capacity, -1).transpose(0, 1).reshape(local * ep_size * capacity, -1)
+    out = experts.run_fixed(per_expert, ep_size * capacity)
+    back = out.view(local, ep_size, capacity, -1).transpose(0, 1).reshape(ep_size * local * capacity, -1)
+    return funcol.all_to_all_single_autograd(back.contiguous(), None, None, group)
 
 
 class PipelineMoE:

@@ -1,4 +1,4 @@
-"""An MoE layer's training step reads nothing back to the host (at expert-parallel size 1, with a capacity).
+"""An MoE layer's training step reads nothing back to the host (with a capacity; at expert-parallel size 1 and 2).
 
 Host reads are what stall a GPU's launch queue: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
 ``bool()``), ``aten.nonzero``, boolean-mask ``aten.index``, ops that size their output by the data
@@ -89,3 +89,59 @@ def test_an_mt5_moe_training_step_reads_nothing_back():
                         decoder_attn_mask=dec_mask)
             (out["lm_loss"] + out["moe_aux_loss"]).backward()
     assert dict(counter.counts) == {}
+
+
+def _ep2_worker(rank, init_file, result_file):
+    """Two ranks, ep=2, capacity 0.75: the fixed-slot exchange gives each rank the outputs and gradients the
+    whole layer gives on one process, and its forward and backward read nothing back."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from libai_lite.parallel.expert_parallel import apply_expert_parallel, build_expert_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        cfg = MoEConfig(enabled=True, num_experts=4, top_k=2, capacity_factor=0.75, ep_size=2)
+        whole = MoELayer(cfg, hidden_size=16, ffn_hidden_size=32, activation="silu", gated=True, bias=True)
+        layer, both = copy.deepcopy(whole), copy.deepcopy(whole)
+        inputs = torch.randn(2, 2, 12, 16)  # one micro-batch per rank
+        mesh = init_device_mesh("cpu", (1, 2, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        apply_expert_parallel(layer, build_expert_mesh(mesh, 2))
+        x = inputs[rank].clone().requires_grad_()
+        with count_host_reads() as counter:
+            out = layer(x)
+            out.square().sum().backward()
+        assert dict(counter.counts) == {}, dict(counter.counts)
+        ref_x = inputs[rank].clone().requires_grad_()
+        ref = whole(ref_x)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(x.grad, ref_x.grad)
+        # The router is replicated: its gradient here is this rank's tokens' share, as on one process.
+        torch.testing.assert_close(layer.router.weight.grad, whole.router.weight.grad)
+        # An expert's gradient sums every token any rank sent it: the whole layer's over both micro-batches.
+        for r in range(2):
+            both(inputs[r]).square().sum().backward()
+        for key, expert in layer.experts.items():
+            for (name, p), q in zip(expert.named_parameters(), both.experts[key].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=f"expert {key} {name}")
+        # Evaluation (no gradient) takes the exchange sized by the routing: the same outputs.
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), ref)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                f.write("ok")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_fixed_slots_match_one_process_and_read_nothing_back(tmp_path):
+    from tests.launch import spawn_ranks
+
+    result = tmp_path / "result"
+    spawn_ranks(_ep2_worker, 2, (str(tmp_path / "store"), str(result)))
+    assert result.read_text() == "ok"
