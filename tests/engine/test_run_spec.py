@@ -106,3 +106,39 @@ def test_the_trainer_state_is_a_stateful_the_checkpointer_is_given(tmp_path):
     assert ck.load(path) == position and restored == [position]
     with pytest.raises(ValueError, match="needs the trainer's state"):
         Checkpointer(model, opt, str(tmp_path / "c")).save("model_0000001")
+
+
+def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_the_spec(tmp_path):
+    """LiBai's extension point: override one build_* method; it receives the resolved, read-only config and
+    finds what was derived in self.spec; the run trains with the override."""
+    import logging
+    from types import SimpleNamespace
+
+    from libai_lite.engine.default import DefaultTrainer
+    from libai_lite.engine.launch import default_setup
+    from libai_lite.utils.distributed import destroy
+
+    seen = {}
+
+    class ConstantLR(DefaultTrainer):
+        def build_lr_scheduler(self, cfg, optimizer):
+            seen.update(readonly=OmegaConf.is_readonly(cfg), accumulation=cfg.train.num_accumulation_steps,
+                        spec_iters=self.spec.train_iter, vocab=cfg.model.cfg.vocab_size)
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    log = logging.getLogger("libai_lite")
+    saved = (list(log.handlers), log.level, log.propagate)
+    cfg = _load(tmp_path, "train.train_iter=3", "train.evaluation.enabled=False", "optim.lr=2e-3",
+                "train.num_accumulation_steps=null")
+    try:
+        job = ConstantLR(cfg, default_setup(cfg, SimpleNamespace()))
+        job.train()
+    finally:
+        destroy()
+        for h in list(log.handlers):
+            log.removeHandler(h)
+        log.handlers[:], log.level, log.propagate = saved
+    assert seen == {"readonly": True, "accumulation": 2, "spec_iters": 3, "vocab": 8064}
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.json")]
+    assert [row["lr"] for row in rows if "lr" in row] == [2e-3] * 3
+    assert cfg.train.num_accumulation_steps is None  # the loaded config is left as it was
