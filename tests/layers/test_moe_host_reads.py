@@ -91,7 +91,7 @@ def test_an_mt5_moe_training_step_reads_nothing_back():
     assert dict(counter.counts) == {}
 
 
-def _ep2_worker(rank, init_file, result_file):
+def _ep2_worker(rank, init_file):
     """Two ranks, ep=2, capacity 0.75: the fixed-slot exchange gives each rank the outputs and gradients the
     whole layer gives on one process, and its forward and backward read nothing back."""
     import copy
@@ -131,9 +131,7 @@ def _ep2_worker(rank, init_file, result_file):
         # Evaluation (no gradient) takes the exchange sized by the routing: the same outputs.
         with torch.no_grad():
             torch.testing.assert_close(layer(x), ref)
-        if rank == 0:
-            with open(result_file, "w") as f:
-                f.write("ok")
+        # Leave together: a gloo peer that tears down while the other still talks aborts.
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -142,6 +140,5 @@ def _ep2_worker(rank, init_file, result_file):
 def test_expert_parallel_fixed_slots_match_one_process_and_read_nothing_back(tmp_path):
     from tests.launch import spawn_ranks
 
-    result = tmp_path / "result"
-    spawn_ranks(_ep2_worker, 2, (str(tmp_path / "store"), str(result)))
-    assert result.read_text() == "ok"
+    # A rank whose check fails raises, and spawn_ranks fails this test with its traceback.
+    spawn_ranks(_ep2_worker, 2, (str(tmp_path / "store"),))
