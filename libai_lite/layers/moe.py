@@ -52,8 +52,9 @@ class MoEConfig:
     def __post_init__(self):
         for name in ("num_experts", "top_k", "ep_size", "every_n_layers"):
             value = getattr(self, name)
-            if isinstance(value, bool) or int(value) != value or int(value) < 1:
-                raise UsageError(f"model.cfg.moe.{name}={value!r} must be a positive integer")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or int(value) != value or int(value) < 1:
+                shown = "null" if value is None else repr(value)
+                raise UsageError(f"model.cfg.moe.{name}={shown} must be a positive integer")
             setattr(self, name, int(value))
         if self.top_k > self.num_experts:
             raise UsageError(f"model.cfg.moe.top_k={self.top_k} is more than num_experts={self.num_experts}; "

@@ -147,6 +147,8 @@ def test_router_runs_in_fp32_under_autocast():
     (dict(capacity_factor=0), "capacity_factor=0 must be positive"),
     (dict(num_expert=4), "did you mean 'num_experts'"),
     (dict(every_n_layers=0), "every_n_layers=0 must be a positive integer"),
+    (dict(top_k=None), "top_k=null must be a positive integer"),
+    (dict(num_experts="8"), "num_experts='8' must be a positive integer"),
 ])
 def test_bad_moe_config_is_one_usage_error(cfg, needle):
     with pytest.raises(UsageError, match=needle) as err:
