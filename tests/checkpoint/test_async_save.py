@@ -336,6 +336,9 @@ def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchron
         assert shutil.disk_usage(disk).free > 5 * 2**20  # the partial files are gone
 
 
+# -m slow: a kill during a background write (test_a_job_killed_while_...) and SIGTERM through train.sh
+# (tests/engine/test_process_faults.py) run by default
+@pytest.mark.slow
 def test_sigterm_with_background_writes_in_flight_saves_waits_and_resumes_exactly(tmp_path):
     """A save every step, so a write is in flight when SIGTERM reaches tools/train.sh: the stop's checkpoint
     waits for it, the process exits as SIGTERM'd with nothing half-written, and --resume continues exactly."""

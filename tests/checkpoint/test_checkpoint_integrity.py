@@ -104,6 +104,8 @@ def test_generate_refuses_a_checkpoint_with_more_layers(trained, generate):
     assert "holds 'GPT_model.layers.2.input_layernorm.weight', which this config does not build" in one_error_line(r)
 
 
+# -m slow: the same check refuses the same checkpoint in test_generate_refuses_a_checkpoint_with_more_layers
+@pytest.mark.slow
 def test_evaluate_refuses_a_checkpoint_with_more_layers(trained, tmp_path):
     src, cache = trained
     r = subprocess.run([sys.executable, "tools/evaluate.py", "--config-file", CONFIG, "--checkpoint",

@@ -453,6 +453,9 @@ def test_a_copied_project_converts_through_its_own_registered_mapping(tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+# -m slow: the same verification refuses flipped bytes by default in
+# tests/checkpoint/test_checkpoint_integrity.py (resume and generate, with and without --no-verify)
+@pytest.mark.slow
 def test_export_refuses_a_corrupt_checkpoint_and_no_verify_exports_it(tmp_path):
     """Flipped bits in a shard stop the export in one line; --no-verify (the user's risk) exports it."""
     import subprocess
