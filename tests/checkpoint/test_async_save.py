@@ -270,6 +270,9 @@ def test_background_checkpoints_resume_to_the_losses_of_synchronous_ones(tmp_pat
     assert rows == [(it, synchronous[it]) for it in [*range(1, 9), *range(5, 9)]]
 
 
+# -m slow: two ranks write in the background beside training by default in
+# test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchronous_line
+@pytest.mark.slow
 def test_background_checkpoints_on_two_data_parallel_ranks_resume_to_the_same_losses(tmp_path):
     """torchrun dp=2 (gloo): the background write's own gloo group runs beside the gradient all-reduces."""
     rows = _save_in_background_then_resume_from_the_middle(tmp_path / "run", 2)
