@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..run_spec import resolve_run
 from .default import DefaultTrainer
 
 
@@ -26,8 +27,6 @@ class EvalOnlyTrainer(DefaultTrainer):
         tensor-parallel size: 8192 rows at tp=2); the checkpoint's size wins, which lets any layout
         evaluate it.
         """
-        from ..run_spec import resolve_run
-
         rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight) if self.tokenizer is not None else None
         return resolve_run(cfg, self.layout.dims, self.tokenizer, vocab_rows=rows, data=False, eval_only=True)
 

@@ -40,11 +40,10 @@ class PeriodicCheckpointer(HookBase):
     ends, before the write in flight has finished.
     """
 
-    def __init__(self, checkpointer, period: int, trainer_state_fn=None):
-        # trainer_state_fn: a checkpointer not given the trainer's TrainerState saves what it returns.
+    def __init__(self, checkpointer, period: int):
+        # The checkpointer holds the trainer's state (its TrainerState) and saves it with each checkpoint.
         self.checkpointer = checkpointer
         self.period = int(period)
-        self.trainer_state_fn = trainer_state_fn
         self._ending = False
 
     def after_step(self):
@@ -86,8 +85,7 @@ class PeriodicCheckpointer(HookBase):
         # A save reads the device anyway: the steps' skip decisions first, so no diverged state is saved.
         self.trainer.check_skipped()
         t = time.perf_counter()
-        state = self.trainer_state_fn() if self.trainer_state_fn is not None else None
-        path = self.checkpointer.save(name, state, blocking=blocking or self._ending)
+        path = self.checkpointer.save(name, blocking=blocking or self._ending)
         if self.checkpointer.in_flight == name:
             logger.info(f"Checkpoint {path} staged in {time.perf_counter() - t:.2f}s, writing in the background")
         else:

@@ -51,6 +51,13 @@ def held_write(monkeypatch):
     release.set()
 
 
+def _states(trainer_state):
+    """The checkpointer's states as DefaultTrainer gives them: RNG streams and the trainer's state."""
+    from libai_lite.checkpoint.trainer_state import RngState, TrainerState
+
+    return {"rng": RngState(), "trainer": TrainerState(trainer_state)}
+
+
 def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp_path, held_write):
     from libai_lite.checkpoint import Checkpointer, resolve_resume
 
@@ -125,7 +132,8 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
 
     reached, release, pause = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause)
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause,
+                      states=_states(lambda: {"iteration": trainer.iter}))
 
     class FailsAtStep3(TrainerBase):
         def run_step(self):
@@ -135,7 +143,7 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
                 raise RuntimeError("a step failed")
 
     trainer = FailsAtStep3()
-    trainer.register_hooks([PeriodicCheckpointer(ck, 2, lambda: {"iteration": trainer.iter})])
+    trainer.register_hooks([PeriodicCheckpointer(ck, 2)])
     with pytest.raises(RuntimeError, match="a step failed"):
         trainer.train(0, 10)
     assert ck.in_flight is None
@@ -151,7 +159,7 @@ def test_a_save_after_the_loop_blocks_so_model_best_after_model_final_is_publish
     from libai_lite.engine.trainer import TrainerBase
 
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, states=_states(lambda: {"iteration": trainer.iter}))
 
     class Steps(TrainerBase):
         def run_step(self):
@@ -162,7 +170,7 @@ def test_a_save_after_the_loop_blocks_so_model_best_after_model_final_is_publish
             periodic.save("model_best")
 
     trainer = Steps()
-    periodic = PeriodicCheckpointer(ck, 2, lambda: {"iteration": trainer.iter})
+    periodic = PeriodicCheckpointer(ck, 2)
     trainer.register_hooks([periodic, SavesBestAtTheEnd()])
     trainer.train(0, 4)
     assert ck.in_flight is None
