@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Check and measure the project on one CUDA GPU in one command (8-10 minutes on an H100, predicted).
+"""Check and measure the project on one CUDA GPU in one command.
 
     bash bench/gpu.sh --out DIR                 # on a GPU machine
     bash bench/gpu.sh --out DIR --dry-run       # the same steps on the CPU at tiny sizes (a minute or few)
     bash bench/gpu.sh --out DIR --only gpu_tests,resume_cpu    # some steps (--skip for the others)
 
 Steps, in order (each with its own time limit and log; a step that would start with less than 15 s
-of ``--budget`` left is reported as not run). Predicted on an H100, not measured: about 7 minutes up
-to ranks_zero3 (the 1.3B/1.1B comparisons and compile take a minute or more each, model builds
-included), then the GPU tests (about 25 short training runs) get what the default 570 s budget
-leaves; a 600 s device call holds no more. ``--skip`` some measurements to give the tests more:
+of ``--budget`` left is reported as not run). The mission's command and the GPU suite come first, the
+measurements after them; a 600 s device call does not hold every step, so a session splits them with
+``--only`` / ``--skip`` (bench/README.md records which call ran which):
 
+  mission_mt5       LiBai's MT5 recipe as shipped, on one GPU (the mission's command), 20 steps
+  gpu_tests         pytest -m "gpu and not slow": the shipped recipes at their real shapes (tests/gpu/test_recipes.py)
+                    and the kernels' own tests
   demo_gpu          the README demo on the GPU in bf16 (s/it, tokens/s)
   resume_cpu        that checkpoint resumed on the CPU (CUDA_VISIBLE_DEVICES=)
   trainer_345M      the trainer at GPT-2 345M, micro-batch 8 (s/it, MFU) and its final checkpoint save
@@ -22,7 +24,7 @@ leaves; a 600 s device call holds no more. ``--skip`` some measurements to give 
   mt5_1gpu          LiBai's MT5 recipe on one GPU (samples/s, MFU)
   ranks_tp2         two ranks sharing the GPU over gloo (train.dist.backend=gloo), tensor parallel 2
   ranks_zero3       that tp2 checkpoint resumed as data parallel 2 with ZeRO-3 (resharding, CUDA tensors)
-  gpu_tests         pytest -m gpu (tests/gpu, the FP8 tests, ...)
+  gpu_tests_slow    pytest -m "gpu and slow": the cross-device and shared-GPU multi-rank runs, with what is left
 
 Files under --out (at most a device's 8 files come back): ``table.md`` (the table printed last: device,
 torch, each step's status, seconds and figure), ``results.json`` (the same, parsed), ``gpu.log`` (every
@@ -182,11 +184,14 @@ def _throughput(*full: str) -> Callable[[Ctx], list]:
     return cmd
 
 
-def _pytest(ctx: Ctx) -> list:
-    # The dry run collects tests/gpu only (everything there skips on a CPU); on a GPU every gpu-marked
-    # test of the suite runs (tests/gpu, the FP8 and fused-loss kernels ...).
-    where = "tests/gpu" if ctx.dry else "tests"
-    return [ctx.python, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", where]
+def _pytest(marks: str) -> Callable[[Ctx], list]:
+    # The dry run collects tests/gpu only (everything there skips on a CPU); on a GPU every test of the
+    # suite with these marks runs (tests/gpu, the FP8, flex and fused-loss kernels ...).
+    def cmd(ctx: Ctx) -> list:
+        where = "tests/gpu" if ctx.dry else "tests"
+        return [ctx.python, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-m", marks, "-rfEs",
+                where]
+    return cmd
 
 
 NO_EVAL = "train.evaluation.enabled=False"
@@ -194,6 +199,10 @@ TRAINER_345M = ["train.train_iter=30", "train.log_period=10", "train.train_micro
                 "train.global_batch_size=8", NO_EVAL]
 TWO_RANKS = ["train.dist.backend=gloo", NO_EVAL, "train.log_period=10"]
 STEPS = [
+    # The mission's command as the recipe's docstring writes it for one GPU; only its length and folders change.
+    Step("mission_mt5", _train(MT5, 1, "mission", ["train.train_iter=20", "train.train_epoch=0", "train.log_period=5"],
+                               ["train.train_iter=2", "train.train_epoch=0", NO_EVAL]), 180, parse_train),
+    Step("gpu_tests", _pytest("gpu and not slow"), 300, parse_pytest),
     Step("demo_gpu", _train(GPT_DEMO, 1, "demo", ["train.train_iter=60", "train.amp.enabled=True", "train.log_period=20"],
                             ["train.train_iter=4", "train.amp.enabled=True"]), 150, parse_train),
     Step("resume_cpu", _train(GPT_DEMO, 1, "demo", ["train.train_iter=70", "train.amp.enabled=True",
@@ -228,7 +237,7 @@ STEPS = [
                                ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3",
                                 "train.train_iter=5", "train.dist.backend=gloo", NO_EVAL], resume=True), 150,
          parse_resume),
-    Step("gpu_tests", _pytest, 420, parse_pytest),
+    Step("gpu_tests_slow", _pytest("gpu and slow"), 420, parse_pytest),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 

@@ -34,7 +34,7 @@ def test_dry_run_of_demo_and_cpu_resume(tmp_path):
     assert "resumed at 4 -> 6" in results["steps"][1]["figure"] and "on cpu" in results["steps"][1]["figure"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
-    assert "logs/00_demo_gpu.log" in names and "runs/demo/metrics.json" in names, names
+    assert "logs/02_demo_gpu.log" in names and "runs/demo/metrics.json" in names, names
     assert "CUDA_VISIBLE_DEVICES=''" in (out / "gpu.log").read_text()
 
 
@@ -53,7 +53,7 @@ def test_full_dry_run(tmp_path):
 def test_unknown_step_is_refused():
     r = subprocess.run(["bash", "bench/gpu.sh", "--out", "/nonexistent", "--only", "demo"], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--only: unknown step 'demo'; steps are demo_gpu" in r.stderr
+    assert r.returncode == 2 and "--only: unknown step 'demo'; steps are mission_mt5" in r.stderr
 
 
 LOG = """[11/26 14:56:08 libai_lite]: Rank 0 of 1; layout pp=1 dp=1 tp=1 on cuda:0; global batch 8

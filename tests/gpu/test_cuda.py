@@ -45,7 +45,7 @@ def _log(out) -> str:
     return (out / "log.txt").read_text()
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_demo_trains_on_cuda(tmp_path, dtype):
     """30 steps of the tiny demo under autocast on cuda:0: the loss falls; fp16 carries a loss scale."""
     out = tmp_path / "out"
@@ -63,6 +63,7 @@ def test_demo_trains_on_cuda(tmp_path, dtype):
         assert scales and all(v > 0 and math.isfinite(v) for v in scales.values()), scales
 
 
+@pytest.mark.slow  # two runs; the quick GPU suite is tests/gpu/test_recipes.py and the kernels' tests
 def test_cpu_and_gpu_losses_agree(tmp_path):
     """Same weights (built on the CPU from the seed, then moved), same data: fp32 losses within tolerance."""
     args = ["train.train_iter=5", "train.evaluation.enabled=False", *NO_DROPOUT]
@@ -75,6 +76,7 @@ def test_cpu_and_gpu_losses_agree(tmp_path):
         assert gpu[i] == pytest.approx(cpu[i], rel=RTOL_LATER), (i, gpu, cpu)
 
 
+@pytest.mark.slow  # four runs; bench/gpu.sh's demo_gpu and resume_cpu steps cross devices one way
 @pytest.mark.parametrize("first", ["gpu", "cpu"])
 def test_checkpoint_resumes_on_the_other_device(tmp_path, first):
     """4 steps on one device, then steps 5-6 resumed on the same device (reference) and on the other:

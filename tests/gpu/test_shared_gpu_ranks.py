@@ -17,6 +17,8 @@ from tests.gpu.test_cuda import NO_DROPOUT, RTOL_LATER, run
 
 pytestmark = [
     pytest.mark.gpu,
+    # Two-rank launches, several each: bench/gpu.sh runs them after the quick GPU suite (gpu_tests_slow).
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu on a GPU machine)"),
 ]
 
