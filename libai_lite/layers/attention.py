@@ -7,7 +7,7 @@ from torch import nn
 
 from ..sbp import broadcast, declare, hidden
 from ..utils.errors import UsageError
-from .flex_attention import AttentionMask, flex_attend, flex_enabled, shared_mask
+from .flex_attention import AttentionMask, check_buckets, flex_attend, flex_enabled, shared_mask
 from .init_methods import InitMethod
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
@@ -193,9 +193,11 @@ class MultiheadAttention(nn.Module):
 
         ``attention_mask`` may instead be an ``AttentionMask`` built once per batch (it then says all that
         is masked: causality, window and padding included), and the score bias may come as a table:
-        ``score_table`` ``[num_buckets, local_heads]`` and ``score_buckets`` ``[query_seq, key_seq]`` add
-        ``score_table[score_buckets[q, k], h]``. Either goes through FlexAttention where ``flex_enabled``
-        says so (CUDA, no active attention dropout, no cache), else the same mask and bias densely.
+        ``score_table`` ``[num_buckets, local_heads]`` and ``score_buckets`` ``[query_seq + key_seq - 1]``, the
+        bucket of each key-minus-query diagonal (a relative position bias, T5's), add
+        ``score_table[score_buckets[k - q + query_seq - 1], h]``. Either goes through FlexAttention where
+        ``flex_enabled`` says so (CUDA, no active attention dropout, no cache), else the same mask and bias
+        densely.
         """
         bsz, q_len, _ = hidden_states.shape
         if document_ids is not None:
@@ -301,6 +303,8 @@ class MultiheadAttention(nn.Module):
         if table is not None and table.shape[-1] != query.shape[1]:
             raise ValueError(f"the score table holds {table.shape[-1]} heads but this attention {query.shape[1]}; "
                              f"under tensor parallelism give it this rank's heads only")
+        if table is not None:
+            check_buckets(buckets, query.shape[-2], mask.k_len)
         keep = mask.keep_mask
         if table is None and (keep is None or mask.sees_itself):
             return keep  # boolean, as document_mask: no row is empty

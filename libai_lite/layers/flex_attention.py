@@ -3,8 +3,12 @@
 On a GPU a mask or a bias forces ``scaled_dot_product_attention`` off its flash kernel and makes every
 layer read (and, for a learnable bias, write the gradient of) a ``[batch, heads, query, key]`` tensor.
 FlexAttention takes instead a ``BlockMask`` (which query/key blocks hold any visible key, built once per
-batch and shared by every layer) and a ``score_mod`` that adds ``table[buckets[q, k], h]`` inside the
-kernel, so the bias's gradient is accumulated straight into the ``[buckets, heads]`` table.
+batch and shared by every layer) and a ``score_mod`` that adds a relative position bias inside the kernel.
+T5's bias depends on ``key - query`` only: its ``[num_buckets, heads]`` table is gathered once per layer
+into ``rows`` ``[query + key - 1, heads]``, one row per diagonal, and the kernel adds
+``rows[kv_idx - q_idx + query - 1, h]``, an index computed from the tile's positions (no captured
+``[query, key]`` map, whose tile would sit in shared memory beside Q, K and V). Autograd carries the
+rows' gradient back into the table.
 
 Flex kernels are fast only compiled, and FlexAttention has no backward on the CPU; so the backend
 ``"auto"`` (the default) runs flex on CUDA, compiled once (``dynamic=False``), and everywhere else the same
@@ -14,6 +18,12 @@ tests run it eagerly on the CPU); ``"dense"`` forces the dense path.
 
 One difference: a query that may see no key at all gets uniform weights from the dense path's finite
 floor and a zero output from flex. Padding masks keys, so this needs a sample with no real token.
+
+A compiled flex kernel that fails where it is first used (a compile error, more shared memory than this
+GPU has, no kernel for it) does not end the run: ``flex_attend`` goes through
+``libai_lite.utils.fallback.FastPath``, which probes each new shape forward and backward and, on a
+failure, logs one warning line and runs the dense path from then on. tests/layers/test_flex_budget.py
+checks the kernels' shared memory at the shipped recipes' shapes from torch's own block-size heuristics.
 """
 from __future__ import annotations
 
@@ -22,8 +32,11 @@ import functools
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..utils.fallback import FastPath, signature_of
 
 BACKENDS = ("auto", "flex", "dense")
 _backend = "auto"
@@ -64,18 +77,56 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
-def _table_bias(table: torch.Tensor, buckets: torch.Tensor):
-    # A factory, so every call hands flex a closure of the same code object (no recompilation per layer).
+def relative_bias(rows: torch.Tensor, q_len: int):
+    """FlexAttention's ``score_mod`` adding ``rows[kv_idx - q_idx + q_len - 1, h]``: ``rows``
+    ``[q_len + k_len - 1, heads]`` holds one bias per key-minus-query diagonal.
+
+    The index is integer arithmetic on the tile's positions (nothing captured is read to find it), and
+    flex bounds ``q_idx``/``kv_idx`` to the real lengths, so it stays in ``[0, q_len + k_len - 1)``. A
+    factory, so every call hands flex a closure of the same code object (no recompilation per layer).
+    """
+    offset = int(q_len) - 1
+
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + table[buckets[q_idx, kv_idx], h]
+        return score + rows[kv_idx - q_idx + offset, h]
 
     return score_mod
 
 
-def dense_bias(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
-    """The bias ``[1, heads, query, key]`` that ``table`` ``[buckets, heads]`` indexed by ``buckets``
-    ``[query, key]`` adds to the scores (what flex's score_mod adds, materialised)."""
-    return table[buckets].permute(2, 0, 1).unsqueeze(0)
+@functools.lru_cache(maxsize=16)
+def _cached_relative_index(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return _relative_index(q_len, k_len, device)
+
+
+def _relative_index(q_len: int, k_len: int, device) -> torch.Tensor:
+    return torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None] + (q_len - 1)
+
+
+def relative_index(q_len: int, k_len: int, device=None) -> torch.Tensor:
+    """``[q_len, k_len]``: the diagonal ``k - q + q_len - 1`` of each (query, key) pair, the row of
+    ``rows`` (or of T5's ``diagonal_buckets``) that pair reads. Kept per shape outside tracing."""
+    args = (int(q_len), int(k_len), torch.device(device if device is not None else "cpu"))
+    return _relative_index(*args) if _tracing() else _cached_relative_index(*args)
+
+
+def check_buckets(buckets: torch.Tensor, q_len: int, k_len: int) -> None:
+    """Refuse ``buckets`` that are not one bucket per key-minus-query diagonal of ``q_len x k_len``."""
+    if buckets.dim() != 1 or buckets.shape[0] != q_len + k_len - 1:
+        raise ValueError(f"score_buckets must hold one bucket per key-minus-query diagonal, [{q_len + k_len - 1}] "
+                         f"for {q_len} queries x {k_len} keys; got shape {tuple(buckets.shape)}")
+
+
+def diagonal_bias(rows: torch.Tensor, q_len: int) -> torch.Tensor:
+    """The bias ``[1, heads, q_len, k_len]`` that ``relative_bias(rows, q_len)`` adds, materialised."""
+    k_len = rows.shape[0] - int(q_len) + 1
+    return rows[relative_index(q_len, k_len, rows.device)].permute(2, 0, 1).unsqueeze(0)
+
+
+def dense_bias(table: torch.Tensor, buckets: torch.Tensor, q_len: int) -> torch.Tensor:
+    """The bias ``[1, heads, q_len, k_len]`` that ``table`` ``[num_buckets, heads]`` adds through ``buckets``
+    ``[q_len + k_len - 1]``, the bucket of each key-minus-query diagonal (what flex adds, materialised)."""
+    return diagonal_bias(table[buckets], q_len)
 
 
 class AttentionMask:
@@ -175,20 +226,30 @@ class AttentionMask:
         return self._keep_mask
 
     def dense_bias(self, table: Optional[torch.Tensor], buckets: Optional[torch.Tensor], dtype) -> torch.Tensor:
-        """This mask and ``table[buckets]`` as one additive SDPA mask ``[batch or 1, heads, q, k]``.
+        """This mask and the relative bias of ``table`` through the diagonal ``buckets`` ``[q + k - 1]``
+        (``dense_bias``) as one additive SDPA mask ``[batch or 1, heads, q, k]``.
 
         Masked scores get a finite floor (``finfo.min``): a row with no visible key gets uniform
         weights, not NaN. Built in each layer, not kept for the next: activation checkpointing
         recomputes a layer from its inputs and must save the same tensors as its forward did.
         """
-        device = self.device if table is None else table.device
-        bias = torch.zeros((), dtype=dtype, device=device)
-        if table is not None:
-            bias = bias + dense_bias(table, buckets).to(dtype)
+        return self.additive(None if table is None else dense_bias(table, buckets, self.q_len), dtype)
+
+    def additive(self, bias: Optional[torch.Tensor], dtype) -> torch.Tensor:
+        """This mask and ``bias`` (broadcastable to ``[batch, heads, q, k]``, or None) as one additive SDPA mask."""
+        device = self.device if bias is None else bias.device
+        out = torch.zeros((), dtype=dtype, device=device)
+        if bias is not None:
+            out = out + bias.to(dtype)
         keep = self.keep_mask
         if keep is not None:
-            bias = torch.where(keep, bias, torch.finfo(dtype).min)
-        return bias
+            out = torch.where(keep, out, torch.finfo(dtype).min)
+        return out
+
+    def signature(self) -> tuple:
+        """What a kernel compiled for this mask depends on: lengths, conditions and the masks' shapes."""
+        return (self.q_len, self.k_len, self.causal, self.window, self.batch, self.heads,
+                signature_of(self.document_ids, self.key_padding, self.keep)[1])
 
     def _dense_keep(self) -> Optional[torch.Tensor]:
         q, k, dev = self.q_len, self.k_len, self.device
@@ -241,14 +302,54 @@ def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
                 table: Optional[torch.Tensor] = None, buckets: Optional[torch.Tensor] = None,
                 scale: Optional[float] = None) -> torch.Tensor:
     """FlexAttention over ``[batch, heads, seq, head_size]`` with ``mask``'s block mask and, given ``table``
-    ``[num_buckets, heads]`` and ``buckets`` ``[q_len, k_len]``, the score bias ``table[buckets[q, k], h]``
-    (its gradient reaches ``table``). Compiled on CUDA, eager elsewhere (the CPU has no flex backward)."""
+    ``[num_buckets, heads]`` and ``buckets`` ``[q_len + k_len - 1]`` (the bucket of each key-minus-query
+    diagonal), the score bias ``table[buckets[k - q + q_len - 1], h]`` (its gradient reaches ``table``).
+    Compiled on CUDA, eager elsewhere (the CPU has no flex backward). A compiled kernel that fails at its
+    first use falls back to ``dense_attend`` (see the module docstring)."""
     if (table is None) != (buckets is None):
         raise ValueError("a table bias needs both table and buckets")
-    if table is not None and table.shape[-1] != query.shape[1]:
-        raise ValueError(f"the bias table holds {table.shape[-1]} heads, the attention {query.shape[1]}")
-    score_mod = None if table is None else _table_bias(table.to(query.dtype), buckets)
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    rows = None
+    if table is not None:
+        if table.shape[-1] != query.shape[1]:
+            raise ValueError(f"the bias table holds {table.shape[-1]} heads, the attention {query.shape[1]}")
+        check_buckets(buckets, q_len, k_len)
+        # One row per diagonal, gathered here so the kernel reads no captured [query, key] map.
+        rows = table[buckets].to(query.dtype)
+    return _flex_or_dense(query, key, value, rows, mask, scale)
+
+
+def dense_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Optional[torch.Tensor],
+                 mask: Optional[AttentionMask], scale: Optional[float]) -> torch.Tensor:
+    """What ``flex_attend`` computes, through SDPA with the mask and the ``rows`` bias materialised
+    (``[q + k - 1, heads]``, or None): the dense path of CPU runs and of a flex kernel that failed."""
+    keep = None if mask is None else mask.keep_mask
+    if rows is None and (keep is None or mask.sees_itself):
+        attn_mask = keep  # boolean: no row is empty
+    else:
+        bias = None if rows is None else diagonal_bias(rows, query.shape[-2])
+        attn_mask = bias.to(query.dtype) if mask is None else mask.additive(bias, query.dtype)
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale, **gqa)
+
+
+def _flex(query, key, value, rows, mask, scale):
+    score_mod = None if rows is None else relative_bias(rows, query.shape[-2])
     block_mask = None if mask is None or not mask.masks_anything else mask.block_mask
     run = _compiled_flex() if query.device.type == "cuda" else flex_attention
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
     return run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **gqa)
+
+
+def _flex_signature(query, key, value, rows, mask, scale):
+    return signature_of(query, key, value, rows, None if mask is None else mask.signature(), scale)
+
+
+def _flex_describe(query, key, value, rows, mask, scale):
+    bias = ", relative bias" if rows is not None else ""
+    return (f"{query.shape[-2]} queries x {key.shape[-2]} keys, {query.shape[1]} heads of {query.shape[-1]}, "
+            f"{str(query.dtype).replace('torch.', '')}{bias}")
+
+
+_flex_or_dense = FastPath("FlexAttention", _flex, dense_attend, signature=_flex_signature,
+                          plain_name="dense SDPA attention", describe=_flex_describe)

@@ -25,7 +25,8 @@ MT5 = "projects/MT5/configs/mt5_pretrain.py"
 GPT_345M = "projects/GPT/configs/gpt2_345M.py"
 GPT_DEMO = "projects/GPT/configs/gpt2_pretrain.py"
 LLAMA = "projects/Llama/configs/llama_demo.py"
-FALLBACK = re.compile(r"fall(ing|s)? back|fell back", re.I)
+# The one warning line of libai_lite.utils.fallback.FastPath (and any other wording of a fallback).
+FALLBACK = re.compile(r"failed at its first use|conversion failed|fall(ing|s)? back|fell back", re.I)
 
 
 def _short(out, steps=STEPS):

@@ -6,18 +6,22 @@ flex backward on the CPU up front only, so the ``cpu_flex_backward`` fixture lif
 fp32 throughout: outputs agree to a few ulps of the scores' sums, gradients (summed in another order,
 over up to q*k terms) to 1e-5 relative.
 """
+import logging
 import warnings
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
+import libai_lite.layers.flex_attention as flex_module
+
 from libai_lite.layers import MultiheadAttention
 from libai_lite.layers.attention import document_mask
-from libai_lite.layers.flex_attention import AttentionMask, attention_backend, dense_bias, flex_enabled
+from libai_lite.layers.flex_attention import (AttentionMask, attention_backend, dense_bias, flex_enabled,
+                                              relative_index)
 from projects.MT5 import MT5Model
 from projects.MT5.layers import RelativePositionBias
-from projects.MT5.layers.relative_position import _cached_buckets
+from projects.MT5.layers.relative_position import _cached_diagonals
 
 OUT_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -86,7 +90,7 @@ def test_table_bias_and_padding_through_flex_match_the_dense_bias(cpu_flex_backw
     for backend in ("flex", "dense"):
         table = rel.table().detach().requires_grad_()
         out, grads = _run(attn, x, backend, attention_mask=mask, score_table=table,
-                          score_buckets=rel.buckets(q_len, q_len))
+                          score_buckets=rel.diagonal_buckets(q_len, q_len))
         torch.testing.assert_close(out, old.detach(), **OUT_TOL)
         for name, grad in old_grads.items():
             torch.testing.assert_close(grads[name], grad, **GRAD_TOL, msg=name)
@@ -167,6 +171,97 @@ def test_backend_choice():
             pass
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def fresh_guard():
+    """The flex guard with no probe or failure remembered (other tests proved these shapes), and the
+    warnings it logs; restored afterwards so later tests do not inherit a fallback."""
+    records = _Records()
+    log = logging.getLogger("libai_lite")
+    log.addHandler(records)
+    flex_module._flex_or_dense.reset()
+    yield records.lines
+    flex_module._flex_or_dense.reset()
+    log.removeHandler(records)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
+                           "triton_tem_fused_flex_attention_backward_0 Required: 245760 Hardware limit:232448")
+
+
+def _bias_step(attn, rel, x, padding, q_len, backend="flex"):
+    """One forward and backward of a T5-biased, padded attention: its output and every gradient."""
+    table = rel.table().detach().requires_grad_()
+    return _run(attn, x, backend, attention_mask=AttentionMask(q_len, q_len, key_padding=padding),
+                score_table=table, score_buckets=rel.diagonal_buckets(q_len, q_len))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_flex_kernel_failing_at_first_use_falls_back_to_the_dense_path_once(
+        cpu_flex_backward, fresh_guard, monkeypatch, where):
+    attn, rel = _attention("padding"), RelativePositionBias(32, 4, bidirectional=True)
+    torch.nn.init.normal_(rel.weight, std=1.0)
+    x, padding = torch.randn(2, 40, 24), torch.ones(2, 40, dtype=torch.bool)
+    padding[1, 30:] = False
+    dense = _bias_step(attn, rel, x, padding, 40, backend="dense")
+    calls = []
+    real_flex = flex_module.flex_attention
+
+    def broken_flex(*args, **kwargs):  # the compiled kernel, failing as on the H200
+        calls.append(1)
+        if where == "forward":
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
+                               "triton_tem_fused_flex_attention_0 Required: 245760 Hardware limit:232448")
+        return _FailingBackward.apply(real_flex(*args, **kwargs))
+
+    monkeypatch.setattr(flex_module, "flex_attention", broken_flex)
+    for _ in range(3):  # three steps: one probe, one warning, the dense path's numbers (the same ops) every time
+        out, grads = _bias_step(attn, rel, x, padding, 40)
+        assert torch.equal(out, dense[0]) and grads.keys() == dense[1].keys()
+        assert all(torch.equal(grads[name], dense[1][name]) for name in grads)
+    # A new shape after the failure goes straight to the dense path too.
+    _bias_step(attn, rel, x[:, :33], padding[:, :33], 33)
+    assert len(calls) == 1
+    assert len(fresh_guard) == 1, fresh_guard
+    assert fresh_guard[0].startswith("FlexAttention (40 queries x 40 keys, 4 heads of 8, float32, relative bias) "
+                                     "failed at its first use (RuntimeError: No valid triton configs.")
+    assert "Required: 245760" in fresh_guard[0] and fresh_guard[0].endswith("dense SDPA attention runs from here on")
+    assert flex_module._flex_or_dense.fell_back
+
+
+def test_a_flex_kernel_failing_after_it_has_run_is_an_error(cpu_flex_backward, fresh_guard, monkeypatch):
+    attn, rel = _attention("padding"), RelativePositionBias(32, 4, bidirectional=True)
+    x, padding = torch.randn(2, 40, 24), torch.ones(2, 40, dtype=torch.bool)
+    real_flex, broken = flex_module.flex_attention, []
+
+    def flex(*args, **kwargs):
+        if broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_flex(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", flex)
+    _bias_step(attn, rel, x, padding, 40)
+    broken.append(1)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _bias_step(attn, rel, x, padding, 40)
+    assert fresh_guard == [] and not flex_module._flex_or_dense.fell_back
+
+
 def _tiny_mt5():
     return MT5Model(dict(vocab_size=64, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
                          intermediate_size=48, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
@@ -174,16 +269,20 @@ def _tiny_mt5():
 
 
 def test_mt5_logits_and_every_gradient_match_between_flex_and_dense(cpu_flex_backward):
-    model = _tiny_mt5()
-    with torch.no_grad():  # a table large enough to matter
+    """The recipe's attention (12 heads of 64, the ragged decoder's 114 positions, an encoder past
+    max_distance 128), two layers per stack (the second reads the first's table): logits and every
+    gradient, the bias tables' included."""
+    model = MT5Model(dict(vocab_size=64, hidden_size=32, hidden_layers=2, num_attention_heads=12, head_size=64,
+                          intermediate_size=32, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0))
+    with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RelativePositionBias):
                 module.weight.normal_(0.0, 2.0)
-    enc, dec = torch.randint(0, 64, (3, 26)), torch.randint(0, 64, (3, 11))
-    enc_mask = torch.ones(3, 26, dtype=torch.bool)
-    enc_mask[1, 17:] = False
-    dec_mask = torch.ones(3, 11, dtype=torch.bool)
-    dec_mask[2, 6:] = False
+    enc, dec = torch.randint(0, 64, (2, 200)), torch.randint(0, 64, (2, 114))
+    enc_mask, dec_mask = torch.ones(2, 200, dtype=torch.bool), torch.ones(2, 114, dtype=torch.bool)
+    enc_mask[1, 150:] = False
+    dec_mask[1, 70:] = False
     results = {}
     for backend in ("flex", "dense"):
         model.zero_grad(set_to_none=True)
@@ -196,17 +295,28 @@ def test_mt5_logits_and_every_gradient_match_between_flex_and_dense(cpu_flex_bac
         assert results["flex"][1][name].abs().sum() > 0, name
 
 
-def test_bucket_map_is_computed_once_per_shape():
+def test_diagonal_buckets_are_computed_once_per_shape_and_are_the_bucket_map():
     model = _tiny_mt5()
     enc, dec = torch.randint(0, 64, (2, 19)), torch.randint(0, 64, (2, 7))
     model(enc, dec)
-    misses = _cached_buckets.cache_info().misses
+    misses = _cached_diagonals.cache_info().misses
     model(enc, dec)
     model(enc, dec)
-    assert _cached_buckets.cache_info().misses == misses
+    assert _cached_diagonals.cache_info().misses == misses
     rel = model.encoder_layers["0"].relative_attention_bias
-    assert rel.buckets(19, 19) is rel.buckets(19, 19)
-    torch.testing.assert_close(dense_bias(rel.table(), rel.buckets(19, 19)), rel.compute_bias(19, 19))
+    assert rel.diagonal_buckets(19, 19) is rel.diagonal_buckets(19, 19)
+    torch.testing.assert_close(dense_bias(rel.table(), rel.diagonal_buckets(19, 19), 19), rel.compute_bias(19, 19),
+                               rtol=0, atol=0)
+    # Every (query, key) pair reads the bucket_map's bucket, square or not, with queries after a cache too,
+    # both directions, and distances past max_distance (the last bucket).
+    for bidirectional in (True, False):
+        table = RelativePositionBias(32, 3, bidirectional=bidirectional, max_distance=20)
+        for q_len, k_len, offset in ((19, 19, 0), (5, 40, 35), (1, 30, 29), (30, 9, 0)):
+            diagonal = table.diagonal_buckets(q_len, k_len, offset)
+            assert diagonal.shape == (q_len + k_len - 1,)
+            assert torch.equal(diagonal[relative_index(q_len, k_len)], table.buckets(q_len, k_len, offset))
+            torch.testing.assert_close(dense_bias(table.table(), diagonal, q_len),
+                                       table.compute_bias(q_len, k_len, offset), rtol=0, atol=0)
 
 
 def test_packed_document_mask_is_built_once_for_every_layer(monkeypatch):
@@ -249,13 +359,14 @@ def test_a_mask_built_under_fake_tensors_is_not_kept_for_a_real_step():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu on a GPU machine)")
-def test_on_cuda_compiled_flex_matches_the_dense_path_in_bf16_and_compiles_once():
-    """The recipe's shapes in miniature (encoder 512, ragged decoder 114): compiled flex against the dense
-    path under bf16 autocast; logits within bf16's resolution of the scores, every gradient (the tables'
-    included) close, and a second step compiles nothing."""
+def test_on_cuda_compiled_flex_matches_the_dense_path_in_bf16_and_compiles_once(fresh_guard):
+    """The MT5 recipe's attention (mT5-base's 12 heads of 64, encoder 512, ragged decoder 114) in a two-layer
+    model: compiled flex (not its dense fallback) against the dense path under bf16 autocast; logits within
+    bf16's resolution of the scores, every gradient (the tables' included) close, and a second step
+    compiles nothing."""
     from torch._dynamo.utils import counters
 
-    model = MT5Model(dict(vocab_size=256, hidden_size=128, hidden_layers=2, num_attention_heads=4, head_size=32,
+    model = MT5Model(dict(vocab_size=256, hidden_size=128, hidden_layers=2, num_attention_heads=12, head_size=64,
                           intermediate_size=256, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0)).cuda()
     enc, dec = torch.randint(0, 256, (4, 512), device="cuda"), torch.randint(0, 256, (4, 114), device="cuda")
@@ -273,6 +384,8 @@ def test_on_cuda_compiled_flex_matches_the_dense_path_in_bf16_and_compiles_once(
         if backend in results:  # the second flex step: nothing new compiled
             assert counters["stats"]["unique_graphs"] == frames
         results[backend] = (logits.float().detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
+    # The compiled kernels ran: a fallback would compare the dense path with itself.
+    assert not flex_module._flex_or_dense.fell_back and fresh_guard == [], fresh_guard
     flex, dense = results["flex"], results["dense"]
     torch.testing.assert_close(flex[0], dense[0], rtol=2e-2, atol=2e-2)
     for name, grad in dense[1].items():

@@ -59,12 +59,13 @@ def _padded_batch(batch=3, enc_len=20, dec_len=12):
 # ------------------------------------------------------------------ Hugging Face weights -> ours
 
 
-def _hf_model(model_type):
+def _hf_model(model_type, **sizes):
     from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
     kw = dict(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HEAD_SIZE, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0
     )
+    kw.update(sizes)
     if model_type == "t5":
         hf = T5ForConditionalGeneration(T5Config(feed_forward_proj="relu", **kw))
     else:
@@ -101,6 +102,31 @@ def test_logits_match_hugging_face_with_padding_in_encoder_and_decoder(model_typ
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # The batch's padding matters, so the masks above were really exercised.
     assert (unmasked - expected).abs().max() > 1e-2
+
+
+def test_logits_match_hugging_face_at_mt5_attention_shapes_through_flex_and_dense():
+    """mT5's 12 heads of 64, an encoder past max_distance 128 and the recipe's ragged 114-token decoder:
+    FlexAttention (eager here, as the GPU's compiled kernel computes it) and the dense path give Hugging
+    Face's logits."""
+    from libai_lite.layers.flex_attention import attention_backend
+
+    hf = _hf_model("mt5", d_kv=64, num_heads=12, num_layers=1)
+    cfg = tiny("mt5", head_size=64, num_attention_heads=12, hidden_layers=1)
+    ours = MT5Model(cfg).eval()
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), strict=True)
+    with torch.no_grad():  # a bias large enough to matter at every distance
+        for name, p in hf.named_parameters():
+            if "relative_attention_bias" in name:
+                p.normal_(0.0, 2.0)
+        ours.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), strict=True)
+    enc, dec, enc_mask, dec_mask = _padded_batch(batch=3, enc_len=200, dec_len=114)
+    with torch.no_grad():
+        expected = hf(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec,
+                      decoder_attention_mask=dec_mask).logits
+        for backend in ("flex", "dense"):
+            with attention_backend(backend):
+                torch.testing.assert_close(ours(enc, dec, enc_mask, dec_mask), expected, atol=1e-5, rtol=1e-5,
+                                           msg=backend)
 
 
 def test_relative_position_buckets_match_hugging_face():

@@ -71,6 +71,33 @@ def bucket_map(query_length: int, key_length: int, query_offset: int = 0, *, bid
     return _cached_buckets(*args)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_diagonals(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device):
+    with torch.inference_mode(False):
+        return _diagonals(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device)
+
+
+def _diagonals(query_length, key_length, query_offset, bidirectional, num_buckets, max_distance, device):
+    relative = torch.arange(query_length + key_length - 1, dtype=torch.long, device=device) - (
+        query_length - 1 + query_offset)
+    return relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+
+
+def diagonal_buckets(query_length: int, key_length: int, query_offset: int = 0, *, bidirectional: bool = True,
+                     num_buckets: int = 32, max_distance: int = 128, device=None) -> torch.Tensor:
+    """Bucket ``[query_length + key_length - 1]`` of each key-minus-query diagonal, queries at ``query_offset ..``.
+
+    T5's bias depends on ``key - query`` only, so ``bucket_map(...)[q, k]`` is
+    ``diagonal_buckets(...)[k - q + query_length - 1]``: attention reads the bias of a (query, key) pair at
+    that offset (``libai_lite.layers.flex_attention.relative_index``). Kept per shape, as ``bucket_map``.
+    """
+    args = (int(query_length), int(key_length), int(query_offset), bool(bidirectional), int(num_buckets),
+            int(max_distance), torch.device(device if device is not None else "cpu"))
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return _diagonals(*args)
+    return _cached_diagonals(*args)
+
+
 class RelativePositionBias(Embedding):
     """The ``[num_buckets, num_heads]`` table of one T5 stack and the score bias it yields.
 
@@ -115,9 +142,16 @@ class RelativePositionBias(Embedding):
         return bucket_map(query_length, key_length, query_offset, bidirectional=self.bidirectional,
                           num_buckets=self.num_embeddings, max_distance=self.max_distance, device=self.weight.device)
 
+    def diagonal_buckets(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """This table's ``diagonal_buckets`` ``[query_length + key_length - 1]`` (kept per shape)."""
+        return diagonal_buckets(query_length, key_length, query_offset, bidirectional=self.bidirectional,
+                                num_buckets=self.num_embeddings, max_distance=self.max_distance,
+                                device=self.weight.device)
+
     def table(self) -> torch.Tensor:
         """The table ``[num_buckets, heads]`` (this rank's heads under tensor parallelism) as attention
-        reads it: ``table()[buckets(q, k)]`` is ``compute_bias``'s bias, and its gradient reaches the weight."""
+        reads it: ``table()[buckets(q, k)]`` (or ``table()[diagonal_buckets(q, k)]`` at ``relative_index(q, k)``)
+        is ``compute_bias``'s bias, and its gradient reaches the weight."""
         ids = torch.arange(self.num_embeddings, device=self.weight.device)
         # Through the module, as compute_bias, so a tensor-parallel plan's hooks apply.
         return self(ids)

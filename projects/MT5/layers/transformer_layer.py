@@ -9,7 +9,7 @@ from libai_lite.layers import MLP, MoEConfig, MoELayer, MultiheadAttention, RMSL
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.init_methods import InitMethod
 
-from .relative_position import RelativePositionBias, bucket_map
+from .relative_position import RelativePositionBias, diagonal_buckets
 
 # model_type -> (activation, gated): T5 v1.0 uses ReLU, T5 v1.1 / mT5 gated-GELU ("gelu_new").
 FEED_FORWARD = {"t5": ("relu", False), "mt5": ("gelu_tanh", True)}
@@ -164,8 +164,8 @@ class MT5TransformerLayer(nn.Module):
                 for all layers) says everything, causality included.
             position_bias: the stack's relative bias table ``[num_buckets, heads]`` as its first layer
                 returns it (``RelativePositionBias.table()``: this rank's heads), which this layer indexes
-                by the (cached) bucket map; or a dense ``[1, heads, seq, seq]`` bias. Ignored (and
-                recomputed) by the layer that owns the table.
+                by the (cached) bucket of each key-minus-query diagonal; or a dense ``[1, heads, seq, seq]``
+                bias. Ignored (and recomputed) by the layer that owns the table.
             encoder_states: encoder output ``[batch, enc_seq, hidden]`` (decoder only).
             encoder_attention_mask: cross-attention mask over the encoder positions (or an ``AttentionMask``).
             kv_cache, cross_kv_cache: incremental decoding (see ``MultiheadAttention``): the
@@ -184,9 +184,9 @@ class MT5TransformerLayer(nn.Module):
             )
         bias = {"position_bias": position_bias}
         if position_bias.dim() == 2:
-            # The table goes to attention with the bucket of every (query, key) pair: flex adds it in its
-            # kernel, the dense path gathers the [1, heads, q, k] bias from it.
-            buckets = bucket_map(seq, past + seq, past, device=position_bias.device, **self.bucket_args)
+            # The table goes to attention with the bucket of every key-minus-query diagonal: flex reads the
+            # [diagonals, heads] bias by kv_idx - q_idx in its kernel, the dense path gathers [1, heads, q, k].
+            buckets = diagonal_buckets(seq, past + seq, past, device=position_bias.device, **self.bucket_args)
             bias = {"score_table": position_bias, "score_buckets": buckets}
 
         normed = self.input_layernorm(hidden_states)

@@ -1,0 +1,167 @@
+"""A fast path that falls back to a plain one when it fails at first use, instead of ending the run.
+
+GPU-only code (compiled kernels, Triton templates, vendor fused ops) mostly fails where it is first
+used: a compile error, a kernel that needs more shared memory than this GPU has, no kernel for this
+GPU or dtype. ``FastPath`` runs such a function through a *probe* the first time it meets each
+signature (shapes, dtypes, grad mode): the function runs forward, and backward when gradients are
+wanted, on detached inputs, so a failure of either surfaces inside the call rather than in a later
+``loss.backward()``. A probe that fails logs one warning line naming the path and the error, and that
+signature, and every signature not yet proven, run the plain function from then on; the failing
+function is not tried again. A signature that has passed its probe keeps the fast path for the rest of
+the run, and a later failure there is raised: it is a bug, not a missing kernel, and switching
+numerics silently would hide it.
+
+Usage::
+
+    attend = FastPath("FlexAttention", compiled_attend, dense_attend)
+    out = attend(query, key, value, bias)      # both functions take the same arguments
+
+``signature(*args, **kwargs)`` (default ``signature_of``) says which calls share a compiled kernel;
+a finer signature only costs an extra probe. ``probe`` replaces the default forward+backward probe
+(``probe(fn, args, kwargs)``), or ``probe=None`` skips it (then only a forward failure of the first
+call is caught). With ``probe=None``, ``first_call`` (a context-manager factory) is entered around each
+first use, e.g. to make ``torch.compile`` build the backward kernels in that call, and ``first_uses``
+calls of a signature run guarded before it is proven (CUDA graphs record on a later call than the
+first). ``describe(*args, **kwargs)`` names the failing call in the warning (e.g. its shapes). Under
+``torch.compile`` tracing or on fake tensors the fast function is called as is.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Hashable, Optional
+
+import torch
+
+logger = logging.getLogger("libai_lite")
+
+_DEFAULT = object()
+
+
+def _meta(x: Any) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, x.requires_grad)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (tuple, list)):
+        return tuple(_meta(v) for v in x)
+    return type(x).__qualname__
+
+
+def signature_of(*args, **kwargs) -> Hashable:
+    """Shapes, strides, dtypes, devices and ``requires_grad`` of the tensor arguments, plain values as
+    they are, other objects by type, and whether autograd records: what a compiled kernel is keyed by."""
+    return (torch.is_grad_enabled(), tuple(_meta(a) for a in args),
+            tuple(sorted((k, _meta(v)) for k, v in kwargs.items())))
+
+
+def forward_backward_probe(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Run ``fn`` on detached copies (views, no data copied) of the top-level tensor arguments, then,
+    if autograd records and any output needs a gradient, its backward into those copies only (no
+    parameter's ``.grad`` is touched)."""
+    leaves = []
+
+    def detach(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = x.detach()
+        if x.requires_grad and torch.is_grad_enabled():
+            y.requires_grad_(True)
+            leaves.append(y)
+        return y
+
+    out = fn(*[detach(a) for a in args], **{k: detach(v) for k, v in kwargs.items()})
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves and outs:
+        torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters; a first line ending in ``:``
+    (dynamo's ``backend='...' raised:``) is joined with the next, which holds the reason."""
+    text = [t.strip() for t in str(exc).strip().splitlines() if t.strip()]
+    while len(text) > 1 and text[0].endswith(":"):
+        text[:2] = [f"{text[0]} {text[1]}"]
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _is_memory_error(exc: BaseException) -> bool:
+    # The device allocator running out is not the fast path's fault; Triton's "out of resource"
+    # (shared memory, registers) is, and torch raises it with the same type in places.
+    return isinstance(exc, torch.OutOfMemoryError) and "out of resource" not in str(exc)
+
+
+def _tracing(args, kwargs) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if torch.compiler.is_compiling():
+        return True
+    return any(isinstance(t, torch.Tensor) and is_fake(t) for t in (*args, *kwargs.values()))
+
+
+@contextlib.contextmanager
+def _outside_callers_hooks():
+    """The probe's own graph is not part of the caller's step: hide it from the caller's dispatch modes
+    (selective activation checkpointing, op counters) and saved-tensor hooks (activation checkpointing)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        yield
+
+
+class FastPath:
+    """``fast_fn`` where it works, ``plain_fn`` (same arguments, same result up to rounding) where it
+    failed at first use; see the module docstring. ``fallback_reason`` holds the one-line error of the
+    first failure (None while none)."""
+
+    def __init__(self, name: str, fast_fn: Callable, plain_fn: Callable, *,
+                 signature: Optional[Callable[..., Hashable]] = None,
+                 probe: Optional[Callable] = _DEFAULT, plain_name: str = "the plain path",
+                 first_call: Optional[Callable[[], contextlib.AbstractContextManager]] = None, first_uses: int = 1,
+                 describe: Optional[Callable[..., str]] = None):
+        self.name, self.fast_fn, self.plain_fn, self.plain_name = name, fast_fn, plain_fn, plain_name
+        self.describe = describe
+        self.signature = signature or signature_of
+        self.probe = forward_backward_probe if probe is _DEFAULT else probe
+        self.first_call, self.first_uses = first_call or contextlib.nullcontext, first_uses
+        self.fallback_reason: Optional[str] = None
+        self._proven: Dict[Hashable, int] = {}  # successful guarded calls per signature
+
+    def __call__(self, *args, **kwargs):
+        if _tracing(args, kwargs):
+            return self.fast_fn(*args, **kwargs)
+        key = self.signature(*args, **kwargs)
+        if self._proven.get(key, 0) >= self.first_uses:
+            return self.fast_fn(*args, **kwargs)
+        if self.fallback_reason is not None:
+            return self.plain_fn(*args, **kwargs)
+        try:
+            if self.probe is None:
+                with self.first_call():
+                    out = self.fast_fn(*args, **kwargs)
+            else:
+                with _outside_callers_hooks():
+                    self.probe(self.fast_fn, args, kwargs)
+                out = None
+        except Exception as exc:  # noqa: BLE001 - whatever the fast path raises at first use, the plain path runs
+            if _is_memory_error(exc):
+                raise
+            self.fallback_reason = one_line(exc)
+            what = self.name if self.describe is None else f"{self.name} ({self.describe(*args, **kwargs)})"
+            logger.warning(f"{what} failed at its first use ({self.fallback_reason}); {self.plain_name} runs "
+                           f"from here on")
+            return self.plain_fn(*args, **kwargs)
+        self._proven[key] = self._proven.get(key, 0) + 1
+        return self.fast_fn(*args, **kwargs) if out is None else out
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether the fast path failed at a first use (new signatures then run the plain path)."""
+        return self.fallback_reason is not None
+
+    def reset(self) -> None:
+        """Forget every probe and failure (tests; a new run in the same process)."""
+        self.fallback_reason = None
+        self._proven.clear()
