@@ -20,7 +20,7 @@ import torch
 from .gpt_dataset import GPTDataset, check_token_ids, index_stem, num_epochs_needed, token_id_range
 from .index_budget import Progress, available_memory, check_index_budget
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
-from .packing import check_packing_options, wrap_packed_documents
+from .packing import check_eod_token_id, check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
@@ -228,11 +228,14 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
                                num_epochs_needed(tokens, seq_length, nums[i]), f"{stem}_sample_idx.npy", warn=False)
     if vocab_size is not None:
         # Before any index is cached: refused data must leave nothing behind.
-        token_id_range(indexed, data_prefix, cache_dir, vocab_size=vocab_size)
+        token_id_range(indexed, data_prefix, vocab_size=vocab_size)
     out = []
+    shares = parse_splits_string(splits_string)
     for i, name in enumerate(SPLIT_NAMES):
         documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
-        if nums[i] == 0:
+        # A valid or test split given no share ("99,1,0") is not built, as in Megatron-LM and LiBai:
+        # its evaluation is skipped.
+        if nums[i] == 0 or (i > 0 and shares[i] == 0):
             out.append(None)
         elif documents.size == 0:
             raise UsageError(
@@ -309,6 +312,7 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
                    eod_mask_loss=eod_mask_loss)
     # Refused before any index is built, so a bad config leaves nothing behind.
     check_packing_options(eod_token_id, **packing)
+    check_eod_token_id(eod_token_id, vocab_size)
     datasets = build_gpt_train_valid_test_datasets(
         data_prefix, splits_string, nums, seq_length, seed, cache_dir, vocab_size=vocab_size,
         split_rounding=split_rounding)

@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from .index_budget import Progress, check_index_budget
-from .index_cache import (_atomic_write, _build_on_rank0, _load_json, _load_npy, cache_stem,
-                          index_stem)
+from .index_cache import _atomic_write, _build_on_rank0, _load_json, _load_npy, array_checksum, files_state, index_stem
 from .indexed_dataset import MMapIndexedDataset
 from ..utils.errors import UsageError
 
@@ -44,7 +43,6 @@ IGNORE_INDEX = -100
 # Bump when the meaning of the cached arrays changes, so stale caches are rebuilt, not trusted.
 _INDEX_FORMAT = "libai_lite-gpt-indexmap-v2"
 _SAMPLE_IDX_CHUNK = 1 << 22
-_TOKEN_SCAN_CHUNK = 1 << 26
 _INDEX_KINDS = ("doc", "sample", "shuffle")
 
 
@@ -128,42 +126,29 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 
 
 # ----------------------------------------------------------------------------------------------
-# Cache files: atomic writes, built by rank 0, memory-mapped by everyone (index_cache.py); the
-# token id range of a corpus
+# The token ids of a corpus, checked at start-up at a bounded cost
 # ----------------------------------------------------------------------------------------------
 def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None,
                    vocab_size: int | None = None) -> tuple:
-    """``(min_token_id, max_token_id)`` over the whole indexed dataset, cached in a small JSON.
+    """``(min_token_id, max_token_id)`` of the tokens checked at start-up: every token of a ``.bin`` of up
+    to ``SAMPLE_BYTES`` (16 MiB), else that many bytes in ``SAMPLE_RUNS`` runs spread evenly over it
+    (``MMapIndexedDataset.token_range``), so the cost does not grow with the corpus.
 
-    Scanning every token is O(corpus), so rank 0 does it once and keeps it in
-    ``{prefix}_token_range.json``, trusted while the token and sequence counts still match the data.
-    With ``vocab_size``, ids outside ``[0, vocab_size)`` raise a UsageError before anything is
-    cached, so refused data leaves no file behind.
+    Values that are not integers (a float dtype byte) are refused; with ``vocab_size``, ids outside
+    ``[0, vocab_size)`` raise a UsageError. Nothing is written: ``cache_dir`` is accepted for the callers of
+    the earlier, cached full scan.
     """
-    path = cache_stem(data_prefix, cache_dir) + "_token_range.json"
-    sizes = np.asarray(indexed_dataset.sizes)
-    expect = {"num_sequences": int(len(sizes)), "num_tokens": int(sizes.sum(dtype=np.int64))}
-
-    def valid() -> bool:
-        cached = _load_json(path)
-        return cached is not None and all(cached.get(k) == v for k, v in expect.items())
-
-    def build() -> None:
-        start = time.perf_counter()
+    if isinstance(indexed_dataset, MMapIndexedDataset):
+        if indexed_dataset.dtype.kind not in "iu":
+            raise UsageError(f"{data_prefix}.idx says its tokens are {indexed_dataset.dtype.name}: token ids are "
+                             f"integers, so its dtype byte is wrong or it is not a token corpus; re-run "
+                             f"tools/preprocess_data.py for this prefix")
+        lo, hi, _ = indexed_dataset.token_range()
+    else:
         lo, hi = _scan_token_range(indexed_dataset)
-        if vocab_size is not None:
-            check_id_range(data_prefix, lo, hi, vocab_size)
-        _atomic_write(path, {**expect, "min_token_id": lo, "max_token_id": hi})
-        logger.info(f"scanned {expect['num_tokens']} tokens of {data_prefix} for their id range "
-                    f"in {time.perf_counter() - start:.1f}s")
-
-    # One JSON file written atomically: readers see all of it or none, and a refused corpus
-    # (ids beyond the vocabulary) leaves no lock file behind.
-    _build_on_rank0(valid, build, path, lock=False)
-    cached = _load_json(path)
     if vocab_size is not None:
-        check_id_range(data_prefix, cached["min_token_id"], cached["max_token_id"], vocab_size)
-    return cached["min_token_id"], cached["max_token_id"]
+        check_id_range(data_prefix, lo, hi, vocab_size)
+    return lo, hi
 
 
 def check_id_range(data_prefix: str, lo, hi, vocab_size: int) -> None:
@@ -175,17 +160,10 @@ def check_id_range(data_prefix: str, lo, hi, vocab_size: int) -> None:
 
 
 def _scan_token_range(ds) -> tuple:
-    """``(min, max)`` token id of an indexed dataset; ``(None, None)`` when it holds no tokens."""
-    sizes = np.asarray(ds.sizes, dtype=np.int64)
-    total, step = int(sizes.sum()), 1 << 14
-    if isinstance(ds, MMapIndexedDataset) and total and (
-            int(ds.pointers[-1] - ds.pointers[0]) == (total - sizes[-1]) * ds.dtype.itemsize):
-        # Megatron writes sequences back to back, so the tokens are one run of the `.bin`: scan it
-        # in big chunks instead of one numpy call per sequence.
-        flat = ds._tokens(ds.pointers[0], total)
-        chunks = (flat[a:a + _TOKEN_SCAN_CHUNK] for a in range(0, total, _TOKEN_SCAN_CHUNK))
-    else:
-        chunks = (np.concatenate(ds[a:a + step]) for a in range(0, len(sizes), step))
+    """``(min, max)`` token id of any indexed dataset (``sizes`` and contiguous slices), reading every token;
+    ``(None, None)`` when it holds no tokens."""
+    sizes, step = np.asarray(ds.sizes, dtype=np.int64), 1 << 14
+    chunks = (np.concatenate(ds[a:a + step]) for a in range(0, len(sizes), step))
     bounds = [f(chunk) for chunk in chunks if chunk.size for f in (np.min, np.max)]
     return (int(min(bounds)), int(max(bounds))) if bounds else (None, None)
 
@@ -199,9 +177,9 @@ class GPTDataset(torch.utils.data.Dataset):
     ``dataset[i]`` is ``{"input_ids": LongTensor[seq_length], "labels": LongTensor[seq_length]}``:
     the ``seq_length + 1`` tokens of sample ``shuffle_idx[i]`` split as ``tokens[:-1]`` and
     ``tokens[1:]``. ``len(dataset)`` covers whole epochs, so it is at least ``num_samples``.
-    ``max_token_id`` / ``min_token_id`` describe the whole indexed dataset, so the caller can
-    refuse ids beyond the vocabulary (see ``check_token_ids``). A document made of several
-    sequences (sentence-split corpora) is read as their concatenation.
+    ``max_token_id`` / ``min_token_id`` describe the tokens of the indexed dataset checked at start-up
+    (``token_id_range``), so the caller can refuse ids beyond the vocabulary (see ``check_token_ids``).
+    A document made of several sequences (sentence-split corpora) is read as their concatenation.
     """
 
     def __init__(self, name: str, indexed_dataset, documents, num_samples: int, seq_length: int,
@@ -230,12 +208,13 @@ class GPTDataset(torch.utils.data.Dataset):
                                                        self.num_samples, self.num_epochs)
         stem = index_stem(self.data_prefix, cache_dir, self.name, self.num_samples, self.seq_length, self.seed)
         self.index_paths = {kind: f"{stem}_{kind}_idx.npy" for kind in _INDEX_KINDS} | {"desc": f"{stem}_desc.json"}
+        self._checked = None  # (files_state, problem) of the last cache check
         if not self._cache_valid():
             # Every rank, before rank 0 builds: arrays the machine cannot hold are one line, not numpy's error.
             check_index_budget(self.name, self.data_prefix, self.num_samples, self.seq_length, self.tokens_per_epoch,
                                int(documents.size), self.num_epochs, self.index_paths["sample"])
         _build_on_rank0(self._cache_valid, self._build_indices, self.index_paths["sample"], self._open_indices)
-        self.min_token_id, self.max_token_id = token_id_range(indexed_dataset, self.data_prefix, cache_dir)
+        self.min_token_id, self.max_token_id = token_id_range(indexed_dataset, self.data_prefix)
 
     # -- index files -------------------------------------------------------------------------
     def _description(self) -> dict:
@@ -254,26 +233,57 @@ class GPTDataset(torch.utils.data.Dataset):
         return self._cache_problem() is None
 
     def _cache_problem(self) -> str | None:
-        """Why the cached arrays cannot be used (None when they can)."""
+        """Why the cached arrays cannot be used (None when they can); checked again only when the files change."""
+        state = files_state(self.index_paths.values())
+        if self._checked is None or self._checked[0] != state:
+            self._checked = (state, self._find_cache_problem())
+        return self._checked[1]
+
+    def _find_cache_problem(self) -> str | None:
+        """Checks the cache against this split: its description, then each array's shape, dtype and range
+        of values, then the checksums written with the arrays.
+
+        Without a description the files came from elsewhere (e.g. Megatron-LM itself, which uses the
+        same names): they are accepted when their shapes and ranges fit this split.
+        """
         paths = self.index_paths
         desc = _load_json(paths["desc"])
-        # Without a description the files came from elsewhere (e.g. Megatron-LM itself, which uses
-        # the same names): accept them when their shapes fit this split.
+        checksums = desc.pop("checksums", None) if isinstance(desc, dict) else None
         if desc is not None and desc != self._description():
             return f"{paths['desc']} describes other data or parameters"
         if desc is None and os.path.exists(paths["desc"]):
             return f"{paths['desc']} is unreadable"
         total = (self.num_epochs * self.tokens_per_epoch - 1) // self.seq_length
         shapes = {"doc": (self.num_epochs * self.documents.size,), "sample": (total + 1, 2), "shuffle": (total,)}
+        arrays = {}
         for kind, shape in shapes.items():
             if not os.path.exists(paths[kind]):
                 return f"{paths[kind]} is missing"
             try:
-                found = _load_npy(paths[kind]).shape
+                arrays[kind] = _load_npy(paths[kind])
             except (OSError, ValueError) as e:
                 return f"{paths[kind]} is unreadable ({e})"
-            if found != shape:
-                return f"{paths[kind]} has shape {found}, expected {shape}"
+            if arrays[kind].shape != shape:
+                return f"{paths[kind]} has shape {arrays[kind].shape}, expected {shape}"
+            if arrays[kind].dtype.kind not in "iu":
+                return f"{paths[kind]} holds {arrays[kind].dtype} values, not indices"
+        longest = int(self.indexed_dataset.document_sizes()[self.documents].max())
+        # (array, what, lowest, highest allowed): the values Megatron's construction can give for this split.
+        ranges = ((arrays["doc"], "document", int(self.documents.min()), int(self.documents.max())),
+                  (arrays["sample"][:, 0], "position in the document index", 0, shapes["doc"][0] - 1),
+                  (arrays["sample"][:, 1], "token offset", 0, longest - 1),
+                  (arrays["shuffle"], "sample", 0, total - 1))
+        for (array, what, lo, hi), kind in zip(ranges, ("doc", "sample", "sample", "shuffle")):
+            low, high = int(array.min()), int(array.max())
+            if low < lo or high > hi:
+                return (f"{paths[kind]} holds {what} {high if high > hi else low}, outside [{lo}, {hi}] for this "
+                        f"split")
+        if arrays["sample"][0].tolist() != [0, 0]:
+            return f"{paths['sample']} does not start at the first token of the split's stream"
+        if checksums is not None:
+            for kind, array in arrays.items():
+                if not isinstance(checksums, dict) or checksums.get(kind) != array_checksum(array):
+                    return f"{paths[kind]} does not match the checksum written with it (changed since it was built)"
         return None
 
     def _build_indices(self) -> None:
@@ -297,9 +307,11 @@ class GPTDataset(torch.utils.data.Dataset):
         total = sample_idx.shape[0] - 1
         first = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length
         shuffle_idx = build_shuffle_idx(first if self.separate_last_epoch else total, total, rng)
-        for kind, array in zip(_INDEX_KINDS, (doc_idx, sample_idx, shuffle_idx)):
+        arrays = dict(zip(_INDEX_KINDS, (doc_idx, sample_idx, shuffle_idx)))
+        for kind, array in arrays.items():
             _atomic_write(paths[kind], array)
-        _atomic_write(paths["desc"], self._description())
+        checksums = {kind: array_checksum(array) for kind, array in arrays.items()}
+        _atomic_write(paths["desc"], {**self._description(), "checksums": checksums})
         logger.info(f"built {self.name} indices for {self.data_prefix}: {total} samples of "
                     f"{self.seq_length} tokens over {self.num_epochs} epoch(s) "
                     f"(separate last epoch: {self.separate_last_epoch}) in {time.perf_counter() - start:.2f}s")

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -43,6 +44,25 @@ def _load_npy(path: str) -> np.ndarray:
     except ValueError:
         # An empty array cannot be memory-mapped; it is also too small to matter.
         return np.load(path, allow_pickle=False)
+
+
+def array_checksum(array: np.ndarray) -> str:
+    """CRC-32 (``zlib.crc32``, the checkpoints' checksum) of an array's bytes, as 8 hex digits."""
+    return f"{zlib.crc32(memoryview(np.ascontiguousarray(array)).cast('B')):08x}"
+
+
+def files_state(paths) -> tuple:
+    """What identifies the current version of each file (inode, size, modification time; None when missing),
+    so a check of unchanged files need not be repeated."""
+    state = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            state.append(None)
+        else:
+            state.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(state)
 
 
 def _dir_writable(directory: str) -> bool:

@@ -32,10 +32,57 @@ _CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 _RERUN = "re-run tools/preprocess_data.py for this prefix"
 # Sequences checked per numpy call at open: bounded scratch memory for corpora of any size.
 _CHECK_CHUNK = 1 << 22
+# Bytes of the .bin whose token ids are read at start-up (all of a smaller .bin), in this many runs.
+SAMPLE_BYTES = 16 << 20
+SAMPLE_RUNS = 64
 
 
 class IndexedDatasetError(UsageError):
     """A `.bin/.idx` pair is missing, truncated or not in Megatron's mmap format."""
+
+
+_WIDTHS = {np.dtype(t).itemsize for t in DTYPES.values()}
+
+
+def _bytes(n: int) -> str:
+    return f"{n} byte" + ("s" if n != 1 else "")
+
+
+def _arrays(idx_path: str, n_seq: int, n_doc: int) -> tuple:
+    """``(sizes, pointers, doc_idx)`` of an index whose header counts are ``n_seq`` and ``n_doc`` (memory-mapped)."""
+    buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=_HEADER.size)
+    pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=_HEADER.size + n_seq * 4)
+    doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=_HEADER.size + n_seq * 12)
+    return sizes, pointers, doc_idx
+
+
+def _consistent(idx_path: str, n_seq: int, n_doc: int, item: int) -> bool:
+    """Whether the file read with these counts looks like Megatron's arrays (their first and last entries)."""
+    sizes, pointers, doc_idx = _arrays(idx_path, n_seq, n_doc)
+    if not n_doc or doc_idx[0] != 0 or doc_idx[-1] != n_seq or (n_seq and pointers[0] != 0):
+        return False
+    return n_seq < 2 or int(pointers[1]) == int(sizes[0]) * item
+
+
+def _count_error(idx_path: str, size: int, n_seq: int, n_doc: int, item: int) -> IndexedDatasetError:
+    """The error for an index whose size disagrees with its header: a corrupt count when the file reads
+    consistently with another value of it, else a truncated file or bytes after the arrays."""
+    body = size - _HEADER.size
+    for what, other, per, rest in (("sequence count", n_seq, 12, body - 8 * n_doc),
+                                   ("document count", n_doc, 8, body - 12 * n_seq)):
+        fits = rest // per if rest >= 0 and rest % per == 0 else None
+        if fits is not None and fits != other and _consistent(
+                idx_path, *((fits, n_doc) if per == 12 else (n_seq, fits)), item):
+            return IndexedDatasetError(f"{idx_path} is corrupt: the {what} in its header is {other}, but the file "
+                                       f"holds {fits} (its size and arrays agree on that): {_RERUN}")
+    need = _HEADER.size + n_seq * 12 + n_doc * 8
+    if size < need:
+        return IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, {need} expected for {n_seq} "
+                                   f"sequences): {_RERUN}")
+    return IndexedDatasetError(f"{idx_path} has {size - need} bytes after the arrays its header describes ({need} "
+                               f"expected for {n_seq} sequences and {n_doc} document index entries): it is corrupt "
+                               f"or not a plain Megatron index; {_RERUN}")
 
 
 def best_fitting_dtype(vocab_size: int | None = None):
@@ -84,39 +131,101 @@ class MMapIndexedDataset:
                 f"{idx_path} is a fairseq data-bin index (dict.txt beside it, no document index); convert it: "
                 f"python tools/preprocess_data.py --input {folder} --output-prefix PREFIX --tokenizer-type ... "
                 f"--append-eod (docs/migrating.md)")
-        if size < need:
-            raise IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, {need} expected for {n_seq} "
-                                      f"sequences): {_RERUN}")
-        buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=_HEADER.size)
-        self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=_HEADER.size + n_seq * 4)
-        self.doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=_HEADER.size + n_seq * 12)
+        if size != need:
+            raise _count_error(idx_path, size, n_seq, n_doc, self.dtype.itemsize)
+        self.sizes, self.pointers, self.doc_idx = _arrays(idx_path, n_seq, n_doc)
 
     def _check_index(self, idx_path: str, bin_path: str, bin_bytes: int) -> None:
-        """Refuse an index that does not describe its ``.bin``, at start and in O(sequences).
+        """Refuse an index that does not describe its ``.bin`` exactly, at open and in O(sequences).
 
-        Found here, a corrupt index costs one line; found by the loader, it fails hours into a
-        run at whichever sample first reads past the data.
+        Megatron writes the sequences back to back, so the pointers must step by each size times the
+        dtype's width and the ``.bin`` hold exactly the tokens the index counts. Found here, a
+        corrupt or mismatched index costs one line; found by the loader, it trains on wrong tokens
+        or fails hours into a run.
         """
         n, item = len(self.sizes), self.dtype.itemsize
-        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * item if n else 0
+        tokens = 0
+        for lo in range(0, n, _CHECK_CHUNK):
+            sizes = self.sizes[lo:lo + _CHECK_CHUNK]
+            bad = np.flatnonzero(sizes < 0)
+            if bad.size:
+                i = lo + int(bad[0])
+                raise IndexedDatasetError(f"{idx_path} is corrupt: sequence {i} has size {int(self.sizes[i])}: "
+                                          f"{_RERUN}")
+            tokens += int(sizes.sum(dtype=np.int64))
+        before_last = tokens - int(self.sizes[-1]) if n else 0
+        if before_last > 0 and int(self.pointers[0]) == 0:
+            # Pointers stepping by another width than the dtype byte says, with a .bin of that width:
+            # the dtype byte is what is wrong (a uint16 corpus read as uint8 would train on bytes).
+            stride, rest = divmod(int(self.pointers[-1]), before_last)
+            if not rest and stride != item and stride in _WIDTHS and bin_bytes == tokens * stride:
+                raise self._dtype_error(idx_path, bin_path, stride, tokens)
+        end = 0
+        for lo in range(0, n, _CHECK_CHUNK):
+            steps = self.sizes[lo:lo + _CHECK_CHUNK].astype(np.int64) * item
+            pointers = self.pointers[lo:lo + _CHECK_CHUNK]
+            starts = np.cumsum(steps) - steps + end
+            bad = np.flatnonzero(pointers != starts)
+            if bad.size:
+                i, at = lo + int(bad[0]), int(starts[bad[0]])
+                size, pointer = int(self.sizes[i]), int(self.pointers[i])
+                if pointer < 0 or pointer + size * item > bin_bytes:
+                    raise IndexedDatasetError(
+                        f"{idx_path} is corrupt: sequence {i} (size {size}, byte offset {pointer}) lies outside "
+                        f"{bin_path} ({bin_bytes} bytes): {_RERUN}")
+                after = (f"sequence {i - 1} (size {int(self.sizes[i - 1])}) ends at byte {at}" if i
+                         else "the first sequence starts at byte 0")
+                raise IndexedDatasetError(
+                    f"{idx_path} is corrupt: sequence {i} starts at byte {pointer} of {bin_path}, but {after} "
+                    f"(Megatron writes the sequences back to back, so a size or an offset was changed): {_RERUN}")
+            end = int(starts[-1] + steps[-1]) if steps.size else end
+        expected = tokens * item
         if bin_bytes < expected:
             raise IndexedDatasetError(f"{bin_path} is truncated ({bin_bytes} bytes, its index needs {expected}): "
                                       f"{_RERUN}")
-        for lo in range(0, n, _CHECK_CHUNK):
-            sizes = self.sizes[lo:lo + _CHECK_CHUNK].astype(np.int64)
-            pointers = self.pointers[lo:lo + _CHECK_CHUNK]
-            bad = np.flatnonzero((sizes < 0) | (pointers < 0) | (pointers % item != 0)
-                                 | (pointers + sizes * item > bin_bytes))
-            if bad.size:
-                i = lo + int(bad[0])
-                raise IndexedDatasetError(
-                    f"{idx_path} is corrupt: sequence {i} (size {int(self.sizes[i])}, byte offset "
-                    f"{int(self.pointers[i])}) lies outside {bin_path} ({bin_bytes} bytes): {_RERUN}")
+        if bin_bytes > expected:
+            if tokens and bin_bytes % tokens == 0 and bin_bytes // tokens in _WIDTHS:
+                raise self._dtype_error(idx_path, bin_path, bin_bytes // tokens, tokens)
+            raise IndexedDatasetError(
+                f"{bin_path} has {bin_bytes - expected} bytes more than {idx_path} describes ({bin_bytes} bytes, "
+                f"{expected} for its {tokens} {self.dtype.name} tokens): the two files are not from the same "
+                f"preprocessing run, or bytes were appended; {_RERUN}")
         doc = self.doc_idx
-        if len(doc) and (doc[0] != 0 or doc[-1] != n or (len(doc) > 1 and (np.diff(doc) < 0).any())):
+        unordered = any((np.diff(doc[lo:lo + _CHECK_CHUNK + 1]) < 0).any() for lo in range(0, len(doc), _CHECK_CHUNK))
+        if (n and not len(doc)) or (len(doc) and (doc[0] != 0 or doc[-1] != n or unordered)):
             raise IndexedDatasetError(f"{idx_path} is corrupt: its document index is not an increasing list of "
                                       f"sequence numbers from 0 to {n}: {_RERUN}")
+
+    def _dtype_error(self, idx_path: str, bin_path: str, width: int, tokens: int) -> IndexedDatasetError:
+        return IndexedDatasetError(
+            f"{idx_path} says its tokens are {self.dtype.name} ({_bytes(self.dtype.itemsize)} each), but {bin_path} "
+            f"holds {_bytes(width)} for each of its {tokens} tokens: the dtype byte of the index is wrong (or the "
+            f"files are from different runs); {_RERUN}")
+
+    def token_range(self, max_bytes: int | None = None, runs: int | None = None) -> tuple:
+        """``(min, max, exact)`` token id over a bounded part of the ``.bin``: all of it when it holds at
+        most ``max_bytes`` (default ``SAMPLE_BYTES``), else ``runs`` (``SAMPLE_RUNS``) evenly spaced runs of
+        it (the first and last tokens included) that together hold ``max_bytes``; ``exact`` says whether
+        every token was read. ``(None, None, True)`` when there are no tokens.
+
+        The cost is bounded whatever the corpus size, and every region of a large corpus is represented:
+        another tokenizer's or a mis-typed corpus shows ids out of range in every run.
+        """
+        max_bytes = int(SAMPLE_BYTES if max_bytes is None else max_bytes)
+        runs = max(int(SAMPLE_RUNS if runs is None else runs), 1)
+        key = (max_bytes, runs)
+        if getattr(self, "_token_range", (None,))[0] != key:
+            flat = self._bin
+            per_run = max(max_bytes // self.dtype.itemsize // runs, 1)
+            if flat.size <= per_run * runs:
+                parts, exact = [flat], True
+            else:
+                starts = np.linspace(0, flat.size - per_run, runs).astype(np.int64)
+                parts, exact = [flat[a:a + per_run] for a in starts], False
+            bounds = [f(part) for part in parts if part.size for f in (np.min, np.max)]
+            lo, hi = (int(min(bounds)), int(max(bounds))) if bounds else (None, None)
+            self._token_range = (key, (lo, hi, exact))
+        return self._token_range[1]
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -151,10 +260,14 @@ class MMapIndexedDataset:
 
     def document_sizes(self) -> np.ndarray:
         """Tokens per document: the sequence sizes themselves when each document is one sequence."""
-        if len(self.doc_idx) == len(self.sizes) + 1 and np.array_equal(self.doc_idx, np.arange(len(self.doc_idx))):
-            return self.sizes
-        ends = np.concatenate(([0], np.cumsum(self.sizes, dtype=np.int64)))
-        return ends[self.doc_idx[1:]] - ends[self.doc_idx[:-1]]
+        if getattr(self, "_document_sizes", None) is None:  # asked by each split and check: computed once
+            if len(self.doc_idx) == len(self.sizes) + 1 and np.array_equal(self.doc_idx, np.arange(len(self.doc_idx))):
+                self._document_sizes = self.sizes
+            else:
+                ends = np.concatenate(([0], np.cumsum(self.sizes, dtype=np.int64)))
+                self._document_sizes = ends[self.doc_idx[1:]] - ends[self.doc_idx[:-1]]
+                self._document_sizes.flags.writeable = False
+        return self._document_sizes
 
     def get_document(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of document `doc`, whatever sequences it is made of.

@@ -62,6 +62,18 @@ def check_packing_options(eod_token_id: Optional[int], reset_position_ids: bool 
     return True
 
 
+def check_eod_token_id(eod_token_id, vocab_size: Optional[int], key: str = "dataloader.train.eod_token_id") -> None:
+    """Refuse, in one line, an end-of-document id outside the tokenizer's ``vocab_size`` ids: no token of the
+    data can equal it, so ``eod_mask_loss`` would mask nothing and the resets would never reset."""
+    if (vocab_size is None or eod_token_id is None or isinstance(eod_token_id, bool)
+            or not isinstance(eod_token_id, numbers.Integral)):
+        return
+    if not 0 <= eod_token_id < vocab_size:
+        raise UsageError(f"{key}={eod_token_id} is outside the tokenizer's vocabulary of {vocab_size} ids, so no "
+                         f"token can end a document: set it to the id that ends each document in the data (null "
+                         f"takes the tokenizer's eod_id)")
+
+
 def packed_document_fields(input_ids: torch.Tensor, labels: torch.Tensor, eod_token_id: int,
                            reset_position_ids: bool = False, reset_attention_mask: bool = False,
                            eod_mask_loss: bool = False) -> dict:

@@ -240,7 +240,6 @@ def test_index_files_cached_reused_and_named_like_megatron(tmp_path, monkeypatch
         raise AssertionError("index rebuilt although a valid cache exists")
 
     monkeypatch.setattr(gd, "build_sample_idx", must_not_rebuild)
-    monkeypatch.setattr(gd, "_scan_token_range", must_not_rebuild)
     again = gpt(prefix, 40, 8, seed=3, name="train")
     np.testing.assert_array_equal(ds.shuffle_idx, again.shuffle_idx)
     assert {p: os.stat(p).st_mtime_ns for p in glob.glob(f"{stem}_*")} == mtimes
@@ -276,9 +275,10 @@ def test_cache_dir_and_read_only_data_dir(tmp_path, monkeypatch):
 def test_max_token_id_recorded_and_checked(tmp_path):
     prefix, docs = make_corpus(tmp_path, vocab=300)
     ds = gpt(prefix, 10, 8)
+    # A corpus under the sampling budget is read whole: the range is exact, and nothing is written for it.
     assert ds.max_token_id == max(int(d.max()) for d in docs)
     assert ds.min_token_id == min(int(d.min()) for d in docs)
-    assert os.path.isfile(f"{prefix}_token_range.json")
+    assert not glob.glob(f"{prefix}_token_range*")
     check_token_ids(ds, ds.max_token_id + 1)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         check_token_ids(ds, ds.max_token_id)
@@ -348,10 +348,13 @@ def test_split_datasets_use_contiguous_disjoint_documents(tmp_path):
 
 def test_empty_split_asked_for_samples_is_a_clear_error(tmp_path):
     prefix, _ = make_corpus(tmp_path, num_docs=20)
+    # A share too small for one of the 20 documents.
     with pytest.raises(ValueError, match="test split .* has 0 of its 20 documents"):
-        build_gpt_train_valid_test_datasets(prefix, "90,10,0", [10, 5, 5], 8, 1)
-    train, valid, test = build_gpt_train_valid_test_datasets(prefix, "90,10,0", [10, 5, 0], 8, 1)
-    assert test is None and train is not None and valid is not None
+        build_gpt_train_valid_test_datasets(prefix, "89,10,1", [10, 5, 5], 8, 1)
+    # No share at all ("90,10,0"): the split is not built, as in Megatron-LM and LiBai, whatever is asked.
+    for test_samples in (0, 5):
+        train, valid, test = build_gpt_train_valid_test_datasets(prefix, "90,10,0", [10, 5, test_samples], 8, 1)
+        assert test is None and train is not None and valid is not None
 
 
 def test_missing_prefix_is_one_clear_line(tmp_path):

@@ -35,7 +35,8 @@ from libai_lite.data.build import (
     get_train_valid_test_split,
     open_indexed_dataset,
 )
-from libai_lite.data.gpt_dataset import IGNORE_INDEX, cache_stem
+from libai_lite.data.gpt_dataset import IGNORE_INDEX, token_id_range
+from libai_lite.data.index_cache import cache_stem
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.files import atomic_write
 
@@ -322,20 +323,24 @@ class MegatronT5Dataset(torch.utils.data.Dataset):
 def build_megatron_t5_datasets(data_prefix: str, tokenizer, splits_string: str = "949,50,1",
                                train_valid_test_num_samples=(0, 0, 0), max_seq_length: int = 512,
                                max_seq_length_dec: int = 128, masked_lm_prob: float = 0.15,
-                               short_seq_prob: float = 0.1, seed: int = 1234, cache_dir: str | None = None) -> tuple:
+                               short_seq_prob: float = 0.1, seed: int = 1234, cache_dir: str | None = None,
+                               *, vocab_size: int | None = None) -> tuple:
     """``(train, valid, test)`` ``MegatronT5Dataset`` over ``data_prefix`` (a ``..._text_sentence`` prefix),
     split by documents as Megatron's legacy ``get_train_valid_test_split_`` does (None for an empty split
     or 0 samples).
 
     Each split's samples mapping is cached under Megatron's file name
     (``{prefix}_{split}_indexmap_{n}mns_{length}msl_{short_seq_prob}ssp_{seed}s.npy``), next to the
-    data or in ``cache_dir`` as the GPT indices are, so a mapping Megatron wrote is read as it is.
+    data or in ``cache_dir`` as the GPT indices are, so a mapping Megatron wrote is read as it is. With
+    ``vocab_size``, token ids outside the vocabulary are refused first (``token_id_range``).
     """
     if not str(data_prefix).endswith("_sentence"):
         raise UsageError(f"Megatron's T5 dataset reads sentence-split data, not {data_prefix}; preprocess with "
                          f"tools/preprocess_data.py --split-sentences and pass the ..._text_sentence prefix")
     tokenizer = _resolve_tokenizer(tokenizer)
     indexed = open_indexed_dataset(os.fspath(data_prefix))
+    # Before any mapping is cached: refused data must leave nothing behind.
+    token_id_range(indexed, os.fspath(data_prefix), vocab_size=vocab_size)
     bounds = get_train_valid_test_split(splits_string, indexed.num_documents, "legacy")
     stem = cache_stem(os.fspath(data_prefix), cache_dir)
     out = []
@@ -360,10 +365,11 @@ def build_megatron_t5_train_valid_test_loaders(data_prefix, tokenizer, splits_st
     """``(train_loader, valid_loader, test_loader)`` of Megatron T5 samples, for ``dataloader.train``.
 
     The runtime keyword arguments are the ones the trainer passes every loader builder (see
-    ``build_t5_train_valid_test_loaders``); ``vocab_size`` is accepted and not checked here.
+    ``build_t5_train_valid_test_loaders``); token ids outside ``vocab_size`` are refused.
     """
     nums = check_num_samples(train_valid_test_num_samples)
     datasets = build_megatron_t5_datasets(data_prefix, tokenizer, splits_string, nums, max_seq_length,
-                                          max_seq_length_dec, masked_lm_prob, short_seq_prob, seed, cache_dir)
+                                          max_seq_length_dec, masked_lm_prob, short_seq_prob, seed, cache_dir,
+                                          vocab_size=vocab_size)
     return build_loaders_for_datasets(datasets, nums, micro_batch_size, eval_micro_batch_size, consumed_samples,
                                       data_parallel_rank, data_parallel_size, num_workers)

@@ -74,6 +74,7 @@ from libai_lite.data.build import (
     train_samples_per_epoch,
 )
 from libai_lite.data.gpt_dataset import IGNORE_INDEX
+from libai_lite.data.packing import check_eod_token_id
 from libai_lite.utils.errors import UsageError
 
 
@@ -372,6 +373,7 @@ def build_t5_train_valid_test_datasets(data_prefix, tokenizer, splits_string="94
     of ``random_spans_helper(max_seq_length, ...)[0]`` tokens.
     """
     tokenizer = _resolve_tokenizer(tokenizer)
+    check_eod_token_id(eod_token_id, vocab_size)
     raw_length, _ = random_spans_helper(max_seq_length, masked_lm_prob, mean_span_length)
     windows = build_gpt_train_valid_test_datasets(
         data_prefix, splits_string, train_valid_test_num_samples, raw_length, seed, cache_dir,
