@@ -9,8 +9,10 @@
     python tools/from_megatron.py --output my_run.py <flags>     # writes the config file instead
 
 Or run the flags directly: ``python tools/train_net.py --megatron-args "<flags>" [overrides]``. The flags
-apply to the GPT project's demo config (``projects/GPT/configs/gpt2_pretrain.py``); those with no effect
-here are named on stderr; an unknown one is refused with the nearest known flag.
+that shape the model choose its project (``projects/megatron_compat.py``: GPT by default, Llama for
+``--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear``), whose demo
+config they apply to with Megatron-LM's defaults for what they leave out; flags with no effect here are
+named on stderr; every flag not taken is refused in one error line, each with its reason.
 """
 from __future__ import annotations
 
@@ -22,8 +24,7 @@ import tempfile
 from libai_lite.checkpoint.foreign import checkpoint_format
 from libai_lite.config.megatron_args import render_config, translate_megatron_args
 from libai_lite.utils.errors import UsageError
-
-BASE_CONFIG = "projects.GPT.configs.gpt2_pretrain"
+from projects.megatron_compat import MEGATRON_MODELS
 
 
 def checkpoint_kind(path: str) -> str:
@@ -33,10 +34,10 @@ def checkpoint_kind(path: str) -> str:
 
 
 def prepare(flags: str):
-    """(config text, extra train_net arguments, no-effect notes, world size hint) for Megatron ``flags``."""
-    run = translate_megatron_args(flags, checkpoint_kind)
+    """(config text, extra train_net arguments, no-effect notes, parallel sizes) for Megatron ``flags``."""
+    run = translate_megatron_args(flags, MEGATRON_MODELS, checkpoint_kind)
     extra = ["--resume"] if run.resume else []
-    return render_config(run, BASE_CONFIG, flags), extra, run.no_effect, run.parallel_sizes
+    return render_config(run, flags), extra, run.no_effect, run.parallel_sizes
 
 
 def write_config(flags: str):
@@ -50,6 +51,9 @@ def write_config(flags: str):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--help"], ["-h"]):
+        print(__doc__.strip())
+        return 0
     output = None
     if argv[:1] == ["--output"]:
         if len(argv) < 2:
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
             f.write(text)
     else:
         print(f"# {config}\n{text}")
-    nproc = sizes.get("tp", 1) * sizes.get("pp", 1)
+    nproc = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     hint = f"{nproc} x your data-parallel size" if nproc > 1 else "your GPU count"
     print(f"# run it ({hint} processes):\nbash tools/train.sh tools/train_net.py {config} NPROC {' '.join(extra)}"
           .rstrip())

@@ -8,6 +8,7 @@
 ``--megatron-args`` takes a Megatron-LM pretrain_gpt.py command line (tools/from_megatron.py prints the
 config file it amounts to) in place of ``--config-file``.
 """
+import os
 import sys
 
 # First, before torch loads: a job killed while its workers start must not leave them orphaned.
@@ -30,21 +31,31 @@ def _megatron_argv(argv: list) -> list:
     spec = importlib.util.spec_from_file_location("from_megatron", Path(__file__).with_name("from_megatron.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    # Every rank translates the flags itself (torchrun starts each with the same command line); rank 0 speaks.
+    speaks = os.environ.get("RANK", "0") == "0"
     try:
         path, extra, notes = tool.write_config(argv[i + 1])
     except tool.UsageError as e:
-        raise SystemExit(f"error: {e}") from None
-    if notes:
+        if speaks:
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if notes and speaks:
         print("Megatron flags with no effect here: " + "; ".join(notes), file=sys.stderr)
     return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    config = None
     if "--megatron-args" in argv:
         argv = _megatron_argv(argv)
-    args = default_argument_parser().parse_args(argv)
-    return launch(args)
+        config = argv[argv.index("--config-file") + 1]
+    try:
+        args = default_argument_parser().parse_args(argv)
+        return launch(args)
+    finally:
+        if config is not None:  # the config was read at start-up; config.yaml in the output keeps it
+            os.remove(config)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,33 @@ from ..utils.errors import UsageError
 _DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant")
 
 
-class WarmupDecayLR(LRScheduler):
-    """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`."""
+def _iterations(value: float) -> float:
+    """An iteration count as an int where it is whole (a fractional one comes from a sample count)."""
+    value = float(value)
+    return int(value) if value.is_integer() else value
 
-    def __init__(self, optimizer, max_iter: int, warmup_iter: int = 0, warmup_factor: float = 0.001,
+
+class WarmupDecayLR(LRScheduler):
+    """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`.
+
+    The decay ends at `decay_end_iter` (None: `max_iter`, the end of the run) and the lr stays at the
+    floor after it, so a schedule may decay over a length of its own (Megatron-LM's --lr-decay-iters).
+    `warmup_iter` and `decay_end_iter` may be fractional (Megatron-LM counts its schedule in samples).
+    """
+
+    def __init__(self, optimizer, max_iter: int, warmup_iter: float = 0, warmup_factor: float = 0.001,
                  warmup_method: str = "linear", decay: str = "cosine", min_lr_ratio: float = 0.0, power: float = 1.0,
-                 gamma: float = 0.999, last_epoch: int = -1):
+                 gamma: float = 0.999, last_epoch: int = -1, decay_end_iter: float | None = None):
         if decay not in _DECAYS:
             raise UsageError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
         if warmup_method not in ("linear", "constant"):
             raise UsageError(f"unknown warmup_method {warmup_method!r}; choose 'linear' or 'constant'")
+        if decay_end_iter is not None and decay != "constant" and decay_end_iter <= warmup_iter:
+            raise UsageError(f"the lr decay would end at iteration {decay_end_iter}, not after the warmup's "
+                             f"{warmup_iter}: make the decay longer than the warmup")
         self.max_iter = int(max_iter)
-        self.warmup_iter = int(warmup_iter)
+        self.warmup_iter = _iterations(warmup_iter)
+        self.decay_end_iter = None if decay_end_iter is None else _iterations(decay_end_iter)
         self.warmup_factor = float(warmup_factor)
         self.warmup_method = warmup_method
         self.decay = decay
@@ -42,8 +57,11 @@ class WarmupDecayLR(LRScheduler):
                 return self.warmup_factor
             alpha = it / self.warmup_iter
             return self.warmup_factor * (1 - alpha) + alpha
-        span = max(self.max_iter - self.warmup_iter, 1)
-        progress = min(max(it - self.warmup_iter, 0) / span, 1.0)
+        if self.decay_end_iter is None:
+            span = max(self.max_iter - self.warmup_iter, 1)
+        else:
+            span = self.decay_end_iter - self.warmup_iter
+        progress = min(max(it - self.warmup_iter, 0) / span, 1.0) if span > 0 else 1.0
         floor = self.min_lr_ratio
         if self.decay == "constant":
             return 1.0
@@ -89,6 +107,27 @@ def WarmupExponentialLR(optimizer, max_iter, gamma=0.999, warmup_factor=0.001, w
 def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, warmup_method="linear"):
     """Warmup, then the base lr for the rest of training."""
     return WarmupDecayLR(optimizer, max_iter, warmup_iter, warmup_factor, warmup_method, "constant")
+
+
+def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=0.0, init_lr_ratio=0.0,
+               decay_iters=None, warmup_iters=None, warmup_fraction=None):
+    """Megatron-LM's lr schedule, in iterations: linear warmup from `init_lr_ratio` x lr (--lr-warmup-init)
+    over `warmup_iters` (--lr-warmup-iters) or `warmup_fraction` of the decay length (--lr-warmup-fraction),
+    then `decay` (--lr-decay-style) to `min_lr_ratio` x lr (--min-lr) at `decay_iters` (--lr-decay-iters;
+    None: the end of the run), the floor after it. Sample counts (--lr-decay-samples, ...) are passed as
+    iterations: samples / global batch size. `warmup_iter` is the trainer's (from train.warmup_ratio): it
+    must be 0 when the schedule has a warmup of its own.
+    """
+    if warmup_iter and (warmup_iters is not None or warmup_fraction is not None):
+        raise UsageError("train.warmup_ratio and the scheduler's own warmup (warmup_iters/warmup_fraction, "
+                         "Megatron's --lr-warmup-*) are both set: set train.warmup_ratio=0 or drop the other")
+    length = max_iter if decay_iters is None else decay_iters
+    if warmup_fraction is not None:
+        warmup = float(warmup_fraction) * float(length)
+    else:
+        warmup = warmup_iter if warmup_iters is None else warmup_iters
+    return WarmupDecayLR(optimizer, max_iter, warmup, init_lr_ratio, "linear", decay, min_lr_ratio,
+                         decay_end_iter=decay_iters)
 
 
 # What a checkpoint's scheduler state gives a resumed run: its position in the schedule. Everything

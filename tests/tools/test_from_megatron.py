@@ -1,82 +1,141 @@
-"""Megatron-LM pretrain_gpt.py command lines: tools/from_megatron.py and tools/train_net.py --megatron-args."""
-import subprocess
-import sys
+"""Megatron-LM pretrain_gpt.py command lines: tools/from_megatron.py and the translation it prints.
+
+Megatron-LM's example scripts train in tests/config/test_megatron_scripts.py; here, in-process, a
+``pretrain_gpt.sh`` line is the GPT demo config with its values as overrides, and the rules of the flags
+without a one-to-one key.
+"""
+import importlib.util
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
-from libai_lite.config.megatron_args import translate_megatron_args
+from libai_lite.config import LazyConfig
+from libai_lite.config.instantiate import instantiate_with
+from libai_lite.config.megatron_args import render_config, translate_megatron_args
+from libai_lite.scheduler import MegatronLR, WarmupCosineLR
 from libai_lite.utils.errors import UsageError
-from tests.launch import DATA, ROOT, env, losses, one_error_line
+from projects.megatron_compat import MEGATRON_MODELS
+from tests.launch import DATA, ROOT
 
-# Megatron-LM's examples/pretrain_gpt.sh, shrunk (sizes, iterations) to run in seconds here.
+# Megatron-LM's examples/pretrain_gpt.sh, shrunk (sizes, iterations).
 FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 4 --global-batch-size 8 --lr 0.0015 --train-iters 4 --lr-decay-iters 4 "
          "--lr-decay-style cosine --min-lr 0.00015 --lr-warmup-fraction 0.25 --weight-decay 1e-2 --clip-grad 1.0 "
          "--split 949,50,1 --vocab-file data_test/gpt2/vocab.json --merge-file data_test/gpt2/merges.txt "
          "--hidden-dropout 0.0 --attention-dropout 0.0 --save-interval 100 --eval-interval 2 --eval-iters 1 "
          "--log-interval 1 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --DDP-impl local")
-SPEED = ["dataloader.train.num_workers=0", "train.log_memory_estimate=False"]
 
 
-def run(args):
-    return subprocess.run([sys.executable, "tools/train_net.py", *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=600)
+def translate(flags, checkpoint_exists=lambda path: ""):
+    return translate_megatron_args(flags, MEGATRON_MODELS, checkpoint_exists)
 
 
-def test_megatron_command_line_trains_the_same_run_as_its_config(tmp_path):
-    cache = tmp_path / "cache"
-    flags = f"{FLAGS} --data-path {DATA} --save {tmp_path / 'mg'} --load {tmp_path / 'mg'}"
-    r = run(["--megatron-args", flags, *SPEED, f"dataloader.train.cache_dir={cache}"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--DDP-impl" in r.stderr  # named, not silently dropped
-    # The same run written as overrides of the GPT demo config by hand.
-    by_hand = ["model.cfg.hidden_layers=2", "model.cfg.hidden_size=64", "model.cfg.ffn_hidden_size=256",
-               "model.cfg.num_attention_heads=2", "model.cfg.max_seq_length=32", "train.train_micro_batch_size=4",
-               "train.global_batch_size=8", "optim.lr=0.0015", "train.train_iter=4", "train.warmup_ratio=0.25",
-               "train.scheduler.alpha=0.1", "train.scheduler.warmup_factor=0.0", "optim.weight_decay=0.01",
-               "optim.params.clip_grad_max_norm=1.0", "model.cfg.embedding_dropout_prob=0.0",
-               "model.cfg.output_dropout_prob=0.0", "model.cfg.attention_dropout_prob=0.0",
-               "train.checkpointer.period=100", "train.evaluation.eval_period=2", "train.evaluation.eval_iter=1",
-               "train.log_period=1", f"dataloader.train.data_prefix={DATA}", f"train.output_dir={tmp_path / 'cfg'}",
-               f"dataloader.train.cache_dir={cache}", *SPEED]
-    r2 = run(["--config-file", "projects/GPT/configs/gpt2_pretrain.py", *by_hand])
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    ours, theirs = losses(tmp_path / "mg"), losses(tmp_path / "cfg")
-    assert len(ours) == 4 and ours == theirs
-    assert losses(tmp_path / "mg", "lr") == losses(tmp_path / "cfg", "lr")
+def tool():
+    spec = importlib.util.spec_from_file_location("from_megatron", ROOT / "tools" / "from_megatron.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_unknown_flag_is_one_line_with_the_nearest_known_one(tmp_path):
-    r = run(["--megatron-args", "--num-layer 2 --hidden-size 64"])
-    assert r.returncode != 0
-    assert one_error_line(r) == "error: Megatron flag --num-layer is not known here; did you mean --num-layers?"
-    r = subprocess.run([sys.executable, "tools/from_megatron.py", "--hiden-size", "8"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True)
-    assert r.returncode == 1 and "did you mean --hidden-size?" in one_error_line(r)
+def flat(node, prefix=""):
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def test_pretrain_gpt_line_is_the_gpt_demo_config_with_its_values(tmp_path):
+    flags = f"{FLAGS} --data-path {DATA} --save {tmp_path} --load {tmp_path}"
+    run = translate(flags)
+    assert run.resume and run.no_effect == ["--DDP-impl (data parallelism is FSDP2/DDP from train.dist and "
+                                            "train.zero_optimization)"]
+    (tmp_path / "run.py").write_text(render_config(run, flags))
+    ours = flat(OmegaConf.to_container(LazyConfig.load(str(tmp_path / "run.py"))))
+    base = flat(OmegaConf.to_container(LazyConfig.load(str(ROOT / "projects/GPT/configs/gpt2_pretrain.py"))))
+    changed = {k: ours.get(k) for k in set(ours) | set(base) if ours.get(k, "-") != base.get(k, "-")}
+    schedule = {k: changed.pop(k) for k in list(changed) if k.startswith("train.scheduler.")}
+    assert changed == {
+        "model.cfg.hidden_layers": 2, "model.cfg.hidden_size": 64, "model.cfg.ffn_hidden_size": 256,
+        "model.cfg.num_attention_heads": 2, "model.cfg.max_seq_length": 32,
+        "model.cfg.activation": "gelu",  # Megatron's default GeLU (erf); --openai-gelu is GPT-2's tanh one
+        "train.train_micro_batch_size": 4, "train.test_micro_batch_size": 4, "train.global_batch_size": 8,
+        "train.train_iter": 4, "train.warmup_ratio": 0.0, "train.log_period": 1, "train.evaluation.eval_period": 2,
+        "train.evaluation.eval_iter": 1, "train.output_dir": str(tmp_path),
+        "optim.betas": [0.9, 0.999], "dataloader.train.num_workers": 2,  # Megatron's defaults
+    }
+    assert schedule["train.scheduler._target_"].__name__ == "MegatronLR"
+    # Warmup .25 of a 4-iteration decay, cosine to min_lr: the LiBai-style schedule of the same run.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0015)
+    cfg = LazyConfig.load(str(tmp_path / "run.py"))
+    ours = instantiate_with(cfg.train.scheduler, optimizer=opt, max_iter=4, warmup_iter=0)
+    theirs = WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0015), 4, warmup_factor=0.0,
+                            warmup_iter=1, alpha=0.1)
+    assert [ours.factor(i) for i in range(6)] == pytest.approx([theirs.factor(i) for i in range(6)], rel=1e-12)
+
+
+def test_tool_prints_one_error_line_or_its_help(capsys):
+    from_megatron = tool()
+    assert from_megatron.main(["--hiden-size", "8"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--hiden-size (not known here; did you mean " \
+                                                                "--hidden-size?)" in err[0]
+    assert from_megatron.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("Print the config file and command that run a Megatron-LM")
+
+
+def test_tool_prints_the_config_and_the_command(capsys):
+    assert tool().main([*FLAGS.split(), "--data-path", DATA, "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "from projects.GPT.configs.gpt2_pretrain import" in out and "train.dist.context_parallel_size = 2" in out
+    assert "run it (2 x your data-parallel size processes)" in out
 
 
 def test_rules_of_the_flags_without_a_one_to_one_key():
-    run_ = translate_megatron_args("--hidden-size 1024 --seq-length 1024 --max-position-embeddings 2048 --bf16 "
-                                   "--lr 3e-4 --min-lr 3e-5 --lr-decay-style linear --train-iters 100 "
-                                   "--lr-warmup-iters 10 --data-path 0.3 a_text_document 0.7 b_text_document "
-                                   "--save out --load out --recompute-activations --use-distributed-optimizer")
+    base = "--num-layers 2 --num-attention-heads 2 --micro-batch-size 2 --data-path d --vocab-file v --merge-file m "
+    run_ = translate(base + "--hidden-size 1024 --seq-length 1024 --max-position-embeddings 2048 --bf16 "
+                            "--lr 3e-4 --min-lr 3e-5 --lr-decay-style linear --train-iters 100 "
+                            "--lr-warmup-iters 10 --data-path 0.3 a_text_document 0.7 b_text_document "
+                            "--save out --load out --recompute-activations --use-distributed-optimizer "
+                            "--eval-iters 0 --clip-grad 0 --data-cache-path cache")
     a = run_.assignments
     assert a["model.cfg.ffn_hidden_size"] == 4096 and a["model.cfg.max_seq_length"] == 2048
-    assert a["dataloader.train.seq_length"] == 1024
-    assert a["train.amp.dtype"] == "bf16" and a["train.warmup_ratio"] == 0.1
-    assert run_.scheduler["decay"] == "linear" and abs(run_.scheduler["min_lr_ratio"] - 0.1) < 1e-12
+    assert a["dataloader.train.seq_length"] == 1024 and a["train.num_accumulation_steps"] == 1
+    assert a["train.amp.dtype"] == "bf16" and a["train.warmup_ratio"] == 0.0
+    assert run_.scheduler == {"decay": "linear", "min_lr_ratio": pytest.approx(0.1), "init_lr_ratio": 0.0,
+                              "warmup_iters": 10}
     assert a["dataloader.train.data_prefix"] == [0.3, "a_text_document", 0.7, "b_text_document"]
     assert run_.resume and a["train.activation_checkpoint.mode"] == "selective"
-    assert a["train.zero_optimization.stage"] == 1
-    with pytest.raises(UsageError, match="--lr-decay-iters 50 differs from --train-iters 100"):
-        translate_megatron_args("--train-iters 100 --lr-decay-iters 50 --lr 1e-4")
-    with pytest.raises(UsageError, match="Megatron-LM checkpoint: convert it first"):
-        translate_megatron_args("--load ckpt", lambda path: "megatron")
+    assert a["train.zero_optimization.stage"] == 1 and a["train.evaluation.enabled"] is False
+    assert a["optim.params.clip_grad_max_norm"] is None and a["dataloader.train.cache_dir"] == "cache"
+    assert a["dataloader.train.splits_string"] == "969,30,1"  # Megatron's default with --data-path
+    assert a["train.evaluation.eval_period"] == 100  # no --eval-interval: once, at the end
+    more = translate(base + "--hidden-size 8 --seq-length 8 --lr 1 --train-iters 1 --use-torch-fsdp2 --async-save "
+                            "--wandb-project p --wandb-exp-name n --virtual-pipeline-model-parallel-size 2 "
+                            "--fp8-format e4m3 --fp8-recipe tensorwise --tokenizer-type BertWordPieceCase "
+                            "--vocab-file data_test/bert/vocab.txt").assignments
+    assert more["train.zero_optimization.stage"] == 3 and more["train.checkpointer.async_save"] is True
+    assert (more["train.wandb.enabled"], more["train.wandb.project"], more["train.wandb.name"]) == (True, "p", "n")
+    assert more["train.dist.virtual_pipeline_size"] == 2
+    assert more["train.dist.pipeline_schedule"] == "interleaved_1f1b"
+    assert more["train.fp8.recipe"] == "rowwise"
+    bert = more["tokenization.tokenizer"]
+    assert bert.target == "libai_lite.tokenizer:BertTokenizer" and bert.kwargs["do_lower_case"] is False
+    swiglu = translate(base + "--hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                              "--disable-bias-linear --hidden-dropout 0 --seq-length 8 --lr 1 --train-iters 1")
+    assert swiglu.model.name == "projects/Llama" and swiglu.assignments["model.cfg.ffn_hidden_size"] == 2688
+    assert swiglu.assignments["model.cfg.num_key_value_heads"] == 2  # no --group-query-attention: one per head
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(UsageError, match="train.warmup_ratio and the scheduler's own warmup"):
+        MegatronLR(opt, 100, warmup_iter=5, warmup_iters=10)
+    with pytest.raises(UsageError, match="make the decay longer than the warmup"):
+        MegatronLR(opt, 100, decay_iters=10, warmup_fraction=1.0)
+    with pytest.raises(UsageError, match=r"--load ckpt \(a Megatron-LM checkpoint: convert it first"):
+        translate(base + "--hidden-size 8 --seq-length 8 --lr 1 --train-iters 1 --load ckpt", lambda path: "megatron")
 
 
 def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate():
     # Megatron-DeepSpeed's examples/run_deepspeed_example.sh and OneFlow-GPT's pretrain script flags.
-    ds = translate_megatron_args(
+    ds = translate(
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024 "
         "--num-attention-heads 16 --micro-batch-size 4 --global-batch-size 64 --seq-length 1024 "
         "--max-position-embeddings 1024 --train-iters 5000 --lr-decay-iters 5000 --data-path d_text_document "
@@ -88,7 +147,5 @@ def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate():
         "--checkpoint-num-layers 1")
     a = ds.assignments
     assert a["train.dist.pipeline_parallel_size"] == 2 and a["train.zero_optimization.stage"] == 1
-    assert a["train.amp.initial_scale"] == 12.0 and ds.parallel_sizes == {"tp": 2, "pp": 2}
+    assert a["train.amp.initial_scale"] == 12.0 and ds.parallel_sizes == {"tp": 2, "pp": 2, "cp": 1}
     assert any(n.startswith("--partition-activations") for n in ds.no_effect)
-    with pytest.raises(UsageError, match="--swiglu is not built from a command line here: a Llama-style model"):
-        translate_megatron_args("--num-layers 2 --swiglu")
