@@ -7,6 +7,8 @@ top-level ``libai`` or ``oneflow`` package is installed or registered, so a real
 working in the same environment. Names the core does not have (model classes, model-specific
 datasets) come from the tables installed packages declare under the ``libai_lite.libai_names`` entry-point
 group (this repository's projects declare theirs in setup.py): the core names no model and no project.
+A table entry also answers a ``projects.*`` module of LiBai's tree, even where an installed project of the same
+name would hide LiBai's; LiBai code from its tree that no table maps is refused, naming the module.
 
 After the load, :func:`translate_libai_config` rewrites the keys that mean something else here
 (``train.amp.enabled`` is fp16 in LiBai) and names, in one warning line, every LiBai key that has
@@ -18,9 +20,10 @@ import importlib
 import logging
 import types
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, ListConfig, open_dict
 
 from ..utils.errors import UsageError
 
@@ -33,6 +36,8 @@ LIBAI_TOPS = ("libai", "oneflow")
 # The entry-point group whose entries are tables of LiBai's model-level names ({"libai.models": {"T5Model": ...}}).
 _NAMES_GROUP = "libai_lite.libai_names"
 
+# LiBai's NLP loader builders (libai.data.build, re-exported by libai.data); its image loaders have no counterpart.
+_LOADERS = ("build_nlp_train_val_test_loader", "build_nlp_train_loader", "build_nlp_test_loader")
 # LiBai module -> {name: "module:attribute" of its counterpart here}.
 _CORE_NAMES: Dict[str, Dict[str, str]] = {
     "libai.config": {n: f"libai_lite.config:{n}" for n in ("LazyCall", "LazyConfig", "instantiate",
@@ -47,8 +52,10 @@ _CORE_NAMES: Dict[str, Dict[str, str]] = {
         "WarmupCosineLR", "WarmupExponentialLR", "WarmupPolynomialLR", "WarmupLinearLR", "WarmupConstantLR")},
     "libai.optim": {"get_default_optimizer_params": "libai_lite.optim:get_default_optimizer_params"},
     "libai.tokenizer": {n: f"libai_lite.data.libai_compat:{n}" for n in ("GPT2Tokenizer", "BertTokenizer")},
-    "libai.data": {n: f"libai_lite.data.libai_compat:{n}" for n in (
-        "build_nlp_train_val_test_loader", "build_nlp_test_loader")},
+    "libai.evaluation.evaluator": {n: f"libai_lite.evaluation:{n}" for n in (
+        "DatasetEvaluator", "inference_on_dataset")},
+    "libai.data": {n: f"libai_lite.data.libai_compat:{n}" for n in _LOADERS},
+    "libai.data.build": {n: f"libai_lite.data.libai_compat:{n}" for n in _LOADERS},
     "libai.data.datasets": {"GPT2Dataset": "libai_lite.data.libai_compat:GPT2Dataset"},
     "libai.data.data_utils": {"get_indexed_dataset": "libai_lite.data.libai_compat:get_indexed_dataset"},
     "libai.models.utils": {"GraphBase": "libai_lite.config.libai_compat:GraphBase"},
@@ -138,13 +145,20 @@ class LibaiImports:
             return True
         return self.seen and name.startswith("projects.") and name in self.tables()
 
+    def _children(self, name: str) -> Dict[str, str]:
+        """``{attribute: module}`` of the answered modules right below ``name`` (``evaluation`` of ``libai``)."""
+        prefix = name + "."
+        tops = {m[len(prefix):].split(".")[0] for m in self.tables() if m.startswith(prefix)}
+        return {top: prefix + top for top in tops}
+
     def _module(self, name: str) -> types.ModuleType:
         module = types.ModuleType(name)
         module.__doc__ = f"LiBai's {name} as libai_lite serves it to a config file"
         for attr, spec in self.tables().get(name, {}).items():
             setattr(module, attr, _resolve(spec))
-        if name == "oneflow":
-            module.optim = self._module("oneflow.optim")
+        # ``from libai import evaluation``, ``flow.optim.AdamW``: submodules are attributes.
+        for attr, child in self._children(name).items():
+            setattr(module, attr, self._module(child))
         return module
 
     def load(self, name: str, fromlist) -> Any:
@@ -153,9 +167,10 @@ class LibaiImports:
             self.seen = True
         names = [n for n in (fromlist or ()) if n != "*"]
         table = self.tables().get(name)
-        known = set(table or ()) | ({"optim"} if name == "oneflow" else set())
+        children = self._children(name)
+        known = set(table or ()) | set(children)
         missing = [n for n in names if n not in known]
-        if table is None and name != "oneflow" or missing:
+        if table is None and not children or missing:
             what = ", ".join(f"{name}.{n}" for n in missing) if missing else name
             raise ImportError(
                 f"LiBai's {what} has no counterpart in libai_lite; replace it in the config (docs/migrating.md lists "
@@ -167,6 +182,23 @@ class LibaiImports:
         for part in reversed(name.split(".")[1:]):
             module = types.SimpleNamespace(**{part: module})
         return module
+
+    def code_error(self, name: str, fromlist, importer: Path) -> ImportError:
+        """The refusal of LiBai code (not a config) that a config in a LiBai tree imports and nothing here answers.
+
+        Such code needs LiBai itself; what it defines has no counterpart unless a ``libai_lite.libai_names``
+        table maps the module (docs/migrating.md lists those).
+        """
+        names = [n for n in (fromlist or ()) if n != "*"]
+        what = ", ".join(f"{name}.{n}" for n in names) if names else name
+        parts = importer.parts
+        at = parts.index("projects") if "projects" in parts[:-1] else None
+        project = "/".join(parts[at:at + 2]) if at is not None and at + 2 < len(parts) else importer.name
+        mapped = sorted(m for m in self.tables() if m.startswith("projects."))
+        return ImportError(
+            f"LiBai's {project} needs {what}, which libai_lite has no counterpart for: it is LiBai's own code, not a "
+            f"config (LiBai modules mapped here: {', '.join(mapped) or 'none'}; docs/migrating.md); replace the "
+            f"import in the config")
 
 
 def _select(cfg: Any, path: str) -> Any:
@@ -184,6 +216,23 @@ def _target_name(node: Any) -> str:
     return getattr(target, "__qualname__", None) or str(target or "")
 
 
+def _share_tokenizer(node: Any, tokenizer: DictConfig) -> None:
+    """Point every ``tokenizer`` argument under ``node`` that is a copy of ``tokenization.tokenizer`` at it.
+
+    A LiBai config hands its tokenizer to a dataset by value (``SomeDataset(tokenizer=tokenization.tokenizer)``),
+    a copy that a command-line override of ``tokenization.tokenizer.*`` would leave behind.
+    """
+    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig) \
+        else ()
+    for key in keys:
+        child = node._get_node(key)  # unresolved: the node may hold interpolations of the whole config
+        if key == "tokenizer" and isinstance(child, DictConfig) and child == tokenizer:
+            with open_dict(node):
+                node[key] = "${tokenization.tokenizer}"
+        elif isinstance(child, (DictConfig, ListConfig)):
+            _share_tokenizer(child, tokenizer)
+
+
 def translate_libai_config(cfg: Any) -> List[str]:
     """Rewrite a loaded LiBai config (a ``DictConfig`` or the load's namespace dict) into this project's meaning;
     warn once about the keys with none. Returns the keys named in the warning.
@@ -191,7 +240,8 @@ def translate_libai_config(cfg: Any) -> List[str]:
     Translated: ``train.amp.enabled=True`` (fp16 in LiBai) gets ``train.amp.dtype="fp16"`` unless a dtype is
     set; ``train.dist.data_parallel_size`` becomes null (LiBai always derives it from the launch); ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
     ``Acc@1``) becomes ``PPL``; the ``graph`` section is dropped (named in the warning); ``dataloader.train``
-    gets the run's tokenizer, which LiBai's T5 dataset needs.
+    gets the run's tokenizer, which LiBai's T5 dataset needs, and a dataset's copy of ``tokenization.tokenizer``
+    becomes a reference to it, so an override of the tokenizer reaches the dataset.
     """
     names: List[str] = []
     if "graph" in cfg:
@@ -219,10 +269,18 @@ def translate_libai_config(cfg: Any) -> List[str]:
         with open_dict(ev):
             ev.eval_metric, ev.eval_mode = "PPL", "min"
     loader = _select(cfg, "dataloader.train")
-    if isinstance(loader, DictConfig) and "build_nlp_train_val_test_loader" in _target_name(loader) \
-            and "tokenizer" not in loader and _select(cfg, "tokenization.tokenizer") is not None:
+    tokenizer = _select(cfg, "tokenization.tokenizer")
+    if isinstance(loader, DictConfig) and _target_name(loader).startswith("build_nlp_train") \
+            and "tokenizer" not in loader and tokenizer is not None:
         with open_dict(loader):
             loader.tokenizer = "${tokenization.tokenizer}"
+    if isinstance(tokenizer, DictConfig):
+        _share_tokenizer(_select(cfg, "dataloader"), tokenizer)
+    if isinstance(loader, DictConfig) and _target_name(loader) == "build_nlp_train_loader" \
+            and isinstance(ev, DictConfig) and ev.get("enabled"):
+        names.append("train.evaluation.enabled (dataloader.train is build_nlp_train_loader, which makes no valid "
+                     "split, so nothing is evaluated while training; LiBai evaluates dataloader.test there, which "
+                     "tools/train_net.py --eval-only evaluates here)")
     for key, why in _NO_EFFECT.items():
         # Only keys set to something: LiBai's defaults of 0/None/False ask for nothing.
         if key != "graph" and _select(cfg, key):

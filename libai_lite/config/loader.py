@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from omegaconf import DictConfig, ListConfig
 
 from ..utils.errors import UsageError
-from .libai_compat import LibaiImports
+from .libai_compat import LIBAI_TOPS, LibaiImports
 
 __all__ = ["ConfigLoadError", "IMPORT_ROOTS_KEY", "add_import_root", "exec_config", "restore_import_roots"]
 
@@ -263,7 +263,15 @@ class _FreshLoader:
                 if module is not None:
                     return module if fromlist else _module_chain(name, module)
             elif base is not None and self.tree_root is not None and self.tree_root in base.parents:
-                return self.import_code(self.tree_root, name, base, importer, fromlist, original_import)
+                try:
+                    return self.import_code(self.tree_root, name, base, importer, fromlist, original_import)
+                except ModuleNotFoundError as e:
+                    # LiBai's own code: it imports libai/oneflow, or an installed project of the same name hides it.
+                    missing = e.name or ""
+                    if self.libai.seen and missing and (missing.split(".")[0] in LIBAI_TOPS
+                                                        or name.startswith(missing)):
+                        raise self.libai.code_error(name, fromlist, importer) from e
+                    raise
             return original_import(name, globals, locals, fromlist, level)
 
         return new_import

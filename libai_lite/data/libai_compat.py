@@ -6,6 +6,10 @@ dataset classes return a :class:`LibaiDataset` description (instantiating a conf
 calls first), and the loader builder hands it, with the run's sample counts and layout, to the loader
 builder it names: the GPT one of this package, or one a project registers (the ``libai_lite.libai_names`` entry points).
 LiBai splits documents as legacy Megatron-LM does, so ``split_rounding="legacy"``.
+
+LiBai's ``build_nlp_train_loader`` / ``build_nlp_test_loader`` also take map-style datasets (a project's
+counterpart of LiBai's fine-tuning or span-corruption data, say): they are read through :class:`MapDatasetView` with this project's
+samplers, and batched by the config's ``collate_fn``.
 """
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, ListConfig
 
+from .gpt_dataset import check_token_ids
+from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from ..utils.errors import UsageError
 
-__all__ = ["LibaiDataset", "get_indexed_dataset", "GPT2Dataset", "build_nlp_train_val_test_loader",
-           "build_nlp_test_loader", "GPT2Tokenizer", "BertTokenizer", "libai_data_prefix"]
+__all__ = ["LibaiDataset", "MapDatasetView", "get_indexed_dataset", "GPT2Dataset", "build_nlp_train_val_test_loader",
+           "build_nlp_train_loader", "build_nlp_test_loader", "GPT2Tokenizer", "BertTokenizer", "libai_data_prefix"]
 
 
 @dataclass
@@ -149,17 +156,136 @@ build_nlp_train_val_test_loader.samples_per_epoch = _samples_per_epoch
 def build_nlp_test_loader(dataset, test_batch_size: Optional[int] = None, sampler=None, num_workers: int = 4,
                           seed: int = 0, collate_fn=None, tokenizer=None, micro_batch_size: Optional[int] = None,
                           data_parallel_rank: int = 0, data_parallel_size: int = 1, vocab_size: Optional[int] = None):
-    """LiBai's test loader (an entry of ``dataloader.test``): ``max_num_samples`` samples (one epoch when
-    unset) drawn from the whole of the dataset's documents, for ``--eval-only``."""
+    """LiBai's test loader (an entry of ``dataloader.test``), for ``--eval-only``: over a GPT2Dataset/T5Dataset
+    entry ``max_num_samples`` samples (one epoch when unset) drawn from the whole of its documents; over a
+    map-style dataset each sample once, in order (LiBai's ``SingleRoundSampler``), batched by ``collate_fn``."""
+    batch = int(test_batch_size or micro_batch_size or 1)
+    if not isinstance(dataset, (LibaiDataset, DictConfig)):
+        view = PaddedEvalDataset(MapDatasetView(_map_datasets(dataset, None), prepare=getattr(collate_fn, "prepare",
+                                                                                                 None)))
+        batches = SequentialEvalSampler(len(view), 0, batch, int(data_parallel_rank), int(data_parallel_size))
+        return _loader(view, batches, num_workers, collate_fn)
     entry = _entries([dataset])[0]
     n = entry.max_num_samples
     if n is None:
         n = _call(entry.samples_per_epoch, data_prefix=entry.data_prefix, splits_string="0,0,1", **entry.options)
     loaders = _call(entry.builder, data_prefix=entry.data_prefix, tokenizer=tokenizer, splits_string="0,0,1",
                     num_workers=int(num_workers), **entry.options, train_valid_test_num_samples=[0, 0, int(n)],
-                    micro_batch_size=int(test_batch_size or micro_batch_size or 1),
-                    data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size, vocab_size=vocab_size)
+                    micro_batch_size=batch, data_parallel_rank=data_parallel_rank,
+                    data_parallel_size=data_parallel_size, vocab_size=vocab_size)
     return loaders[2]
+
+
+class MapDatasetView(torch.utils.data.Dataset):
+    """A LiBai map-style dataset (``dataset[i]``, ``len``) as this project's samplers read it.
+
+    Position ``i`` is sample ``i % n`` of pass ``i // n`` over the ``n`` samples, ``total`` positions in all
+    (one pass when None). With ``shuffle`` each pass has its own order, ``torch.randperm(n)`` seeded by
+    ``seed + pass`` (LiBai's ``CyclicSampler(shuffle=True)`` reshuffles each epoch too), so the sample at a
+    position depends only on the seed and the position: a resumed run sees what an unbroken one would.
+    ``prepare(sample, position)``, when the collate function has it, runs here, in the loader's workers.
+    """
+
+    def __init__(self, dataset, total: Optional[int] = None, shuffle: bool = False, seed: int = 0,
+                 prepare: Optional[Callable] = None):
+        self.dataset, self.n = dataset, len(dataset)
+        if self.n < 1:
+            raise UsageError(f"the LiBai dataset {type(dataset).__name__} in dataloader holds no samples; "
+                             f"point it at data with at least one sample")
+        self.total = self.n if total is None else int(total)
+        self.shuffle, self.seed, self.prepare = bool(shuffle), int(seed), prepare
+        self._order = (None, None)  # (pass, its permutation): passes are read in turn, so one is kept
+
+    def __len__(self) -> int:
+        return self.total
+
+    def index(self, position: int) -> int:
+        """The dataset index read at ``position``."""
+        epoch, k = divmod(int(position), self.n)
+        if not self.shuffle:
+            return k
+        if self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)))
+        return int(self._order[1][k])
+
+    def __getitem__(self, position: int):
+        if not 0 <= position < self.total:
+            raise IndexError(f"position {position} out of range for {self.total}")
+        sample = self.dataset[self.index(position)]
+        return self.prepare(sample, int(position)) if self.prepare is not None else sample
+
+
+def _map_datasets(dataset: Any, mixer: Any) -> torch.utils.data.Dataset:
+    """LiBai's ``dataset`` argument of map-style datasets as one dataset (several are concatenated, as LiBai's
+    default ``dataset_mixer=ConcatDataset`` does)."""
+    items = list(dataset) if isinstance(dataset, (list, tuple, ListConfig)) else [dataset]
+    if not items or any(isinstance(d, (LibaiDataset, DictConfig)) or not hasattr(d, "__getitem__") for d in items):
+        raise UsageError("dataloader.train.dataset must list LiBai datasets (map-style datasets, or GPT2Dataset/"
+                         "T5Dataset entries for build_nlp_train_val_test_loader)")
+    if mixer is not None:
+        raise UsageError("dataloader.train.dataset_mixer: LiBai's default (ConcatDataset) is the only mixer here; "
+                         "remove the key")
+    return items[0] if len(items) == 1 else torch.utils.data.ConcatDataset(items)
+
+
+def _loader(dataset, batch_sampler, num_workers: int, collate_fn) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=batch_sampler, num_workers=int(num_workers), pin_memory=torch.cuda.is_available(),
+        persistent_workers=int(num_workers) > 0,
+        collate_fn=collate_fn if collate_fn is not None else torch.utils.data.default_collate,
+        # Samples are functions of their position: the global RNG stays untouched, as in libai_lite.data.build.
+        generator=torch.Generator().manual_seed(0))
+
+
+def _has_libai_entries(dataset: Any) -> bool:
+    items = dataset if isinstance(dataset, (list, tuple, ListConfig)) else [dataset]
+    return any(isinstance(d, LibaiDataset) for d in items)
+
+
+def build_nlp_train_loader(dataset, train_batch_size=None, test_batch_size=None, sampler=None, num_workers: int = 4,
+                           consumed_samples: int = 0, seed: int = 0, collate_fn=None, dataset_mixer=None,
+                           tokenizer=None, *, train_valid_test_num_samples, micro_batch_size: int,
+                           data_parallel_rank: int = 0, data_parallel_size: int = 1, vocab_size: Optional[int] = None,
+                           **runtime: Any):
+    """LiBai's train-only loader builder (``dataloader.train``): ``(train_loader, None, None)``.
+
+    Map-style datasets (a project's counterparts of LiBai's, e.g. pre-tokenized fine-tuning data) are read in a new
+    order each pass (``MapDatasetView``) for the run's ``train_iter x global_batch`` samples, resuming after
+    ``consumed_samples``; ``collate_fn`` batches them (``torch``'s default collation when None). GPT2Dataset /
+    T5Dataset entries read all their documents. ``sampler`` has no counterpart but LiBai's default
+    (``CyclicSampler(shuffle=True)``); the batch sizes and data position are the run's, as in
+    ``build_nlp_train_val_test_loader``.
+    """
+    if sampler is not None:
+        raise UsageError("dataloader.train.sampler: LiBai's default CyclicSampler(shuffle=True) is the only sampler "
+                         "here; remove the key")
+    if _has_libai_entries(dataset):
+        loaders = build_nlp_train_val_test_loader(
+            dataset, splits=[[1.0, 0.0, 0.0]], num_workers=num_workers, consumed_samples=consumed_samples,
+            tokenizer=tokenizer, train_valid_test_num_samples=[int(train_valid_test_num_samples[0]), 0, 0],
+            micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size, vocab_size=vocab_size, **runtime)
+        return loaders[0], None, None
+    total = int(train_valid_test_num_samples[0])
+    data = _map_datasets(dataset, dataset_mixer)
+    if vocab_size is not None:
+        check_token_ids(data, vocab_size)  # a dataset that knows its id range (max_token_id) is checked
+    view = MapDatasetView(data, total, shuffle=True, seed=int(seed), prepare=getattr(collate_fn, "prepare", None))
+    batches = MegatronPretrainingSampler(total, int(consumed_samples), int(micro_batch_size), int(data_parallel_rank),
+                                         int(data_parallel_size), drop_last=True)
+    return _loader(view, batches, num_workers, collate_fn), None, None
+
+
+def _train_loader_samples_per_epoch(dataset, dataset_mixer=None) -> int:
+    from ..config import instantiate
+
+    dataset = instantiate(dataset)
+    if _has_libai_entries(dataset):
+        return _samples_per_epoch(dataset, splits=[[1.0, 0.0, 0.0]])
+    return len(_map_datasets(dataset, dataset_mixer))
+
+
+build_nlp_train_loader.samples_per_epoch = _train_loader_samples_per_epoch
 
 
 def _no_effect(what: str, given: dict) -> None:

@@ -1,7 +1,8 @@
 """LiBai's own config files (unmodified copies in ../shared/fixtures/libai) load and train here.
 
 Only data paths (and, for speed, sizes and iterations) are overridden on the command line; the
-files are read where they are, never copied into the project.
+files are read where they are, never copied into the project. Without ../shared beside the clone these
+tests skip, saying so; tests/config/test_libai_samples.py covers LiBai-format configs without it.
 """
 import json
 import shutil
@@ -21,10 +22,11 @@ MT5 = "projects/MT5/configs/mt5_pretrain.py"
 
 
 @pytest.fixture(scope="module")
-def libai_tree(shared_fixtures):
-    path = shared_fixtures / "libai"
+def libai_tree():
+    path = ROOT.parent / "shared" / "fixtures" / "libai"
     if not (path / GPT).is_file():
-        pytest.skip("../shared/fixtures/libai (LiBai's own config files) not found beside the clone")
+        pytest.skip("../shared/fixtures/libai not found beside the clone: these tests read LiBai's own config files "
+                    "from it (tests/config/test_libai_samples.py trains LiBai-format configs without it)")
     return path
 
 
