@@ -58,10 +58,10 @@ setup(
         "eval": ["lm-eval>=0.4.13,<0.5"],
         # train.fp8: torchao's float8 linears (on GPUs of compute capability 8.9+); it depends on no torch.
         "fp8": ["torchao>=0.12"],
-        # The fused LM head + cross entropy on CUDA through Liger-Kernel's Triton kernel (libai_lite/layers/
-        # fused_linear_ce.py; without it a compiled chunked kernel does the same). It needs torch>=2.1.2 and
-        # triton, which CUDA builds of torch already bring: it pulls no other torch. 0.8.5: the release read
-        # to fold a per-token gradient into its reduction="none" backward (recomputing the logits).
+        # Liger-Kernel's fused LM head + cross entropy on CUDA, opt-in with LIBAI_LITE_CE_KERNEL=liger
+        # (libai_lite/layers/fused_linear_ce.py; by default plain logits + cross entropy where they fit, the
+        # compiled chunked kernel beyond: neither reads the host). It needs torch>=2.1.2 and triton, which
+        # CUDA builds of torch bring: it pulls no other torch. 0.8.5: the release whose backward is read.
         "gpu": ["liger-kernel>=0.8.5"],
     },
 )

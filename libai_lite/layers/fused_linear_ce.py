@@ -9,25 +9,44 @@ recomputes the chunk's logits and turns them straight into the two gradients. On
 ``tokens x vocab x hidden`` GEMM than the buffered path buys back ``tokens x vocab`` of memory
 and most passes over it.
 
-Two kernels do it:
+On CUDA the head whole on a rank runs plain (``plain``: logits, then cross entropy; three GEMMs and
+nothing recomputed, which a compiled model fuses best) while its fp32 logits fit ``PLAIN_LOGITS_SHARE``
+of the device's memory; beyond that, or split over tensor-parallel ranks, two kernels do without them:
 
+* ``chunked`` (the default there): the online softmax written here as plain torch ops per chunk,
+  compiled by ``torch.compile`` (Triton on a GPU, C++ on a CPU): the GEMM stays cuBLAS's, the
+  log-sum-exp, target gather, one-hot subtraction and scaling fuse into one kernel per chunk. It
+  reads nothing back to the host, and also takes the vocabulary-parallel head (each rank's logsumexp
+  combined with two all-reduces of ``2 x tokens`` values).
 * ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (Triton; the optional ``gpu``
-  extra, ``pip install -e .[gpu]``), for a plain head on CUDA.
-* ``chunked``: the same online softmax written here as plain torch ops per chunk, compiled by
-  ``torch.compile`` (Triton on a GPU, C++ on a CPU): the GEMM stays cuBLAS's, the log-sum-exp,
-  target gather, one-hot subtraction and scaling fuse into one kernel per chunk. It also takes the
-  vocabulary-parallel head (each rank's logsumexp combined with two all-reduces of ``2 x tokens``
-  values), which Liger does not.
+  extra, ``pip install -e .[gpu]``), for a plain head, only where asked for (``LIBAI_LITE_CE_KERNEL=liger``
+  in the environment): it counts the valid targets with ``target_mask.sum().item()`` in its forward
+  and again in its ``reduction="none"`` backward, two host syncs a micro-batch that stall the GPU's queue.
+
+Both are fast paths (``libai_lite.utils.fallback.FastPath``): if one fails at its first use (no
+Liger or Triton importable, a compile error, a kernel this GPU cannot hold), one warning names it and
+the plain path takes over: Liger falls back to ``chunked``, the compiled chunk kernels to the same
+functions run eagerly.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-KERNELS = ("buffer", "chunked", "liger")
+from ..utils.errors import UsageError
+from ..utils.fallback import FastPath
+
+KERNELS = ("buffer", "plain", "chunked", "liger")
+# On CUDA the plain head (logits, then cross entropy: three GEMMs, no recomputation) runs while its fp32
+# logits take at most this share of the device's memory; the chunked kernel beyond it.
+PLAIN_LOGITS_SHARE = 1 / 32
+# Where a run asks for Liger's kernel on CUDA (the compiled chunked kernel otherwise).
+KERNEL_ENV = "LIBAI_LITE_CE_KERNEL"
 # The release read to fold the per-token gradient into its reduction="none" backward (it recomputes the
 # logits there); a release that scales the whole gradient by one number would train wrongly.
 LIGER_MIN_VERSION = (0, 8, 5)
@@ -46,16 +65,42 @@ def liger_available() -> bool:
     return release >= LIGER_MIN_VERSION
 
 
-def select_kernel(device: torch.device, vocab_parallel: bool) -> str:
-    """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU, ``liger`` on CUDA
-    for a plain head when installed and not under ``torch.compile``, else ``chunked`` (always for the
-    vocabulary-parallel head)."""
+def _device_memory(index: int) -> int:
+    # Not lru_cached: dynamo folds get_device_properties to a constant but warns on a cache wrapper.
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def plain_fits(tokens: int, vocab: int, device_memory: int) -> bool:
+    """Whether ``tokens x vocab`` fp32 logits take at most ``PLAIN_LOGITS_SHARE`` of ``device_memory``
+    bytes: the plain head's rule (GPT-2 124M at micro-batch 12 on an 80 GB GPU: 2.5 GB of 2.7 GB)."""
+    return 4 * tokens * vocab <= device_memory * PLAIN_LOGITS_SHARE
+
+
+def select_kernel(device: torch.device, vocab_parallel: bool, tokens: int | None = None,
+                  vocab: int | None = None) -> str:
+    """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU. On CUDA, for a head
+    whole on this rank whose ``tokens x vocab`` fp32 logits fit ``plain_fits``, ``plain`` (logits then
+    cross entropy, what a compiled model fuses best); else ``chunked`` (no ``[tokens, vocab]`` buffer, no
+    host read). ``LIBAI_LITE_CE_KERNEL`` (``plain``, ``chunked`` or ``liger``) chooses instead; ``liger``
+    runs for a plain head outside ``torch.compile`` (a missing Liger falls back to ``chunked`` with one
+    warning at first use), ``plain`` for a head whole on this rank."""
     if device.type != "cuda":
         return "buffer"
-    # Inside a compiled model the chunked kernel's plain ops become part of its graph; Liger's would not.
-    if not vocab_parallel and not torch.compiler.is_compiling() and liger_available():
-        return "liger"
-    return "chunked"
+    asked = os.environ.get(KERNEL_ENV, "")
+    if asked not in ("", "plain", "chunked", "liger"):
+        raise UsageError(f"{KERNEL_ENV}={asked!r} is not a GPU cross-entropy kernel; use plain, chunked or "
+                         f"liger, or leave it unset to choose by the logits' size")
+    if vocab_parallel:
+        return "chunked"  # only the chunked kernel combines the ranks' vocabulary slices
+    if asked == "liger":
+        # Inside a compiled model the chunked kernel's plain ops become part of its graph; Liger's would not.
+        return "chunked" if torch.compiler.is_compiling() else "liger"
+    if asked:
+        return asked
+    if tokens is None or vocab is None:
+        return "chunked"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "plain" if plain_fits(tokens, vocab, _device_memory(index)) else "chunked"
 
 
 def chunk_rows(device: torch.device, vocab: int, tokens: int) -> int:
@@ -101,9 +146,28 @@ def _compile(fn, backend: str):
     return torch.compile(fn, backend=backend)
 
 
+def _backward_probe(fn, args, kwargs) -> None:
+    # The chunk's backward adds into the weight gradient in place: its first use writes into a copy, so a
+    # kernel failing half-way leaves the real accumulator as it was for the eager kernel to fill.
+    args = list(args)
+    args[5] = args[5].clone()
+    fn(*args, **kwargs)
+
+
+@functools.cache
+def chunk_kernel(fn, backend: str) -> FastPath:
+    """``fn`` (``_forward_chunk`` or ``_backward_chunk``) compiled with ``backend``, falling back to ``fn`` run
+    eagerly if the compiled kernel fails at its first use (one warning; see ``libai_lite.utils.fallback``)."""
+    kind = "forward" if fn is _forward_chunk else "backward"
+    return FastPath(f"the compiled chunked cross entropy ({kind}, torch.compile backend {backend})",
+                    _compile(fn, backend), fn, probe=_backward_probe if fn is _backward_chunk else None,
+                    plain_name="the same chunk kernel, eager,")
+
+
 def _compiled(fn, backend: str):
-    """``fn`` compiled with ``backend``, or ``fn`` itself inside a model being compiled (it joins that graph)."""
-    return fn if torch.compiler.is_compiling() else _compile(fn, backend)
+    """``fn`` compiled with ``backend`` behind its fallback (``chunk_kernel``), or ``fn`` itself inside a model
+    being compiled (it joins that graph)."""
+    return fn if torch.compiler.is_compiling() else chunk_kernel(fn, backend)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -162,7 +226,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
+def plain_linear_cross_entropy(hidden, weight, target, ignore_index, compute_dtype, with_top1):
+    """The unfused head: ``[N, V]`` logits in ``compute_dtype``, then cross entropy in at least fp32 (0 where
+    ignored)."""
+    logits = F.linear(hidden.to(compute_dtype), weight.to(compute_dtype))
+    with torch.autocast(hidden.device.type, enabled=False):
+        upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(upcast, target, ignore_index=ignore_index, reduction="none")
+    valid = target != ignore_index
+    is_top1 = (logits.argmax(-1) == target) & valid if with_top1 else valid.new_zeros(())
+    return loss, is_top1
+
+
 def _liger(hidden, weight, target, ignore_index, compute_dtype, with_top1):
+    if not liger_available():
+        raise ImportError(f"liger-kernel>={'.'.join(map(str, LIGER_MIN_VERSION))} with triton is not installed "
+                          f"(pip install -e .[gpu])")
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     with torch.autocast(hidden.device.type, enabled=False):
@@ -184,11 +263,28 @@ def gpu_linear_cross_entropy(kernel: str, hidden, weight, target, ignore_index: 
     """(per-token fp32 loss, is-top-1) of ``hidden [N, H] @ weight[V, H].T`` against ``target [N]`` with
     ``kernel`` ``chunked`` or ``liger``, the contract of ``loss._LinearCrossEntropy``; ``rows``: tokens
     per chunk (None: ``chunk_rows``); ``backend``: torch.compile's for ``chunked``."""
+    if kernel in ("liger", "plain") and group is not None:
+        raise ValueError(f"the {kernel} kernel does not split the vocabulary over ranks; use kernel='chunked'")
     if kernel == "liger":
-        if group is not None:
-            raise ValueError("the liger kernel does not split the vocabulary over ranks; use kernel='chunked'")
-        return _liger(hidden, weight, target, ignore_index, compute_dtype, with_top1)
+        return LIGER(hidden, weight, target, ignore_index, compute_dtype, with_top1, rows, backend)
+    if kernel == "plain":
+        return plain_linear_cross_entropy(hidden, weight, target, ignore_index, compute_dtype, with_top1)
     if kernel != "chunked":
-        raise ValueError(f"kernel={kernel!r} is not a GPU cross-entropy kernel; use one of chunked, liger")
+        raise ValueError(f"kernel={kernel!r} is not a GPU cross-entropy kernel; use one of plain, chunked, liger")
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, compute_dtype, with_top1, group,
                                             vocab_start, rows, backend)
+
+
+def _liger_fast(hidden, weight, target, ignore_index, compute_dtype, with_top1, rows, backend):
+    return _liger(hidden, weight, target, ignore_index, compute_dtype, with_top1)
+
+
+def _liger_plain(hidden, weight, target, ignore_index, compute_dtype, with_top1, rows, backend):
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, ignore_index, compute_dtype, with_top1, None, 0,
+                                            rows, backend)
+
+
+# Probed forward and backward at first use: an import error, a Triton compile error or a kernel this GPU cannot
+# launch turns into one warning and the chunked kernel.
+LIGER = FastPath("Liger-Kernel's fused linear cross entropy", _liger_fast, _liger_plain,
+                 plain_name="the compiled chunked cross entropy")

@@ -125,8 +125,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     each rank then forms its slice of the logits only, and ``hidden`` may be replicated or, under
     sequence parallelism, this rank's slice of the sequence (dim 1). ``return_top1=True`` also
     returns whether each target is the arg-max of its logits (False where ignored). ``kernel``: ``buffer``
-    (the one-buffer path below), ``chunked`` or ``liger`` (``fused_linear_ce``: no ``[tokens, vocab]``
-    buffer); None picks by device (``fused_linear_ce.select_kernel``: ``buffer`` on a CPU).
+    (the one-buffer path below), ``plain`` (logits, then cross entropy), ``chunked`` or ``liger``
+    (``fused_linear_ce``: no ``[tokens, vocab]`` buffer); None picks by device and size
+    (``fused_linear_ce.select_kernel``: ``buffer`` on a CPU).
     """
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -136,7 +137,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         hidden, weight, group, vocab_start = _vocab_parallel_inputs(hidden, weight, target)
-    kernel = kernel or select_kernel(hidden.device, group is not None)
+    kernel = kernel or select_kernel(hidden.device, group is not None, tokens=target.numel(), vocab=weight.shape[0])
     if kernel != "buffer":
         loss, is_top1 = gpu_linear_cross_entropy(kernel, hidden.reshape(-1, hidden.shape[-1]), weight,
                                                  target.reshape(-1), ignore_index, compute_dtype, return_top1,

@@ -20,6 +20,18 @@ shapes: a fixed micro-batch and sequence length, no dropout RNG outside the grap
 also benchmarks GEMM and Triton configurations at compile time, ``max-autotune-no-cudagraphs`` that
 without CUDA graphs. CUDA graphs are a GPU feature: on a CPU inductor leaves them out.
 
+With CUDA graphs and gradient accumulation the trainer marks each micro-batch as a new step
+(``torch.compiler.cudagraph_mark_step_begin``), keeps copies of the outputs it stacks and moves the first
+micro-batch's gradients out of the graphs' memory (the next replay would overwrite them); that needs
+the gradients to be the trainer's own ``.grad``: one data-parallel replica, no pipeline (``check_compile``).
+
+Every compiled module is a fast path (``libai_lite.utils.fallback.FastPath``): its first call for
+each input signature compiles the forward and, with ``force_non_lazy_backward_lowering``, the backward
+too, so a compile error or a Triton kernel this GPU cannot hold surfaces there; the run then goes on
+eager from that call (one warning). Under CUDA graphs the first three calls are guarded (warm-up,
+recording, first replay) and a failure falls back to the same compilation without CUDA graphs. A
+failure after that is raised, as is one in a backward that runs kernels already built.
+
 On the CPU the inductor backend builds C++ with the machine's compiler; its cache
 (``TORCHINDUCTOR_CACHE_DIR``, by default under the temporary directory) makes later runs start fast.
 """
@@ -29,17 +41,21 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..layers.loss import ParallelCrossEntropyLoss
 from ..utils.errors import UsageError
+from ..utils.fallback import FastPath, signature_of
 from .activation_checkpoint import is_checkpointed, transformer_layers
 
 logger = logging.getLogger("libai_lite")
 
 SCOPES = ("auto", "model", "layers")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The modes that replay CUDA graphs, and the same compilation without them (their fallback).
+CUDA_GRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 @dataclass(frozen=True)
@@ -82,18 +98,86 @@ def compile_options(cfg: Mapping | None) -> CompileOptions:
     return options
 
 
+def uses_cuda_graphs(options: CompileOptions | None) -> bool:
+    """Whether ``train.compile`` asks for CUDA graphs (``reduce-overhead``, ``max-autotune``)."""
+    return options is not None and options.enabled and options.mode in CUDA_GRAPH_MODES
+
+
+def check_compile(options: CompileOptions | None, num_accumulation_steps: int, *, replica_size: int,
+                  pipeline_parallel_size: int, offload: bool) -> None:
+    """Refuse, in one line and before any work, CUDA graphs with gradient accumulation where the gradients
+    are not the trainer's own ``.grad`` (DDP/FSDP over several replicas, CPU offload, a pipeline schedule):
+    a graph's replay would overwrite the gradients the previous micro-batch left in its memory."""
+    if not uses_cuda_graphs(options) or num_accumulation_steps <= 1:
+        return
+    if replica_size > 1 or pipeline_parallel_size > 1 or offload:
+        raise UsageError(f"train.compile.mode={options.mode} (CUDA graphs) with {num_accumulation_steps} accumulation "
+                         f"steps needs one data-parallel replica, no pipeline and no offload (each replay would "
+                         f"overwrite the gradients accumulated in the graphs' memory); use train.compile.mode="
+                         f"{CUDA_GRAPH_MODES[options.mode] or 'null'}, or train.num_accumulation_steps=1")
+
+
+def _first_call_builds_backward():
+    # torch.compile lowers the backward graph at its first backward call unless told otherwise: built with
+    # the forward, its compile errors and unlaunchable Triton kernels surface in the guarded first call.
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=torch.is_grad_enabled())
+
+
+def _module_signature(module, *args, **kwargs):
+    return id(module), signature_of(*args, **kwargs)
+
+
+def _call_compiled(attr):
+    def call(module, *args, **kwargs):
+        return getattr(module, attr)(*args, **kwargs)
+    return call
+
+
+def _call_eager(module, *args, **kwargs):
+    return module._call_impl(*args, **kwargs)
+
+
+def compile_paths(options: CompileOptions) -> FastPath:
+    """The fast path every module compiled under ``options`` is called through: ``module`` first, then its
+    arguments; torch.compile's code (CUDA graphs first where the mode has them), eager where it fails."""
+    mode = CUDA_GRAPH_MODES.get(options.mode, options.mode)
+    backend = options.backend if isinstance(options.backend, str) else type(options.backend).__name__
+    path = FastPath(f"train.compile (backend {backend}{f', mode {mode}' if mode else ''})",
+                    _call_compiled("_libai_lite_compiled"), _call_eager, signature=_module_signature, probe=None,
+                    first_call=_first_call_builds_backward, plain_name="the eager module")
+    if options.mode not in CUDA_GRAPH_MODES:
+        return path
+    return FastPath(f"CUDA graphs (train.compile.mode={options.mode})", _call_compiled("_libai_lite_cuda_graphs"), path,
+                    signature=_module_signature, probe=None, first_call=_first_call_builds_backward, first_uses=3,
+                    plain_name=f"the same compilation without CUDA graphs (mode {mode or 'default'})")
+
+
+def compile_module(module: nn.Module, options: CompileOptions, path: FastPath) -> None:
+    """``module.compile(...)`` with ``options``, its calls going through ``path`` (``compile_paths``): the
+    compiled call where it works, the eager module where it failed at first use."""
+    kwargs = dict(backend=options.backend, fullgraph=options.fullgraph)
+    mode = CUDA_GRAPH_MODES.get(options.mode, options.mode)
+    module._libai_lite_compiled = torch.compile(module._call_impl, mode=mode, **kwargs)
+    if options.mode in CUDA_GRAPH_MODES:
+        module._libai_lite_cuda_graphs = torch.compile(module._call_impl, mode=options.mode, **kwargs)
+    # nn.Module calls _compiled_call_impl when set (what module.compile() sets); dynamo tracing an enclosing
+    # module calls the module's own _call_impl and never this guard.
+    module._compiled_call_impl = lambda *args, **kw: path(module, *args, **kw)
+
+
 def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: bool = False) -> str | None:
     """Compile ``model`` in place: whole (``scope="model"``, or ``auto`` where ``whole_model_ok``: nothing
-    needs its layers apart) or its transformer layers (and its cross entropy with ``options.loss``).
+    needs its layers apart) or its transformer layers (and its cross entropy with ``options.loss``), each
+    behind one fast path that falls back to eager (``compile_paths``).
     Returns what was compiled: ``model``, ``layers`` or None (off)."""
     if not options.enabled:
         return None
-    kwargs = dict(backend=options.backend, fullgraph=options.fullgraph, mode=options.mode)
     if options.scope == "model" and not whole_model_ok:
         raise UsageError("train.compile.scope=model needs one data-parallel replica and no pipeline, tensor, "
                          "context or expert parallelism; use train.compile.scope=layers (or auto)")
+    path = compile_paths(options)
     if options.scope != "layers" and whole_model_ok:
-        model.compile(**kwargs)
+        compile_module(model, options, path)
         logger.info(f"torch.compile ({options.backend}{f', {options.mode}' if options.mode else ''}) on the whole "
                     f"{type(model).__name__}")
         return "model"
@@ -102,10 +186,10 @@ def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: boo
         raise UsageError(f"train.compile found no transformer layers in {type(model).__name__}: it compiles the "
                          f"children of a 'layers' ModuleDict/ModuleList; keep the layers in such a container")
     for layer in layers:
-        _compile_target(layer).compile(**kwargs)
+        compile_module(_compile_target(layer), options, path)
     losses = [m for m in model.modules() if isinstance(m, ParallelCrossEntropyLoss)] if options.loss else []
     for loss in losses:
-        loss.compile(**kwargs)
+        compile_module(loss, options, path)
     logger.info(f"torch.compile ({options.backend}{f', {options.mode}' if options.mode else ''}) on "
                 f"{len(layers)} transformer layers"
                 + (f" and {len(losses)} cross-entropy losses" if options.loss else ""))

@@ -19,12 +19,19 @@ weights in float8 (half the bytes of bf16) with one all-reduce for all weight sc
 optimizer step (``float8_after_optimizer_step``), as torchtitan does.
 
 FP8 GEMMs need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); a CPU run
-is refused in one line. Tensor parallelism with FP8 would need torchao's float8 tensor-parallel
-styles in place of our SBP plan and is refused too.
+is refused in one line, as is a run without torchao installed. Tensor parallelism with FP8 would need
+torchao's float8 tensor-parallel styles in place of our SBP plan and is refused too.
+
+FP8 is a fast path (``libai_lite.utils.fallback.FastPath``): if torchao fails to import or convert, the
+model stays in high precision; if a float8 linear fails at its first use, forward or backward (probed on
+a detached copy of its input: a compile error, a float8 GEMM this GPU or torch build lacks), that
+linear and every one not yet used run as plain high-precision linears on the same weights from then
+on. One warning line says which and why.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import sys
 from collections.abc import Mapping
@@ -34,6 +41,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import UsageError
+from ..utils.fallback import FastPath, one_line, signature_of
 
 logger = logging.getLogger("libai_lite")
 
@@ -90,10 +98,14 @@ def check_float8(options: Float8Options, device: torch.device, tensor_parallel_s
 
 
 def _torchao():
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise UsageError("train.fp8 needs torchao, which is not installed: pip install -e .[fp8]") from e
+    # Not installed is bad input, refused at setup; installed but failing to import is a fast path failing.
+    if importlib.util.find_spec("torchao") is None:
+        raise UsageError("train.fp8 needs torchao, which is not installed: pip install -e .[fp8]")
+
+
+def _torchao_float8():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     return Float8LinearConfig, convert_to_float8_training
 
 
@@ -127,25 +139,71 @@ def apply_float8(module: nn.Module, options: Float8Options, *, compile_backend: 
     tensorwise recipe then all-gathers the weights in float8."""
     if not options.enabled:
         return 0
-    config_cls, convert = _torchao()
+    _torchao()
     names = [n for n, m in module.named_modules() if fp8_eligible(n, m, options)]
     if not names:
         logger.warning(f"train.fp8: no linear layer is large enough to gain from FP8 (filter={options.filter}) "
                        f"or has dimensions divisible by 16; nothing runs in FP8")
         return 0
-    config = config_cls.from_recipe_name(options.recipe)
-    if fsdp and options.recipe == "tensorwise":  # torchao's float8 all-gather is tensorwise only
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    convert(module, config=config, module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m, options))
-    if compile_backend is not None:
+    path = float8_path(options.recipe)
+    try:
+        config_cls, convert = _torchao_float8()
+        config = config_cls.from_recipe_name(options.recipe)
+        if fsdp and options.recipe == "tensorwise":  # torchao's float8 all-gather is tensorwise only
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert(module, config=config, module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m, options))
+    except Exception as e:  # noqa: BLE001 - a broken torchao install or conversion: train in high precision
+        path.fallback_reason = one_line(e)
+        logger.warning(f"train.fp8: torchao's float8 conversion failed ({path.fallback_reason}); the linears train "
+                       f"in high precision")
+        # Linears a failing conversion had already swapped run their high-precision forward.
         for name in names:
-            module.get_submodule(name).compile(backend=compile_backend)
+            if _is_float8(module.get_submodule(name)):
+                guard_float8_linear(module.get_submodule(name), path)
+        return 0
+    for name in names:
+        linear = module.get_submodule(name)
+        if compile_backend is not None:
+            linear.compile(backend=compile_backend)
+        guard_float8_linear(linear, path)
     logger.info(f"train.fp8: {len(names)} linear layers in float8 ({options.recipe} scaling"
                 f"{', float8 all-gather' if config.enable_fsdp_float8_all_gather else ''}"
                 f"{f', each compiled ({compile_backend})' if compile_backend else ', compiled with their layers'}); "
                 f"kept in high precision: {', '.join(options.skip) or 'none'}"
                 f"{' and linears too small to gain' if options.filter == 'auto' else ''}")
     return len(names)
+
+
+def _is_float8(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+def _float8_call(linear, x):
+    return (linear._libai_lite_float8 or linear._call_impl)(x)
+
+
+def high_precision_linear(linear, x):
+    """``linear`` (a float8 linear) as the plain ``nn.Linear`` it was: the same weight and bias in their own
+    dtype (a weight all-gathered in float8 under FSDP is turned back to it), autocast's GEMM."""
+    weight = linear.weight
+    if hasattr(weight, "to_original_precision"):
+        weight = weight.to_original_precision()
+    return nn.functional.linear(x, weight, linear.bias)
+
+
+def float8_path(recipe: str) -> FastPath:
+    """The fast path of a model's float8 linears: ``(linear, x)``, probed forward and backward at each linear's
+    first use, the high-precision linear where one failed."""
+    return FastPath(f"train.fp8 (torchao float8 linears, {recipe} scaling)", _float8_call, high_precision_linear,
+                    signature=lambda linear, x: (id(linear), signature_of(x)),
+                    plain_name="the high-precision linear (same weights)")
+
+
+def guard_float8_linear(linear: nn.Module, path: FastPath) -> None:
+    """Call the float8 ``linear`` (compiled or not) through ``path``. Under a compiled layer dynamo traces the
+    linear's own ``_call_impl``; this guard runs where the linear is called eagerly."""
+    linear._libai_lite_float8 = linear._compiled_call_impl
+    linear._compiled_call_impl = lambda x: path(linear, x)
 
 
 def float8_after_optimizer_step(optimizer, module: nn.Module) -> bool:

@@ -1,7 +1,9 @@
 """A training step reads nothing back from the device: every read (``float(t)``, ``.item()``, a boolean
 mask) stalls a GPU's launch queue. Counted on the CPU with libai_lite/utils/host_reads.py's
 ``TorchDispatchMode`` (driven by tests/workers/host_read_worker.py) in the real trainer with its hooks,
-for one process and under tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed number of batches."""
+for one process and under tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed
+number of batches. The branches only a CUDA run takes (the GPU loss kernel, bf16 autocast, fused AdamW)
+are taken on the CPU too, with the device-only choices stubbed."""
 import json
 
 import pytest
@@ -150,3 +152,64 @@ def test_fp16_overflow_skips_are_decided_on_the_device_and_read_at_the_log_perio
         trainer.check_skipped()
     assert "fp16 overflow at iteration 1: step skipped, loss scale 8.50706e+37 -> 4.25353e+37" in caplog.text
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 2)
+
+
+@pytest.mark.parametrize("kernel", ["plain", "chunked"])
+def test_the_cuda_branches_of_a_step_read_nothing(monkeypatch, kernel):
+    """The path a CUDA run takes, run on the CPU with its device-only choices stubbed: the LM head + loss
+    as CUDA selects it (plain logits and cross entropy where they fit, else the compiled chunked kernel
+    behind its fallback guard; not Liger's kernel,
+    which reads ``target_mask.sum().item()`` twice a micro-batch, even where Liger is installed), bf16
+    autocast, two accumulated micro-batches and fused AdamW, which skips a non-finite step on the device.
+    No host read in any step, the guard's first use included."""
+    import torch
+
+    from libai_lite.engine.trainer import Trainer
+    from libai_lite.layers import fused_linear_ce as flce
+    from libai_lite.layers import loss as loss_mod
+    from libai_lite.model import output_metrics
+    from libai_lite.utils.events import EventStorage
+    from libai_lite.utils.host_reads import HostReadCounter
+    from projects.GPT.modeling.gpt_model import GPTForPreTraining
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(flce.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(flce, "liger_available", lambda: True)
+    # The device's memory as an 80 GB GPU's, with this tiny head's share set below or above it: both CUDA rules.
+    monkeypatch.setattr(flce, "_device_memory", lambda index: 80 << 30)
+    monkeypatch.setattr(flce, "PLAIN_LOGITS_SHARE", 1.0 if kernel == "plain" else 1e-12)
+    monkeypatch.setattr(loss_mod, "select_kernel", lambda device, vocab_parallel, **kw: flce.select_kernel(
+        cuda, vocab_parallel, **kw))
+    # A dispatch mode sees a compiled function's ops run one by one (dynamo does not compile under it): the
+    # kernels' own ops, as these run them.
+    monkeypatch.setattr(flce, "_compile", lambda fn, backend: fn)
+    flce.chunk_kernel.cache_clear()
+    kernels, gpu_loss = [], loss_mod.gpu_linear_cross_entropy
+
+    def spy(kernel, *args, **kwargs):
+        kernels.append(kernel)
+        return gpu_loss(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(loss_mod, "gpu_linear_cross_entropy", spy)
+    torch.manual_seed(0)
+    model = GPTForPreTraining(dict(hidden_layers=2, vocab_size=128, hidden_size=32, ffn_hidden_size=64,
+                                   num_attention_heads=4, max_seq_length=16))
+    ids = torch.randint(0, 128, (8, 2, 17), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in ids]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    trainer = Trainer(model, data, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0), output_metrics(model),
+                      num_accumulation_steps=2, amp_dtype=torch.bfloat16)
+    trainer.storage, counter = EventStorage(), HostReadCounter()
+    try:
+        for i in range(3):
+            trainer.iter = i
+            trainer.storage.begin(i)
+            counter.reset()
+            with counter:
+                trainer.run_step()
+            assert counter.reads == [], f"iteration {i}: {counter.reads}"
+        assert kernels == [kernel] * 6
+        assert not any(flce.chunk_kernel(fn, "inductor").fell_back
+                       for fn in (flce._forward_chunk, flce._backward_chunk))
+    finally:
+        flce.chunk_kernel.cache_clear()

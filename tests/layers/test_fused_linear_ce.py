@@ -118,14 +118,67 @@ def test_chunked_kernel_joins_a_compiled_model_without_graph_breaks():
     torch.testing.assert_close(gw, ref_gw, **_tolerance(torch.float32, ref_gw))
 
 
-def test_a_cuda_tensor_gets_a_gpu_kernel_and_a_cpu_tensor_the_buffer(monkeypatch):
+def test_on_cuda_the_plain_head_runs_while_its_logits_fit_and_the_chunked_kernel_beyond(monkeypatch):
+    """The rule: fp32 logits within 1/32 of the device's memory run plain, larger ones chunked; a head split
+    over tensor-parallel ranks is always chunked; LIBAI_LITE_CE_KERNEL overrides the size rule."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(flce.KERNEL_ENV, raising=False)
+    h100 = 80 * 10**9
+    monkeypatch.setattr(flce, "_device_memory", lambda index: h100)
+    # (tokens, vocab): GPT-2 124M at micro-batch 12, 345M at 8, the demo, Llama 3 8B at 8k, GPT-2 at micro-batch 32.
+    shapes = {(12 * 1024, 50304): "plain", (8 * 1024, 50304): "plain", (16 * 128, 8064): "plain",
+              (8192, 128256): "chunked", (32 * 1024, 50304): "chunked"}
+    for (tokens, vocab), want in shapes.items():
+        assert flce.select_kernel(cuda, False, tokens=tokens, vocab=vocab) == want, (tokens, vocab)
+        assert flce.plain_fits(tokens, vocab, h100) == (want == "plain")
+        assert flce.select_kernel(cuda, True, tokens=tokens, vocab=vocab) == "chunked"
+    monkeypatch.setenv(flce.KERNEL_ENV, "chunked")
+    assert flce.select_kernel(cuda, False, tokens=16, vocab=128) == "chunked"
+    monkeypatch.setenv(flce.KERNEL_ENV, "plain")
+    assert flce.select_kernel(cuda, False, tokens=8192, vocab=128256) == "plain"
+    assert flce.select_kernel(cuda, True, tokens=16, vocab=128) == "chunked"
+
+
+@pytest.mark.parametrize("with_top1", [False, True])
+def test_the_plain_kernel_gives_the_buffered_loss_and_gradients(with_top1):
+    """``plain`` (logits, then cross entropy) against the CPU's one-buffer kernel, ignored targets included."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 24, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 40, (2, 24))
+    target[0, :5] = -100
+    got = linear_cross_entropy(hidden, weight, target, return_top1=with_top1, kernel="plain")
+    want = linear_cross_entropy(hidden, weight, target, return_top1=with_top1, kernel="buffer")
+    if with_top1:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    # float64 throughout: the two differ by summation order only.
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad(got.sum(), (hidden, weight))
+    g_want = torch.autograd.grad(want.sum(), (hidden, weight))
+    for a, b in zip(g_got, g_want):
+        # The buffered kernel forms its gradients in fp32 (2^-24 relative per element, sums of 40 terms).
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cuda_tensor_gets_the_chunked_kernel_liger_only_when_asked_and_a_cpu_tensor_the_buffer(monkeypatch):
+    """Liger reads the host twice a micro-batch (``target_mask.sum().item()``): CUDA's default is the chunked
+    kernel, which reads nothing, installed Liger or not; ``LIBAI_LITE_CE_KERNEL=liger`` asks for Liger."""
+    from libai_lite.utils.errors import UsageError
+
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv(flce.KERNEL_ENV, raising=False)
     assert flce.select_kernel(cpu, False) == flce.select_kernel(cpu, True) == "buffer"
     monkeypatch.setattr(flce, "liger_available", lambda: True)
+    assert flce.select_kernel(cuda, False) == flce.select_kernel(cuda, True) == "chunked"
+    monkeypatch.setenv(flce.KERNEL_ENV, "liger")
     assert flce.select_kernel(cuda, False) == "liger"
     assert flce.select_kernel(cuda, True) == "chunked"  # Liger has no vocabulary-parallel form
-    monkeypatch.setattr(flce, "liger_available", lambda: False)
-    assert flce.select_kernel(cuda, False) == "chunked"
+    assert flce.select_kernel(cpu, False) == "buffer"
+    monkeypatch.setenv(flce.KERNEL_ENV, "triton")
+    with pytest.raises(UsageError, match="LIBAI_LITE_CE_KERNEL='triton' is not a GPU cross-entropy kernel; use "
+                                         "plain, chunked or liger"):
+        flce.select_kernel(cuda, False)
 
 
 def test_gpu_chunks_are_a_few_hundred_mb_of_logits_and_split_the_tokens_evenly():
@@ -161,7 +214,7 @@ def test_linear_cross_entropy_dispatches_on_the_selected_kernel(monkeypatch):
         calls.append((kernel, tuple(h.shape), tuple(t.shape), compute_dtype, group, vocab_start))
         return torch.zeros(t.shape), torch.zeros(t.shape, dtype=torch.bool)
 
-    monkeypatch.setattr(loss_mod, "select_kernel", lambda device, vocab_parallel: "liger")
+    monkeypatch.setattr(loss_mod, "select_kernel", lambda device, vocab_parallel, **kw: "liger")
     monkeypatch.setattr(loss_mod, "gpu_linear_cross_entropy", fake_gpu)
     monkeypatch.setattr(loss_mod._LinearCrossEntropy, "apply", None)  # would fail if called
     loss = linear_cross_entropy(hidden.view(5, 9, H), weight, target.view(5, 9))

@@ -241,6 +241,26 @@ def test_bad_compile_config_is_one_line(cfg, needle):
     assert compile_options(dict(enabled=True, mode="reduce-overhead")).mode == "reduce-overhead"
 
 
+def test_cuda_graphs_with_accumulation_are_refused_where_the_gradients_are_not_the_trainers():
+    """reduce-overhead/max-autotune with accumulation: the trainer keeps the gradients out of the graphs'
+    memory (tests/parallel/test_fast_path_fallback.py), which it can only do for its own ``.grad``."""
+    from libai_lite.parallel.compile import check_compile
+
+    graphs, one = CompileOptions(enabled=True, mode="reduce-overhead"), dict(replica_size=1, pipeline_parallel_size=1,
+                                                                           offload=False)
+    check_compile(graphs, 4, **one)
+    check_compile(graphs, 1, **{**one, "replica_size": 2})
+    check_compile(CompileOptions(enabled=True, mode="max-autotune-no-cudagraphs"), 4, **{**one, "replica_size": 2})
+    check_compile(CompileOptions(enabled=False, mode="reduce-overhead"), 4, **{**one, "replica_size": 2})
+    for key, value in (("replica_size", 2), ("pipeline_parallel_size", 2), ("offload", True)):
+        with pytest.raises(UsageError, match=r"^train.compile.mode=reduce-overhead \(CUDA graphs\) with 4 accumulation "
+                                             r"steps needs one data-parallel replica, no pipeline and no offload .*; "
+                                             r"use train.compile.mode=null, or train.num_accumulation_steps=1$"):
+            check_compile(graphs, 4, **{**one, key: value})
+    with pytest.raises(UsageError, match="use train.compile.mode=max-autotune-no-cudagraphs, or"):
+        check_compile(CompileOptions(enabled=True, mode="max-autotune"), 2, **{**one, "pipeline_parallel_size": 2})
+
+
 # ---------------------------------------------------------------------------------------------- torchrun
 def _worker(out: str, name: str) -> None:
     """One torchrun rank: the tiny GPT parallelized as LAYOUTS[name] says, compiled, trained; rank 0 writes

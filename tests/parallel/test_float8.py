@@ -119,13 +119,16 @@ def test_only_linears_large_enough_to_gain_are_converted():
 
 
 def test_converted_linears_are_compiled_unless_their_layers_are():
+    """Each float8 linear is called through its fallback guard (tests/parallel/test_fast_path_fallback.py),
+    which calls the linear compiled on its own, or as it is when train.compile compiles its layer."""
     model = _gpt()
     apply_float8(model, Float8Options(**ALL), compile_backend="eager")
     converted = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-    assert converted and all(m._compiled_call_impl is not None for m in converted)
+    assert converted and all(m._compiled_call_impl is not None and m._libai_lite_float8 is not None for m in converted)
     model = _gpt()
     apply_float8(model, Float8Options(**ALL), compile_backend=None)  # train.compile compiles their layers
-    assert all(m._compiled_call_impl is None for m in model.modules() if type(m).__name__ == "Float8Linear")
+    converted = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    assert converted and all(m._compiled_call_impl is not None and m._libai_lite_float8 is None for m in converted)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
