@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config.instantiate import instantiate, instantiate_target
 from .config.resolve import amp_dtype, batch_sizes
+from .config.validate import check_paths
 from .data.build import cap_eval_iter
-from .model import pipeline_num_layers, supports_pipeline
+from .model import max_seq_length, pipeline_num_layers, supports_pipeline
 from .parallel.activation_checkpoint import check_ac_mode
 from .parallel.compile import CompileOptions, compile_options
 from .parallel.float8 import Float8Options, float8_options
@@ -91,8 +92,12 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     rows, which win (evaluating a checkpoint padded otherwise). ``data``: the config's own loaders feed the run,
     so ``train.train_epoch`` is counted and ``eval_iter`` capped to the valid split (the planner, and an
     evaluation on other data, pass False). ``eval_only``: ``--eval-only``, which evaluates whatever
-    ``train.evaluation.enabled`` says.
+    ``train.evaluation.enabled`` says. Everything the run reads is checked here, before anything is written:
+    the types of its paths, and (with ``data``) the splits and the data's sequence length against the model's.
     """
+    check_paths(cfg)
+    if data:
+        _check_splits(cfg.dataloader.train)
     train = cfg.train
     micro, global_batch, acc = batch_sizes(train, dims.data_parallel_size)
     batch = BatchSizes(micro, global_batch, acc, int(train.get("test_micro_batch_size") or micro))
@@ -123,7 +128,10 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
             resolved.train.evaluation.eval_iter = eval_iter
         if vocab is not None:
             resolved.model.cfg.vocab_size = vocab
-        stages = _stage_of_layer(resolved, dims)
+        model = _meta_model(resolved) if data or dims.pipeline_parallel_size > 1 else None
+        if data:
+            _check_sequence_length(resolved, model)
+        stages = _stage_of_layer(model, dims)
         if stages:
             # The assignment goes into config.yaml, so a run can be reproduced exactly.
             resolved.train.dist.stage_of_layer = list(stages)
@@ -154,13 +162,43 @@ def _iterations(loader_cfg, train, global_batch: int) -> int:
     return train_iter
 
 
-def _stage_of_layer(cfg, dims: ParallelDims) -> list[int]:
+def _meta_model(cfg) -> torch.nn.Module:
+    """``cfg.model`` on the meta device: what resolution asks the model (no memory, no init)."""
+    with torch.device("meta"):
+        return instantiate(cfg.model)
+
+
+def _check_splits(loader_cfg) -> None:
+    """Splits that give no split a share (``0,0,0``) are refused as such; other bad strings are the data builder's."""
+    text = loader_cfg.get("splits_string")
+    parts = text.replace("/", ",").split(",") if isinstance(text, str) else text
+    try:
+        shares = [float(str(p).strip()) for p in parts]
+    except (TypeError, ValueError):
+        return
+    if shares and all(share == 0 for share in shares):
+        raise UsageError(f"dataloader.train.splits_string={text!r} gives every split a share of 0, so there are no "
+                         f"documents to train on; give the train split a positive share, e.g. '949,50,1'")
+
+
+def _check_sequence_length(cfg, model: torch.nn.Module) -> None:
+    """The data's samples (``dataloader.train.seq_length`` tokens) must fit the model's positions
+    (``max_seq_length`` of the model protocol), or the first step would fail on them."""
+    seq, longest = cfg.dataloader.train.get("seq_length"), max_seq_length(model)
+    if longest is None or not isinstance(seq, int) or isinstance(seq, bool) or seq <= longest:
+        return
+    model_cfg = cfg.model.get("cfg") or {}
+    key = "model.cfg.max_seq_length" if "max_seq_length" in model_cfg else f"{type(model).__name__}.max_seq_length"
+    raise UsageError(f"dataloader.train.seq_length={seq} is longer than the {longest} positions the model takes "
+                     f"({key}={longest}); set dataloader.train.seq_length to at most {longest}, or train a model with "
+                     f"{key} >= {seq}")
+
+
+def _stage_of_layer(model: torch.nn.Module | None, dims: ParallelDims) -> list[int]:
     """Each layer's pipeline stage (``layer_stages``), from the model built on the meta device; empty without a
     pipeline or for a model that cannot be pipelined (the layout check refuses that one, naming it)."""
     if dims.pipeline_parallel_size == 1:
         return []
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
     if not supports_pipeline(model):
         return []
     return layer_stages(pipeline_num_layers(model), dims.num_stages, dims.custom_pipeline_stage_id)

@@ -112,6 +112,15 @@ def tree_snapshot(path) -> dict:
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
 
 
+def tree_hashes(path) -> dict:
+    """Relative path -> sha256 of every file under `path`, to show a command left each one byte-identical."""
+    import hashlib
+
+    path = Path(path)
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(path, size: str):
     """A real small filesystem: a tmpfs of ``size`` (mount's syntax, "2m") mounted at ``path`` for the

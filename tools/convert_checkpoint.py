@@ -31,7 +31,7 @@ import tempfile
 
 import torch
 
-from libai_lite.checkpoint.foreign import checkpoint_format
+from libai_lite.checkpoint.foreign import checkpoint_format, megatron_iteration_dir
 from libai_lite.utils.errors import UsageError
 
 _LEGACY_FILE = "model_optim_rng.pt"
@@ -41,17 +41,7 @@ _SPLIT_DIM = {"query_key_value": 0, "dense_h_to_4h": 0, "dense_4h_to_h": 1, "sel
 
 
 def _iteration_dir(path: str, iteration) -> str:
-    if iteration is None:
-        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            found = sorted(n for n in os.listdir(path) if n.startswith("iter_"))
-            if not found:
-                return path
-            return os.path.join(path, found[-1])
-        iteration = open(tracker).read().strip()
-    if str(iteration) == "release":
-        return os.path.join(path, "release")
-    return os.path.join(path, f"iter_{int(iteration):07d}")
+    return megatron_iteration_dir(path, iteration)
 
 
 def _load(path: str) -> dict:

@@ -11,6 +11,7 @@
 Every option is the harness's (`lm_eval --help`); `libai_lite.integrations.lm_eval` lists the
 model_args. The harness has no plugin entry point for models, so its own `lm_eval` command cannot
 see ours: this script registers the model and then hands over. Under torchrun only rank 0 prints.
+The model's log and config go to `<train.output_dir>/lm_eval/`, the harness's results to `--output_path`.
 """
 import os
 import sys

@@ -48,6 +48,16 @@ def ppl_loader_fn(data, json_key, stride, split, seq_length):
     return build
 
 
+def check_utf8(path: str) -> None:
+    """Refuse, before anything is set up or written, a text file that is not UTF-8 (as preprocessing does)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UsageError(f"{path} line {number} is not UTF-8 text; re-encode the file as UTF-8") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config-file", required=True, metavar="FILE", help="the config the checkpoint was trained with")
@@ -73,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate(args) -> dict:
     """Set up the run from `args`, evaluate, and return the results (identical on every rank)."""
+    from libai_lite.data.jsonl_dataset import is_jsonl_path
     from libai_lite.engine.eval_only import build_eval_trainer
     from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
 
@@ -80,6 +91,8 @@ def evaluate(args) -> dict:
         raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
     if args.data and args.task == "lambada" and not os.path.isfile(args.data):
         raise UsageError(f"data file {args.data} not found (relative paths start at {os.getcwd()})")
+    if args.data and os.path.isfile(args.data) and (args.task == "lambada" or is_jsonl_path(args.data)):
+        check_utf8(args.data)
     if args.task == "lambada":
         trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, verify=not args.no_verify)
         return trainer._inference(None, LambadaEvaluator(args.data, json_key=args.json_key), None)

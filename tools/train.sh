@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
 # Launch FILE with CONFIG on NPROC processes per node through torchrun:
 #   bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 [key=value ...]
+# or with a Megatron-LM pretrain_gpt.py command line in place of CONFIG (each rank translates it):
+#   bash tools/train.sh tools/train_net.py --megatron-args "--num-layers 24 ..." 8 [key=value ...]
 # Several machines: NODE (nodes), NODE_RANK (this node), ADDR and PORT (node 0's address).
 # MAX_RESTARTS=n lets torchrun restart failed workers; a restarted job resumes from its last checkpoint.
 set -euo pipefail
-if [ $# -lt 3 ]; then
+if [ $# -lt 3 ] || { [ "$2" = "--megatron-args" ] && [ $# -lt 4 ]; }; then
   echo "usage: bash tools/train.sh FILE CONFIG NPROC [key=value ...]" >&2
+  echo "       bash tools/train.sh FILE --megatron-args \"FLAGS\" NPROC [key=value ...]" >&2
   exit 2
 fi
 FILE=$1
-CONFIG=$2
-NPROC=$3
-shift 3
+if [ "$2" = "--megatron-args" ]; then
+  CONFIG_ARGS=(--megatron-args "$3")
+  NPROC=$4
+  shift 4
+else
+  CONFIG_ARGS=(--config-file "$2")
+  NPROC=$3
+  shift 3
+fi
 NODE=${NODE:-1}
 NODE_RANK=${NODE_RANK:-0}
 ADDR=${ADDR:-127.0.0.1}
@@ -21,14 +30,59 @@ PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "$NODE_RANK" = "0" ]; then
-  # torchrun's own message for a taken port is a long traceback; say it in one line first. The
-  # check binds as torchrun's store does (SO_REUSEADDR), so the TIME_WAIT connections a killed job
-  # leaves do not make a --resume on the same port look refused.
-  if ! "$PYTHON" -c "import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('$ADDR', int('$PORT'))); s.listen()" 2>/dev/null; then
-    echo "error: port $PORT on $ADDR is already in use (another job?); pick a free one with PORT=... bash tools/train.sh ..." >&2
-    exit 1
-  fi
+# The launcher's arguments are checked before torchrun starts: its own answers to them are assertions
+# and tracebacks (NPROC=0), or a wait for nodes that never come.
+refuse() {
+  echo "error: $1" >&2
+  exit 1
+}
+# An integer from $3 to $4 (10# so that a leading zero is not read as octal).
+in_range() {
+  [[ $2 =~ ^[0-9]+$ ]] && [ ${#2} -le 9 ] && (( 10#$2 >= $3 )) && { [ -z "${4:-}" ] || (( 10#$2 <= $4 )); }
+}
+[ -f "$FILE" ] ||
+  refuse "$FILE not found (relative paths start at $(pwd)); FILE is the script to launch, e.g. tools/train_net.py"
+in_range NPROC "$NPROC" 1 ||
+  refuse "NPROC=$NPROC is not a number of processes: give a positive integer, the processes per node (e.g. 1, or 8 for eight GPUs)"
+in_range NODE "$NODE" 1 ||
+  refuse "NODE=$NODE is not a number of nodes: give a positive integer (1 on one machine)"
+in_range NODE_RANK "$NODE_RANK" 0 $((10#$NODE - 1)) ||
+  refuse "NODE_RANK=$NODE_RANK is not a node of NODE=$NODE: give an integer from 0 to $((10#$NODE - 1)) (0 on the node at ADDR)"
+in_range PORT "$PORT" 1 65535 ||
+  refuse "PORT=$PORT is not a port number: give an integer from 1 to 65535, a free port on node 0 (e.g. PORT=29500)"
+in_range MAX_RESTARTS "$MAX_RESTARTS" 0 ||
+  refuse "MAX_RESTARTS=$MAX_RESTARTS is not a number of restarts: give an integer >= 0"
+
+if (( 10#$NODE_RANK == 0 )); then
+  # torchrun's own message for a taken port is a long traceback; say it in one line first, with the
+  # real reason. The check binds as torchrun's store does (SO_REUSEADDR), so the TIME_WAIT
+  # connections a killed job leaves do not make a --resume on the same port look refused.
+  "$PYTHON" -c '
+import errno, socket, sys
+addr, port = sys.argv[1], int(sys.argv[2])
+try:
+    found = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+except socket.gaierror as e:
+    sys.exit(f"error: ADDR={addr} cannot be resolved ({e.strerror}); give node 0'"'"'s address or host name")
+errors = []
+for family, kind, proto, _, where in found:  # a name may resolve to IPv6 and IPv4: one of them will do
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(where)
+            s.listen()
+        sys.exit(0)
+    except OSError as e:
+        errors.append(e)
+e = next((e for e in errors if e.errno == errno.EADDRINUSE), errors[0])
+if e.errno == errno.EADDRINUSE:
+    sys.exit(f"error: port {port} on {addr} is already in use (another job?); pick a free one with "
+             f"PORT=... bash tools/train.sh ...")
+if e.errno == errno.EADDRNOTAVAIL:
+    sys.exit(f"error: ADDR={addr} is not an address of this machine, which is node 0 (NODE_RANK=0); give "
+             f"its own address (127.0.0.1 on one machine)")
+sys.exit(f"error: cannot listen on port {port} of {addr} ({e.strerror}); pick another with PORT=...")
+' "$ADDR" "$PORT" || exit 1
 fi
 
 # A worker refusing bad input says why in one "error: ..." line; torchrun then adds a traceback
@@ -67,7 +121,7 @@ export LIBAI_LITE_LAUNCHER_PID=$$
 "$PYTHON" -m torch.distributed.run \
   --nproc_per_node "$NPROC" --nnodes "$NODE" --node_rank "$NODE_RANK" \
   --master_addr "$ADDR" --master_port "$PORT" --max-restarts "$MAX_RESTARTS" \
-  "$FILE" --config-file "$CONFIG" "$@" 2> >(filter_report >&2) &
+  "$FILE" "${CONFIG_ARGS[@]}" "$@" 2> >(filter_report >&2) &
 child=$!
 received=""
 forward() {

@@ -11,7 +11,11 @@ import glob
 import json
 import os
 
-__all__ = ["checkpoint_format", "foreign_checkpoint_error"]
+from ..utils.errors import UsageError
+
+__all__ = ["checkpoint_format", "foreign_checkpoint_error", "megatron_iteration_dir"]
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _is_torch_dist(folder: str) -> bool:
@@ -31,7 +35,7 @@ def checkpoint_format(path: str) -> str:
         return ""
     names = set(os.listdir(path))
     steps = sorted(n for n in names if n.startswith("iter_") or n == "release")
-    if "latest_checkpointed_iteration.txt" in names or steps:
+    if MEGATRON_TRACKER in names or steps:
         inner = os.path.join(path, steps[-1]) if steps else path
         return "megatron-torch_dist" if _is_torch_dist(inner) else "megatron-legacy"
     if any(n.startswith("mp_rank_") for n in names):
@@ -58,3 +62,30 @@ def foreign_checkpoint_error(path: str) -> str | None:
         return (f"{path} is a LiBai (OneFlow) checkpoint, which needs OneFlow to read: export it to Hugging Face with "
                 f"LiBai, then python tools/hf_convert.py import --hf-dir HF_DIR --output DIR")
     return None
+
+
+def megatron_iteration_dir(path: str, iteration=None) -> str:
+    """The folder of one iteration of a Megatron-LM checkpoint ``path``: ``iteration`` (a number or ``release``),
+    else the one its tracker file names, else its last ``iter_*`` folder (or ``path`` itself without any).
+
+    A tracker or an ``iteration`` that is not an iteration number is one UsageError naming it, as Megatron
+    writes only the last saved iteration or ``release`` there.
+    """
+    tracker = os.path.join(path, MEGATRON_TRACKER)
+    source = "--iteration"
+    if iteration is None:
+        if not os.path.isfile(tracker):
+            found = sorted(n for n in os.listdir(path) if n.startswith("iter_"))
+            return os.path.join(path, found[-1]) if found else path
+        source = tracker
+        with open(tracker, "rb") as f:
+            iteration = f.read(64).decode("utf-8", errors="replace").strip()
+    text = str(iteration).strip()
+    if text == "release":
+        return os.path.join(path, "release")
+    if not text.isdigit():
+        found = sorted(n for n in os.listdir(path) if n.startswith("iter_") or n == "release")
+        raise UsageError(f"{source} holds {text[:40]!r}, not an iteration number (Megatron-LM's is the last saved "
+                         f"iteration or 'release'); pass --iteration with one of the checkpoint's folders "
+                         f"({', '.join(found) or 'none found'})")
+    return os.path.join(path, f"iter_{int(text):07d}")

@@ -8,6 +8,7 @@ through the directory's ``model_type``. Files are ``hf_io``'s; ``tools/hf_conver
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Callable, Mapping
 
@@ -68,8 +69,40 @@ def register_hf_model(mapping: HFMapping | str, **fields) -> HFMapping:
         named = {f.name: getattr(module, f.name) for f in dataclasses.fields(HFMapping)
                  if callable(getattr(module, f.name, None))}
         mapping = HFMapping(**{**named, **fields})
+    if not getattr(mapping.config_from_hf, "_checked", False):
+        mapping = dataclasses.replace(mapping, config_from_hf=_checked_config_reader(mapping.config_from_hf))
     _MAPPINGS[_class_name(mapping.model_class)] = mapping
     return mapping
+
+
+def _checked_config_reader(read: Callable[[Mapping], dict]) -> Callable[[Mapping], dict]:
+    """``read`` (a mapping's ``config_from_hf``) whose TypeError or ValueError on a ``config.json`` value of the
+    wrong type (a string where a size goes) is one UsageError naming the entry."""
+
+    @functools.wraps(read)
+    def config_from_hf(hf_config: Mapping) -> dict:
+        try:
+            return read(hf_config)
+        except UsageError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise UsageError(_bad_config_value(hf_config, e)) from e
+
+    config_from_hf._checked = True
+    return config_from_hf
+
+
+def _bad_config_value(hf_config: Mapping, exc: Exception) -> str:
+    """The refusal of a ``config.json`` whose reading failed with ``exc``, naming the entry it failed on when the
+    error shows it (its value quoted, or its type named, by one entry only)."""
+    text = str(exc)
+    named = [k for k, v in hf_config.items() if isinstance(v, str) and repr(v) in text]
+    if not named:
+        named = [k for k, v in hf_config.items() if f"'{type(v).__name__}'" in text]
+    what = (f"{named[0]}={hf_config[named[0]]!r} is not the number it should be" if len(named) == 1
+            else "a value is not of the type the model reads")
+    return (f"config.json: {what} ({type(exc).__name__}: {text}); correct it (transformers writes sizes as "
+            f"integers and rates as numbers) or download the model again")
 
 
 def hf_model_types() -> list[str]:

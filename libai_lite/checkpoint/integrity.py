@@ -128,17 +128,20 @@ def verify_checkpoint(path: str) -> None:
     """Refuse (UsageError naming the file) a checkpoint whose files differ from its ``manifest.json``.
 
     Collective when distributed: each rank checks a share of the files and every rank raises the
-    same first mismatch. A checkpoint saved before manifests were written loads with a warning.
+    same first mismatch. A checkpoint of this format without its manifest is refused: nothing in it
+    tells a manifest deleted with a shard changed from an intact one (``--no-verify`` loads it
+    unchecked). Another framework's checkpoint is recognised by its own files (``foreign``) and named
+    by ``read_metadata``.
     """
+    from .foreign import checkpoint_format
+
     manifest = os.path.join(path, MANIFEST)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        return  # a missing checkpoint is read_metadata's to report
+    if not os.path.isfile(os.path.join(path, ".metadata")) or checkpoint_format(path) != "ours":
+        return  # a missing or foreign checkpoint is read_metadata's to report
     if not os.path.isfile(manifest):
-        if (os.path.realpath(path), None) not in _VERIFIED:
-            _VERIFIED.add((os.path.realpath(path), None))
-            logger.warning(f"checkpoint {path} has no {MANIFEST} (saved by an older version): its files cannot "
-                           f"be checked for corruption and are loaded as they are")
-        return
+        raise UsageError(f"checkpoint {path} has no {MANIFEST}, so its files cannot be checked against what was "
+                         f"saved (every save writes it last: it was deleted, or the copy left it out); restore the "
+                         f"directory from a copy, or load it unchecked with --no-verify")
     try:
         with open(manifest) as f:
             files = json.load(f)["files"]
@@ -190,7 +193,7 @@ def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
 
 def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None,
                             all_keys: set | None = None, vocab_ids: int | None = None,
-                            model_config=None, verify: bool = True) -> None:
+                            model_config=None, verify: bool = True, rebuild=None) -> None:
     """Refuse (UsageError naming the first mismatch) a checkpoint that does not fit the model exactly.
 
     Its files must match its manifest (``verify_checkpoint``, collective when distributed; skipped
@@ -201,7 +204,8 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
     ``all_keys`` (the names read, over all ranks) replaces its keys in the last check when this
     rank holds only part of the model (a pipeline stage). With ``vocab_ids`` (the tokenizer's ids)
     and ``model_config`` (``model.cfg``), vocabulary rows that differ only in padding are accepted
-    (``Checkpointer.load`` cuts or adds them) and a refusal names the ``model.cfg`` key that differs.
+    (``Checkpointer.load`` cuts or adds them) and a refusal names the ``model.cfg`` key that differs
+    (``rebuild``: ``vocab_rows.shape_refusal``'s, which tells keys of the same value apart).
     """
     aliases = aliases or {}
     if verify:
@@ -216,7 +220,7 @@ def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None =
         # A DTensor's shape is the global one.
         shape, full = tuple(getattr(stored, "size", ())), tuple(tensor.shape)
         if shape != full and not vocab_padding_differs(shape, full, vocab_ids, vocab_rows):
-            raise UsageError(f"checkpoint {path} {shape_refusal(key, shape, full, vocab_ids, model_config)}")
+            raise UsageError(f"checkpoint {path} {shape_refusal(key, shape, full, vocab_ids, model_config, rebuild)}")
     # A tied copy (a pipeline stage's LM head) reads its source's entry, but a checkpoint saved
     # under pipeline parallelism stores the copy under its own name too: both are the model's.
     expected = all_keys if all_keys is not None else {aliases.get(k, k) for k in model_state} | set(model_state)

@@ -15,11 +15,11 @@ Change some config options (any key of the config, Hydra override syntax):
     $ bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 8 \\
         train.dist.tensor_parallel_size=2 optim.lr=1e-4 train.output_dir=output/gpt2
 
-Evaluate a trained model only:
+Evaluate a trained model only (log, config and results.json go to <train.output_dir>/eval_only/):
     $ bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 \\
         --eval-only train.load_weight=/path/to/checkpoint
 
-Check that everything works with a few iterations:
+Check that everything works with a few iterations (written to <train.output_dir>/fast_dev_run/):
     $ python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py --fast-dev-run
 """
 
@@ -46,7 +46,13 @@ def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentPa
         "(model, optimizer, scheduler, iteration and consumed samples). "
         "Without it, train.load_weight (if set) only initialises the model weights.",
     )
-    parser.add_argument("--eval-only", action="store_true", help="Perform evaluation only")
+    parser.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="Evaluate the weights in train.load_weight (or, with --resume, the last checkpoint in "
+        "train.output_dir) on the valid and test splits, and train nothing. Writes its log.txt, config.yaml "
+        "and results.json to <train.output_dir>/eval_only/ and nothing else in train.output_dir.",
+    )
     parser.add_argument(
         "--no-verify",
         action="store_true",
@@ -56,7 +62,9 @@ def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentPa
     parser.add_argument(
         "--fast-dev-run",
         action="store_true",
-        help="Run several batches of train, eval and test to find any bugs (ie: a sort of unit test)",
+        help="Train 20 iterations with an evaluation and a checkpoint every 10, to check a setup. Writes to "
+        "<train.output_dir>/fast_dev_run/ (train.output_dir=DIR on the command line moves it to DIR/fast_dev_run/) "
+        "and nothing else in train.output_dir, so a trained run there is left as it is.",
     )
     parser.add_argument(
         "opts",

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
 
-__all__ = ["Range", "OneOf", "RANGES", "check_ranges"]
+__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths"]
 
 
 def _number(x: float) -> str:
@@ -83,6 +83,42 @@ class OneOf:
         return value in self.values
 
 
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class PathValue:
+    """A file or directory path, a string; ``nullable``: null is allowed (none); ``blend``: Megatron's blend list
+    ``[weight1, prefix1, weight2, prefix2, ...]`` (or a one-prefix list) as well."""
+
+    nullable: bool = False
+    blend: bool = False
+
+    def describe(self) -> str:
+        text = "a path (a string)"
+        if self.blend:
+            text += " or Megatron's blend list [weight1, prefix1, weight2, prefix2, ...]"
+        return text + (", or null" if self.nullable else "")
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if isinstance(value, str):
+            return True
+        if not self.blend or not isinstance(value, (list, tuple)):
+            return False
+        if len(value) == 1:
+            return isinstance(value[0], str)
+        return (len(value) >= 2 and len(value) % 2 == 0 and all(_is_number(w) for w in value[0::2])
+                and all(isinstance(p, str) for p in value[1::2]))
+
+
 _COUNT = Range(low=1, integer=True)
 _COUNT_OR_NULL = Range(low=1, integer=True, nullable=True)
 _NON_NEGATIVE_INT = Range(low=0, integer=True)
@@ -142,6 +178,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "optim.params.weight_decay_bias": Range(low=0, nullable=True),
     "dataloader.*.num_workers": _NON_NEGATIVE_INT,
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
+    "dataloader.*.seq_length": _COUNT,
     "tokenization.make_vocab_size_divisible_by": _COUNT,
     # The names of libai_lite.parallel.pipeline.SCHEDULES (tests/parallel/test_pipeline_schedules.py checks).
     "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
@@ -167,7 +204,17 @@ RANGES: dict[str, "Range | OneOf"] = {
 }
 
 
-def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
+# key path (or pattern) -> the paths a run reads or writes: a number, list or dict there is refused in one line
+# before os.path meets it.
+PATHS: dict[str, PathValue] = {
+    "train.output_dir": PathValue(),
+    "train.load_weight": PathValue(nullable=True),
+    "dataloader.*.data_prefix": PathValue(blend=True),
+    "dataloader.*.cache_dir": PathValue(nullable=True),
+}
+
+
+def _leaf_paths(node: Any, prefix: str = "", with_dicts: bool = False) -> Iterator[str]:
     if isinstance(node, DictConfig):
         for key in node.keys():
             path = f"{prefix}.{key}" if prefix else str(key)
@@ -175,7 +222,9 @@ def _leaf_paths(node: Any, prefix: str = "") -> Iterator[str]:
             if child._is_interpolation():
                 continue  # checked at the key it refers to, the one a user sets
             if isinstance(child, DictConfig) and not child._is_none():
-                yield from _leaf_paths(child, path)
+                if with_dicts:
+                    yield path
+                yield from _leaf_paths(child, path, with_dicts)
             else:
                 yield path
 
@@ -185,6 +234,25 @@ def _value(cfg, path: str) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=True)
     return value
+
+
+def check_paths(cfg) -> None:
+    """Raise ``UsageError`` for the first path of ``cfg`` (``PATHS``) that is not a path, before any is used."""
+    for path in _leaf_paths(cfg, with_dicts=True):
+        kind = PATHS.get(path) or next((k for p, k in PATHS.items() if "*" in p and fnmatch.fnmatchcase(path, p)),
+                                       None)
+        if kind is None:
+            continue
+        try:
+            value = _value(cfg, path)
+        except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported where it is used
+            continue
+        if not kind.accepts(value):
+            shown = "null" if value is None else repr(value)
+            # A bare number on the command line is parsed as one.
+            quote = f" (a name that looks like a number is quoted: {path}=\"'{value}'\")" if _is_number(value) else ""
+            raise UsageError(f"{path}={shown} is not a path: it must be {kind.describe()}{quote}; set {path} to "
+                             f"such a value")
 
 
 def check_ranges(cfg, ranges: dict | None = None) -> None:

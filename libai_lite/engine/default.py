@@ -6,12 +6,13 @@ overrides any one of them (LiBai's extension point) still trains.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
@@ -22,6 +23,7 @@ from ..config.instantiate import instantiate_with
 from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
+from ..parallel.compile import check_compile, uses_cuda_graphs
 from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..planning import startup_estimate
@@ -40,13 +42,30 @@ from .wandb_writer import build_wandb_writer
 logger = logging.getLogger("libai_lite")
 
 
+class RunAlreadyFinished(UsageError):
+    """A resume of a run that has trained all of its ``train.train_iter`` iterations."""
+
+
+def check_resume_has_work(checkpoint: str, done: int, train_iter: int) -> None:
+    """Refuse a resume that would train nothing: it would only rewrite the finished run's checkpoints and config
+    (``RunAlreadyFinished`` when ``train_iter`` is the run's own count, which a torchrun restart takes as done)."""
+    if train_iter <= done:
+        refusal = RunAlreadyFinished if train_iter == done else UsageError
+        raise refusal(f"--resume: {checkpoint} has already trained {done} iterations and train.train_iter={train_iter} "
+                      f"asks for no more: nothing to train, nothing written; set train.train_iter above {done} to "
+                      f"train on (or evaluate it with --eval-only)")
+
+
 class DefaultTrainer:
     """Builds tokenizer, data, model, optimizer, scheduler, checkpointer, trainer and hooks from ``cfg``, then trains.
 
     Subclass and override a ``build_*`` method to change one piece, LiBai style.
     """
 
-    def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True):
+    def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True,
+                 run_dir: str | None = None):
+        """``run_dir``: the run whose ``last_checkpoint`` ``resume`` continues or evaluates (default
+        ``train.output_dir``, where this job writes; ``--eval-only`` reads a run it does not write in)."""
         self.cfg, self.layout, self.eval_only = cfg, layout, eval_only
         # False (--no-verify): checkpoints load without checking their files against their manifest.
         self.verify = verify
@@ -57,19 +76,23 @@ class DefaultTrainer:
         cfg = self.cfg = self.spec.cfg
         meta_model = self.build_meta_model(cfg)
         self.check_layout(cfg, meta_model)
-        self.resume_path = resolve_resume(self.output_dir) if resume else None
+        run_dir = run_dir or self.output_dir
+        self.resume_path = resolve_resume(run_dir) if resume else None
         if resume and self.resume_path is None:
-            logger.warning(f"--resume given but {self.output_dir} has no last_checkpoint: starting from scratch")
+            logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
         self.precheck_output_dir(self.output_dir)
         if self.resume_path or cfg.train.get("load_weight"):
             # Against the meta model: a wrong --resume or load_weight is refused before anything is written.
             check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict(),
                                     vocab_ids=getattr(self.tokenizer, "vocab_size", None),
-                                    model_config=cfg.model.get("cfg"), verify=self.verify)
+                                    model_config=cfg.model.get("cfg"), verify=self.verify,
+                                    rebuild=self.model_shapes_with)
         # The data position is needed before the loaders are built; the rest comes from Checkpointer.load.
         trainer_state = read_trainer_state(self.resume_path) if self.resume_path is not None else {}
         self.consumed_samples = int(trainer_state.get("consumed_samples", 0))  # at the start of this run
         self.start_iter = int(trainer_state.get("iteration", -1)) + 1
+        if self.resume_path is not None and not eval_only:
+            check_resume_has_work(self.resume_path, self.start_iter, self.spec.train_iter)
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
         for loader in (self.train_loader, self.valid_loader, self.test_loader):
             # Before their workers start: a job's stop signal is the trainer's to handle.
@@ -97,7 +120,8 @@ class DefaultTrainer:
         self._setup_output()
         self.trainer = self.build_trainer(cfg, self.model, self.train_loader, self.optimizer, self.scheduler,
                                           self.grad_scaler)
-        self.trainer.register_hooks(self.build_hooks())
+        # An evaluation runs no training step: no metrics.json, event file or W&B run of its own.
+        self.trainer.register_hooks([] if eval_only else self.build_hooks())
 
     # ------------------------------------------------------------ checks
     @staticmethod
@@ -128,6 +152,8 @@ class DefaultTrainer:
                              f"set it to {expected} or leave it unset (null) to derive it")
         check_model_layout(model, layout, self.spec.batch.num_accumulation_steps)
         check_float8(self.spec.float8, layout.device, layout.tensor_parallel_size)
+        check_compile(self.spec.compile, self.spec.batch.num_accumulation_steps, replica_size=layout.replica_size,
+                      pipeline_parallel_size=layout.pipeline_parallel_size, offload=layout.offload)
         if layout.sequence_parallel and max_seq_length(model) is not None:
             check_sequence_parallel_split(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
 
@@ -163,6 +189,16 @@ class DefaultTrainer:
         """``cfg.model`` on the meta device (no memory, no init): what the checks ask the model."""
         with torch.device("meta"):
             return instantiate(cfg.model)
+
+    def model_shapes_with(self, changes: dict) -> dict:
+        """The state-dict shapes of the model with ``changes`` to ``model.cfg`` (built on ``meta``): a refused
+        checkpoint's shapes tell which key differs."""
+        model_cfg = copy.deepcopy(self.cfg.model)
+        OmegaConf.set_readonly(model_cfg, False)
+        with open_dict(model_cfg):
+            model_cfg.cfg.update(changes)
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in instantiate(model_cfg).state_dict().items()}
 
     def build_tokenizer(self, cfg):
         """``tokenization.tokenizer`` instantiated (None without one); its padded size becomes the model's vocabulary
@@ -285,6 +321,7 @@ class DefaultTrainer:
             loss_context=lambda: loss_parallel_context(tp),
             pipeline=model.pipeline,
             context_parallel=model.context_parallel,
+            cuda_graphs=uses_cuda_graphs(self.spec.compile) and self.layout.device.type == "cuda",
         )
 
     def build_hooks(self):

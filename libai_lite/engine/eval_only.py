@@ -9,7 +9,8 @@ from .default import DefaultTrainer
 
 
 class EvalOnlyTrainer(DefaultTrainer):
-    """`DefaultTrainer` set up for evaluation alone: the model from a checkpoint, no optimizer, no hooks.
+    """`DefaultTrainer` set up for evaluation alone: the model from a checkpoint, no optimizer (and, as every
+    evaluation-only trainer, no hooks).
 
     `data_loader_fn(trainer)` builds the one loader to evaluate (or returns None for an
     evaluator that reads its own data); the training data of the config is never opened.
@@ -40,9 +41,6 @@ class EvalOnlyTrainer(DefaultTrainer):
 
     def build_lr_scheduler(self, cfg, optimizer):
         return None
-
-    def build_hooks(self):
-        return []
 
 
 def checkpoint_vocab_rows(cfg, path: str) -> int | None:

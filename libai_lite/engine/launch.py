@@ -49,6 +49,44 @@ def default_setup(cfg, args) -> Layout:
     return layout
 
 
+FAST_DEV_RUN_DIR, EVAL_ONLY_DIR = "fast_dev_run", "eval_only"
+
+
+def own_output_dir(cfg, args) -> str | None:
+    """Point ``train.output_dir`` of a ``--fast-dev-run`` or ``--eval-only`` at a folder of its own inside it;
+    return the run folder whose ``last_checkpoint`` ``--resume`` reads (None: ``train.output_dir`` as it now is).
+
+    Neither check writes over the run it is pointed at: a fast dev run trains in ``<output_dir>/fast_dev_run``
+    (``--resume`` continues that fast dev run), an evaluation logs to ``<output_dir>/eval_only`` (``--resume``
+    evaluates the run's last checkpoint); ``train.output_dir=DIR`` on the command line moves both.
+    """
+    run_dir = cfg.train.get("output_dir")
+    eval_only, fast = getattr(args, "eval_only", False), getattr(args, "fast_dev_run", False)
+    if not (eval_only or fast) or not run_dir or not str(run_dir).strip():
+        return None  # an empty output_dir is refused by the trainer's precheck, naming the key
+    own, flag = (EVAL_ONLY_DIR, "--eval-only") if eval_only else (FAST_DEV_RUN_DIR, "--fast-dev-run")
+    cfg.train.output_dir = os.path.join(str(run_dir), own)
+    logger.info(f"{flag} writes to {cfg.train.output_dir}, a folder of its own: nothing else in {run_dir} is written")
+    return str(run_dir) if eval_only else None
+
+
+def write_eval_results(output_dir: str, results: dict, checkpoint) -> str:
+    """``--eval-only``'s ``results.json`` in its own folder (rank 0); returns its path."""
+    import json
+
+    from ..utils.files import atomic_write
+
+    path = os.path.join(output_dir, "results.json")
+    record = {"checkpoint": checkpoint, "results": {k: float(v) for k, v in results.items()}}
+    try:
+        atomic_write(path, lambda f: f.write(json.dumps(record, indent=2) + "\n"), mode="w", fsync=False)
+    except OSError as e:
+        # The results are in log.txt already; nothing to resume, only the file to write again.
+        raise UsageError(f"cannot write {path}: {e.strerror or e}; free space there or choose another "
+                         f"train.output_dir, then evaluate again") from e
+    return path
+
+
 def _find_user_error(exc: BaseException | None):
     """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
     # An InstantiationError is a config-built object refusing its arguments (the message names the
@@ -94,7 +132,7 @@ def launch(args) -> int:
     Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
     by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
     """
-    from .default import DefaultTrainer
+    from .default import DefaultTrainer, RunAlreadyFinished
 
     # A stop signal before training ends the process through `finally` (lock released); during
     # training the SignalCheckpointer hook saves first.
@@ -105,12 +143,23 @@ def launch(args) -> int:
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         layout = default_setup(cfg, args)
+        run_dir = own_output_dir(cfg, args)
         trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
-                                 verify=not getattr(args, "no_verify", False))
+                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir)
         if args.eval_only:
-            trainer.test()
+            results = trainer.test()
+            if layout.rank == 0:
+                path = write_eval_results(trainer.output_dir, results,
+                                          trainer.resume_path or cfg.train.get("load_weight"))
+                logger.info(f"Evaluation results saved to {path}")
         else:
             trainer.train()
+        return 0
+    except RunAlreadyFinished as e:
+        if args.resume:
+            return report_cli_error(e)
+        # torchrun restarted a worker that failed after the run's last save (in its teardown): nothing is left to do.
+        logger.info(f"Restarted after the run had finished: {e}")
         return 0
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
         return report_cli_error(e)

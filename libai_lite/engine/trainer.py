@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import weakref
 from contextlib import nullcontext
@@ -86,8 +87,17 @@ class TrainerBase:
                 self.iter += 1
         finally:
             # No set_activity here: after an exception it must still say where the step failed.
+            leaving = sys.exc_info()[1]
             for h in self._hooks:
-                h.after_train()
+                if leaving is None:
+                    h.after_train()
+                    continue
+                # The error that stopped the run is the one reported; one met on the way out (model_best on
+                # the same full disk) goes to the log.
+                try:
+                    h.after_train()
+                except Exception as e:  # noqa: BLE001
+                    logger.error(f"{type(h).__name__} failed after the run stopped on an error: {e}")
 
     def run_step(self) -> None:
         raise NotImplementedError
@@ -95,6 +105,14 @@ class TrainerBase:
     def check_skipped(self) -> None:
         """Read back what the steps since the last call decided on the device (hooks call it at the
         log period and before a checkpoint); a trainer that decides nothing there has nothing to do."""
+
+
+def _own_gradients(model) -> None:
+    # A first backward's gradients are the graph's output tensors themselves (autograd keeps an output as
+    # .grad when nothing else holds it); the next replay writes there. Later micro-batches add in place.
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clone()
 
 
 class Trainer(TrainerBase):
@@ -105,7 +123,10 @@ class Trainer(TrainerBase):
     concatenated; the rest of the step is the same. ``metrics`` is the model's
     ``output_metrics()``: the entries back-propagated and how each combines over micro-batches.
     ``context_parallel`` (a ``ContextParallel``, cp > 1): each micro-batch is cut to this rank's part of the
-    sequence and its outputs formed over the whole sequence.
+    sequence and its outputs formed over the whole sequence. ``cuda_graphs``: the model replays CUDA graphs
+    (``train.compile.mode=reduce-overhead``), whose outputs and gradients live in memory the next replay
+    overwrites: each micro-batch starts a new graph step, its stacked outputs are copies, and the gradients
+    the first micro-batch left in the graphs' memory become the trainer's own before the next one runs.
 
     A step reads nothing back from the device: losses, metrics and the gradient norm go to the
     ``EventStorage`` as tensors, and whether a step is skipped (a NaN/inf loss or gradient norm, an
@@ -117,8 +138,9 @@ class Trainer(TrainerBase):
                  device: torch.device = torch.device("cpu"), amp_dtype: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad_max_norm: float | None = None,
                  clip_grad_norm_type: float = 2.0, max_skipped_nonfinite: int = 0, loss_context=nullcontext,
-                 pipeline=None, context_parallel=None):
+                 pipeline=None, context_parallel=None, cuda_graphs: bool = False):
         super().__init__()
+        self.cuda_graphs = cuda_graphs
         self.model, self.data_loader, self.optimizer, self.scheduler = model, data_loader, optimizer, scheduler
         self._data_iter = iter(data_loader)
         self.metrics = dict(metrics)
@@ -172,15 +194,20 @@ class Trainer(TrainerBase):
             # Backward stays inside `sharded()` too: recomputed (checkpointed) attention gathers again.
             with no_sync_context(self.model, micro == len(batches) - 1), self.loss_context(), \
                     (cp.sharded() if cp is not None else nullcontext()):
+                if self.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self.autocast():
                     outputs = self.model(**batch)
                 if cp is not None:
                     outputs = cp.reduce_outputs(outputs, self.metrics)
+                for k in self.metrics:
+                    if k in outputs:
+                        kept = outputs[k].detach().float()
+                        seen.setdefault(k, []).append(kept.clone() if self.cuda_graphs else kept)
                 loss = sum(outputs[k] for k, m in self.metrics.items() if m.backward and k in outputs) / len(batches)
                 (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
-            for k in self.metrics:
-                if k in outputs:
-                    seen.setdefault(k, []).append(outputs[k].detach().float())
+            if self.cuda_graphs and micro == 0 and len(batches) > 1:
+                _own_gradients(self.model)
         combine = {"mean": torch.mean, "sum": torch.sum, "max": torch.max}
         return {k: combine[self.metrics[k].reduce](torch.stack(v)) for k, v in seen.items()}
 

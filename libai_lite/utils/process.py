@@ -209,7 +209,10 @@ class OutputDirLock:
     """One run per ``train.output_dir``: ``OUTPUT_DIR/.lock`` holds the owner's host and pid under flock.
 
     The kernel drops the flock when its process dies however it dies, so a lock left by a killed
-    run is taken over (with a log line); a live owner gets the second run refused by name.
+    run is taken over (with a log line); a live owner gets the second run refused by name. Only the
+    owner holds it: the descriptor is closed on exec, and a forked child (a DataLoader worker, which
+    outlives a killed trainer by seconds) closes its copy at once (``_forget_locks_in_child``), since
+    an flock stays held while any descriptor of its open file is open.
     """
 
     def __init__(self, output_dir: str):
@@ -233,7 +236,7 @@ class OutputDirLock:
             return
         host = socket.gethostname()
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -284,6 +287,22 @@ class OutputDirLock:
 
 
 _HELD: list[OutputDirLock] = []
+
+
+def _forget_locks_in_child() -> None:
+    """In a forked child: close the inherited lock descriptors (the flock stays the parent's) and forget them,
+    so neither the child's exit nor its ``release_locks`` touches the parent's lock file."""
+    for lock in _HELD:
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 def release_locks() -> None:

@@ -185,6 +185,113 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_and_released_at_exit(tmp_p
     assert (out / "log.txt").exists() and not (out / ".lock").exists()
 
 
+_FORKING_OWNER = """
+import os, sys, time
+from libai_lite.utils.process import OutputDirLock
+OutputDirLock(sys.argv[1]).acquire()
+if os.fork() == 0:
+    sys.exit(0)  # a child ending normally runs atexit: it must not release the parent's lock
+os.wait()
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_run_lock_is_held_by_its_owner_only_not_by_the_processes_it_forks(tmp_path):
+    """A forked child (a DataLoader worker) shares the lock's open file, and an flock stays held while any
+    descriptor of it is open: the child closes its copy at the fork, so once the owner is killed the directory
+    is free although the child lives on, and a child that ends does not remove its parent's lock."""
+    import sys
+
+    from libai_lite.utils.errors import UsageError
+    from libai_lite.utils.process import OutputDirLock
+    from tests.launch import env
+
+    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, str(tmp_path)], cwd=ROOT, env=env(),
+                             stdout=subprocess.PIPE, text=True)
+    child = int(owner.stdout.readline())
+    try:
+        assert (tmp_path / ".lock").exists()
+        with pytest.raises(UsageError, match=f"in use by another run \\(pid {owner.pid} "):
+            OutputDirLock(str(tmp_path)).acquire()
+        owner.kill()
+        owner.wait()
+        assert os.path.exists(f"/proc/{child}")
+        lock = OutputDirLock(str(tmp_path))
+        lock.acquire()
+        lock.release()
+    finally:
+        owner.kill()
+        os.kill(child, signal.SIGKILL)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _state(pid: int):
+    """The process's state letter (R, S, T, Z, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_torchrun_restarts_a_killed_worker_while_its_dataloader_worker_lives_and_the_run_ends_as_if_never_killed(
+        tmp_path):
+    """MAX_RESTARTS=1: the trainer is killed while its DataLoader worker lives on (stopped here once the trainer is
+    dead, so it outlives the restart however long that takes; torch ends an orphaned worker within 5 s, a fast
+    restart comes sooner). The restarted trainer takes the lock at once, resumes from the last checkpoint, and
+    every iteration's loss is the uninterrupted run's."""
+    from tests.launch import CONFIG, env
+
+    cache = tmp_path / "cache"
+    args = [*BASE, "train.train_iter=12", "train.checkpointer.period=4", "dataloader.train.num_workers=1"]
+    r = train_net(tiny(tmp_path / "ref", cache, *args))
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected = losses(tmp_path / "ref")
+    out = tmp_path / "run"
+    # Output to files: the stopped worker holds the job's stdout and stderr open until the test ends it.
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        p = subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1", *tiny(out, cache, *args)],
+                             cwd=ROOT, env=env(PORT=str(free_port()), MAX_RESTARTS="1"), stdout=stdout, stderr=stderr,
+                             start_new_session=True)
+    worker = None
+    try:
+        assert _wait_for(lambda: len(losses(out)) >= 6), "training did not start"
+        pids = job_pids(out)
+        trainer = next(pid for pid in pids if b"torch.distributed.run" in
+                       Path(f"/proc/{_parent(pid)}/cmdline").read_bytes())
+        torchrun, worker = _parent(trainer), next(pid for pid in pids if _parent(pid) == trainer)
+        os.kill(trainer, signal.SIGKILL)
+        # Stopped once it has left its dead trainer: a process group orphaned with a stopped member gets SIGHUP
+        # and SIGCONT from the kernel.
+        assert _wait_for(lambda: _state(worker) is not None and _parent(worker) != trainer, timeout=30)
+        time.sleep(0.05)
+        os.kill(worker, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(torchrun) in ("Z", None), timeout=300), "the job did not end"
+        assert _state(worker) == "T", "the DataLoader worker did not outlive its trainer's restart"
+        os.kill(worker, signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        if worker is not None and _state(worker) not in ("Z", None):
+            os.kill(worker, signal.SIGKILL)
+    log, err = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert p.returncode == 0, err[-3000:]
+    assert "Resumed from" in log and "in use by another run" not in err
+    got = losses(out)
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for it in expected:
+        # The same computation from the same state on the same machine: equal.
+        assert got[it] == expected[it], (it, got[it], expected[it])
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 192 KiB filesystem (tmpfs) at tmp_path/disk; skipped where mounting is not permitted."""

@@ -494,7 +494,7 @@ def test_eval_only_evaluates_dataloader_test_files(trained, tmp_path, restore_lo
     args = default_argument_parser().parse_args(["--config-file", str(config), "--eval-only",
                                                  f"train.load_weight={ckpt}", *_tiny(out, tmp / "cache")])
     assert launch(args) == 0
-    line = [x for x in (out / "log.txt").read_text().splitlines() if "Evaluation results:" in x][-1]
+    line = [x for x in (out / "eval_only" / "log.txt").read_text().splitlines() if "Evaluation results:" in x][-1]
     values = dict(kv.split(": ") for kv in line.split("Evaluation results: ")[1].split("  "))
     assert float(values["lambada_sample/PPL"]) == pytest.approx(single["ppl_jsonl"]["PPL"], rel=1e-4)
     assert float(values["lambada_sample/tokens"]) == single["ppl_jsonl"]["tokens"]

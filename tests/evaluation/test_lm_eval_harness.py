@@ -94,17 +94,21 @@ GPT_ARGS = ",".join(["config=projects/GPT/configs/gpt2_pretrain.py", "model.cfg.
 
 @pytest.fixture(scope="module")
 def gpt_run(trained, tmp_path_factory):
-    """The scoring tasks on the shared tiny GPT checkpoint, in one harness run."""
+    """The scoring tasks on the shared tiny GPT checkpoint, in one harness run pointed at the trained run's
+    folder (train.output_dir), and that folder's file hashes before and after it."""
+    from tests.launch import tree_hashes
+
     tmp = tmp_path_factory.mktemp("harness_gpt")
     _, ckpt, evaluate_results = trained
-    r = run_harness(tmp, f"{GPT_ARGS},checkpoint={ckpt},train.output_dir={tmp / 'run'}",
+    before = tree_hashes(ckpt.parent)
+    r = run_harness(tmp, f"{GPT_ARGS},checkpoint={ckpt},train.output_dir={ckpt.parent}",
                     "lambada_local,rolling_local", "--batch_size", "4")
     assert r.returncode == 0, r.stderr[-4000:]
-    return tmp, ckpt, evaluate_results, r
+    return tmp, ckpt, evaluate_results, r, (before, tree_hashes(ckpt.parent))
 
 
 def test_lambada_through_the_harness_equals_tools_evaluate(gpt_run):
-    tmp, _, evaluate_results, r = gpt_run
+    tmp, _, evaluate_results, r, (before, after) = gpt_run
     lambada = evaluate_results["lambada"]
     rows = samples(tmp / "out", "lambada_local")
     assert len(rows) == lambada["lambada_examples"] == 31
@@ -114,7 +118,10 @@ def test_lambada_through_the_harness_equals_tools_evaluate(gpt_run):
     # Same fp32 forward on the same tokens, batched differently: summed in float64 on both sides.
     assert -sum(loglik) == pytest.approx(math.log(lambada["lambada_ppl"]) * lambada["lambada_target_tokens"],
                                          rel=1e-5)
-    assert "lambada_local" in r.stdout and (tmp / "run" / "lm_eval" / "log.txt").exists()
+    assert "lambada_local" in r.stdout and "lm_eval/log.txt" in after
+    # The harness writes its log and config to <train.output_dir>/lm_eval/ and nothing else of the run.
+    assert ({k: v for k, v in after.items() if not k.startswith("lm_eval/")}
+            == {k: v for k, v in before.items() if not k.startswith("lm_eval/")})
 
 
 def _our_tokenizer():
@@ -128,7 +135,7 @@ def test_rolling_loglikelihood_equals_transformers_on_the_same_windows(gpt_run):
 
     from tests.evaluation.test_evaluation import hf_from_checkpoint
 
-    tmp, ckpt, _, _ = gpt_run
+    tmp, ckpt, *_ = gpt_run
     hf, tok = hf_from_checkpoint(ckpt), _our_tokenizer()
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     rows = samples(tmp / "out", "rolling_local")
@@ -260,7 +267,7 @@ def test_tensor_parallel_harness_gives_the_one_process_log_likelihoods(gpt_run, 
     """torchrun with tp=2: both ranks run the requests on the vocabulary-split model; rank 0 reports."""
     from tests.launch import free_port
 
-    tmp, ckpt, _, _ = gpt_run
+    tmp, ckpt, *_ = gpt_run
     out = tmp / "tp2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "tools/eval_harness.py", "--model", "libai_lite", "--model_args",

@@ -1,4 +1,4 @@
-"""Demo: a small GPT-2 on the data_test/ corpus that trains in a few minutes on a 2-core CPU.
+"""Demo: a small GPT-2 on the data_test/ corpus that trains in about 5 minutes on a 2-core CPU.
 
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1
 """

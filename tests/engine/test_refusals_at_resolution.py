@@ -1,0 +1,338 @@
+"""What a run depends on is checked when the config is resolved or the job launched, before anything is written;
+a resume never rewrites a finished run; and each refusal names its real cause (docs/bad_input.md lists them).
+
+Each case checks the one line a user sees; where it is a function's refusal it runs in this process (the
+command-line path to it is the same ``report_cli_error``), and once per path a user runs it as a process: the
+exit status, no traceback, and nothing written.
+"""
+import importlib.util
+import json
+import logging
+import shutil
+import subprocess
+import types
+
+import pytest
+import torch
+
+from libai_lite.config import LazyConfig
+from libai_lite.run_spec import build_tokenizer, resolve_run
+from libai_lite.utils.errors import UsageError
+from libai_lite.utils.parallel_dims import ParallelDims
+from tests.launch import CONFIG, ROOT, env, one_error_line, tiny, train_cmd, train_net, tree_snapshot
+
+BASE = ["train.evaluation.enabled=False"]
+
+
+def _load(tmp_path, *extra):
+    cfg = LazyConfig.load(str(ROOT / CONFIG))
+    return LazyConfig.apply_overrides(cfg, tiny(tmp_path / "out", tmp_path / "cache", *BASE, *extra))
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------- at resolution
+
+# override -> the part of the one-line refusal checked (tiny(): model.cfg.max_seq_length=32).
+RESOLUTION = {
+    "dataloader.train.seq_length=64": "dataloader.train.seq_length=64 is longer than the 32 positions the model "
+                                      "takes (model.cfg.max_seq_length=32); set dataloader.train.seq_length to at "
+                                      "most 32",
+    "train.output_dir=[1,2]": "train.output_dir=[1, 2] is not a path: it must be a path (a string);",
+    "train.output_dir=5": "train.output_dir=5 is not a path: it must be a path (a string) (a name that looks like a "
+                          "number is quoted: train.output_dir=\"'5'\")",
+    "dataloader.train.data_prefix=5": "dataloader.train.data_prefix=5 is not a path: it must be a path (a string) or "
+                                      "Megatron's blend list [weight1, prefix1, weight2, prefix2, ...]",
+    "dataloader.train.data_prefix=[0.5,5]": "dataloader.train.data_prefix=[0.5, 5] is not a path",
+    "dataloader.train.data_prefix={a:1}": "dataloader.train.data_prefix={'a': 1} is not a path",
+    "train.load_weight=5": "train.load_weight=5 is not a path: it must be a path (a string), or null",
+    "dataloader.train.cache_dir=[a]": "dataloader.train.cache_dir=['a'] is not a path",
+    "dataloader.train.splits_string='0,0,0'": "dataloader.train.splits_string='0,0,0' gives every split a share of 0, "
+                                              "so there are no documents to train on; give the train split a "
+                                              "positive share",
+    "dataloader.train.seq_length=0": "dataloader.train.seq_length=0 is out of range: it must be an integer >= 1",
+}
+
+
+@pytest.mark.parametrize("override", list(RESOLUTION))
+def test_what_the_run_depends_on_is_refused_in_one_line_when_resolved_and_nothing_is_written(tmp_path, override):
+    from libai_lite.config.validate import check_ranges
+
+    cfg = _load(tmp_path, override)
+    before = tree_snapshot(tmp_path)
+    with pytest.raises(UsageError) as e:
+        check_ranges(cfg)  # what default_setup checks first
+        resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), build_tokenizer(cfg))
+    assert RESOLUTION[override] in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_paths_of_the_right_types_pass_and_every_shipped_config_has_them(tmp_path):
+    from libai_lite.config.validate import check_paths
+
+    prefix = str(ROOT / "data_test/gpt2/demo_gpt2_text_document")
+    for override in (f"dataloader.train.data_prefix=[0.3,{prefix},0.7,{prefix}]",
+                     f"dataloader.train.data_prefix=[{prefix}]", "train.load_weight=null",
+                     "dataloader.train.cache_dir=null", "train.output_dir=\"'5'\""):
+        check_paths(_load(tmp_path, override))
+    for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
+        cfg = LazyConfig.load(str(path))
+        if "train" in cfg:
+            check_paths(cfg)
+
+
+def test_a_sequence_longer_than_the_model_stops_train_net_before_it_writes(tmp_path):
+    """Found at step 1 before, after config.yaml, log.txt and metrics.json were written."""
+    out = tmp_path / "out"
+    before = tree_snapshot(tmp_path)
+    r = train_net(tiny(out, tmp_path / "cache", *BASE, "train.train_iter=2", "dataloader.train.seq_length=64"))
+    assert r.returncode == 1
+    assert RESOLUTION["dataloader.train.seq_length=64"] in one_error_line(r)
+    assert not out.exists() and tree_snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------- the launcher
+
+# environment / arguments of tools/train.sh -> its one line.
+LAUNCHER = {
+    "NPROC=0": "error: NPROC=0 is not a number of processes: give a positive integer",
+    "NPROC=-1": "error: NPROC=-1 is not a number of processes",
+    "NPROC=two": "error: NPROC=two is not a number of processes",
+    "PORT=abc": "error: PORT=abc is not a port number: give an integer from 1 to 65535",
+    "PORT=99999": "error: PORT=99999 is not a port number",
+    "NODE=0": "error: NODE=0 is not a number of nodes",
+    "NODE_RANK=2": "error: NODE_RANK=2 is not a node of NODE=2: give an integer from 0 to 1",
+    "MAX_RESTARTS=-1": "error: MAX_RESTARTS=-1 is not a number of restarts",
+    "ADDR=no.such.host.invalid": "error: ADDR=no.such.host.invalid cannot be resolved",
+    "FILE=tools/nope.py": "error: tools/nope.py not found",
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHER))
+def test_launcher_arguments_are_refused_in_one_line_before_torchrun_starts(tmp_path, case):
+    key, value = case.split("=", 1)
+    extra = {"NODE_RANK": {"NODE": "2"}}.get(key, {})
+    nproc = value if key == "NPROC" else "1"
+    file = value if key == "FILE" else "tools/train_net.py"
+    launch_env = env(**extra, **({key: value} if key not in ("NPROC", "FILE") else {}))
+    launch_env.setdefault("PORT", "29555")
+    before = tree_snapshot(tmp_path)
+    r = subprocess.run(["bash", "tools/train.sh", file, CONFIG, nproc, f"train.output_dir={tmp_path / 'out'}"],
+                       cwd=ROOT, env=launch_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert one_error_line(r).startswith(LAUNCHER[case]), r.stderr
+    assert "torch.distributed" not in r.stderr and "already in use" not in r.stderr
+    assert tree_snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------- a finished run
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-iteration tiny run (hidden_size 64, max_seq_length 32)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    r = train_net(tiny(tmp / "run", tmp / "cache", *BASE, "train.train_iter=2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "run", tmp / "cache"
+
+
+def test_a_resume_with_no_iterations_left_is_refused_and_leaves_the_finished_run_as_it_was(finished, tmp_path):
+    """It logged "from iteration 2 to 1", exited 0 and rewrote model_final, model_best and config.yaml."""
+    from libai_lite.engine.default import check_resume_has_work
+
+    src, cache = finished
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    before = tree_snapshot(out)
+    r = train_net(tiny(out, cache, *BASE, "train.train_iter=1") + ["--resume"])
+    assert r.returncode == 1
+    assert f"error: --resume: {out / 'model_final'} {DOC_CASES['resume_with_nothing_left']}" in one_error_line(r)
+    assert tree_snapshot(out) == before
+    # torchrun restarting a worker that failed after the run's last save finds nothing to do, and writes nothing.
+    r = subprocess.run(train_cmd(tiny(out, cache, *BASE, "train.train_iter=2")), cwd=ROOT,
+                       env=env(TORCHELASTIC_RESTART_COUNT="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Restarted after the run had finished" in r.stdout and "error:" not in r.stderr
+    assert tree_snapshot(out) == before
+    # At the checkpoint's own count too; one more iteration is work.
+    with pytest.raises(UsageError, match="has already trained 2 iterations and train.train_iter=2 asks for no more"):
+        check_resume_has_work(str(out / "model_final"), 2, 2)
+    check_resume_has_work(str(out / "model_final"), 2, 3)
+
+
+@pytest.mark.parametrize("changed, named", [
+    ("max_seq_length=64", "model.cfg.max_seq_length=64 gives 64 where it has 32"),
+    ("hidden_size=32", "model.cfg.hidden_size=32 gives 32 where it has 64"),
+])
+def test_a_checkpoint_of_another_shape_is_blamed_on_the_key_that_differs_when_two_keys_share_a_size(
+        finished, tmp_path, changed, named):
+    """hidden_size=64 and max_seq_length=64 both give 64: the refusal of the position table, stored [32, 64],
+    named hidden_size; the key whose stored size builds the stored shape is the one named (DefaultTrainer's
+    check, on the meta model, before anything is built or written)."""
+    from libai_lite.checkpoint.integrity import check_checkpoint_shapes
+    from libai_lite.config import instantiate
+    from libai_lite.engine.default import DefaultTrainer
+
+    src, _ = finished
+    cfg = _load(tmp_path, f"model.cfg.{changed}", "model.cfg.vocab_size=8064")
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    trainer = types.SimpleNamespace(cfg=cfg)
+    with pytest.raises(UsageError) as e:
+        check_checkpoint_shapes(str(src / "model_final"), model.state_dict(), model_config=cfg.model.cfg,
+                                rebuild=lambda changes: DefaultTrainer.model_shapes_with(trainer, changes))
+    assert named in str(e.value), str(e.value)
+    if changed.startswith("max_seq_length"):
+        assert DOC_CASES["blamed_on_the_key_that_differs"] == named
+
+
+# ------------------------------------------------------------------------------- tools and metadata
+
+def test_an_hf_config_with_a_string_where_a_size_goes_is_one_line_naming_the_entry(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": "sixty-four",
+                                                "n_head": 2, "vocab_size": 128, "n_positions": 32}))
+    before = tree_snapshot(tmp_path)
+    assert _tool("hf_convert").main(["import", "--hf-dir", str(hf), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(DOC_CASES["hf_config_value"]), err
+    assert err.count("\n") == 1 and tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("tracker, iteration, said", [
+    (b"garbage\n", None, "latest_checkpointed_iteration.txt holds 'garbage', not an iteration number (Megatron-LM's "
+                         "is the last saved iteration or 'release'); pass --iteration with one of the checkpoint's "
+                         "folders (iter_0000005)"),
+    (b"\xff\xfe5", None, "latest_checkpointed_iteration.txt holds"),
+    (b"5\n", "five", "--iteration holds 'five', not an iteration number"),
+])
+def test_a_megatron_tracker_or_iteration_that_is_not_a_number_is_one_line(tmp_path, capsys, tracker, iteration, said):
+    ckpt = tmp_path / "megatron"
+    (ckpt / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_bytes(tracker)
+    before = tree_snapshot(tmp_path)
+    argv = ["--from", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "out")]
+    assert _tool("convert_checkpoint").main(argv + (["--iteration", iteration] if iteration else [])) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and "iter_0000005" in err and err.count("\n") == 1, err
+    assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("task", ["ppl", "lambada"])
+def test_evaluating_a_file_that_is_not_utf8_is_one_line_like_preprocessing(tmp_path, capsys, task):
+    data = tmp_path / "held_out.jsonl"
+    data.write_bytes(b'{"text": "a first line"}\n{"text": "caf\xe9"}\n')
+    before = tree_snapshot(tmp_path)
+    rc = _tool("evaluate").main(["--config-file", str(ROOT / CONFIG), "--checkpoint", str(tmp_path / "ckpt"),
+                                 "--task", task, "--data", str(data), f"train.output_dir={tmp_path / 'out'}"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {data} {DOC_CASES['not_utf8']}\n"
+    assert tree_snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------- the first error
+
+def test_an_error_on_the_way_out_does_not_replace_the_one_that_stopped_the_run():
+    """A periodic save fails on a full disk; model_best, due the same step, is saved on the way out and fails
+    too: the first error is reported, the second logged (tests/engine/test_process_faults.py on a real disk)."""
+    from libai_lite.engine.trainer import HookBase, TrainerBase
+
+    class Failing(HookBase):
+        def __init__(self, after_step=None, after_train=None):
+            self.step_error, self.train_error = after_step, after_train
+
+        def after_step(self):
+            if self.step_error:
+                raise UsageError(self.step_error)
+
+        def after_train(self):
+            if self.train_error:
+                raise UsageError(self.train_error)
+
+    class Steps(TrainerBase):
+        def run_step(self):
+            pass
+
+    # The package logger does not propagate (libai_lite.utils.logger): read it with a handler of its own.
+    logged = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("libai_lite").addHandler(handler)
+    trainer = Steps()
+    trainer.register_hooks([Failing(after_step="saving checkpoint model_0000000 failed"),
+                            Failing(after_train="saving checkpoint model_best failed")])
+    try:
+        with pytest.raises(UsageError, match="model_0000000"):
+            trainer.train(0, 3)
+    finally:
+        logging.getLogger("libai_lite").removeHandler(handler)
+    assert logged == ["Failing failed after the run stopped on an error: saving checkpoint model_best failed"]
+    # Without an error leaving, an after_train failure is the run's error.
+    trainer = Steps()
+    trainer.register_hooks([Failing(after_train="saving checkpoint model_final failed")])
+    with pytest.raises(UsageError, match="model_final"):
+        trainer.train(0, 1)
+
+
+@pytest.mark.slow  # the test above checks the order in process; this one on a real full disk
+def test_on_a_full_disk_the_periodic_saves_error_is_reported_not_model_bests(tmp_path):
+    """An evaluation makes model_best due at iteration 2, whose periodic save fails first on a 2 MiB disk:
+    that failure is the one line, model_best's on the way out goes to the log."""
+    from tests.launch import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "disk", "2m") as disk:
+        out = disk / "out"
+        r = train_net(tiny(out, tmp_path / "cache", "train.train_iter=4", "train.checkpointer.period=2",
+                           "train.evaluation.enabled=True", "train.evaluation.eval_period=2"))
+        assert r.returncode == 1
+        line = one_error_line(r)
+        assert line.startswith(f"error: saving checkpoint {out / 'model_0000001'} failed (OSError: [Errno 28]"), line
+        assert DOC_CASES["first_error_reported"] in line
+        assert "BestCheckpointer failed after the run stopped on an error: saving checkpoint" in (
+            out / "log.txt").read_text()
+
+
+# ------------------------------------------------------------------------------- docs/bad_input.md
+
+# The case column of docs/bad_input.md's section -> the part of its message these tests check.
+DOC_CASES = {
+    "sequence_longer_than_the_model": RESOLUTION["dataloader.train.seq_length=64"],
+    "path_of_the_wrong_type": RESOLUTION["train.output_dir=[1,2]"],
+    "splits_all_zero": RESOLUTION["dataloader.train.splits_string='0,0,0'"],
+    "launcher_nproc": LAUNCHER["NPROC=0"],
+    "launcher_port": LAUNCHER["PORT=abc"],
+    "launcher_nodes": LAUNCHER["NODE_RANK=2"],
+    "resume_with_nothing_left": "has already trained 2 iterations and train.train_iter=1 asks for no more: nothing to "
+                                "train, nothing written; set train.train_iter above 2 to train on",
+    # tests/checkpoint/test_checkpoint_integrity.py checks this one.
+    "checkpoint_without_its_manifest": "has no manifest.json, so its files cannot be checked against what was saved",
+    "blamed_on_the_key_that_differs": "model.cfg.max_seq_length=64 gives 64 where it has 32",
+    "first_error_reported": "failed (OSError: [Errno 28] No space left on device)",
+    "hf_config_value": "error: config.json: n_embd='sixty-four' is not the number it should be (ValueError: ",
+    "megatron_tracker": "latest_checkpointed_iteration.txt holds 'garbage', not an iteration number",
+    "not_utf8": "line 2 is not UTF-8 text; re-encode the file as UTF-8",
+}
+
+
+def test_the_documented_rows_are_these_cases_with_the_messages_they_check():
+    import re
+
+    text = (ROOT / "docs" / "bad_input.md").read_text()
+    heading = "\n## What a run depends on, the launcher, resuming, and the real cause\n"
+    section = text.split(heading)[1].split("\n## ")[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.fullmatch(r"`test_[a-z_]+\.py::([a-z0-9_]+)`", cells[-1]) if len(cells) >= 4 else None
+        if m:
+            rows[m.group(1)] = cells[-2]
+    assert set(rows) == set(DOC_CASES)
+    for case, needle in DOC_CASES.items():
+        assert needle in rows[case], (case, needle)
