@@ -20,6 +20,8 @@ def _sample_from_config(cfg, tokenizer, micro: int, dp: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # Index caches go to a scratch directory: planning writes nothing beside the data.
         extra = {"cache_dir": tmp} if "cache_dir" in loader_cfg else {}
+        if tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
+            extra["eod_token_id"] = tokenizer.eod_id  # as the trainer fills it for packed documents
         loaders = instantiate_with(
             loader_cfg, train_valid_test_num_samples=[micro * dp, 0, 0], micro_batch_size=micro,
             eval_micro_batch_size=micro, consumed_samples=0, data_parallel_rank=0, data_parallel_size=dp,

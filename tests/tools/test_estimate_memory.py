@@ -85,6 +85,14 @@ def test_1_3b_gpt_does_not_fit_16gib_and_the_suggestion_fits(capsys):
     assert out.strip().splitlines()[-1].startswith("fits in 16.00 GiB per device"), out
 
 
+def test_packed_documents_take_the_tokenizers_end_of_document_id(capsys):
+    """As the trainer does, the planner fills dataloader.train.eod_token_id from the tokenizer when it is null."""
+    rc, out, err = run_tool(capsys, "projects/Llama/configs/llama_demo.py", "dataloader.train.reset_attention_mask=True",
+                            "dataloader.train.eod_mask_loss=True", "dataloader.train.num_workers=0")
+    assert rc == 0, out + err
+    assert out.strip().splitlines()[-1].startswith("note: the peak counts tensors"), out
+
+
 def test_layout_that_does_not_divide_is_one_line(capsys):
     rc, out, err = run_tool(capsys, GPT_1_3B, "--nproc", 6, "train.dist.tensor_parallel_size=4")
     assert rc == 1 and out == ""
