@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import errno
+import gc
 import json
 import multiprocessing
 import os
@@ -334,6 +335,10 @@ def _ordered_results(tasks, workers: int, initargs):
     # pool would oversubscribe (and warns after fork when already used here).
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # A forked worker must not run the destructors of garbage it inherits (a torch process group's waits on
+    # threads the child does not have hang there): collect it here, and freeze what lives while forking.
+    gc.collect()
+    gc.freeze()
     try:
         executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=initargs)
         # Start the workers now, while the environment says so.
@@ -341,6 +346,7 @@ def _ordered_results(tasks, workers: int, initargs):
         for w in warm:
             w.result()
     finally:
+        gc.unfreeze()
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:

@@ -60,11 +60,21 @@ def is_host_read(func, args, kwargs=None) -> bool:
     return False
 
 
+# The checkout's libai_lite/ and projects/ (an installed package's own files under site-packages never).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OURS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("libai_lite", "projects"))
+
+
+def _is_ours(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_OURS) and "site-packages" not in path
+
+
 def _where() -> str:
     """The innermost project frame, then the three innermost frames of all (often inside torch)."""
     stack = [f for f in traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False)
              if os.path.abspath(f.filename) != _HERE][::-1]
-    ours = [f for f in stack if "libai_lite" in f.filename or "projects" in f.filename]
+    ours = [f for f in stack if _is_ours(f.filename)]
     return " < ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in ours[-1:] + stack[-3:])
 
 
