@@ -16,19 +16,24 @@ mask and bias materialised densely (``AttentionMask.keep_mask`` and ``AttentionM
 SDPA, which is the computation the dense path has always done. ``attention_backend("flex")`` forces flex on any device (the
 tests run it eagerly on the CPU); ``"dense"`` forces the dense path.
 
-One difference: a query that may see no key at all gets uniform weights from the dense path's finite
-floor and a zero output from flex. Padding masks keys, so this needs a sample with no real token.
+A query that may see no key at all (LiBai's ``[batch, query, key]`` masks hide padded queries) gets a
+zero output from both paths. A biased attention whose lengths are not a multiple of the kernels' largest
+tile (128) runs padded to it: flex's compiled backward computes wrong gradients for a captured bias on a
+partial tile. The padded keys are masked and the padded queries see every real key.
 
 A compiled flex kernel that fails where it is first used (a compile error, more shared memory than this
-GPU has, no kernel for it) does not end the run: ``flex_attend`` goes through
-``libai_lite.utils.fallback.FastPath``, which probes each new shape forward and backward and, on a
-failure, logs one warning line and runs the dense path from then on. tests/layers/test_flex_budget.py
+GPU has, no kernel for it) or computes other numbers than the dense path does not end or spoil the run:
+``flex_attend`` goes through ``libai_lite.utils.fallback.FastPath``, which runs each new shape forward and
+backward through both paths, and on a failure or a difference beyond rounding logs one warning line and
+runs the dense path from then on. ``LIBAI_LITE_ATTENTION`` (``auto``, ``flex``, ``dense``) sets the backend
+outside any ``attention_backend`` block. tests/layers/test_flex_budget.py
 checks the kernels' shared memory at the shipped recipes' shapes from torch's own block-size heuristics.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -39,7 +44,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..utils.fallback import FastPath, signature_of
 
 BACKENDS = ("auto", "flex", "dense")
-_backend = "auto"
+BACKEND_ENV = "LIBAI_LITE_ATTENTION"
+_backend = None  # None: the environment's choice
+# Every tile size torch's flex kernels use divides this; a biased attention is padded to a multiple.
+FLEX_TILE = 128
 
 
 @contextlib.contextmanager
@@ -60,9 +68,20 @@ def flex_enabled(device, dropout_p: float = 0.0) -> bool:
 
     FlexAttention has no attention-probability dropout, so an active dropout keeps the dense path.
     """
-    if dropout_p > 0.0 or _backend == "dense":
+    backend = current_backend()
+    if dropout_p > 0.0 or backend == "dense":
         return False
-    return _backend == "flex" or torch.device(device).type == "cuda"
+    return backend == "flex" or torch.device(device).type == "cuda"
+
+
+def current_backend() -> str:
+    """The backend in force: ``attention_backend``'s, else ``$LIBAI_LITE_ATTENTION``, else ``auto``."""
+    if _backend is not None:
+        return _backend
+    name = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not an attention backend; use one of {', '.join(BACKENDS)}")
+    return name
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,6 +189,7 @@ class AttentionMask:
         self._block_mask: Optional[BlockMask] = None
         self._keep_mask: Optional[torch.Tensor] = None
         self._keep_built = False
+        self._padded: dict = {}
 
     @property
     def sees_itself(self) -> bool:
@@ -217,6 +237,32 @@ class AttentionMask:
                 self.mask_mod(), self.batch if self.batch > 1 else None, self.heads if self.heads > 1 else None,
                 self.q_len, self.k_len, device=self.device if self.device is not None else "cpu")
         return self._block_mask
+
+    def padded_block_mask(self, q_pad: int, k_pad: int) -> BlockMask:
+        """The block mask over these positions padded at the end to ``q_pad x k_pad``: padded keys are
+        hidden, padded queries see every real key (a row with no key has no finite softmax). Kept per size."""
+        if (q_pad, k_pad) not in self._padded:
+            inner = self.mask_mod() if self.masks_anything else None
+            q_len, k_len = self.q_len, self.k_len
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                real_key = kv_idx < k_len
+                if inner is None:
+                    return real_key
+                # The inner mask reads its tensors at real positions only.
+                seen = inner(b, h, torch.clamp(q_idx, max=q_len - 1), torch.clamp(kv_idx, max=k_len - 1))
+                return real_key & (seen | (q_idx >= q_len))
+
+            self._padded[(q_pad, k_pad)] = create_block_mask(
+                mask_mod, self.batch if self.batch > 1 else None, self.heads if self.heads > 1 else None, q_pad, k_pad,
+                device=self.device if self.device is not None else "cpu")
+        return self._padded[(q_pad, k_pad)]
+
+    @property
+    def empty_rows(self) -> Optional[torch.Tensor]:
+        """``[batch or 1, 1 or heads, q_len, 1]`` True where a query may see no key; None when none can."""
+        keep = self.keep_mask
+        return None if keep is None or self.sees_itself else ~keep.any(-1, keepdim=True)
 
     @property
     def keep_mask(self) -> Optional[torch.Tensor]:
@@ -322,7 +368,8 @@ def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 def dense_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Optional[torch.Tensor],
                  mask: Optional[AttentionMask], scale: Optional[float]) -> torch.Tensor:
     """What ``flex_attend`` computes, through SDPA with the mask and the ``rows`` bias materialised
-    (``[q + k - 1, heads]``, or None): the dense path of CPU runs and of a flex kernel that failed."""
+    (``[q + k - 1, heads]``, or None): the dense path of a flex kernel that failed. A query that sees no
+    key gets zeros, as from flex."""
     keep = None if mask is None else mask.keep_mask
     if rows is None and (keep is None or mask.sees_itself):
         attn_mask = keep  # boolean: no row is empty
@@ -330,15 +377,43 @@ def dense_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ro
         bias = None if rows is None else diagonal_bias(rows, query.shape[-2])
         attn_mask = bias.to(query.dtype) if mask is None else mask.additive(bias, query.dtype)
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale, **gqa)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale, **gqa)
+    empty = None if mask is None else mask.empty_rows
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+def _padded_rows(rows: torch.Tensor, q_len: int, k_len: int, q_pad: int, k_pad: int) -> torch.Tensor:
+    """``rows`` for the diagonals of ``q_pad x k_pad`` positions (these padded at the end): a real pair
+    reads its own row, a padded one the nearest."""
+    index = (torch.arange(q_pad + k_pad - 1, device=rows.device) - (q_pad - q_len)).clamp(0, q_len + k_len - 2)
+    return rows[index]
+
+
+@functools.lru_cache(maxsize=8)
+def _no_mask(q_len: int, k_len: int, device: torch.device) -> AttentionMask:
+    with torch.inference_mode(False):
+        return AttentionMask(q_len, k_len, device=device)
 
 
 def _flex(query, key, value, rows, mask, scale):
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    q_pad, k_pad = -(-q_len // FLEX_TILE) * FLEX_TILE, -(-k_len // FLEX_TILE) * FLEX_TILE
+    padded = rows is not None and (q_pad, k_pad) != (q_len, k_len)
+    if padded:
+        if mask is None:
+            mask = AttentionMask(q_len, k_len, device=query.device) if _tracing() else _no_mask(
+                q_len, k_len, query.device)
+        block_mask = mask.padded_block_mask(q_pad, k_pad)
+        query = F.pad(query, (0, 0, 0, q_pad - q_len))
+        key, value = (F.pad(t, (0, 0, 0, k_pad - k_len)) for t in (key, value))
+        rows = _padded_rows(rows, q_len, k_len, q_pad, k_pad)
+    else:
+        block_mask = None if mask is None or not mask.masks_anything else mask.block_mask
     score_mod = None if rows is None else relative_bias(rows, query.shape[-2])
-    block_mask = None if mask is None or not mask.masks_anything else mask.block_mask
     run = _compiled_flex() if query.device.type == "cuda" else flex_attention
     gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    return run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **gqa)
+    out = run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **gqa)
+    return out[..., :q_len, :] if padded else out
 
 
 def _flex_signature(query, key, value, rows, mask, scale):
@@ -352,4 +427,4 @@ def _flex_describe(query, key, value, rows, mask, scale):
 
 
 _flex_or_dense = FastPath("FlexAttention", _flex, dense_attend, signature=_flex_signature,
-                          plain_name="dense SDPA attention", describe=_flex_describe)
+                          plain_name="dense SDPA attention", describe=_flex_describe, compare=True)

@@ -17,7 +17,9 @@ Usage::
     out = attend(query, key, value, bias)      # both functions take the same arguments
 
 ``signature(*args, **kwargs)`` (default ``signature_of``) says which calls share a compiled kernel;
-a finer signature only costs an extra probe. ``probe`` replaces the default forward+backward probe
+a finer signature only costs an extra probe. ``compare=True`` makes the probe also run the plain
+function on the same inputs and refuse the fast one where its outputs or gradients differ beyond rounding
+(a kernel that runs but computes wrong numbers). ``probe`` replaces the default forward+backward probe
 (``probe(fn, args, kwargs)``), or ``probe=None`` skips it (then only a forward failure of the first
 call is caught). With ``probe=None``, ``first_call`` (a context-manager factory) is entered around each
 first use, e.g. to make ``torch.compile`` build the backward kernels in that call, and ``first_uses``
@@ -55,10 +57,10 @@ def signature_of(*args, **kwargs) -> Hashable:
             tuple(sorted((k, _meta(v)) for k, v in kwargs.items())))
 
 
-def forward_backward_probe(fn: Callable, args: tuple, kwargs: dict) -> None:
-    """Run ``fn`` on detached copies (views, no data copied) of the top-level tensor arguments, then,
-    if autograd records and any output needs a gradient, its backward into those copies only (no
-    parameter's ``.grad`` is touched)."""
+def _detached_run(fn: Callable, args: tuple, kwargs: dict, cotangent: Callable) -> tuple:
+    """``fn`` on detached copies (views, no data copied) of the top-level tensor arguments, then, if
+    autograd records and any output needs a gradient, its backward (``cotangent(t)`` per output) into those
+    copies only (no parameter's ``.grad`` is touched); returns (outputs, gradients)."""
     leaves = []
 
     def detach(x):
@@ -71,10 +73,60 @@ def forward_backward_probe(fn: Callable, args: tuple, kwargs: dict) -> None:
         return y
 
     out = fn(*[detach(a) for a in args], **{k: detach(v) for k, v in kwargs.items()})
-    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-            if isinstance(t, torch.Tensor) and t.requires_grad]
-    if leaves and outs:
-        torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    wanted = [t for t in outs if t.requires_grad]
+    grads = ()
+    if leaves and wanted:
+        grads = torch.autograd.grad(wanted, leaves, [cotangent(t) for t in wanted], allow_unused=True)
+    return [t.detach() for t in outs], list(grads)
+
+
+def forward_backward_probe(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Run ``fn`` forward and, where gradients are wanted, backward on detached inputs (``_detached_run``)."""
+    _detached_run(fn, args, kwargs, torch.ones_like)
+
+
+class MismatchError(RuntimeError):
+    """The fast path ran but its numbers are not the plain path's."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The largest difference rounding explains, as a fraction of the reference's largest magnitude: 8 units
+    of the dtype's precision; float32 kernels on a GPU may round products to TF32 (10 bits)."""
+    low = dtype in (torch.float16, torch.bfloat16)
+    return 8 * (torch.finfo(dtype).eps if low else 2.0 ** -10)
+
+
+def _seeded_like(t: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator(device=t.device).manual_seed(0)
+    return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
+
+
+def comparing_probe(plain_fn: Callable, plain_name: str) -> Callable:
+    """A probe that runs the fast function and ``plain_fn`` forward and backward on the same detached
+    inputs and the same random output gradient, and raises ``MismatchError`` where an output or an input's
+    gradient differs by more than ``tolerance`` of the plain one's magnitude (or is not finite where the
+    plain one is). A plain path without the memory to run is not compared."""
+    def probe(fn: Callable, args: tuple, kwargs: dict) -> None:
+        fast = _detached_run(fn, args, kwargs, _seeded_like)
+        try:
+            plain = _detached_run(plain_fn, args, kwargs, _seeded_like)
+        except torch.OutOfMemoryError:
+            return
+        for kind, got, want in (("output", fast[0], plain[0]), ("gradient", fast[1], plain[1])):
+            for i, (a, b) in enumerate(zip(got, want)):
+                if a is None or b is None or a.shape != b.shape:
+                    continue
+                b32 = b.float()
+                if not bool(torch.isfinite(b32).all()):
+                    continue
+                scale = float(b32.abs().max())
+                diff = float((a.float() - b32).abs().nan_to_num(float("inf")).max())
+                tol = tolerance(b.dtype) * max(scale, torch.finfo(torch.float32).tiny)
+                if not diff <= tol:
+                    raise MismatchError(f"its {kind} {i} differs from {plain_name}'s by {diff:.3g} (largest value "
+                                        f"{scale:.3g}, rounding explains {tol:.3g})")
+    return probe
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
@@ -120,11 +172,12 @@ class FastPath:
                  signature: Optional[Callable[..., Hashable]] = None,
                  probe: Optional[Callable] = _DEFAULT, plain_name: str = "the plain path",
                  first_call: Optional[Callable[[], contextlib.AbstractContextManager]] = None, first_uses: int = 1,
-                 describe: Optional[Callable[..., str]] = None):
+                 describe: Optional[Callable[..., str]] = None, compare: bool = False):
         self.name, self.fast_fn, self.plain_fn, self.plain_name = name, fast_fn, plain_fn, plain_name
         self.describe = describe
         self.signature = signature or signature_of
-        self.probe = forward_backward_probe if probe is _DEFAULT else probe
+        default = comparing_probe(plain_fn, plain_name) if compare else forward_backward_probe
+        self.probe = default if probe is _DEFAULT else probe
         self.first_call, self.first_uses = first_call or contextlib.nullcontext, first_uses
         self.fallback_reason: Optional[str] = None
         self._proven: Dict[Hashable, int] = {}  # successful guarded calls per signature

@@ -262,6 +262,89 @@ def test_a_flex_kernel_failing_after_it_has_run_is_an_error(cpu_flex_backward, f
     assert fresh_guard == [] and not flex_module._flex_or_dense.fell_back
 
 
+class _WrongBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e16  # what the H200 gave at a partial tile: the forward right, gradients ~1e16 off
+
+
+def test_a_flex_kernel_computing_wrong_gradients_falls_back_at_first_use(cpu_flex_backward, fresh_guard, monkeypatch):
+    attn, rel = _attention("padding"), RelativePositionBias(32, 4, bidirectional=True)
+    x, padding = torch.randn(2, 40, 24), torch.ones(2, 40, dtype=torch.bool)
+    padding[1, 30:] = False
+    dense = _bias_step(attn, rel, x, padding, 40, backend="dense")
+    real_flex = flex_module.flex_attention
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: _WrongBackward.apply(real_flex(*a, **k)))
+    for _ in range(2):
+        out, grads = _bias_step(attn, rel, x, padding, 40)
+        assert torch.equal(out, dense[0]) and all(torch.equal(grads[n], dense[1][n]) for n in grads)
+    assert len(fresh_guard) == 1, fresh_guard
+    assert "failed at its first use (MismatchError: its gradient 0 differs from dense SDPA attention's by" in \
+        fresh_guard[0], fresh_guard
+
+
+def test_a_right_flex_kernel_passes_the_comparison_in_bf16(cpu_flex_backward, fresh_guard):
+    """bf16 rounding of a correct kernel (flex's reference on the CPU against SDPA) is within the tolerance."""
+    q, k, v = (torch.randn(2, 4, 114, 64, dtype=torch.bfloat16) for _ in range(3))
+    table = torch.randn(32, 4, requires_grad=True)
+    mask = AttentionMask(114, 114, causal=True, key_padding=torch.arange(114)[None] < torch.tensor([[114], [70]]))
+    with attention_backend("flex"):
+        out = flex_module.flex_attend(q, k, v, mask, table, torch.randint(0, 32, (227,)), 1.0)
+    out.float().sum().backward()
+    assert fresh_guard == [] and not flex_module._flex_or_dense.fell_back
+
+
+@pytest.mark.parametrize("q_len,k_len,causal", [(114, 114, True), (114, 512, False), (40, 300, False)])
+def test_a_biased_flex_call_runs_on_whole_tiles_and_libai_masks_agree(cpu_flex_backward, fresh_guard, monkeypatch,
+                                                                       q_len, k_len, causal):
+    """Ragged lengths reach the kernel padded to 128, and LiBai's [batch, query, key] masks (a padded query
+    sees no key) give the dense path's outputs and gradients, zero rows included."""
+    shapes, real_flex = [], flex_module.flex_attention
+
+    def spy(q, k, *args, **kwargs):
+        shapes.append((q.shape[-2], k.shape[-2]))
+        return real_flex(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    lq, lk = torch.tensor([q_len, q_len - 30]), torch.tensor([k_len, k_len - 50 if not causal else q_len - 30])
+    keep = (torch.arange(q_len)[None, :, None] < lq[:, None, None]) & (torch.arange(k_len)[None, None] < lk[:, None, None])
+    results = {}
+    for backend in ("flex", "dense"):
+        torch.manual_seed(1)
+        q = torch.randn(2, 4, q_len, 16, requires_grad=True)
+        k, v = (torch.randn(2, 4, k_len, 16, requires_grad=True) for _ in range(2))
+        table = torch.randn(32, 4, requires_grad=True)
+        mask = AttentionMask(q_len, k_len, causal=causal, keep=keep)
+        buckets = torch.randint(0, 32, (q_len + k_len - 1,))
+        with attention_backend(backend):
+            fn = flex_module.flex_attend if backend == "flex" else (
+                lambda *a: flex_module.dense_attend(a[0], a[1], a[2], a[4][a[5]], a[3], a[6]))
+            out = fn(q, k, v, mask, table, buckets, 1.0)
+        out.square().sum().backward()
+        results[backend] = [out.detach(), q.grad, k.grad, v.grad, table.grad]
+    assert shapes and all(a % 128 == 0 and b % 128 == 0 for a, b in shapes), shapes
+    assert fresh_guard == []
+    assert torch.equal(results["flex"][0][1, :, q_len - 30:], torch.zeros_like(results["flex"][0][1, :, q_len - 30:]))
+    for a, b in zip(results["flex"], results["dense"]):  # float32 sums of up to 512 terms, relative to the largest
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+def test_the_backend_comes_from_the_environment_unless_a_block_sets_it(monkeypatch):
+    monkeypatch.setenv("LIBAI_LITE_ATTENTION", "dense")
+    assert not flex_enabled("cuda")
+    with attention_backend("flex"):
+        assert flex_enabled("cpu")
+    monkeypatch.setenv("LIBAI_LITE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="LIBAI_LITE_ATTENTION='flash' is not an attention backend; use one of auto"):
+        flex_enabled("cuda")
+    monkeypatch.delenv("LIBAI_LITE_ATTENTION")
+    assert flex_enabled("cuda") and not flex_enabled("cpu")
+
+
 def _tiny_mt5():
     return MT5Model(dict(vocab_size=64, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
                          intermediate_size=48, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,

@@ -45,6 +45,7 @@ from torch._inductor.choices import InductorChoices
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import libai_lite.layers.flex_attention as flex_module
+from libai_lite.utils.fallback import forward_backward_probe
 from libai_lite.config import LazyConfig
 from libai_lite.layers.flex_attention import AttentionMask, attention_backend, shared_mask
 from projects.MT5 import MT5Model
@@ -227,7 +228,8 @@ def record_flex_calls(monkeypatch) -> dict:
         call = Call(query.shape[-2], key.shape[-2], query.shape[1], key.shape[1], query.shape[-1], value.shape[-1],
                     query.dtype, score_mod, None if block_mask is None else block_mask.mask_mod,
                     dict(kernel_options or {}))
-        calls.setdefault((call.label, call.mask_mod is None), call)
+        # Keyed by the mask too: a ragged decoder padded to the encoder's tile has the encoder's shapes.
+        calls.setdefault((call.label, None if block_mask is None else id(block_mask)), call)
         return query.new_zeros(query.shape[:-1] + (value.shape[-1],))
 
     def block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", **_):
@@ -236,6 +238,8 @@ def record_flex_calls(monkeypatch) -> dict:
 
     monkeypatch.setattr(flex_module, "flex_attention", record)
     monkeypatch.setattr(flex_module, "create_block_mask", block_mask)
+    # The stub's zeros are not attention: the guard only runs it (no comparison with the dense path).
+    monkeypatch.setattr(flex_module._flex_or_dense, "probe", forward_backward_probe)
     return calls
 
 
