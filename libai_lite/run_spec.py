@@ -117,8 +117,12 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
                                       dims.data_parallel_size)
     amp = amp_dtype(train.amp)
     ac = train.get("activation_checkpoint") or {}
+    compile = compile_options(train.get("compile"),
+                              schedule=dims.pipeline_schedule if dims.pipeline_parallel_size > 1 else None)
     resolved = copy.deepcopy(cfg)
     with open_dict(resolved):
+        if train.get("compile"):
+            resolved.train.compile.enabled = compile.enabled
         # config.yaml records what ran: the sizes this world holds, not the ones asked for.
         resolved.train.dist.update(dims.sizes())
         resolved.train.train_micro_batch_size, resolved.train.global_batch_size = micro, global_batch
@@ -139,7 +143,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     return RunSpec(
         dims=dims, batch=batch, vocab_size=vocab, train_iter=train_iter, eval_iter=eval_iter,
         stage_of_layer=tuple(stages), amp_dtype=amp, param_dtype=amp if dims.zero_stage >= 2 else None,
-        float8=float8_options(train.get("fp8")), compile=compile_options(train.get("compile")),
+        float8=float8_options(train.get("fp8")), compile=compile,
         activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0,
         activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), cfg=resolved)
 

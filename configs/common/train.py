@@ -55,12 +55,12 @@ train = dict(
     # mode "full" keeps only each layer's input, "selective" keeps the matmul and attention outputs
     # and recomputes the cheap ops between them (less memory than none, less recomputation than full).
     activation_checkpoint=dict(enabled=False, every_n_layers=1, mode="full"),
-    # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on GPUs; the first steps
-    # compile, cached under TORCHINDUCTOR_CACHE_DIR). loss: also the cross entropy of unfused heads;
+    # torch.compile (enabled: auto = on a GPU, off on a CPU; true; false). The first steps compile,
+    # cached under TORCHINDUCTOR_CACHE_DIR; a compile that fails runs eager. loss: also the cross entropy of unfused heads;
     # backend "aot_eager" to debug; fullgraph: a graph break inside a layer is an error; scope: auto (the
     # whole model on one replica without pipeline/tp/cp/ep, else each layer), model or layers; mode:
     # torch.compile's (reduce-overhead: CUDA graphs for static shapes; max-autotune-no-cudagraphs).
-    compile=dict(enabled=False, loss=False, backend="inductor", fullgraph=False, scope="auto", mode=None),
+    compile=dict(enabled="auto", loss=False, backend="inductor", fullgraph=False, scope="auto", mode=None),
     # FP8 linears through torchao (pip install -e .[fp8]) on GPUs of compute capability 8.9+ (H100), compiled:
     # recipe tensorwise or rowwise; skip: module names kept in high precision; filter: auto (only linears
     # large enough to gain, torchao's thresholds) or all (libai_lite/parallel/float8.py).

@@ -65,7 +65,7 @@ _CORE_NAMES: Dict[str, Dict[str, str]] = {
 
 # train.* keys LiBai reads that nothing reads here, with why.
 _NO_EFFECT = {
-    "graph": "OneFlow's static graph mode; training here is eager PyTorch (train.compile compiles layers)",
+    "graph": "OneFlow's static graph mode; here torch.compile takes its place (train.compile, on by default on a GPU)",
     "train.input_placement_device": "inputs go straight to each rank's device",
     "train.rdma_enabled": "OneFlow's RDMA switch; torch.distributed picks its transport",
     "train.nccl_fusion_threshold_mb": "OneFlow's NCCL fusion; torch.distributed buckets collectives itself",

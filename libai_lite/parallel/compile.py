@@ -37,7 +37,9 @@ On the CPU the inductor backend builds C++ with the machine's compiler; its cach
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -49,6 +51,7 @@ from ..layers.loss import ParallelCrossEntropyLoss
 from ..utils.errors import UsageError
 from ..utils.fallback import FastPath, signature_of
 from .activation_checkpoint import is_checkpointed, transformer_layers
+from .pipeline import SPLIT_BACKWARD_SCHEDULES
 
 logger = logging.getLogger("libai_lite")
 
@@ -60,7 +63,8 @@ CUDA_GRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """``train.compile``: ``enabled``; ``scope`` ``auto``, ``model`` or ``layers`` (see the module docstring);
+    """``train.compile``: ``enabled`` (``auto``, the default: on where the run has a CUDA device, off on a CPU,
+    where compiling costs more than it saves; ``automatic`` records that it was chosen so); ``scope`` ``auto``, ``model`` or ``layers`` (see the module docstring);
     ``loss`` also the cross entropy; ``backend`` is torch.compile's (``inductor``, or ``aot_eager``/``eager``
     to debug); ``fullgraph`` makes a graph break an error instead of a silent split; ``mode``
     torch.compile's (None, ``reduce-overhead``: CUDA graphs, ``max-autotune``, ``max-autotune-no-cudagraphs``)."""
@@ -71,19 +75,28 @@ class CompileOptions:
     fullgraph: bool = False
     scope: str = "auto"
     mode: str | None = None
+    automatic: bool = False
 
 
-def compile_options(cfg: Mapping | None) -> CompileOptions:
-    """``train.compile`` (a dict, or None for off) as ``CompileOptions``; UsageError for an unknown key or backend."""
+def compile_options(cfg: Mapping | None, *, cuda: bool | None = None, schedule: str | None = None) -> CompileOptions:
+    """``train.compile`` (a dict, or None for off) as ``CompileOptions``, ``enabled="auto"`` resolved: on when
+    ``cuda`` (default: a CUDA device is visible) and the pipeline ``schedule`` can run compiled layers;
+    UsageError for an unknown key, value or backend."""
     if not cfg:
         return CompileOptions()
     cfg = dict(cfg)
-    known = set(CompileOptions.__dataclass_fields__)
+    known = set(CompileOptions.__dataclass_fields__) - {"automatic"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise UsageError(f"train.compile has no key {unknown[0]!r}; its keys are {', '.join(sorted(known))}")
+    enabled = cfg.get("enabled", False)
+    if enabled == "auto":
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        cfg.update(enabled=bool(cuda) and str(schedule).lower() not in SPLIT_BACKWARD_SCHEDULES, automatic=True)
+    elif not isinstance(enabled, bool):
+        raise UsageError(f"train.compile.enabled={enabled!r} is not one of true, false, auto")
     options = CompileOptions(**cfg)
-    import torch._dynamo
+    import torch._dynamo as dynamo
 
     if options.scope not in SCOPES:
         raise UsageError(f"train.compile.scope={options.scope!r} is not a scope; use one of {', '.join(SCOPES)}")
@@ -92,9 +105,9 @@ def compile_options(cfg: Mapping | None) -> CompileOptions:
                          f"{', '.join(m for m in MODES if m)}")
 
     # Debug and experimental backends are accepted but not suggested.
-    if options.enabled and options.backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if options.enabled and options.backend not in dynamo.list_backends(exclude_tags=()):
         raise UsageError(f"train.compile.backend={options.backend!r} is not a torch.compile backend; use one of "
-                         f"{', '.join(torch._dynamo.list_backends())}")
+                         f"{', '.join(dynamo.list_backends())}")
     return options
 
 
@@ -117,10 +130,16 @@ def check_compile(options: CompileOptions | None, num_accumulation_steps: int, *
                          f"{CUDA_GRAPH_MODES[options.mode] or 'null'}, or train.num_accumulation_steps=1")
 
 
+@contextlib.contextmanager
 def _first_call_builds_backward():
     # torch.compile lowers the backward graph at its first backward call unless told otherwise: built with
     # the forward, its compile errors and unlaunchable Triton kernels surface in the guarded first call.
-    return torch._functorch.config.patch(force_non_lazy_backward_lowering=torch.is_grad_enabled())
+    start = time.perf_counter()
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=torch.is_grad_enabled()):
+        yield
+    took = time.perf_counter() - start
+    if took >= 1.0:  # a layer that reuses its sibling's graph takes milliseconds: not worth a line
+        logger.info(f"torch.compile built a graph in {took:.1f} s (forward and backward)")
 
 
 def _module_signature(module, *args, **kwargs):
@@ -182,6 +201,9 @@ def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: boo
                     f"{type(model).__name__}")
         return "model"
     layers = transformer_layers(model)
+    if not layers and options.automatic:
+        logger.info(f"train.compile=auto: {type(model).__name__} has no transformer layers to compile; it runs eager")
+        return None
     if not layers:
         raise UsageError(f"train.compile found no transformer layers in {type(model).__name__}: it compiles the "
                          f"children of a 'layers' ModuleDict/ModuleList; keep the layers in such a container")

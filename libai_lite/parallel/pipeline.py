@@ -48,7 +48,7 @@ SCHEDULES = {
 # Take a list of stages (one or more per rank); the others exactly one stage.
 _MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
 # Run each backward as an input-gradient then a weight-gradient pass.
-_SPLIT_BACKWARD = {"interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
+SPLIT_BACKWARD_SCHEDULES = {"interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
 
 
 def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:
@@ -91,7 +91,7 @@ def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> N
     """Refuse a zero-bubble schedule over torch.compile'd layers: a compiled region's backward computes
     input and weight gradients in one graph, which the input-gradient pass cannot take apart (torch
     fails there, and the other ranks wait until the timeout)."""
-    if str(schedule).lower() not in _SPLIT_BACKWARD:
+    if str(schedule).lower() not in SPLIT_BACKWARD_SCHEDULES:
         return
     for stage in stage_modules:
         for m in stage.modules():

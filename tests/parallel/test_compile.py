@@ -20,6 +20,7 @@ import torch
 
 from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_options
 from libai_lite.utils.errors import UsageError
+from tests.launch import ROOT
 
 # A fresh inductor cache for each test run (a user's TORCHINDUCTOR_CACHE_DIR is kept): kernels cached
 # by earlier runs gave NaN losses when reused, first across ATEN_CPU_CAPABILITY (not part of inductor's
@@ -346,3 +347,41 @@ if __name__ == "__main__":
     from tests.workers import run_and_exit
 
     run_and_exit(_worker, sys.argv[1], sys.argv[2])
+
+
+def test_compile_auto_is_on_with_a_gpu_and_off_on_a_cpu_or_a_split_backward_schedule():
+    from libai_lite.parallel.compile import compile_options
+
+    auto = {"enabled": "auto", "scope": "auto"}
+    on = compile_options(auto, cuda=True)
+    assert on.enabled and on.automatic
+    assert not compile_options(auto, cuda=False).enabled
+    assert not compile_options(auto, cuda=True, schedule="interleaved_zero_bubble").enabled
+    assert compile_options({"enabled": True}, cuda=False).enabled
+    assert not compile_options({"enabled": True}).automatic
+    with pytest.raises(UsageError, match=r"train.compile.enabled='yes' is not one of true, false, auto"):
+        compile_options({"enabled": "yes"})
+    with pytest.raises(UsageError, match="train.compile has no key 'automatic'"):
+        compile_options({"automatic": True})
+
+
+def test_compile_auto_leaves_a_model_without_transformer_layers_eager_and_explicit_compile_refuses_it():
+    from libai_lite.parallel.compile import apply_compile, compile_options
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert apply_compile(model, compile_options({"enabled": "auto", "scope": "layers"}, cuda=True)) is None
+    with pytest.raises(UsageError, match="found no transformer layers"):
+        apply_compile(model, compile_options({"enabled": True, "scope": "layers"}))
+
+
+def test_the_resolved_config_records_what_auto_chose(tmp_path):
+    """config.yaml holds true or false, never auto: on this CPU, false (the demo's config.yaml is unchanged)."""
+    from libai_lite.config import LazyConfig
+    from libai_lite.run_spec import resolve_run
+    from libai_lite.utils.parallel_dims import ParallelDims
+
+    cfg = LazyConfig.load(str(ROOT / "projects/GPT/configs/gpt2_pretrain.py"))
+    assert cfg.train.compile.enabled == "auto"
+    spec = resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist, cfg.train.get("zero_optimization")), data=False)
+    assert spec.compile.enabled is False and spec.compile.automatic
+    assert spec.cfg.train.compile.enabled is False
