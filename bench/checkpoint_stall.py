@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--writer-threads", type=int, default=None,
                    help="DCP writer threads per save (default: the Checkpointer's, 1 without a GPU, 4 with one)")
+    p.add_argument("--device", default="cpu", help="where the model trains (cuda: bf16 autocast, the state staged "
+                   "from GPU memory)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, 1 round of 2 steps (the test suite's run)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -84,7 +86,7 @@ def build(args):
     if args.smoke:
         model_cfg.update(hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, vocab_size=1024)
     torch.manual_seed(0)
-    model = instantiate(cfg.model)
+    model = instantiate(cfg.model).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     return model, optimizer, int(model_cfg.vocab_size)
 
@@ -101,21 +103,29 @@ def _cpu_name() -> str:
     return platform.machine()
 
 
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def window(model, optimizer, vocab: int, args, mode: str, ck, iteration: int) -> dict:
     """``args.steps_per_save`` training steps, saving with ``ck`` after the first in ``mode``; seconds spent."""
     stall = 0.0
     start, cpu = time.perf_counter(), time.process_time()
     for step in range(args.steps_per_save):
-        ids = torch.randint(0, vocab, (args.micro_batch, args.seq_length + 1))
-        out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq_length + 1), device=args.device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(args.device).startswith("cuda")):
+            out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
         out["lm_loss"].backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _sync(args.device)  # the step's own kernels are not the save's stall; the save's copies are
         t = time.perf_counter()
         if step == 0 and mode != "none":
             ck.save(f"model_{iteration + step:07d}", {"iteration": iteration + step})
         elif mode == "async":
             ck.poll()
+        _sync(args.device)
         stall += time.perf_counter() - t
     t = time.perf_counter()
     still_writing = ck.in_flight is not None
@@ -164,7 +174,7 @@ def main(argv=None) -> dict:
 
     none = runs["none"]
     result = {"benchmark": "checkpoint_stall", "config": args.config, "smoke": args.smoke, "parameters": params,
-              "checkpoint_bytes": size, "seq_length": args.seq_length, "micro_batch": args.micro_batch,
+              "checkpoint_bytes": size, "device": str(args.device), "seq_length": args.seq_length, "micro_batch": args.micro_batch,
               "steps_per_save": args.steps_per_save, "rounds": args.rounds,
               "writer_threads": cks["sync"].writer_threads,
               "step_s": statistics.median(x["window_s"] for x in none) / args.steps_per_save}

@@ -17,6 +17,7 @@ measurements after them; a 600 s device call does not hold every step, so a sess
   resume_cpu        that checkpoint resumed on the CPU (CUDA_VISIBLE_DEVICES=)
   trainer_345M      the trainer at GPT-2 345M, micro-batch 8 (s/it, MFU) and its final checkpoint save
   fp8_345M          the same with train.fp8.enabled=True (needs torchao)
+  stall_345M        bench/checkpoint_stall.py at 345M: how long a periodic save stops the loop, sync and async
   tput_gpt_345M     bench/train_throughput.py, ours vs transformers (tokens/s, MFU, ratio)
   tput_gpt_1.3B     the same at 1.3B
   tput_llama_1.1B   TinyLlama's shape vs transformers' Llama
@@ -153,6 +154,17 @@ def parse_throughput(text: str, ctx: Ctx) -> tuple:
                   f"tok/s (MFU {r['mfu_hf']:.1%}), ratio {r['ratio']:.2f}")
 
 
+def parse_stall(text: str, ctx: Ctx) -> tuple:
+    """bench/checkpoint_stall.py's JSON line: the loop's stall per save, synchronous and async."""
+    line = _last(r"^\{.*\}$", text)
+    if line is None:
+        return False, "no JSON result line"
+    r = json.loads(line)
+    return True, (f"{r['parameters'] / 1e6:.0f}M, {r['checkpoint_bytes'] / 2**30:.1f} GiB: stall sync "
+                  f"{r['sync']['stall_s']:.2f} s, async {r['async']['stall_s']:.2f} s (first async "
+                  f"{r['async']['first_stall_s']:.2f} s), step {r['step_s']:.3f} s")
+
+
 def parse_pytest(text: str, ctx: Ctx) -> tuple:
     """pytest's summary line: counts of passed, failed, skipped ..."""
     line = _last(r"^=*\s*(\d+ (?:passed|failed|skipped|error|errors|deselected|xfailed|xpassed)\b.*?)\s*=*$", text)
@@ -214,6 +226,9 @@ STEPS = [
     Step("fp8_345M", _train(GPT_345M, 1, "gpt345M_fp8", ["train.train_iter=20", *TRAINER_345M[1:], "train.fp8.enabled=True"],
                             ["train.train_iter=2", NO_EVAL, "train.fp8.enabled=True"]), 150, parse_train,
          cpu_refuses=True),
+    Step("stall_345M", lambda ctx: [ctx.python, "bench/checkpoint_stall.py", *(
+        ["--smoke"] if ctx.dry else ["--device", "cuda", "--config", GPT_345M, "--seq-length", "1024",
+                                     "--micro-batch", "8", "--rounds", "2"])], 180, parse_stall),
     Step("tput_gpt_345M", _throughput("--size", "345M"), 150, parse_throughput),
     Step("tput_gpt_1.3B", _throughput("--size", "1.3B"), 180, parse_throughput),
     Step("tput_llama_1.1B", _throughput("--model", "llama", "--size", "1.1B"), 180, parse_throughput),
