@@ -18,6 +18,7 @@ def _run(tmp_path, *args, timeout=600):
                           env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_dry_run_of_demo_and_cpu_resume(tmp_path):
     """The first two steps end to end (train, then resume that checkpoint with CUDA hidden): the table
     printed last and the four files under --out."""

@@ -342,6 +342,7 @@ def test_flipped_bytes_found_by_another_rank_stop_every_rank_with_one_line(run):
     assert f"the bytes of {shard} differ from those saved" in one_error_line(workers)
 
 
+@pytest.mark.slow
 def test_a_pipelined_run_with_a_tied_head_resumes_at_its_own_layout(tmp_path):
     """pp=2 stores the tied LM head copy under its own name too; the fit check must count it as the
     model's, and a resume from the middle of the run continues its losses exactly."""

@@ -145,6 +145,7 @@ def _assert_same_losses(out: Path, reference: dict) -> None:
     assert (out / "model_final" / ".metadata").is_file() and (out / "model_best" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_kills_at_a_random_moment_during_a_save_and_during_model_best_replacement_resume_exactly(tmp_path):
     _crash_and_resume(tmp_path, _reference(tmp_path), ["random", "save", "save"], seed=0)
 

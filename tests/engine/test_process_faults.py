@@ -25,6 +25,7 @@ def _rows(out) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_with_more_iterations_continues_at_the_next_one(tmp_path):
     """train_iter=20, then --resume train_iter=30: iteration 21 runs, 160 -> 168 samples only after it,
     and from 21 on the lr is the lr a fresh 30-iteration run has (the schedule is rebuilt for 30)."""
@@ -241,6 +242,7 @@ def _state(pid: int):
         return None
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_while_its_dataloader_worker_lives_and_the_run_ends_as_if_never_killed(
         tmp_path):
     """MAX_RESTARTS=1: the trainer is killed while its DataLoader worker lives on (stopped here once the trainer is

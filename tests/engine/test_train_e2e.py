@@ -85,6 +85,7 @@ def test_load_weight_loads_and_refuses_other_shapes(tmp_path):
     assert not bad_out.exists()
 
 
+@pytest.mark.slow
 def test_train_sh_two_processes_data_parallel_matches_one(tmp_path):
     """dp=2 through tools/train.sh and torchrun gives the one-process loss curve."""
     args = ["train.train_iter=4", "train.evaluation.enabled=False", "train.checkpointer.period=100",
@@ -110,6 +111,7 @@ def test_eval_only_without_weights_is_refused(tmp_path):
     assert "train.load_weight" in one_error_line(no_weights)
 
 
+@pytest.mark.slow
 def test_train_epoch(tmp_path):
     # A fifth of an epoch of the train split at 128 tokens per sample and 512 samples per step.
     out = tmp_path / "epoch"
@@ -123,6 +125,7 @@ def test_train_epoch(tmp_path):
     assert f"train.train_iter set to {math.ceil(0.2 * per_epoch / 512)}" in r.stdout
 
 
+@pytest.mark.slow
 def test_mt5_demo_validation_perplexity_falls(tmp_path):
     out = tmp_path / "mt5"
     r = train_net([f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",

@@ -107,6 +107,7 @@ def gpt_run(trained, tmp_path_factory):
     return tmp, ckpt, evaluate_results, r, (before, tree_hashes(ckpt.parent))
 
 
+@pytest.mark.slow
 def test_lambada_through_the_harness_equals_tools_evaluate(gpt_run):
     tmp, _, evaluate_results, r, (before, after) = gpt_run
     lambada = evaluate_results["lambada"]
@@ -156,6 +157,7 @@ def test_rolling_loglikelihood_equals_transformers_on_the_same_windows(gpt_run):
     assert long_docs > 0  # some passages are longer than MAX_LEN tokens: more than one window
 
 
+@pytest.mark.slow
 def test_generate_until_on_an_imported_gpt2_equals_transformers_generate(tmp_path):
     """Left-padded batches of prompts, cut at the stop string, as transformers decodes them one by one."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -466,6 +466,7 @@ def _assert_same_curve(got: list[dict], want: list[dict], keys=PIPELINE_KEYS, to
             assert g[key] == pytest.approx(w[key], rel=tol, abs=tol), (step, key)
 
 
+@pytest.mark.slow
 def test_gpt2_moe_under_pipeline_parallelism_logs_the_one_process_curve(tmp_path):
     """pp=2 (1F1B, and GPipe with activation checkpointing) against one process, two micro-batches
     per step: same losses, MoE statistics and gradient norm, so the auxiliary loss reached the gradients."""

@@ -59,6 +59,7 @@ def _assert_within(rows: dict, names: str) -> None:
             f"{name}: estimated {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
 
 
+@pytest.mark.slow
 def test_smoke_rows_within_15_percent():
     """DDP's persistent buckets and ZeRO-3's gathered layers (every row, with activation checkpointing and the
     unfused loss, runs with -m slow: four ranks on two busy cores take about 25 s a row)."""
