@@ -2,9 +2,8 @@
 import re as _re
 from importlib import metadata as _metadata
 
-# The oldest torch the project has run on (the first GPU session: 2.11.0+cu130). pip enforces it
-# through setup.py; a checkout used from PYTHONPATH (a lent GPU machine) does not go through pip,
-# and an older torch would otherwise fail later at some import of a newer torch.distributed piece.
+# The oldest torch supported. pip enforces it through setup.py; a checkout used from PYTHONPATH does not
+# go through pip, and an older torch would fail later, at some import of a newer torch.distributed piece.
 MIN_TORCH = (2, 11)
 
 

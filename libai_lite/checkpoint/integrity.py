@@ -40,7 +40,7 @@ def describe(exc: BaseException) -> str:
 
 
 def _crc32(path: str) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits (zlib: about 3 GB/s, so a check costs little beside the load)."""
+    """CRC-32 of a file's bytes as 8 hex digits (zlib's: cheap beside reading the file)."""
     crc = 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -1,33 +1,16 @@
-"""Attention masks built once per batch, and score biases gathered from a small table, for FlexAttention.
+"""Attention masks built once per batch, and T5's relative bias read inside the kernel, for FlexAttention.
 
-On a GPU a mask or a bias forces ``scaled_dot_product_attention`` off its flash kernel and makes every
-layer read (and, for a learnable bias, write the gradient of) a ``[batch, heads, query, key]`` tensor.
-FlexAttention takes instead a ``BlockMask`` (which query/key blocks hold any visible key, built once per
-batch and shared by every layer) and a ``score_mod`` that adds a relative position bias inside the kernel.
-T5's bias depends on ``key - query`` only: its ``[num_buckets, heads]`` table is gathered once per layer
-into ``rows`` ``[query + key - 1, heads]``, one row per diagonal, and the kernel adds
-``rows[kv_idx - q_idx + query - 1, h]``, an index computed from the tile's positions (no captured
-``[query, key]`` map, whose tile would sit in shared memory beside Q, K and V). Autograd carries the
-rows' gradient back into the table.
+A mask or a bias forces SDPA off its flash kernel and makes every layer read (for a learnable bias, also
+write the gradient of) a ``[batch, heads, query, key]`` tensor. FlexAttention takes a ``BlockMask``, built
+once per batch and shared by every layer, and a ``score_mod``: T5's ``[num_buckets, heads]`` table is
+gathered once per layer into one row per key-minus-query diagonal, which the kernel indexes by position.
 
-Flex kernels are fast only compiled, and FlexAttention has no backward on the CPU; so the backend
-``"auto"`` (the default) runs flex on CUDA, compiled once (``dynamic=False``), and everywhere else the same
-mask and bias materialised densely (``AttentionMask.keep_mask`` and ``AttentionMask.dense_bias``) through
-SDPA, which is the computation the dense path has always done. ``attention_backend("flex")`` forces flex on any device (the
-tests run it eagerly on the CPU); ``"dense"`` forces the dense path.
-
-A query that may see no key at all (LiBai's ``[batch, query, key]`` masks hide padded queries) gets a
-zero output from both paths. A biased attention whose lengths are not a multiple of the kernels' largest
-tile (128) runs padded to it: flex's compiled backward computes wrong gradients for a captured bias on a
-partial tile. The padded keys are masked and the padded queries see every real key.
-
-A compiled flex kernel that fails where it is first used (a compile error, more shared memory than this
-GPU has, no kernel for it) or computes other numbers than the dense path does not end or spoil the run:
-``flex_attend`` goes through ``libai_lite.utils.fallback.FastPath``, which runs each new shape forward and
-backward through both paths, and on a failure or a difference beyond rounding logs one warning line and
-runs the dense path from then on. ``LIBAI_LITE_ATTENTION`` (``auto``, ``flex``, ``dense``) sets the backend
-outside any ``attention_backend`` block. tests/layers/test_flex_budget.py
-checks the kernels' shared memory at the shipped recipes' shapes from torch's own block-size heuristics.
+Backends (``attention_backend``, else ``$LIBAI_LITE_ATTENTION``): ``auto`` runs flex compiled on CUDA
+and, elsewhere, the same mask and bias materialised through SDPA (the CPU has no flex backward); ``flex``
+and ``dense`` force one. A biased call is padded to whole 128-wide tiles, where flex's backward is right.
+Both paths give zeros to a query that sees no key. ``flex_attend`` runs through ``FastPath``: each new
+shape's first use also runs the dense path, and a failure or a difference beyond rounding logs one line
+and keeps the dense path. tests/layers/test_flex_budget.py checks the kernels' shared memory.
 """
 from __future__ import annotations
 

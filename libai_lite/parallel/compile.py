@@ -1,39 +1,14 @@
 """``torch.compile`` of the whole model or per transformer layer (torchtitan's regional compilation), and the loss.
 
-The gain on a GPU is in what stays eager between the cuBLAS GEMMs and flash attention: norms, residual
-adds, bias-GeLU, the loss, and the launch count. ``scope="model"`` compiles the whole model (one graph
-from the embeddings to the loss: the norms fuse with the adds around them across layers, the loss
-with the head); ``scope="layers"`` compiles each transformer layer in place. ``scope="auto"`` (the
-default) takes the whole model where nothing needs the layers apart: one data-parallel replica (DDP's
-buckets and FSDP2's per-layer gathers need the layers' backward apart to overlap), no pipeline (its
-stages run the layers one by one), no tensor, context or expert parallelism; else the layers.
-Both compile in place (``nn.Module.compile``), after tensor parallelism and activation checkpointing
-and before FSDP2, so parameter names and ``state_dict()`` keys do not change. The layers of a stack
-share their code, so one compiled graph serves them all: a model compiles once per kind of layer
-(GPT and Llama 1, MT5 4: the first layer of each stack computes the position bias), not once per
-layer. ``loss=True`` also compiles the cross entropy over the logits (``ParallelCrossEntropyLoss``)
-when the layers are compiled apart; a model that fuses its LM head with the cross entropy
-(``fused_cross_entropy``) never calls it, nor does a pipeline (its loss runs outside the stages).
-
-``mode``: torch.compile's. ``reduce-overhead`` replays CUDA graphs (one launch per graph; for static
-shapes: a fixed micro-batch and sequence length, no dropout RNG outside the graph), ``max-autotune``
-also benchmarks GEMM and Triton configurations at compile time, ``max-autotune-no-cudagraphs`` that
-without CUDA graphs. CUDA graphs are a GPU feature: on a CPU inductor leaves them out.
-
-With CUDA graphs and gradient accumulation the trainer marks each micro-batch as a new step
-(``torch.compiler.cudagraph_mark_step_begin``), keeps copies of the outputs it stacks and moves the first
-micro-batch's gradients out of the graphs' memory (the next replay would overwrite them); that needs
-the gradients to be the trainer's own ``.grad``: one data-parallel replica, no pipeline (``check_compile``).
-
-Every compiled module is a fast path (``libai_lite.utils.fallback.FastPath``): its first call for
-each input signature compiles the forward and, with ``force_non_lazy_backward_lowering``, the backward
-too, so a compile error or a Triton kernel this GPU cannot hold surfaces there; the run then goes on
-eager from that call (one warning). Under CUDA graphs the first three calls are guarded (warm-up,
-recording, first replay) and a failure falls back to the same compilation without CUDA graphs. A
-failure after that is raised, as is one in a backward that runs kernels already built.
-
-On the CPU the inductor backend builds C++ with the machine's compiler; its cache
-(``TORCHINDUCTOR_CACHE_DIR``, by default under the temporary directory) makes later runs start fast.
+``train.compile.enabled``: ``auto`` (on with a CUDA device), true or false. ``scope="model"`` compiles
+the whole model (norms fuse with the adds around them across layers, the loss with the head);
+``"layers"`` each transformer layer in place (layers of a stack share one graph); ``"auto"`` the whole
+model where nothing needs the layers apart (one replica, no pipeline, tensor, context or expert
+parallelism), else the layers. Compiled in place after tensor parallelism and activation checkpointing,
+before FSDP2, so parameter names and ``state_dict()`` keys do not change. ``mode`` is torch.compile's;
+CUDA graphs with accumulation need the trainer's own ``.grad`` (``check_compile``). Every compiled module
+is a ``FastPath``: its first call per signature builds forward and backward, and a failure there runs
+the module eager from then on (CUDA graphs fall back to the same compilation without them).
 """
 from __future__ import annotations
 

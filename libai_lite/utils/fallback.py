@@ -1,31 +1,13 @@
 """A fast path that falls back to a plain one when it fails at first use, instead of ending the run.
 
-GPU-only code (compiled kernels, Triton templates, vendor fused ops) mostly fails where it is first
-used: a compile error, a kernel that needs more shared memory than this GPU has, no kernel for this
-GPU or dtype. ``FastPath`` runs such a function through a *probe* the first time it meets each
-signature (shapes, dtypes, grad mode): the function runs forward, and backward when gradients are
-wanted, on detached inputs, so a failure of either surfaces inside the call rather than in a later
-``loss.backward()``. A probe that fails logs one warning line naming the path and the error, and that
-signature, and every signature not yet proven, run the plain function from then on; the failing
-function is not tried again. A signature that has passed its probe keeps the fast path for the rest of
-the run, and a later failure there is raised: it is a bug, not a missing kernel, and switching
-numerics silently would hide it.
-
-Usage::
-
-    attend = FastPath("FlexAttention", compiled_attend, dense_attend)
-    out = attend(query, key, value, bias)      # both functions take the same arguments
-
-``signature(*args, **kwargs)`` (default ``signature_of``) says which calls share a compiled kernel;
-a finer signature only costs an extra probe. ``compare=True`` makes the probe also run the plain
-function on the same inputs and refuse the fast one where its outputs or gradients differ beyond rounding
-(a kernel that runs but computes wrong numbers). ``probe`` replaces the default forward+backward probe
-(``probe(fn, args, kwargs)``), or ``probe=None`` skips it (then only a forward failure of the first
-call is caught). With ``probe=None``, ``first_call`` (a context-manager factory) is entered around each
-first use, e.g. to make ``torch.compile`` build the backward kernels in that call, and ``first_uses``
-calls of a signature run guarded before it is proven (CUDA graphs record on a later call than the
-first). ``describe(*args, **kwargs)`` names the failing call in the warning (e.g. its shapes). Under
-``torch.compile`` tracing or on fake tensors the fast function is called as is.
+GPU-only code (compiled kernels, Triton templates, vendor fused ops) mostly fails where it is first used.
+``FastPath(name, fast_fn, plain_fn)`` probes each new signature (``signature_of``: shapes, dtypes, grad
+mode) by running ``fast_fn`` forward and backward on detached inputs; ``compare=True`` also runs
+``plain_fn`` and refuses numbers that differ beyond rounding. A failed probe logs one warning and the
+plain function runs from then on, never retrying the fast one; a failure after a passed probe is raised
+(a bug, not a missing kernel). ``probe=None`` with ``first_call`` guards the first real call instead
+(``torch.compile`` builds its backward there); ``first_uses`` guards more calls (CUDA graphs record on a
+later one). Under ``torch.compile`` tracing or on fake tensors the fast function is called as is.
 """
 from __future__ import annotations
 
