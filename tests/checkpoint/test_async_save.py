@@ -324,6 +324,7 @@ def test_a_job_killed_while_a_background_write_is_in_flight_resumes_from_the_pre
     assert (out / "last_checkpoint").read_text() == "model_final"
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_a_background_write_stops_both_ranks_with_the_synchronous_line(tmp_path):
     """The 16 MiB filesystem of the synchronous test (tests/checkpoint/test_checkpoint_integrity.py), two
     data-parallel ranks: model_0000003 does not fit; the failure, seen in the background, stops the run

@@ -131,6 +131,7 @@ def _our_tokenizer():
     return GPT2Tokenizer(str(ROOT / "data_test/gpt2/vocab.json"), str(ROOT / "data_test/gpt2/merges.txt"))
 
 
+@pytest.mark.slow
 def test_rolling_loglikelihood_equals_transformers_on_the_same_windows(gpt_run):
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -264,6 +265,7 @@ def test_a_missing_extra_is_one_line(tmp_path):
                                 "pip install -e '.[eval]'"), r.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_tensor_parallel_harness_gives_the_one_process_log_likelihoods(gpt_run, trained):
     """torchrun with tp=2: both ranks run the requests on the vocabulary-split model; rank 0 reports."""

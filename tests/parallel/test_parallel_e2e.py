@@ -67,7 +67,10 @@ LAYOUTS = {
 # (test_tensor_parallel, the copied projects), dp2 and dp2_zero2 (dp2_tp2_zero2, dp2_zero1,
 # test_train_e2e), pp2_1f1b (the copied projects, Llama), tp2_pp2 (the resharding checkpoint test).
 # pp2_gpipe (test_pipeline_parallel's GPipe test), dp2_zero1 (test_data_parallel's every ZeRO stage).
-SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2_pp2", "pp2_gpipe", "dp2_zero1"}
+# dp2_pp2 (pp2_interleaved_1f1b and the 4-rank checkpoint test), dp2_zero3_offload (dp2_zero3_actckpt; the
+# offload itself: test_data_parallel).
+SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2_pp2", "pp2_gpipe", "dp2_zero1",
+                "dp2_pp2", "dp2_zero3_offload"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
@@ -196,6 +199,7 @@ def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, ex
     assert mt5_reference["token_acc"][STEPS] > 0
 
 
+@pytest.mark.slow
 def test_t5_tied_head_under_pp2_matches_one_process(tmp_path):
     """T5 v1.0 ties the LM head to the embedding: the last stage's copy and the first stage's
     embedding take identical updates, so the pp=2 curve is the one-process curve."""

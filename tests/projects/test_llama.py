@@ -216,6 +216,7 @@ def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path)
 MOE = ["model.cfg.moe.enabled=True", "model.cfg.moe.num_experts=4", "model.cfg.moe.top_k=2"]
 
 
+@pytest.mark.slow
 def test_mixtral_shape_trains_the_one_process_curve_under_expert_parallel_2(tmp_path):
     """Top-2 of 4 experts in every layer, no capacity limit: ep=2 holds two experts per rank."""
     r = train_net(_args(tmp_path / "one", *MOE), config=CONFIG)

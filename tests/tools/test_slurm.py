@@ -104,6 +104,7 @@ exit $status
 """
 
 
+@pytest.mark.slow
 def test_two_nodes_train_as_one_node_with_two_processes(tmp_path):
     args_of = lambda name: tiny(tmp_path / name, tmp_path / "cache", "train.train_iter=2",  # noqa: E731
                                 "train.evaluation.enabled=False")

@@ -188,6 +188,7 @@ def test_training_with_train_wandb_writes_the_run(tmp_path):
     assert config == yaml.safe_load(open(out / "config.yaml"))
 
 
+@pytest.mark.slow
 def test_a_resumed_training_continues_its_wandb_run(tmp_path):
     """--resume keeps the W&B run id: the second offline run holds the later iterations of the same run."""
     out = tmp_path / "out"
