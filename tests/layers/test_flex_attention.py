@@ -193,15 +193,23 @@ def fresh_guard():
     log.removeHandler(records)
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+def _identity_with_backward(backward):
+    """An identity whose backward returns ``backward(grad)``: a kernel that fails or is wrong only there."""
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
-                           "triton_tem_fused_flex_attention_backward_0 Required: 245760 Hardware limit:232448")
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad)
+
+    return Identity.apply
+
+
+def _out_of_resource(grad):
+    raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
+                       "triton_tem_fused_flex_attention_backward_0 Required: 245760 Hardware limit:232448")
 
 
 def _bias_step(attn, rel, x, padding, q_len, backend="flex"):
@@ -227,7 +235,7 @@ def test_a_flex_kernel_failing_at_first_use_falls_back_to_the_dense_path_once(
         if where == "forward":
             raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
                                "triton_tem_fused_flex_attention_0 Required: 245760 Hardware limit:232448")
-        return _FailingBackward.apply(real_flex(*args, **kwargs))
+        return _identity_with_backward(_out_of_resource)(real_flex(*args, **kwargs))
 
     monkeypatch.setattr(flex_module, "flex_attention", broken_flex)
     for _ in range(3):  # three steps: one probe, one warning, the dense path's numbers (the same ops) every time
@@ -262,23 +270,14 @@ def test_a_flex_kernel_failing_after_it_has_run_is_an_error(cpu_flex_backward, f
     assert fresh_guard == [] and not flex_module._flex_or_dense.fell_back
 
 
-class _WrongBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 1e16  # what the H200 gave at a partial tile: the forward right, gradients ~1e16 off
-
-
 def test_a_flex_kernel_computing_wrong_gradients_falls_back_at_first_use(cpu_flex_backward, fresh_guard, monkeypatch):
     attn, rel = _attention("padding"), RelativePositionBias(32, 4, bidirectional=True)
     x, padding = torch.randn(2, 40, 24), torch.ones(2, 40, dtype=torch.bool)
     padding[1, 30:] = False
     dense = _bias_step(attn, rel, x, padding, 40, backend="dense")
     real_flex = flex_module.flex_attention
-    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: _WrongBackward.apply(real_flex(*a, **k)))
+    far_off = _identity_with_backward(lambda grad: grad * 1e16)  # the forward right, every gradient far off
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: far_off(real_flex(*a, **k)))
     for _ in range(2):
         out, grads = _bias_step(attn, rel, x, padding, 40)
         assert torch.equal(out, dense[0]) and all(torch.equal(grads[n], dense[1][n]) for n in grads)
