@@ -238,15 +238,7 @@ def _value(cfg, path: str) -> Any:
 
 def check_paths(cfg) -> None:
     """Raise ``UsageError`` for the first path of ``cfg`` (``PATHS``) that is not a path, before any is used."""
-    for path in _leaf_paths(cfg, with_dicts=True):
-        kind = PATHS.get(path) or next((k for p, k in PATHS.items() if "*" in p and fnmatch.fnmatchcase(path, p)),
-                                       None)
-        if kind is None:
-            continue
-        try:
-            value = _value(cfg, path)
-        except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported where it is used
-            continue
+    for path, kind, value in _ruled_values(cfg, PATHS, with_dicts=True):
         if not kind.accepts(value):
             shown = "null" if value is None else repr(value)
             # A bare number on the command line is parsed as one.
@@ -255,19 +247,25 @@ def check_paths(cfg) -> None:
                              f"such a value")
 
 
-def check_ranges(cfg, ranges: dict | None = None) -> None:
-    """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``)."""
-    ranges = RANGES if ranges is None else ranges
-    exact = {k: r for k, r in ranges.items() if "*" not in k}
-    patterns = {k: r for k, r in ranges.items() if "*" in k}
-    for path in _leaf_paths(cfg):
-        rng = exact.get(path) or next((r for p, r in patterns.items() if fnmatch.fnmatchcase(path, p)), None)
-        if rng is None:
+def _ruled_values(cfg, rules: dict, with_dicts: bool = False):
+    """``(path, rule, value)`` for each leaf of ``cfg`` (and dict, ``with_dicts``) that ``rules`` names, exactly
+    or by a ``*`` pattern; a value whose interpolation does not resolve is skipped (reported where it is used)."""
+    exact = {k: r for k, r in rules.items() if "*" not in k}
+    patterns = {k: r for k, r in rules.items() if "*" in k}
+    for path in _leaf_paths(cfg, with_dicts=with_dicts):
+        rule = exact.get(path) or next((r for p, r in patterns.items() if fnmatch.fnmatchcase(path, p)), None)
+        if rule is None:
             continue
         try:
             value = _value(cfg, path)
         except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported where it is used
             continue
+        yield path, rule, value
+
+
+def check_ranges(cfg, ranges: dict | None = None) -> None:
+    """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``)."""
+    for path, rng, value in _ruled_values(cfg, RANGES if ranges is None else ranges):
         if not rng.accepts(value):
             shown = "null" if value is None else repr(value)
             problem = "is out of range" if isinstance(rng, Range) else "is not allowed"

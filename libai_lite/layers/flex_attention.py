@@ -29,6 +29,7 @@ from ..utils.fallback import FastPath, signature_of
 BACKENDS = ("auto", "flex", "dense")
 BACKEND_ENV = "LIBAI_LITE_ATTENTION"
 _backend = None  # None: the environment's choice
+_UNBUILT = object()
 # Every tile size torch's flex kernels use divides this; a biased attention is padded to a multiple.
 FLEX_TILE = 128
 
@@ -173,6 +174,7 @@ class AttentionMask:
         self._keep_mask: Optional[torch.Tensor] = None
         self._keep_built = False
         self._padded: dict = {}
+        self._empty_rows = _UNBUILT
 
     @property
     def sees_itself(self) -> bool:
@@ -243,9 +245,12 @@ class AttentionMask:
 
     @property
     def empty_rows(self) -> Optional[torch.Tensor]:
-        """``[batch or 1, 1 or heads, q_len, 1]`` True where a query may see no key; None when none can."""
-        keep = self.keep_mask
-        return None if keep is None or self.sees_itself else ~keep.any(-1, keepdim=True)
+        """``[batch or 1, 1 or heads, q_len, 1]`` True where a query may see no key; None when none can.
+        Built on first use, and kept for every layer of the batch."""
+        if self._empty_rows is _UNBUILT:
+            keep = self.keep_mask
+            self._empty_rows = None if keep is None or self.sees_itself else ~keep.any(-1, keepdim=True)
+        return self._empty_rows
 
     @property
     def keep_mask(self) -> Optional[torch.Tensor]:
