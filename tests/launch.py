@@ -192,3 +192,23 @@ def job_pids(out) -> list:
             if needle in cmdline and state != "Z":
                 pids.append(int(entry.name))
     return pids
+
+
+@contextlib.contextmanager
+def kept_logger(name="libai_lite"):
+    """Give the logger back as it was (handlers, propagation, level) after an in-process launch changed it."""
+    import logging
+
+    log = logging.getLogger(name)
+    saved = (list(log.handlers), log.propagate, log.level)
+    try:
+        yield
+    finally:
+        for h in list(log.handlers):
+            if h not in saved[0]:
+                log.removeHandler(h)
+                h.close()
+        for h in saved[0]:
+            if h not in log.handlers:
+                log.addHandler(h)
+        log.propagate, log.level = saved[1], saved[2]

@@ -8,12 +8,11 @@ tests/evaluation/test_lm_eval_harness.py, where its run already happens.
 import argparse
 import importlib.util
 import json
-import logging
 import math
 
 import pytest
 
-from tests.launch import CONFIG, ROOT, losses, tiny, train_net
+from tests.launch import CONFIG, ROOT, kept_logger, losses, tiny, train_net
 from tests.launch import tree_hashes as hashes
 
 # What each fixture run and check shares: the run trains 4 steps, checkpoints every 2 and keeps 1 periodic
@@ -53,19 +52,10 @@ def run(tmp_path_factory):
 @pytest.fixture
 def in_process(monkeypatch):
     """Run a tool in this process from the repository root; give the `libai_lite` logger back afterwards."""
-    log = logging.getLogger("libai_lite")
-    saved = (list(log.handlers), log.propagate, log.level)
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT))
-    yield
-    for h in list(log.handlers):
-        if h not in saved[0]:
-            log.removeHandler(h)
-            h.close()
-    for h in saved[0]:
-        if h not in log.handlers:
-            log.addHandler(h)
-    log.propagate, log.level = saved[1], saved[2]
+    with kept_logger():
+        yield
 
 
 def check_untouched(run, before: dict, own) -> dict:

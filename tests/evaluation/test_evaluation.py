@@ -23,6 +23,7 @@ from libai_lite.evaluation import EvalContext, LambadaEvaluator, PPLEvaluator, i
 from libai_lite.evaluation.lambada import load_lambada, split_last_word
 from libai_lite.tokenizer import GPT2Tokenizer
 from libai_lite.utils.errors import UsageError
+from tests.launch import kept_logger
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, MERGES = ROOT / "data_test/gpt2/vocab.json", ROOT / "data_test/gpt2/merges.txt"
@@ -112,17 +113,8 @@ class _Records(logging.Handler):
 @pytest.fixture
 def restore_logger():
     """Undo what an in-process launch does to the libai_lite logger (handlers, no propagation)."""
-    log = logging.getLogger("libai_lite")
-    saved = (list(log.handlers), log.propagate, log.level)
-    yield
-    for h in list(log.handlers):
-        if h not in saved[0]:
-            log.removeHandler(h)
-            h.close()
-    for h in saved[0]:
-        if h not in log.handlers:
-            log.addHandler(h)
-    log.propagate, log.level = saved[1], saved[2]
+    with kept_logger():
+        yield
 
 
 def write_jsonl(path, texts, key="text"):
