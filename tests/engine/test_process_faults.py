@@ -193,11 +193,11 @@ OutputDirLock(sys.argv[1]).acquire()
 if os.fork() == 0:
     sys.exit(0)  # a child ending normally runs atexit: it must not release the parent's lock
 os.wait()
-child = os.fork()
-if child == 0:
+if os.fork() == 0:
+    # The child speaks once the fork's hooks have run in it, so the test never races them.
+    print(os.getpid(), flush=True)
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 time.sleep(120)
 """
 
