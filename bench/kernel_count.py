@@ -64,7 +64,7 @@ def _llama(smoke: bool):
 
 
 def _mt5(smoke: bool):
-    from projects.MT5.mt5_model import MT5ForPreTraining
+    from projects.MT5 import MT5ForPreTraining
 
     cfg = dict(vocab_size=128, hidden_size=64, hidden_layers=2 if smoke else 4, num_attention_heads=4, head_size=16,
                intermediate_size=160, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,

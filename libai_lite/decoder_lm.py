@@ -1,15 +1,13 @@
-"""What every decoder-only language model gives the engine the same way: its loss, the model protocol
-(``libai_lite.model``) and generation. A project keeps only what differs: embeddings, layers, head, FLOPs.
+"""What every decoder-only language model gives the engine the same way: its loss, the end of its
+forward, generation and the model protocol (``libai_lite.model``); a project keeps its embeddings,
+layers, head and FLOPs.
 
-``DecoderLM`` is the base of the decoder itself (``GPTModel``, ``LlamaModel``): it asks for the
-attributes ``embeddings``, ``layers`` (an ``nn.ModuleDict`` of layers taking ``kv_cache=``),
-``final_layernorm``, ``lm_head``, ``vocab_size``, ``max_seq_length``, ``hidden_layers`` and
-``fused_cross_entropy``, and a ``forward(input_ids, attention_mask, position_ids, kv_caches,
-logits_to_keep, lm_labels, document_ids)`` returning logits (per-token losses given ``lm_labels`` and
-a fused head); it adds ``norm_and_head`` (the end of that forward), ``fuses_cross_entropy`` and
-``generate``. ``DecoderLMForPreTraining`` wraps such a decoder with ``CausalLMLoss`` and answers the
-protocol; a project's wrapper only builds its decoder and names the attribute holding it (that name is
-in the checkpoint's keys, so each project keeps its own).
+``DecoderLM`` (the network: ``GPTModel``, ``LlamaModel``) asks for ``embeddings``, ``layers`` (an
+``nn.ModuleDict`` of layers taking ``kv_cache=``), ``final_layernorm``, ``lm_head``, ``vocab_size``,
+``max_seq_length``, ``hidden_layers``, ``fused_cross_entropy`` and a ``forward(input_ids, attention_mask,
+position_ids, kv_caches, logits_to_keep, lm_labels, document_ids)`` that ends in ``norm_and_head``.
+``DecoderLMForPreTraining`` adds ``CausalLMLoss``; a project's wrapper only builds its decoder and names
+the attribute holding it.
 """
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from .layers import ParallelCrossEntropyLoss, fusable_head_weight, linear_cross_entropy
+from .language_model import LanguageModel, LMForPreTraining
+from .layers import ParallelCrossEntropyLoss, linear_cross_entropy
 from .layers.attention import KVCache
-from .layers.moe import MOE_METRICS, collect_moe_outputs, moe_layers
 from .model import LOSS
 from .utils.errors import UsageError
 
@@ -56,14 +54,13 @@ class CausalLMLoss(nn.Module):
         return {"lm_loss": lm_loss, "num_tokens": (weights != 0).sum(), "nll_sum": nll_sum.detach()}
 
 
-class DecoderLM(nn.Module):
-    """Base of a decoder-only language model: the final norm and head, the fused-loss switch and generation
-    (see the module docstring)."""
+class DecoderLM(LanguageModel):
+    """Base of a decoder-only language model: the final norm and head and generation (see the module docstring)."""
 
-    def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits (``linear_cross_entropy``): configured so, on a
-        stage with the head, and the head plain or split on the vocabulary over the tensor-parallel ranks."""
-        return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
+    @property
+    def pipeline_num_layers(self) -> int:
+        """Layers the pipeline places: the decoder layers (embeddings go with 0, norm and head with the last)."""
+        return self.hidden_layers
 
     def norm_and_head(self, hidden_states: torch.Tensor, logits_to_keep: int = 0,
                       lm_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -132,31 +129,26 @@ class DecoderLM(nn.Module):
                           ignore_mask=mask == 0, sync_group=tensor_parallel_group(self), **options)
 
 
-class DecoderLMForPreTraining(nn.Module):
+class DecoderLMForPreTraining(LMForPreTraining):
     """A ``DecoderLM`` with its pretraining loss, answering the model protocol (``libai_lite.model``).
 
     ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels
-    returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``CausalLMLoss``), plus ``moe_aux_loss``,
-    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers (``collect_moe_outputs``); without,
-    ``{"logits"}``. Labels are already shifted (``labels[:, t]`` is the token after ``input_ids[:, t]``),
-    as the GPT-style dataset produces them. ``position_ids`` and ``document_ids`` ``[batch, seq]`` come
-    with packed documents (the loader's ``reset_position_ids`` / ``reset_attention_mask``, see
-    ``libai_lite.data.packing``).
-
-    ``decoder_name`` is the attribute the decoder is registered under, hence the prefix of its
-    checkpoint keys and Hugging Face mapping (``inner``); ``self.decoder`` reaches it whatever its name.
+    returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``CausalLMLoss``), plus the MoE layers' outputs;
+    without, ``{"logits"}``. Labels are already shifted (``labels[:, t]`` follows ``input_ids[:, t]``);
+    ``position_ids`` and ``document_ids`` ``[batch, seq]`` come with packed documents
+    (``libai_lite.data.packing``). ``decoder_name`` is the attribute holding the decoder.
     """
 
+    # Under context parallelism the loss is re-weighted to the whole sequence's token mean.
+    loss_metrics = {"lm_loss": replace(LOSS, tokens="num_tokens")}
+
     def __init__(self, decoder: DecoderLM, decoder_name: str):
-        super().__init__()
-        self.decoder_name = decoder_name
-        setattr(self, decoder_name, decoder)
-        self.loss_func = CausalLMLoss()
+        super().__init__(decoder, decoder_name, CausalLMLoss())
 
     @property
     def decoder(self) -> DecoderLM:
-        """The decoder (looked up by name: a wrapper may replace the attribute, as compilation does)."""
-        return getattr(self, self.decoder_name)
+        """The decoder, whatever the attribute holding it is named."""
+        return self.inner
 
     def forward(
         self,
@@ -169,22 +161,14 @@ class DecoderLMForPreTraining(nn.Module):
         model = self.decoder
         packed = dict(position_ids=position_ids, document_ids=document_ids)
         if labels is not None and model.fuses_cross_entropy():
-            outputs = self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask)
-        else:
-            logits = model(input_ids, **packed)
-            if labels is None:
-                return {"logits": logits}
-            outputs = self.loss_func(logits, labels, loss_mask)
-        outputs.update(collect_moe_outputs(model))
-        return outputs
+            return self.with_moe_outputs(
+                self.loss_func.reduce(model(input_ids, lm_labels=labels, **packed), labels, loss_mask))
+        logits = model(input_ids, **packed)
+        if labels is None:
+            return {"logits": logits}
+        return self.with_moe_outputs(self.loss_func(logits, labels, loss_mask))
 
     # ------------------------------------------------------------------ the model protocol (libai_lite.model)
-    def output_metrics(self) -> dict:
-        """``lm_loss`` is back-propagated; MoE layers add their auxiliary loss and statistics."""
-        # `tokens`: under context parallelism the loss is re-weighted to the whole sequence's token mean.
-        lm_loss = replace(LOSS, tokens="num_tokens")
-        return {"lm_loss": lm_loss, **(MOE_METRICS if moe_layers(self.decoder) else {})}
-
     @staticmethod
     def tokens_per_sample(sample: Mapping) -> int:
         """Tokens one training sample feeds the model: its sequence."""
@@ -200,15 +184,6 @@ class DecoderLMForPreTraining(nn.Module):
         """The longest sequence generation and evaluation feed the model."""
         return self.decoder.max_seq_length
 
-    @property
-    def pipeline_num_layers(self) -> int:
-        """Layers the pipeline places: the decoder layers (embeddings go with 0, norm and head with the last)."""
-        return self.decoder.hidden_layers
-
-    def pipeline_module(self) -> nn.Module:
-        """The module ``libai_lite.parallel.pipeline_split`` cuts into stages by its pieces' ``layer_idx``."""
-        return self.decoder
-
     def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
         """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
         ``lm_labels``, so the last one returns per-token losses from the fused head; packed documents'
@@ -217,25 +192,9 @@ class DecoderLMForPreTraining(nn.Module):
         kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
         return (batch["input_ids"],), kwargs, batch["labels"]
 
-    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
-
-        The output is the per-token loss when the stage fuses its head (``pipeline_batch`` then sent
-        it ``lm_labels``), else logits (``model.cfg.fused_cross_entropy=False``, or a head that
-        cannot fuse).
-        """
+    def last_stage_outputs(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The loss dict of the last stage's output: per-token losses when the stage fuses its head
+        (``pipeline_batch`` sent it ``lm_labels``), else logits."""
         if self.decoder.fuses_cross_entropy():
-            return self.loss_func.reduce(output, labels)["lm_loss"]
-        return self.loss_func(output, labels)["lm_loss"]
-
-    def num_parameters(self, non_embedding: bool = False) -> int:
-        """See the decoder's ``num_parameters``."""
-        return self.decoder.num_parameters(non_embedding)
-
-    def flops_per_token(self, seq_length: int) -> int:
-        """See the decoder's ``flops_per_token``."""
-        return self.decoder.flops_per_token(seq_length)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
-        """Continue prompts; ``DecoderLM.generate`` lists the options (``max_new_tokens``, ``do_sample``, ...)."""
-        return self.decoder.generate(input_ids, attention_mask, **options)
+            return self.loss_func.reduce(output, labels)
+        return self.loss_func(output, labels)

@@ -24,7 +24,7 @@ from libai_lite.inference import (
 )
 from libai_lite.layers.attention import KVCache
 from libai_lite.utils.errors import UsageError
-from projects.MT5.layers import RelativePositionBias
+from projects.MT5.modeling.relative_position import RelativePositionBias
 import projects.GPT.modeling  # noqa: F401,E402  (registers the GPT-2 Hugging Face mapping)
 
 VOCAB = 96

@@ -20,8 +20,8 @@ from libai_lite.layers.attention import document_mask
 from libai_lite.layers.flex_attention import (AttentionMask, attention_backend, dense_bias, flex_enabled,
                                               relative_index)
 from projects.MT5 import MT5Model
-from projects.MT5.layers import RelativePositionBias
-from projects.MT5.layers.relative_position import _cached_diagonals
+from projects.MT5.modeling.relative_position import RelativePositionBias
+from projects.MT5.modeling.relative_position import _cached_diagonals
 
 OUT_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)

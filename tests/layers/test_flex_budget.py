@@ -50,7 +50,7 @@ from libai_lite.config import LazyConfig
 from libai_lite.layers.flex_attention import AttentionMask, attention_backend, shared_mask
 from projects.MT5 import MT5Model
 from projects.MT5.data.t5_dataset import random_spans_helper
-from projects.MT5.layers import RelativePositionBias
+from projects.MT5.modeling.relative_position import RelativePositionBias
 
 ROOT = Path(__file__).resolve().parents[2]
 # cudaDevAttrMaxSharedMemoryPerBlockOptin: what Triton checks a kernel's shared memory against.

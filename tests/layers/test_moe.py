@@ -221,7 +221,7 @@ def test_one_expert_gpt_is_the_dense_gpt_exactly():
 
 
 def test_one_expert_mt5_is_the_dense_mt5_exactly():
-    from projects.MT5.mt5_model import MT5ForPreTraining
+    from projects.MT5 import MT5ForPreTraining
 
     cfg = dict({k: v for k, v in moe_worker.MT5_CFG.items() if k != "moe"}, hidden_layers=1)
     dense, moe = _dense_and_one_expert(MT5ForPreTraining, cfg)

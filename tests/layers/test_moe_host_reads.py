@@ -69,7 +69,7 @@ def test_fixed_capacity_dispatch_equals_the_variable_one():
 def test_an_mt5_moe_training_step_reads_nothing_back():
     # The whole model: embeddings, T5 attention with padding, MoE feed-forwards in every layer, the
     # fused LM head and loss; forward and backward.
-    from projects.MT5.mt5_model import MT5ForPreTraining
+    from projects.MT5 import MT5ForPreTraining
 
     torch.manual_seed(0)
     cfg = dict(vocab_size=128, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,

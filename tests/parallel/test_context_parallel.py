@@ -8,7 +8,7 @@ from libai_lite.parallel.context_parallel import check_context_parallel, shard_p
 from libai_lite.utils.parallel_dims import resolve_layout
 from libai_lite.utils.errors import UsageError
 from projects.GPT.modeling.gpt_model import GPTForPreTraining
-from projects.MT5.mt5_model import MT5ForPreTraining
+from projects.MT5 import MT5ForPreTraining
 from tests.launch import losses, one_error_line, tiny, torchrun, train_net, train_sh
 from tests.workers import cp_worker
 

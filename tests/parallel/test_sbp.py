@@ -28,7 +28,7 @@ from libai_lite.sbp import (
 )
 from libai_lite.parallel.tensor_parallel import check_declared_splits
 from libai_lite.utils.errors import UsageError
-from projects.MT5.layers import RelativePositionBias
+from projects.MT5.modeling.relative_position import RelativePositionBias
 
 from tests.workers.tp_worker import TINY_GPT, build
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from libai_lite.layers import Linear1D, VocabEmbedding
+from libai_lite.seq2seq_lm import Seq2SeqLMLoss
 from libai_lite.utils.errors import UsageError
 from projects.MT5 import MT5ForPreTraining, MT5Model
-from projects.MT5.hf_mapping import state_dict_from_hf
-from projects.MT5.layers import MT5Loss, RelativePositionBias, relative_position_bucket
+from projects.MT5.modeling.hf_mapping import state_dict_from_hf
+from projects.MT5.modeling.relative_position import RelativePositionBias, relative_position_bucket
 
 from tests.launch import spawn_ranks
 
@@ -86,7 +87,7 @@ def test_logits_match_hugging_face_with_padding_in_encoder_and_decoder(model_typ
     if model_type == "t5":
         assert hf.config.feed_forward_proj == "relu" and hf.lm_head.weight is hf.shared.weight
     ours = MT5Model(tiny(model_type)).eval()
-    # The library mapping (projects/MT5/hf_mapping.py): fused head-major qkv / kv, stacked layer indices.
+    # The library mapping (projects/MT5/modeling/hf_mapping.py): fused head-major qkv / kv, stacked layer indices.
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), tiny(model_type)), strict=True)
     if model_type == "t5":
         assert ours.lm_head.weight is ours.embedding.weight
@@ -210,12 +211,12 @@ def test_token_acc_on_a_hand_made_example():
     logits[1, 1, 3] = 4.0  # predicts 3, label -100: not scored
     logits[1, 2, 2] = 4.0  # predicts 2, label 1: wrong
     labels = torch.tensor([[2, 3, 4], [0, -100, 1]])
-    out = MT5Loss()(logits, labels)
+    out = Seq2SeqLMLoss()(logits, labels)
     assert out["num_tokens"].item() == 5
     assert out["token_acc"].item() == pytest.approx(3 / 5)
     # Ignored positions count neither as right nor as wrong, whatever their logits.
     labels[1, 1] = 3
-    assert MT5Loss()(logits, labels)["token_acc"].item() == pytest.approx(4 / 6)
+    assert Seq2SeqLMLoss()(logits, labels)["token_acc"].item() == pytest.approx(4 / 6)
 
 
 @pytest.mark.parametrize("model_type", ["t5", "mt5"])

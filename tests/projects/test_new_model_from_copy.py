@@ -115,11 +115,11 @@ MT5 = Copy(
     source="MT5",
     name="NewT5",
     classes=r"\bMT5(ForPreTraining|Model|Config|Loss|TransformerLayer)\b",
-    new_files={"layers/gated_mlp.py": GATED_MLP.lstrip()},
+    new_files={"modeling/gated_mlp.py": GATED_MLP.lstrip()},
     edits=[
-        ("layers/transformer_layer.py", r"\nfrom \.relative_position import", "\nfrom .gated_mlp import GatedMLP\n\\g<0>", 1),
-        ("layers/transformer_layer.py", r"\(MLP if moe is None", "(GatedMLP if moe is None", 1),
-        ("hf_mapping.py", r'\("dense_h_to_4h", "wi_0"\), \("dense_h_to_4h_linear", "wi_1"\), \("dense_4h_to_h", "wo"\)',
+        ("modeling/transformer_layer.py", r"\nfrom \.relative_position import", "\nfrom .gated_mlp import GatedMLP\n\\g<0>", 1),
+        ("modeling/transformer_layer.py", r"\(MLP if moe is None", "(GatedMLP if moe is None", 1),
+        ("modeling/hf_mapping.py", r'\("dense_h_to_4h", "wi_0"\), \("dense_h_to_4h_linear", "wi_1"\), \("dense_4h_to_h", "wo"\)',
          '("gate", "wi_0"), ("up", "wi_1"), ("down", "wo")', 1),
     ],
     config='from .mt5_pretrain import dataloader, model, optim, tokenization, train\n\n'

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
-from projects.MT5.mt5_model import MT5ForPreTraining  # noqa: E402
+from projects.MT5 import MT5ForPreTraining  # noqa: E402
 
 from libai_lite.checkpoint import Checkpointer  # noqa: E402
 from libai_lite.parallel.clip_grad import clip_grad_norm_  # noqa: E402

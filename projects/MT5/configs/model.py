@@ -8,7 +8,7 @@ with head_size 64): small 512/8/6/1024 (300M), base 768/12/12/2048 (580M), large
 from libai_lite.config import LazyCall
 
 # Imported relatively, so a copy of this project folder trains its own model.
-from ..mt5_model import MT5ForPreTraining, MT5Model
+from ..modeling import MT5ForPreTraining, MT5Model
 
 cfg = dict(
     # Replaced at startup by the tokenizer's size padded to a multiple of make_vocab_size_divisible_by

@@ -139,7 +139,7 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
 
 def special_token_ids(tokenizer) -> dict:
     """``config.json`` token ids for one of our tokenizers, with the decoder start the T5 dataset trains with."""
-    from .data.t5_dataset import t5_special_ids
+    from ..data.t5_dataset import t5_special_ids
 
     ids = t5_special_ids(tokenizer)
     return {"pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "decoder_start_token_id": ids["decoder_start"]}
@@ -287,7 +287,7 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
 register_hf_model(
     __name__, model_class=MT5ForPreTraining, model_types=HF_MODEL_TYPES, inner="mt5_model", vocab_keys=VOCAB_KEYS,
     # Named from this module, so a copy of the project starts from the copy's own config.
-    finetune_config=__name__.rsplit(".", 1)[0] + ".configs.mt5_pretrain",
+    finetune_config=__name__.rsplit(".", 2)[0] + ".configs.mt5_pretrain",
     # The pipeline cuts the encoder and the decoder stacks as one list of layers.
     pipeline_num_layers=lambda cfg: 2 * int(cfg["hidden_layers"]),
 )

@@ -1,45 +1,13 @@
 """T5 (v1.0) and mT5 / T5 v1.1 encoder-decoder models on libai_lite's parallel layers.
 
-Read top to bottom: config -> shared token embedding -> encoder layers -> encoder final norm
--> decoder layers (self-attention, cross-attention, feed-forward) -> decoder final norm ->
-LM head, then the pretraining wrapper that adds the loss. The choices that make it T5:
-
-* Pre-LN blocks with RMS layer norm (scale only: no bias, no mean subtraction), no biases
-  anywhere, no ``1/sqrt(d_kv)`` score scaling (T5 folds it into q's initialisation), and a
-  per-head attention width ``head_size`` (``d_kv``) decoupled from ``hidden_size / heads``
-  (mT5-small: 6 heads of 64 on a 512-wide model).
-* No absolute positions: a learned bias per (bucketed relative distance, head) is added to
-  the self-attention scores. 32 buckets, exact up to 8 (per direction) then logarithmic up to
-  a distance of 128; bidirectional in the encoder, causal in the decoder. Each stack's first
-  layer owns the ``[num_buckets, heads]`` table (as in Hugging Face), computes the bias once
-  and hands it to the layers after it. Cross-attention has no position bias.
-* ``model_type="t5"`` (T5 v1.0): ReLU feed-forward; the LM head is the token embedding
-  (encoder input, decoder input and output share one matrix) and the decoder output is
-  scaled by ``hidden_size ** -0.5`` before it. ``model_type="mt5"`` (mT5, T5 v1.1):
-  gated-GELU feed-forward (``gelu_new``, the tanh approximation) and an untied,
-  column-parallel LM head with no scaling, so tensor parallelism splits its 250k-entry
-  vocabulary. ``tie_word_embeddings`` overrides the tie (and with it the scaling), as in
-  Hugging Face.
-* Dropout: ``embedding_dropout_prob`` after the embedding, ``attention_probs_dropout_prob``
-  on attention probabilities, ``hidden_dropout_prob`` on every residual branch's output and
-  after each stack's final norm. (Hugging Face also drops inside the feed-forward, between
-  the activation and ``wo``; LiBai does not, nor do we.)
-
-Pipeline parallelism. The layers of both stacks form one sequence of ``2 * hidden_layers``
-global indices (encoder ``0..L-1``, decoder ``L..2L-1``: ``pipeline_num_layers``), so a stage is a
-contiguous range of them. The generic splitter (``libai_lite.parallel.pipeline_split``) keeps on a
-stage the pieces whose ``layer_idx`` it owns (``embedding`` 0, ``encoder_final_layernorm`` L-1,
-``decoder_final_layernorm`` and ``lm_head`` 2L-1) and sets the others to None;
-``encoder_layers`` / ``decoder_layers`` are keyed by global index, so checkpoint names do not
-depend on the layout. A stage runs ``pipeline_forward``. The first stage (it owns
-``embedding``, layer 0) embeds both the encoder and the decoder ids; encoder stages advance the
-encoder states and pass the embedded decoder input through; the stage owning layer ``L-1``
-applies ``encoder_final_layernorm`` and from then on the encoder states are the encoder output
-every decoder stage reads for cross-attention; decoder stages advance the decoder states; the
-last stage returns logits. A position bias is computed by its stack's first layer and must reach
-later layers of that stack, so it travels with the stage outputs (with its gradient, back to the
-table). The padding masks are keyword inputs the schedule gives every stage. With T5's tied head
-the last stage shares the embedding matrix with the first, as GPT's does.
+Read top to bottom: config -> shared token embedding -> encoder layers -> encoder final norm -> decoder
+layers (self-attention, cross-attention, feed-forward) -> decoder final norm -> LM head, then the
+pretraining wrapper. What every encoder-decoder shares (forward, head, loss, generation, protocol) is
+``libai_lite.seq2seq_lm``'s; this file keeps T5's architecture. ``model_type="t5"``: ReLU feed-forward,
+LM head tied to the embedding and the decoder output scaled by ``hidden_size ** -0.5``; ``"mt5"``:
+gated-GELU (``gelu_new``) and an untied, unscaled, column-parallel head (``tie_word_embeddings``
+overrides, as in Hugging Face). Dropout after the embedding, on attention probabilities and on every
+residual branch, not inside the feed-forward (as LiBai).
 """
 from __future__ import annotations
 
@@ -51,23 +19,14 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from libai_lite.layers import (
-    Linear1D,
-    MoEConfig,
-    RMSLayerNorm,
-    VocabEmbedding,
-    collect_moe_outputs,
-    fusable_head_weight,
-    init_method_normal,
-    linear_cross_entropy,
-)
+from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, init_method_normal
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.flex_attention import AttentionMask, flex_enabled
-from libai_lite.layers.moe import MOE_METRICS, moe_layers
-from libai_lite.model import LOSS, MEAN
+from libai_lite.seq2seq_lm import Seq2SeqLM, Seq2SeqLMForPreTraining
 from libai_lite.utils.errors import UsageError
 
-from .layers import FEED_FORWARD, MT5Loss, MT5TransformerLayer, RelativePositionBias
+from .relative_position import RelativePositionBias
+from .transformer_layer import FEED_FORWARD, MT5TransformerLayer
 
 # LiBai MT5/T5 cfg keys with no effect here, accepted so LiBai configs load unchanged: kernel
 # fusion and fp16 flags, generation ids, and padding_idx (T5's decoder start token is the pad
@@ -98,8 +57,9 @@ class MT5Config:
         num_attention_heads: heads per attention (``num_heads``).
         intermediate_size: feed-forward width (``d_ff``).
         head_size: per-head width (``d_kv``); None means ``hidden_size // num_attention_heads``.
-        embedding_dropout_prob, hidden_dropout_prob, attention_probs_dropout_prob: see the
-            module docstring (Hugging Face uses ``dropout_rate`` for all three).
+        embedding_dropout_prob, hidden_dropout_prob, attention_probs_dropout_prob: after the embedding,
+            on every residual branch and stack output, on attention probabilities (Hugging Face's
+            ``dropout_rate`` for all three).
         relative_attention_num_buckets, relative_attention_max_distance: the relative bias buckets.
         initializer_range: multiplies every weight's T5 init std (``initializer_factor``; 1.0 as
             in T5, not a std like GPT's 0.02).
@@ -184,14 +144,17 @@ def _shared_mask(mask: Optional[torch.Tensor], q_len: int, k_len: int, causal: b
     return AttentionMask(q_len, k_len, causal=causal, key_padding=padding, keep=keep, device=device).prepare(flex)
 
 
-class MT5Model(nn.Module):
+class MT5Model(Seq2SeqLM):
     """The T5/mT5 encoder-decoder; ``forward`` returns logits ``[batch, dec_seq, vocab]``.
 
-    Built as ``MT5Model(cfg)`` from a mapping of ``MT5Config`` keys (LiBai's
-    ``LazyCall(MT5Model)(cfg=cfg)``) or an ``MT5Config``. Attributes a pipeline splitter
-    acts on: ``embedding``, ``encoder_layers`` (keys ``"0".."L-1"``),
-    ``encoder_final_layernorm``, ``decoder_layers`` (keys ``"L".."2L-1"``),
-    ``decoder_final_layernorm``, ``lm_head``; see the module docstring for what a stage carries.
+    Built as ``MT5Model(cfg)`` from a mapping of ``MT5Config`` keys (LiBai's ``LazyCall(MT5Model)(cfg=cfg)``)
+    or an ``MT5Config``. Pre-LN blocks with RMS norm, no biases, no ``1/sqrt(d_kv)`` score scaling (T5 folds
+    it into q's init) and a head width ``head_size`` apart from ``hidden_size / heads``. No absolute
+    positions: each stack's first layer owns a learned bias per (bucketed relative distance, head), adds it
+    to its self-attention scores and hands it to the layers after it (bidirectional in the encoder, causal
+    in the decoder; none on cross-attention). Both stacks' layers form one sequence of ``2 * hidden_layers``
+    indices (encoder ``"0".."L-1"``, decoder ``"L".."2L-1"``), the keys of ``encoder_layers`` and
+    ``decoder_layers``, so checkpoint names do not depend on the pipeline layout.
     """
 
     def __init__(self, cfg: Union[Mapping[str, Any], MT5Config]):
@@ -200,6 +163,8 @@ class MT5Model(nn.Module):
         self.cfg = cfg
         num_layers = cfg.hidden_layers
         self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.fused_cross_entropy = cfg.fused_cross_entropy
         self.tie_word_embeddings = bool(cfg.tie_word_embeddings)
         embedding_init = init_method_normal(cfg.initializer_range * 1.0)
 
@@ -275,19 +240,15 @@ class MT5Model(nn.Module):
         skip_lm_head: bool = False,
         lm_labels: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        """One pipeline stage: what ``PipelineStage`` runs (through ``PipelineForward``).
+        """One pipeline stage (the whole model is one): what ``PipelineStage`` runs, through ``PipelineForward``.
 
-        The first stage takes ``(encoder_input_ids, decoder_input_ids)``; every other stage
-        takes what the previous one returned: ``(encoder_hidden, decoder_hidden)`` plus the
-        position bias of the stack in progress, when a layer after this stack's first one
-        still needs it (``PipelineStage`` sends tensors only, so an absent bias is an absent
-        element, never None). Which stack a carried bias belongs to follows from the stage's
-        own layers: a stage holding encoder layers is mid-encoder. Masks come as keyword
-        arguments, which the schedule gives every stage. The last stage returns logits; with
-        ``skip_lm_head`` the hidden states the head would multiply (normed, and scaled when tied);
-        with ``lm_labels`` and a head that can fuse, ``[batch, dec_seq, 2]``: each token's loss and
-        whether its label was the top-1 prediction (1.0 or 0.0; ``pipeline_metrics`` turns it into
-        the token accuracy).
+        A stage keeps the pieces whose ``layer_idx`` it owns (``embedding`` 0, ``encoder_final_layernorm``
+        L-1, ``decoder_final_layernorm`` and ``lm_head`` 2L-1). The first stage takes ``(encoder_input_ids,
+        decoder_input_ids)`` and embeds both; the others take what the previous one returned:
+        ``(encoder_hidden, decoder_hidden)`` plus, while a stack is in progress, its position bias (with
+        its gradient back to the table; an absent bias is an absent element, as ``PipelineStage`` sends
+        tensors only). A stage holding encoder layers is mid-encoder, so a carried bias is the encoder's.
+        Masks are keyword arguments the schedule gives every stage; the last stage ends in ``head``.
         """
         if self.embedding is not None:
             encoder_input_ids, decoder_input_ids = carried
@@ -321,17 +282,7 @@ class MT5Model(nn.Module):
                 encoder_states=encoder_hidden, encoder_attention_mask=encoder_decoder_attn_mask,
             )
         if self.lm_head is not None:
-            decoder_hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
-            if self.tie_word_embeddings:
-                decoder_hidden = decoder_hidden * self.hidden_size**-0.5
-            if skip_lm_head:
-                return decoder_hidden
-            if lm_labels is not None and self.fuses_cross_entropy():
-                per_token, correct = linear_cross_entropy(decoder_hidden, self.lm_head.weight, lm_labels,
-                                                          return_top1=True)
-                # A stage hands the schedule one tensor: the top-1 hits ride along, without gradient.
-                return torch.stack((per_token, correct.to(per_token.dtype)), dim=-1)
-            return self.lm_head(decoder_hidden)
+            return self.head(self.final_hidden(decoder_hidden), skip_lm_head, lm_labels)
         carried_bias = encoder_bias if encoder_bias is not None else decoder_bias
         # Point-to-point sends need contiguous tensors; the bias is a permuted view of its table lookup.
         carried = (encoder_hidden, decoder_hidden) + ((carried_bias,) if carried_bias is not None else ())
@@ -345,37 +296,10 @@ class MT5Model(nn.Module):
         if self.tie_word_embeddings and self.embedding is not None and self.lm_head is not None:
             self.lm_head.weight = self.embedding.weight
 
-    def forward(
-        self,
-        encoder_input_ids: torch.Tensor,
-        decoder_input_ids: torch.Tensor,
-        encoder_attn_mask: Optional[torch.Tensor] = None,
-        decoder_attn_mask: Optional[torch.Tensor] = None,
-        encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
-        skip_lm_head: bool = False,
-    ) -> torch.Tensor:
-        """Encode, decode and project to the vocabulary: logits ``[batch, dec_seq, vocab]``.
-
-        Args:
-            encoder_input_ids, decoder_input_ids: ``[batch, enc_seq]`` / ``[batch, dec_seq]`` ids.
-            encoder_attn_mask: encoder padding mask, 1/True = real token: ``[batch, enc_seq]``
-                (or LiBai's ``[batch, enc_seq, enc_seq]``, or 4-D).
-            decoder_attn_mask: decoder padding mask; causality is added here.
-            encoder_decoder_attn_mask: which encoder positions the decoder may attend to
-                (``[batch, enc_seq]`` or ``[batch, dec_seq, enc_seq]``); when None a 2-D
-                ``encoder_attn_mask`` is used, as Hugging Face does.
-
-        The whole model is its own single pipeline stage, so this is ``pipeline_forward``.
-        """
-        return self.pipeline_forward(
-            encoder_input_ids, decoder_input_ids, encoder_attn_mask=encoder_attn_mask,
-            decoder_attn_mask=decoder_attn_mask, encoder_decoder_attn_mask=encoder_decoder_attn_mask,
-            skip_lm_head=skip_lm_head,
-        )
-
-    def fuses_cross_entropy(self) -> bool:
-        """Whether the training loss may skip the logits (``linear_cross_entropy``; see ``GPTModel``)."""
-        return self.cfg.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
+    def final_hidden(self, decoder_hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's last states as the head multiplies them: normed, dropped out and, tied, scaled."""
+        hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
+        return hidden * self.hidden_size**-0.5 if self.tie_word_embeddings else hidden
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module, a tied matrix once; global sizes even when sharded.
@@ -465,167 +389,22 @@ class MT5Model(nn.Module):
             )
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        hidden = self.hidden_dropout(self.decoder_final_layernorm(hidden))
-        if self.tie_word_embeddings:
-            hidden = hidden * self.hidden_size**-0.5
-        return self.lm_head(hidden)
+        return self.lm_head(self.final_hidden(hidden))
 
-    @torch.no_grad()
-    def generate(
-        self,
-        encoder_input_ids: torch.Tensor,
-        encoder_attn_mask: Optional[torch.Tensor] = None,
-        decoder_start_token_id: int = 0,
-        max_new_tokens: int = 20,
-        use_cache: bool = True,
-        vocab_size: Optional[int] = None,
-        **options,
-    ):
-        """Decode from ``decoder_start_token_id`` (T5's pad id, 0) given the encoder input; returns
-        the decoder ids ``[batch, 1 + new]``, start token first, as Hugging Face does.
-
-        ``encoder_input_ids`` of different lengths are right-padded with ``encoder_attn_mask`` 0
-        on the padding. The encoder runs once; with ``use_cache`` each decoder step feeds one
-        token, its self-attention keys and values are cached (the relative position bias is
-        computed for the new position only) and the encoder's keys and values are projected
-        once per layer. ``vocab_size`` and ``options`` (``do_sample``, ``temperature``, ...) are as in
-        ``libai_lite.decoder_lm.DecoderLM.generate`` and ``libai_lite.inference.decode``.
-        """
-        from libai_lite.inference import decode, eval_mode, gather_logits, tensor_parallel_group
-
-        pieces = (self.embedding, self.encoder_final_layernorm, self.decoder_final_layernorm, self.lm_head)
-        if any(p is None for p in pieces):
-            raise UsageError("generate needs the whole MT5 model; build it without pipeline parallelism")
-        batch = encoder_input_ids.shape[0]
-        start = torch.full((batch, 1), int(decoder_start_token_id), dtype=torch.long, device=encoder_input_ids.device)
-        capacity = 1 + int(max_new_tokens)
-        caches = {name: KVCache(capacity) for name in self.decoder_layers} if use_cache else None
-        cross = {name: KVCache() for name in self.decoder_layers} if use_cache else None
-        seen = {"ids": start[:, :0]}
-
-        with eval_mode(self):
-            encoder_hidden = self.encode(encoder_input_ids, encoder_attn_mask)
-
-            def step(tokens: torch.Tensor) -> torch.Tensor:
-                seen["ids"] = torch.cat([seen["ids"], tokens], dim=1)
-                ids = tokens if use_cache else seen["ids"]
-                logits = self.decode(ids, encoder_hidden, encoder_attn_mask, caches, cross, logits_to_keep=1)
-                return gather_logits(logits)[:, -1]
-
-            return decode(step, start, max_new_tokens=int(max_new_tokens), vocab_size=vocab_size or self.cfg.vocab_size,
-                          sync_group=tensor_parallel_group(self), **options)
-
-
-class MT5ForPreTraining(nn.Module):
+class MT5ForPreTraining(Seq2SeqLMForPreTraining):
     """MT5Model plus its loss; LiBai configs build it as ``LazyCall(MT5ForPreTraining)(cfg=cfg)``.
 
-    ``forward`` takes the span-corruption batch as keyword arguments. With ``labels``
-    (``[batch, dec_seq]``, -100 where nothing is predicted) it returns ``{"lm_loss",
-    "num_tokens", "nll_sum", "token_acc"}`` (see ``MT5Loss``), plus ``moe_aux_loss``,
-    ``moe_dropped_frac`` and ``moe_load_max`` with MoE layers; without, ``{"logits"}``.
+    ``forward``, the loss and the model protocol are ``libai_lite.seq2seq_lm.Seq2SeqLMForPreTraining``'s.
     """
 
     def __init__(self, cfg: Union[Mapping[str, Any], MT5Config]):
-        super().__init__()
-        self.mt5_model = MT5Model(cfg)
-        self.loss_func = MT5Loss()
+        # "mt5_model" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).
+        super().__init__(MT5Model(cfg), "mt5_model")
 
-    def forward(
-        self,
-        encoder_input_ids: torch.Tensor,
-        decoder_input_ids: torch.Tensor,
-        labels: Optional[torch.Tensor] = None,
-        encoder_attn_mask: Optional[torch.Tensor] = None,
-        decoder_attn_mask: Optional[torch.Tensor] = None,
-        encoder_decoder_attn_mask: Optional[torch.Tensor] = None,
-    ) -> dict:
-        model = self.mt5_model
-        if labels is not None and model.fuses_cross_entropy():
-            hidden = model(encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask,
-                           encoder_decoder_attn_mask, skip_lm_head=True)
-            outputs = self.loss_func.from_hidden(hidden, model.lm_head.weight, labels)
-            outputs.update(collect_moe_outputs(model))
-            return outputs
-        logits = model(
-            encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask, encoder_decoder_attn_mask
-        )
-        if labels is None:
-            return {"logits": logits}
-        outputs = self.loss_func(logits, labels)
-        outputs.update(collect_moe_outputs(self.mt5_model))
-        return outputs
-
-    # ------------------------------------------------------------------ the model protocol (libai_lite.model)
     @staticmethod
     def special_token_ids(tokenizer) -> dict:
         """``eos``, ``pad`` and ``decoder_start`` as the span-corruption data uses them (``t5_special_ids``)."""
-        from .data.t5_dataset import t5_special_ids
+        from ..data.t5_dataset import t5_special_ids
 
         ids = t5_special_ids(tokenizer)
         return {k: ids[k] for k in ("eos", "pad", "decoder_start")}
-
-    def output_metrics(self) -> dict:
-        """``lm_loss`` is back-propagated, ``token_acc`` logged; MoE layers add their loss and statistics."""
-        return {"lm_loss": LOSS, "token_acc": MEAN, **(MOE_METRICS if moe_layers(self.mt5_model) else {})}
-
-    @staticmethod
-    def tokens_per_sample(sample: Mapping) -> int:
-        """Tokens one span-corruption sample feeds the model: encoder plus decoder input."""
-        return len(sample["encoder_input_ids"]) + len(sample["decoder_input_ids"])
-
-    def flops_per_sample(self, sample: Mapping) -> float:
-        """Training FLOPs of one sample (see ``MT5Model.flops_per_token``)."""
-        enc, dec = len(sample["encoder_input_ids"]), len(sample["decoder_input_ids"])
-        return float(self.mt5_model.flops_per_token(enc, decoder_seq_length=dec)) * enc
-
-    @property
-    def pipeline_num_layers(self) -> int:
-        """See ``MT5Model.pipeline_num_layers``."""
-        return self.mt5_model.pipeline_num_layers
-
-    def pipeline_module(self) -> nn.Module:
-        """The module ``libai_lite.parallel.pipeline`` cuts into stages."""
-        return self.mt5_model
-
-    def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
-        """A span-corruption batch as ``(first-stage inputs, masks every stage takes, labels)``."""
-        masks = {k: batch[k] for k in ("encoder_attn_mask", "decoder_attn_mask", "encoder_decoder_attn_mask")
-                 if batch.get(k) is not None}
-        if self.mt5_model.cfg.fused_cross_entropy:
-            # The last stage then returns per-token losses from the fused head.
-            masks["lm_labels"] = batch["labels"]
-        return (batch["encoder_input_ids"], batch["decoder_input_ids"]), masks, batch["labels"]
-
-    # What pipeline_metrics returns, known on every pipeline rank (only the last stage computes it).
-    pipeline_metric_names = ("token_acc",)
-
-    def _pipeline_loss_dict(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
-        if self.mt5_model.fuses_cross_entropy():  # the fused head's per-token loss and top-1 hits
-            return self.loss_func.reduce(output[..., 0], output[..., 1] > 0.5, labels)
-        return self.loss_func(output, labels)
-
-    def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn.
-
-        The output is the per-token loss and top-1 hits (``[*labels.shape, 2]``) when the stage
-        fused its head, else logits (``model.cfg.fused_cross_entropy=False``).
-        """
-        return self._pipeline_loss_dict(output, labels)["lm_loss"]
-
-    @torch.no_grad()
-    def pipeline_metrics(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
-        """The logged scalars other than the loss (``pipeline_metric_names``) of the last stage's output."""
-        out = self._pipeline_loss_dict(output, labels)
-        return {k: out[k] for k in self.pipeline_metric_names}
-
-    def num_parameters(self, non_embedding: bool = False) -> int:
-        """See ``MT5Model.num_parameters``."""
-        return self.mt5_model.num_parameters(non_embedding)
-
-    def flops_per_token(self, seq_length: int, decoder_seq_length: Optional[int] = None) -> float:
-        """See ``MT5Model.flops_per_token``."""
-        return self.mt5_model.flops_per_token(seq_length, decoder_seq_length)
-
-    def generate(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None, **options):
-        """Decode for the encoder input; ``MT5Model.generate`` lists the options (``max_new_tokens``, ...)."""
-        return self.mt5_model.generate(encoder_input_ids, encoder_attn_mask, **options)
