@@ -31,7 +31,9 @@ class HFMapping:
     ``state_dict_from_hf``/``state_dict_to_hf`` (``(state dict, model.cfg)`` -> the other side's).
     ``vocab_keys``: our keys whose rows are the vocabulary, the token embedding first (padded on
     import, cut to the tokenizer on export). ``special_token_ids``: ``config.json`` ids for one of
-    our tokenizers; ``find_tokenizer``: ``hf_dir -> HFTokenizer`` or None; ``finetune_config``: the
+    our tokenizers; ``find_tokenizer``: ``hf_dir -> HFTokenizer`` or None; ``sentencepiece_config``:
+    ``tokenizer -> tokenizer_config.json`` with which transformers reads one of our SentencePiece tokenizers
+    as the model's own, or None (see ``hf_io.tokenizer_files``); ``finetune_config``: the
     project config an import's fine-tuning config starts from; ``pipeline_num_layers``: ``model.cfg ->
     train.dist.pipeline_num_layers`` when it is not ``hidden_layers``.
     """
@@ -46,6 +48,7 @@ class HFMapping:
     vocab_keys: tuple[str, ...]
     special_token_ids: Callable[[object], dict] = lambda tokenizer: {}
     find_tokenizer: Callable[[str], HFTokenizer | None] = lambda hf_dir: None
+    sentencepiece_config: Callable[[object], dict | None] = lambda tokenizer: None
     finetune_config: str | None = None
     pipeline_num_layers: Callable[[Mapping], int] | None = None
 
@@ -271,5 +274,6 @@ def save_hf_model(module: nn.Module, model_cfg: Mapping, output_dir: str, vocab_
     hf_config = mapping.config_to_hf(cfg)
     if tokenizer is not None:
         hf_config.update({k: v for k, v in mapping.special_token_ids(tokenizer).items() if v is not None})
-    notes = write_hf_dir(output_dir, hf_config, mapping.state_dict_to_hf(sd, cfg), tokenizer)
+    notes = write_hf_dir(output_dir, hf_config, mapping.state_dict_to_hf(sd, cfg), tokenizer,
+                         mapping.sentencepiece_config(tokenizer) if tokenizer is not None else None)
     return hf_config, notes

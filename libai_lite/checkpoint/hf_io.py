@@ -185,8 +185,12 @@ def _tokenizer_json_files(tokenizer) -> tuple[dict, dict, list[str]]:
     return files, config, []
 
 
-def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
-    """``({name: source path}, tokenizer_config or None, notes)`` to make an exported directory usable."""
+def tokenizer_files(tokenizer, sentencepiece_config: dict | None = None) -> tuple[dict, dict | None, list[str]]:
+    """``({name: source path}, tokenizer_config or None, notes)`` to make an exported directory usable.
+
+    ``sentencepiece_config``: the ``tokenizer_config.json`` with which transformers reads a SentencePiece
+    tokenizer as the model's own (the project's mapping declares it); without one the ids are not described.
+    """
     from ..tokenizer import BertTokenizer, GPT2Tokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 
     if isinstance(tokenizer, HuggingFaceTokenizer):
@@ -194,9 +198,8 @@ def tokenizer_files(tokenizer) -> tuple[dict, dict | None, list[str]]:
     if isinstance(tokenizer, GPT2Tokenizer):
         return {"vocab.json": tokenizer.vocab_file, "merges.txt": tokenizer.merges_file}, None, []
     if isinstance(tokenizer, SentencePieceTokenizer):
-        extra = len(getattr(tokenizer, "additional_special_tokens_ids", []) or [])
-        if getattr(tokenizer, "style", None) == "t5":
-            return {"spiece.model": tokenizer.model_file}, {"tokenizer_class": "T5Tokenizer", "extra_ids": extra}, []
+        if sentencepiece_config is not None:
+            return {"spiece.model": tokenizer.model_file}, sentencepiece_config, []
         return {"spiece.model": tokenizer.model_file}, None, [
             "the SentencePiece tokenizer uses Megatron's id convention (special tokens appended after the "
             "pieces), which transformers' T5Tokenizer does not reproduce; tokenize with libai_lite"]
@@ -231,12 +234,13 @@ def _write_json(obj, path: str) -> None:
         f.write("\n")
 
 
-def write_hf_dir(output_dir: str, hf_config: Mapping, hf_sd: Mapping[str, torch.Tensor], tokenizer=None) -> list[str]:
-    """Write a Hugging Face directory: config, generation config (its token ids), weights, tokenizer files.
-
-    Returns notes worth printing about the tokenizer.
+def write_hf_dir(output_dir: str, hf_config: Mapping, hf_sd: Mapping[str, torch.Tensor], tokenizer=None,
+                 sentencepiece_config: dict | None = None) -> list[str]:
+    """Write a Hugging Face directory: config, generation config (its token ids), weights, tokenizer files
+    (``sentencepiece_config`` as ``tokenizer_files`` takes it). Returns notes worth printing about the tokenizer.
     """
-    files, tok_config, notes = tokenizer_files(tokenizer) if tokenizer is not None else ({}, None, [])
+    files, tok_config, notes = (tokenizer_files(tokenizer, sentencepiece_config) if tokenizer is not None
+                                else ({}, None, []))
     os.makedirs(output_dir, exist_ok=True)
     _save_safetensors(hf_sd, os.path.join(output_dir, SAFETENSORS_NAME))
     _write_json(dict(hf_config), os.path.join(output_dir, CONFIG_NAME))

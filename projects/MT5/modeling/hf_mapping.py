@@ -169,6 +169,15 @@ def find_tokenizer(hf_dir: str) -> HFTokenizer | None:
                        "from libai_lite.tokenizer import SentencePieceTokenizer")
 
 
+def sentencepiece_config(tokenizer) -> dict | None:
+    """``tokenizer_config.json`` for transformers' ``T5Tokenizer`` when our SentencePiece tokenizer follows its
+    conventions (``style="t5"``: only the sentinels added, numbered from the end), else None."""
+    if getattr(tokenizer, "style", None) != "t5":
+        return None
+    return {"tokenizer_class": "T5Tokenizer",
+            "extra_ids": len(getattr(tokenizer, "additional_special_tokens_ids", []) or [])}
+
+
 def _fuse(heads: int, head_size: int, *weights: torch.Tensor) -> torch.Tensor:
     """Separate ``[heads * d_kv, d]`` projections -> head-major fused rows ``[heads, n, d_kv]``."""
     return torch.stack([w.reshape(heads, head_size, w.shape[-1]) for w in weights], dim=1).reshape(
