@@ -1,34 +1,13 @@
 """The model protocol: everything the engine, the parallel code and the checkpointer learn from a model.
 
-A model is an ``nn.Module`` a config builds (``LazyCall(MyLMForPreTraining)(cfg=...)``). The core
-never names it, imports its project or reads a config key only it has; it asks the model:
-
-Required
-    ``forward(**batch) -> dict``: one micro-batch of the train loader in; the trainer uses the entries
-        ``output_metrics()`` declares, evaluators others (``nll_sum``, ``num_tokens``).
-    ``output_metrics() -> {name: Metric}``: which outputs are back-propagated (their sum is the step's
-        ``total_loss``) and how each logged value reduces over micro-batches and data-parallel ranks.
-
-Optional (the feature that needs it says so in one line when it is missing)
-    ``tokens_per_sample(sample) -> int`` and ``flops_per_sample(sample) -> float`` of one unbatched
-        training sample, for tokens/s and MFU (count FLOPs at construction: a pipeline removes pieces).
-    ``max_seq_length``: the longest sequence the model takes (evaluators, generation).
-    ``generate(input_ids, attention_mask, **options)`` (``libai_lite.inference.decode``'s options); an
-        encoder-decoder's takes ``encoder_input_ids`` and ``decoder_start_token_id`` instead.
-    ``special_token_ids(tokenizer) -> {"eos", "pad", "decoder_start"}``: the conventions the model's
-        data was built with, when they are not the tokenizer's eos and pad (a T5 decoder starts at pad).
-    Pipeline parallelism: ``pipeline_module()`` (the module to cut: its pieces carry
-    ``layer_idx``, see ``libai_lite.parallel.pipeline``), ``pipeline_num_layers``, ``pipeline_tied``
-    (``(source, copy)`` parameter paths shared by first and last stage, or None),
-    ``pipeline_batch(batch) -> (first-stage args, every-stage kwargs, labels)``,
-    ``pipeline_loss_fn(output, labels) -> loss`` and optionally ``pipeline_metrics(output, labels)``
-    with ``pipeline_metric_names``.
-    Context parallelism (``train.dist.context_parallel_size``): ``forward`` takes ``position_ids`` (each rank's
-        global positions), and a back-propagated loss that is a mean over tokens names the output counting
-        them, ``Metric(backward=True, tokens="num_tokens")`` (the sum of its 0/1 token weights), so the loss
-        is the mean over the whole sequence; a loss without ``tokens`` is averaged over the cp ranks.
-    Hugging Face: the project registers its mapping (``libai_lite.checkpoint.hf``) when its
-    modeling package is imported.
+A model is an ``nn.Module`` a config builds (``LazyCall(MyLMForPreTraining)(cfg=...)``); the core never
+names it, imports its project or reads a config key only it has. It must give ``forward(**batch) -> dict``
+(one micro-batch in) and ``output_metrics() -> {name: Metric}`` (which outputs are back-propagated and how
+each reduces). The rest is optional and read only through the functions below, whose docstrings say what
+each member must be; a model without one loses only the feature that needs it (tokens/s and MFU,
+generation, pipeline or context parallelism). ``libai_lite.decoder_lm`` and ``libai_lite.seq2seq_lm``
+answer all of it for decoder-only and encoder-decoder LMs; a project registers its Hugging Face mapping
+(``libai_lite.checkpoint.hf``) when its modeling package is imported.
 """
 from __future__ import annotations
 
@@ -47,7 +26,9 @@ class Metric:
     """How the trainer treats one entry of a model's output dict: ``backward``, added to the loss that is
     back-propagated; ``reduce``, how a step's value forms from its micro-batches and then the
     data-parallel ranks (``mean``: losses, accuracies; ``sum``: counts; ``max``: a worst case); ``tokens``, for
-    a loss that is a mean over tokens, the output counting them (context parallelism re-weights by it)."""
+    a loss that is a mean over tokens, the output counting them (the sum of its 0/1 token weights): context
+    parallelism, where ``forward`` takes each rank's global ``position_ids``, re-weights by it to the whole
+    sequence's mean, and averages a loss without one over the cp ranks."""
 
     backward: bool = False
     reduce: str = "mean"
@@ -89,7 +70,9 @@ def loss_name(metrics: Mapping[str, Metric]) -> str:
 
 
 def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, float | None]:
-    """``(tokens, training FLOPs)`` of one sample as the model counts them (None where it does not)."""
+    """``(tokens, training FLOPs)`` of one unbatched training sample as the model counts them, through its
+    ``tokens_per_sample(sample)`` and ``flops_per_sample(sample)`` (None where it has none). FLOPs are best
+    counted at construction: a pipeline removes pieces."""
     model = unwrap(model)
     tokens = model.tokens_per_sample(sample) if callable(getattr(model, "tokens_per_sample", None)) else None
     flops = model.flops_per_sample(sample) if callable(getattr(model, "flops_per_sample", None)) else None
@@ -97,23 +80,56 @@ def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, fl
 
 
 def max_seq_length(model: nn.Module) -> int | None:
-    """The model's longest sequence, if it has one."""
+    """The model's longest sequence (its ``max_seq_length``: evaluators, generation), if it has one."""
     value = getattr(unwrap(model), "max_seq_length", None)
     return int(value) if value else None
 
 
 def supports_pipeline(model: nn.Module) -> bool:
-    """Whether the model tells the pipeline splitter how to cut it."""
+    """Whether the model tells the pipeline splitter how to cut it (``pipeline_module``)."""
     return callable(getattr(unwrap(model), "pipeline_module", None))
 
 
+def pipeline_module(model: nn.Module) -> nn.Module:
+    """The module a pipeline cuts: ``model.pipeline_module()``, whose pieces carry ``layer_idx``
+    (``libai_lite.parallel.pipeline_split``), else ``model`` itself."""
+    fn = getattr(model, "pipeline_module", None)
+    return fn() if callable(fn) else model
+
+
 def pipeline_num_layers(model: nn.Module) -> int:
-    """Layers the pipeline places (one stage id each)."""
+    """Layers the pipeline places (one stage id each): the model's ``pipeline_num_layers``."""
     return int(getattr(unwrap(model), "pipeline_num_layers"))
 
 
+def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
+    """``(source, copy)`` paths of the weight a pipeline module's first and last stage share (its
+    ``pipeline_tied``), or None."""
+    tied = getattr(unwrap(module), "pipeline_tied", None)
+    return tuple(tied) if tied else None
+
+
+def pipeline_hooks(model: nn.Module) -> tuple:
+    """``(loss_fn, batch_fn, metrics_fn, metric_names)`` a pipeline schedule runs the model with.
+
+    ``pipeline_loss_fn(output, labels) -> loss`` of the last stage's output (required);
+    ``pipeline_batch(batch) -> (first-stage args, every-stage kwargs, labels)``; ``pipeline_metrics(output,
+    labels) -> {name: scalar}`` with ``pipeline_metric_names`` (known on every rank), or None and ``()``.
+    """
+    return (model.pipeline_loss_fn, getattr(model, "pipeline_batch", None), getattr(model, "pipeline_metrics", None),
+            getattr(model, "pipeline_metric_names", ()))
+
+
+def tie_weights(module: nn.Module) -> None:
+    """Re-point a module's shared weights through its ``tie_weights()``, when it declares one: whatever
+    swaps parameters module by module (``to_empty()``, ``parallelize_module``) unties them."""
+    if callable(tie := getattr(module, "tie_weights", None)):
+        tie()
+
+
 def is_encoder_decoder(model: nn.Module) -> bool:
-    """Whether the model reads an encoder input beside the decoder's (its ``forward`` takes ``encoder_input_ids``)."""
+    """Whether the model reads an encoder input beside the decoder's (its ``forward`` takes ``encoder_input_ids``);
+    its ``generate(encoder_input_ids, encoder_attn_mask, decoder_start_token_id=, **options)`` then decodes."""
     import inspect
 
     return "encoder_input_ids" in inspect.signature(unwrap(model).forward).parameters
@@ -122,8 +138,9 @@ def is_encoder_decoder(model: nn.Module) -> bool:
 def special_token_ids(model: nn.Module, tokenizer) -> dict:
     """``eos``, ``pad`` and (encoder-decoder) ``decoder_start`` ids the model generates and scores with.
 
-    The model's ``special_token_ids(tokenizer)`` when it has one; otherwise the tokenizer's eos (its
-    end-of-document id when it names no eos), pad (else eos) and, for an encoder-decoder, bos (else pad).
+    The model's ``special_token_ids(tokenizer)`` when its data was built with other conventions (a T5
+    decoder starts at pad); otherwise the tokenizer's eos (its end-of-document id when it names no eos),
+    pad (else eos) and, for an encoder-decoder, bos (else pad).
     """
     fn = getattr(unwrap(model), "special_token_ids", None)
     if callable(fn):

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..model import tie_weights
 from ..optim.container import optimizer_parts
 from ..utils.distributed import get_rank
 from ..utils.errors import UsageError
@@ -74,8 +75,7 @@ def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
     model.to_empty(device=device)
     # to_empty swaps parameters one module at a time, which unties a shared LM head.
     for m in model.modules():
-        if callable(getattr(m, "tie_weights", None)):
-            m.tie_weights()
+        tie_weights(m)
     return model
 
 

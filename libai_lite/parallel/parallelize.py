@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..layers.moe import MoEConfig, moe_layers
-from ..model import output_metrics, pipeline_num_layers, supports_pipeline
+from ..model import output_metrics, pipeline_hooks, pipeline_num_layers, supports_pipeline
 from ..utils.distributed import Layout
 from ..utils.errors import UsageError
 from . import pipeline_split as ps
@@ -128,10 +128,10 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
     tied_group = (ps.build_tied_weight_group(layout.mesh, schedule=layout.pipeline_schedule,
                                              virtual_stages=layout.virtual_pipeline_size) if tied else None)
     view = ps.pipeline_model_view(models)
+    loss_fn, batch_fn, metrics_fn, metric_names = pipeline_hooks(model)
     stepper = PipelineStepper(
         wrapped, ids, num_stages, layout.group("pp"), layout.device, layout.pipeline_schedule, n_microbatches,
-        model.pipeline_loss_fn, tied_group, batch_fn=getattr(model, "pipeline_batch", None),
-        metrics_fn=getattr(model, "pipeline_metrics", None), metric_names=getattr(model, "pipeline_metric_names", ()),
+        loss_fn, tied_group, batch_fn=batch_fn, metrics_fn=metrics_fn, metric_names=metric_names,
     )
     logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
     return ParallelModel(model, view, [view], metrics, stepper, ps.tied_checkpoint_aliases(view, tied),

@@ -3,7 +3,7 @@
 A stage keeps the pieces of ``model.pipeline_module()`` whose layer the layout places on it: layer
 containers (``nn.ModuleDict`` keyed by the global layer index), pieces carrying ``layer_idx`` (embeddings
 on 0, a final norm and LM head on the last) and pieces without parameters, which every stage keeps. A
-stage's forward skips the pieces set to None, or the module defines ``pipeline_forward`` (T5).
+stage's forward skips the pieces set to None, or the module defines ``pipeline_forward`` (an encoder-decoder).
 
 Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter paths.
 On different ranks the copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor
 
-from ..model import unwrap
+from ..model import pipeline_module, pipeline_tied, tie_weights, unwrap
 from ..utils.errors import UsageError
 
 
@@ -36,12 +36,6 @@ def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def pipeline_module(model: nn.Module) -> nn.Module:
-    """The inner module a splitter cuts: ``model.pipeline_module()`` when the model has one, else ``model``."""
-    fn = getattr(model, "pipeline_module", None)
-    return fn() if callable(fn) else model
 
 
 # Schedules whose two stages per rank sit on a V: rank r runs stages r and 2 * pp - 1 - r, so the first
@@ -77,12 +71,6 @@ class PipelineForward(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module.pipeline_forward(*args, **kwargs)
-
-
-def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
-    """``(source, copy)`` paths of the weight a pipeline module's first and last stage share, or None."""
-    tied = getattr(unwrap(module), "pipeline_tied", None)
-    return tuple(tied) if tied else None
 
 
 def pipeline_pieces(inner: nn.Module):
@@ -168,8 +156,7 @@ def materialize_stage(stage_module: nn.Module, device: torch.device | str) -> nn
             if callable(reset := getattr(module, "reset_parameters", None)):
                 reset()
     # to_empty swaps parameters module by module, so a tie inside one stage comes apart.
-    if callable(tie := getattr(unwrap(stage_module), "tie_weights", None)):
-        tie()
+    tie_weights(unwrap(stage_module))
     return stage_module
 
 

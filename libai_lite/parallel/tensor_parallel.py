@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 from ..layers.embedding import SBP_SHORTHAND as EMBEDDING_SBP
 from ..layers.layer_norm import LayerNorm
 from ..layers.linear import SBP_SHORTHAND as LINEAR_SBP
+from ..model import tie_weights
 from ..utils.errors import UsageError
 from ..sbp import LayerSBP, broadcast, hidden, nd_sbp, placements, split
 
@@ -322,8 +323,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if sequence_parallel:
         model.register_forward_pre_hook(_sequence_divides(tp_mesh.size()), with_kwargs=True)
     for m in model.modules():
-        if callable(tie := getattr(m, "tie_weights", None)):
-            tie()
+        tie_weights(m)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise RuntimeError(f"tensor parallelism left parameters undistributed: {plain[:5]}")
