@@ -235,6 +235,11 @@ class Seq2SeqLMForPreTraining(LMForPreTraining):
             return self.loss_func.reduce(output[..., 0], output[..., 1] > 0.5, labels)
         return self.loss_func(output, labels)
 
+    def generate(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None, **options):
+        """Decode for the encoder input; ``Seq2SeqLM.generate`` lists the options (``decoder_start_token_id``, ...).
+        Its parameters name the encoder's inputs: that is how callers tell an encoder-decoder's generate."""
+        return self.inner.generate(encoder_input_ids, encoder_attn_mask, **options)
+
     @torch.no_grad()
     def pipeline_metrics(self, output: torch.Tensor, labels: torch.Tensor) -> dict:
         """The logged scalars other than the loss (``pipeline_metric_names``) of the last stage's output."""
