@@ -363,6 +363,22 @@ def test_structure_names_and_declared_intent():
     assert clone.lm_head.weight is clone.embedding.weight
 
 
+def test_the_wrapper_is_the_cores_and_keeps_its_checkpoint_prefix():
+    """MT5 keeps its architecture only: the protocol, loss, forward and generation are the core's seq2seq base."""
+    from libai_lite.seq2seq_lm import Seq2SeqLM, Seq2SeqLMForPreTraining
+
+    protocol = ("forward", "output_metrics", "tokens_per_sample", "flops_per_sample", "pipeline_num_layers",
+                "pipeline_module", "pipeline_batch", "pipeline_loss_fn", "pipeline_metrics", "num_parameters",
+                "flops_per_token", "generate")
+    assert issubclass(MT5ForPreTraining, Seq2SeqLMForPreTraining) and issubclass(MT5Model, Seq2SeqLM)
+    assert not set(protocol) & set(vars(MT5ForPreTraining)), "the project repeats protocol code the core holds"
+    for name in ("forward", "generate", "fuses_cross_entropy", "head"):
+        assert name not in vars(MT5Model), name
+    model = MT5ForPreTraining(tiny())
+    assert model.inner is model.mt5_model and isinstance(model.loss_func, Seq2SeqLMLoss)
+    assert {k.split(".")[0] for k in model.state_dict()} == {"mt5_model"}
+
+
 def test_meta_build_then_materialise_draws_t5_init():
     with torch.device("meta"):
         model = MT5Model(tiny("t5", hidden_size=256, head_size=64, intermediate_size=1024, vocab_size=512))

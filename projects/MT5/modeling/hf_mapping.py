@@ -1,26 +1,13 @@
-"""Hugging Face T5 / T5 v1.1 / mT5 (``(M)T5ForConditionalGeneration``) <-> ``MT5Model``.
+"""Hugging Face T5 / T5 v1.1 / mT5 (``(M)T5ForConditionalGeneration``) <-> ``MT5Model`` (``mt5_model`` of
+``MT5ForPreTraining``), one entry per tensor; registered for ``MT5ForPreTraining`` when imported.
 
-State dicts here are ``MT5Model``'s (the ``mt5_model`` attribute of ``MT5ForPreTraining``) and
-Hugging Face's. Layouts that differ, each mapped explicitly:
-
-* self-attention ``q``, ``k``, ``v`` (each ``[heads * d_kv, d_model]``, rows head-major) are
-  interleaved into our fused head-major ``query_key_value`` rows ``[heads, 3, d_kv]``;
-  cross-attention ``k``, ``v`` into ``key_value`` rows ``[heads, 2, d_kv]`` (``q`` stays ``query``);
-* decoder block ``i`` is our ``decoder_layers.{L + i}`` (one layer index space for both stacks);
-* ``wi`` (ReLU) and ``wo`` are ``dense_h_to_4h`` and ``dense_4h_to_h``; gated-GELU's ``wi_0`` (activated)
-  and ``wi_1`` are joined into our gated ``dense_h_to_4h``, rows interleaved (``join_gate_up``; below
-  named by its up half's old key ``dense_h_to_4h_linear``); the relative bias tables live in each
-  stack's first layer in both.
-
-Which head: our ``tie_word_embeddings`` ties the LM head to the embedding AND scales the decoder
-output by ``d_model ** -0.5`` (T5 v1.0); untied means no scaling (T5 v1.1, mT5). Hugging Face
-decides the scaling from the config (``scale_decoder_outputs``, else ``tie_word_embeddings`` for
-``model_type="t5"``; transformers 5 never scales ``model_type="mt5"``), and whether the head is its
-own matrix from the weights (``lm_head.weight`` present and different from ``shared.weight``).
-An unscaled model whose head is the embedding imports as our untied model with a copy of it.
-
-The module registers these functions for ``MT5ForPreTraining`` on import; the package's
-``__init__.py`` imports it, so importing the model class registers the mapping.
+Layouts that differ: self-attention ``q``, ``k``, ``v`` interleave into our head-major ``query_key_value``
+rows ``[heads, 3, d_kv]`` (cross-attention ``k``, ``v`` into ``key_value``); decoder block ``i`` is our
+``decoder_layers.{L + i}``; ``wi``/``wo`` are ``dense_h_to_4h``/``dense_4h_to_h``, gated-GELU's ``wi_0`` and
+``wi_1`` joined into our gated ``dense_h_to_4h`` (``join_gate_up``). Our ``tie_word_embeddings`` ties the head
+AND scales the decoder output by ``d_model ** -0.5`` (T5 v1.0); Hugging Face reads the scaling from the config
+(``scale_decoder_outputs``, else ``tie_word_embeddings`` for ``model_type="t5"``, never for ``"mt5"``) and a
+head of its own from the weights, so an unscaled model whose head is the embedding imports untied, a copy.
 """
 from __future__ import annotations
 
