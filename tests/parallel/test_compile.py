@@ -48,8 +48,8 @@ LAYOUTS = {
     "dp2_zero3_selective_ac": (2, dict(), 3, "selective"),
     "tp2_full_ac": (2, dict(tensor_parallel_size=2), 0, "full"),
     "tp2_selective_ac": (2, dict(tensor_parallel_size=2), 0, "selective"),
-    # The unfused head: vocab-parallel logits into the compiled cross entropy (train.compile.loss) under
-    # loss_parallel.
+    # The unfused head with train.compile.loss: vocab-parallel logits under loss_parallel, into a cross
+    # entropy left eager (compiled, it computes losses several percent off).
     "tp2_compiled_loss": (2, dict(tensor_parallel_size=2), 0, None, dict(fused_cross_entropy=False)),
 }
 
