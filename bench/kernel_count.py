@@ -5,7 +5,7 @@ launch nothing; they are counted apart), so the count predicts launch overhead w
 and eager mode runs; host reads (``aten._local_scalar_dense``: ``.item()``/``float()``/``bool()``,
 ``aten.nonzero``, boolean-mask ``aten.index``, and ops whose output size depends on the data:
 ``bincount``, ``masked_select``, ``repeat_interleave`` without ``output_size``; ``torch.equal``,
-``Tensor.tolist``; counted by ``libai_lite/utils/host_reads.py``) are each a GPU stall.
+``Tensor.tolist``; counted by ``bench/host_reads.py``) are each a GPU stall.
 The models are tiny (the counts do not depend on the widths, only on the structure); a warm-up step
 runs first. Prints one table and, last, one JSON line. ``--smoke`` is the same at the smallest sizes.
 """
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libai_lite.utils.host_reads import HostReadCounter  # noqa: E402  (after the repo root is on the path)
+from host_reads import HostReadCounter  # noqa: E402  (after the repo root is on the path)
 
 # Ops a GPU runs without a kernel (metadata only).
 _VIEWS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",

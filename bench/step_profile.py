@@ -13,7 +13,7 @@ family, as ``bench/train_throughput.py`` steps it) and reports per step:
 * ``aten_calls`` / ``top_level_aten_calls``: every ``aten::`` event, and those with no ``aten::``
   caller (roughly the launches a GPU sees; a composite op is one however many kernels it runs).
 
-A profile, not ``libai_lite.utils.host_reads.HostReadCounter``: a dispatch mode does not see the ops a
+A profile, not ``bench/host_reads.py``'s ``HostReadCounter``: a dispatch mode does not see the ops a
 kernel runs inside it, so it would miss the optimizer's reads; the events counted are that module's
 ``PROFILER_READS``.
 
@@ -30,7 +30,7 @@ import json
 
 import torch
 
-from libai_lite.utils.host_reads import PROFILER_READS
+from host_reads import PROFILER_READS
 from throughput_models import FAMILIES
 from train_throughput import OursStepper, make_batches
 

@@ -1,21 +1,15 @@
 """Corpora in the formats people bring, read as the JSON lines ``tools/preprocess_data.py`` tokenises.
 
-Every reader yields chunks of JSON-line bytes, so a corpus in any format goes through the very same
-parsing and tokenising as its JSON-lines equivalent and gives the same ``.bin/.idx`` bytes:
+Every reader yields chunks of JSON-line bytes, so any format gives the same ``.bin/.idx`` bytes as its
+JSON-lines equivalent:
 
-* JSON lines, plain or compressed (``.gz``; ``.zst`` needs ``zstandard``): its lines as they are.
-* Plain text (``.txt``, compressed or not, or ``--text-docs``): one document per line (``line``), or
-  fairseq's documents separated by blank lines (``blank-line``, the lines of one document joined by
-  ``\\n``); each becomes ``{"<first --json-keys key>": text}``. Blank lines are skipped, as in JSON lines.
-* Parquet (``pyarrow``) and a Hugging Face ``datasets`` folder written by ``save_to_disk`` (``datasets``):
-  the ``--json-keys`` columns of each row.
-* A fairseq ``data-bin`` (``dict.txt`` beside ``train.bin/.idx``, fairseq's mmap index: Megatron's magic
-  without a document index): each item's ids mapped back through ``dict.txt`` to its symbols, then to
-  text (GPT-2 BPE ids through the GPT-2 vocabulary, other symbols joined by spaces with subword-nmt's
-  ``@@`` joins undone), re-tokenised here.
+* JSON lines, plain or ``.gz``/``.zst`` (``zstandard``);
+* plain text: one document per line, or fairseq's blank-line-separated documents (``--text-docs``);
+* Parquet (``pyarrow``) and a ``datasets`` folder from ``save_to_disk``: the ``--json-keys`` columns;
+* a fairseq ``data-bin``: each item's ids mapped back through ``dict.txt`` to text, re-tokenised here.
 
-The formats are told apart by content (gzip, zstd and Parquet magic bytes), not names alone. An
-optional reader whose package is absent is refused in one line naming the install.
+Formats are told apart by content (magic bytes), not names alone; a reader whose package is absent is
+refused in one line naming the install.
 """
 from __future__ import annotations
 

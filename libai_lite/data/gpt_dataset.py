@@ -2,22 +2,16 @@
 
 Three index arrays turn an indexed dataset plus a split's documents into samples:
 
-* ``doc_idx``     the split's documents, repeated for as many epochs as ``num_samples`` needs
-                  and shuffled in one go (Megatron's ``_build_doc_idx``); with a separate last
-                  epoch, the earlier epochs are shuffled together and the last one on its own;
-* ``sample_idx``  ``(num_samples_total + 1, 2)`` rows of ``(position in doc_idx, token offset)``:
-                  sample ``i`` is the ``seq_length + 1`` tokens from row ``i`` to row ``i + 1``
-                  inclusive, so consecutive samples share one token (Megatron's build_sample_idx);
-* ``shuffle_idx`` a permutation of the samples; when the last epoch is needed for less than 80%
-                  of its samples (Megatron's ``separate_last_epoch``) it is shuffled on its own so
-                  its partial coverage is not smeared over the earlier, complete epochs.
+* ``doc_idx``     the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled
+                  (a separate last epoch shuffled on its own);
+* ``sample_idx``  ``(position in doc_idx, token offset)`` rows: sample ``i`` is the ``seq_length + 1``
+                  tokens from row ``i`` to row ``i + 1``, so consecutive samples share one token;
+* ``shuffle_idx`` a permutation of the samples; a last epoch used for under 80% of its samples is
+                  shuffled apart so its partial coverage is not smeared over the complete epochs.
 
-Every array equals the one Megatron-LM builds for the same documents, seed, sequence length and
-sample count (tests/data/test_megatron_indices.py checks 40 configurations against arrays made by
-Megatron's own code), so a run moved from Megatron-LM or LiBai reads the same samples in the same order.
-
-The arrays are built once by global rank 0 under a file lock, saved atomically as ``.npy`` with
-Megatron's names and memory-mapped by every rank and DataLoader worker.
+Every array equals Megatron-LM's for the same documents, seed, length and count, so a run moved from
+Megatron-LM or LiBai reads the same samples in the same order. Global rank 0 builds them under a file
+lock, saves them atomically as ``.npy`` with Megatron's names; every rank and worker memory-maps them.
 """
 from __future__ import annotations
 

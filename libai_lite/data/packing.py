@@ -1,17 +1,13 @@
 """Megatron's packed-document options: samples cut from a document stream keep their documents apart.
 
-A GPT sample is ``seq_length`` tokens of a stream in which every document ends with the end-of-document
-token (``eod``), so one sample usually holds the tail of one document, some whole ones and the head of
-another. Megatron-LM (``_get_ltor_masks_and_position_ids``) offers three options, decided on the
-sample's input tokens:
+A GPT sample usually holds the tail of one document, some whole ones and the head of another. Megatron-LM's
+three options, decided on the sample's input tokens:
 
-* ``reset_position_ids``: positions restart at 0 on the token after each ``eod``;
-* ``reset_attention_mask``: a token after an ``eod`` attends to nothing up to and including it. The
-  ``eod`` itself belongs to the document it ends. Here this travels as ``document_ids`` (the count of
-  ``eod`` tokens before each position), from which the attention builds its mask: a batch carries
-  ``[seq]`` integers per sample instead of a ``[seq, seq]`` mask;
-* ``eod_mask_loss``: no loss where the input token is ``eod`` (the prediction of the next document's
-  first token from the previous one). Such labels become ``IGNORE_INDEX``, which every loss skips.
+* ``reset_position_ids``: positions restart at 0 after each ``eod``;
+* ``reset_attention_mask``: a token after an ``eod`` attends to nothing up to and including it; it travels
+  as ``document_ids`` (the count of ``eod`` tokens before each position), ``[seq]`` integers per sample
+  from which attention builds its mask;
+* ``eod_mask_loss``: no loss where the input token is ``eod`` (labels become ``IGNORE_INDEX``).
 
 With both resets a document's logits are those it gets when run alone from position 0.
 """

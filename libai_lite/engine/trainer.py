@@ -11,6 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from ..optim.container import optimizer_parts
+from ..parallel.compile import compiled_modules_eager
 from ..utils.distributed import set_activity
 from ..utils.events import EventStorage
 
@@ -75,7 +76,8 @@ class TrainerBase:
             for self.iter in range(start_iter, max_iter):
                 self.storage.begin(self.iter)
                 self._call_hooks("before_step")
-                self.run_step()
+                with compiled_modules_eager() if self.iter == start_iter else nullcontext():
+                    self.run_step()
                 self.next_iter = self.iter + 1
                 try:
                     self._call_hooks("after_step")

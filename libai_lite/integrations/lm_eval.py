@@ -1,25 +1,13 @@
 """The `libai_lite` model of lm-evaluation-harness: any config + checkpoint, scored on the harness's tasks.
 
-    python tools/eval_harness.py --model libai_lite \\
-        --model_args config=projects/GPT/configs/gpt2_pretrain.py,checkpoint=output/gpt2_pretrain/model_final \\
-        --tasks lambada_openai,hellaswag --batch_size 8
+    python tools/eval_harness.py --model libai_lite --tasks lambada_openai --batch_size 8 \\
+        --model_args config=projects/GPT/configs/gpt2_pretrain.py,checkpoint=output/gpt2_pretrain/model_final
 
-`model_args` keys: `config` and `checkpoint` (required), `max_length` (default: the model's
-`max_seq_length`), `max_gen_toks` (default 256), `add_bos_token` (put the tokenizer's BOS before every
-request, as the `hf` model's option of that name does; default false, the harness's convention), `verify`
-(check the checkpoint's checksums, default true); any key with a dot is a config override (`train.dist.tensor_parallel_size=2`). The
-harness's `--batch_size` sets how many requests one forward scores (default
-`train.test_micro_batch_size`).
-
-Decoder-only models answer `loglikelihood`, `loglikelihood_rolling` and `generate_until`;
-encoder-decoder models (the harness's seq2seq convention: the context is the encoder input, the
-continuation the decoder's) answer `loglikelihood` and `generate_until`. Probabilities are over the
-tokenizer's real vocabulary (`libai_lite.evaluation.scoring`), so LAMBADA here equals
-`tools/evaluate.py --task lambada` on the same passages.
-
-The harness runs in one process, or under torchrun with tensor parallelism (every rank runs the
-same requests; rank 0 reports). It has no plugin entry point, so the model is registered when this
-module is imported: `tools/eval_harness.py` does that and then runs the harness's own command line.
+`model_args`: `config`, `checkpoint`, `max_length`, `max_gen_toks`, `add_bos_token` (as the `hf` model's),
+`verify` (checksums) and any dotted config override. Decoder-only models answer `loglikelihood`,
+`loglikelihood_rolling` and `generate_until`; encoder-decoder models (context to the encoder) the first and
+the last. Probabilities are over the tokenizer's real vocabulary, so LAMBADA equals `tools/evaluate.py
+--task lambada`. The harness has no plugin entry point: importing this module registers the model.
 """
 from __future__ import annotations
 

@@ -221,13 +221,13 @@ class MultiheadAttention(nn.Module):
                     key, value = kv_cache.update(key, value)
         else:
             g = self.group
-            qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, (g + 2) * hd).transpose(1, 2)
-            if g == 1:
-                query, key, value = qkv.chunk(3, dim=-1)
-            else:
-                query, key, value = qkv.split([g * hd, hd, hd], dim=-1)
-                # [b, kv, s, g * hd] -> [b, kv * g, s, hd]: query head kv * g + j belongs to key/value head kv.
-                query = query.reshape(bsz, -1, q_len, g, hd).transpose(2, 3).reshape(bsz, -1, q_len, hd)
+            # Split before moving heads ahead of positions: the split's backward (a cat of the three gradients)
+            # then writes the projection's gradient in its own layout, with no copy after it.
+            qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, (g + 2) * hd)
+            query, key, value = qkv.split([g * hd, hd, hd], dim=-1)
+            # [b, s, kv, g * hd] -> [b, s, kv * g, hd]: query head kv * g + j belongs to key/value head kv.
+            query = query.reshape(bsz, q_len, -1, hd).transpose(1, 2)
+            key, value = key.transpose(1, 2), value.transpose(1, 2)
             if self.rotary is not None:
                 if position_ids is None:
                     past = kv_cache.length if kv_cache is not None else 0

@@ -1,32 +1,16 @@
-"""The LM head fused with the cross entropy for GPUs: the ``[tokens, vocab]`` logits are never held.
+"""The LM head fused with the cross entropy for GPUs, so the ``[tokens, vocab]`` logits are never held.
 
-``libai_lite.layers.loss.linear_cross_entropy`` keeps one ``[tokens, vocab]`` buffer (the softmax,
-normalised in cache-sized chunks): right for a CPU, where the memory is large and every pass over it
-is cheap next to the GEMMs. On a GPU that buffer is 1.2 GB for GPT-2 at 12k tokens, held from the
-head's forward to its backward, and each pass over it costs HBM bandwidth. Here the tokens are cut
-into chunks of a few hundred MB of logits; forward keeps only each token's log-sum-exp, backward
-recomputes the chunk's logits and turns them straight into the two gradients. One more
-``tokens x vocab x hidden`` GEMM than the buffered path buys back ``tokens x vocab`` of memory
-and most passes over it.
+Tokens are cut into chunks; forward keeps each token's log-sum-exp, backward recomputes the chunk's
+logits and turns them straight into both gradients: one more GEMM buys back the logits' memory and
+most passes over it. On CUDA a head whole on a rank runs ``plain`` (logits, then cross entropy) while
+its fp32 logits fit ``PLAIN_LOGITS_SHARE`` of the device; beyond that, or vocabulary-parallel:
 
-On CUDA the head whole on a rank runs plain (``plain``: logits, then cross entropy; three GEMMs and
-nothing recomputed, which a compiled model fuses best) while its fp32 logits fit ``PLAIN_LOGITS_SHARE``
-of the device's memory; beyond that, or split over tensor-parallel ranks, two kernels do without them:
+* ``chunked`` (default): an online softmax per chunk in torch ops, compiled; no host reads; the
+  vocabulary-parallel head combines ranks with two all-reduces of ``2 x tokens`` values.
+* ``liger``: Liger-Kernel's fused kernel, only when ``LIBAI_LITE_CE_KERNEL=liger`` (its forward and
+  backward each read the target count back to the host).
 
-* ``chunked`` (the default there): the online softmax written here as plain torch ops per chunk,
-  compiled by ``torch.compile`` (Triton on a GPU, C++ on a CPU): the GEMM stays cuBLAS's, the
-  log-sum-exp, target gather, one-hot subtraction and scaling fuse into one kernel per chunk. It
-  reads nothing back to the host, and also takes the vocabulary-parallel head (each rank's logsumexp
-  combined with two all-reduces of ``2 x tokens`` values).
-* ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (Triton; the optional ``gpu``
-  extra, ``pip install -e .[gpu]``), for a plain head, only where asked for (``LIBAI_LITE_CE_KERNEL=liger``
-  in the environment): it counts the valid targets with ``target_mask.sum().item()`` in its forward
-  and again in its ``reduction="none"`` backward, two host syncs a micro-batch that stall the GPU's queue.
-
-Both are fast paths (``libai_lite.utils.fallback.FastPath``): if one fails at its first use (no
-Liger or Triton importable, a compile error, a kernel this GPU cannot hold), one warning names it and
-the plain path takes over: Liger falls back to ``chunked``, the compiled chunk kernels to the same
-functions run eagerly.
+Both are fast paths (``FastPath``): a failure at first use falls back with one warning line.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ the whole model (norms fuse with the adds around them across layers, the loss wi
 model where nothing needs the layers apart (one replica, no pipeline, tensor, context or expert
 parallelism), else the layers. Compiled in place after tensor parallelism and activation checkpointing,
 before FSDP2, so parameter names and ``state_dict()`` keys do not change. ``mode`` is torch.compile's;
-CUDA graphs with accumulation need the trainer's own ``.grad`` (``check_compile``). Every compiled module
-is a ``FastPath``: its first call per signature builds forward and backward, and a failure there runs
+CUDA graphs with accumulation need the trainer's own ``.grad`` (``check_compile``). The trainer's first
+step runs compiled modules eager (``compiled_modules_eager``: the fast paths inside probe there); then
+each is a ``FastPath``: its first compiled call builds forward and backward, and a failure there runs
 the module eager from then on (CUDA graphs fall back to the same compilation without them).
 """
 from __future__ import annotations
@@ -156,7 +157,28 @@ def compile_module(module: nn.Module, options: CompileOptions, path: FastPath) -
         module._libai_lite_cuda_graphs = torch.compile(module._call_impl, mode=options.mode, **kwargs)
     # nn.Module calls _compiled_call_impl when set (what module.compile() sets); dynamo tracing an enclosing
     # module calls the module's own _call_impl and never this guard.
-    module._compiled_call_impl = lambda *args, **kw: path(module, *args, **kw)
+    def call(*args, **kwargs):
+        if _eager_steps:
+            return module._call_impl(*args, **kwargs)
+        return path(module, *args, **kwargs)
+    module._compiled_call_impl = call
+
+
+_eager_steps = 0
+
+
+@contextlib.contextmanager
+def compiled_modules_eager():
+    """Compiled modules run eager inside: the trainer's first step, where the fast paths inside them
+    (FlexAttention, the fused loss, FP8) probe and compare on real tensors, which they cannot do while
+    dynamo traces them; the graphs built at the next step hold the paths they chose. A whole step, so an
+    activation checkpoint's recomputation runs the same code as its forward."""
+    global _eager_steps
+    _eager_steps += 1
+    try:
+        yield
+    finally:
+        _eager_steps -= 1
 
 
 def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: bool = False) -> str | None:
@@ -185,6 +207,11 @@ def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: boo
     for layer in layers:
         compile_module(_compile_target(layer), options, path)
     losses = [m for m in model.modules() if isinstance(m, ParallelCrossEntropyLoss)] if options.loss else []
+    if losses and any(isinstance(p, DTensor) for p in model.parameters()):
+        # Compiled over vocabulary-parallel logits (loss_parallel) it computes losses off by several percent.
+        logger.warning("train.compile.loss: the cross entropy stays eager under tensor parallelism, where its "
+                       "compiled vocabulary-parallel form computes wrong losses")
+        losses = []
     for loss in losses:
         compile_module(loss, options, path)
     logger.info(f"torch.compile ({options.backend}{f', {options.mode}' if options.mode else ''}) on "

@@ -1,25 +1,13 @@
 """Context parallelism: each sample's sequence split over the ``cp`` ranks, attention over the whole sequence.
 
-Load-balanced causal sharding (Megatron-LM, torchtitan): the sequence is cut into ``2 * cp`` chunks and
-cp rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, so every rank holds as many early (cheap) as
-late (expensive) queries of the causal triangle. Attention all-gathers the keys and values over the cp
-group (DTensor ``Shard -> Replicate``, whose backward reduce-scatters their gradients) and masks with the
-GLOBAL positions of the local queries and of the gathered keys. Ring attention
-(``torch.distributed.tensor.experimental.context_parallel``) is not used: in torch 2.13 it replaces only the
-CUDA flash / efficient / cuDNN SDPA kernels (not the CPU one), and takes no mask (packed documents), so the
-gather is what runs on every device.
-
-What each piece does:
-
-- ``ContextParallel.shard_batch``: a micro-batch read whole by every cp rank of a data-parallel replica
-  keeps this rank's two chunks of every ``[batch, seq]`` tensor, and gains ``position_ids`` (global
-  positions) when it has none.
-- ``ContextParallel.gather_kv``: called by ``MultiheadAttention`` while ``sharded()`` is active.
-- ``ContextParallel.reduce_outputs``: a token-mean loss becomes the mean over the whole sequence (sums of
-  nll and of tokens over cp), so the loss equals the one-process loss; gradients are then reduced over
-  dp x cp (``Layout.replica_mesh``) as Megatron does.
-
-Only training steps run sharded: evaluation and generation see whole sequences on every cp rank.
+Load-balanced causal sharding: the sequence is cut into ``2 * cp`` chunks and cp rank ``r`` holds chunks
+``r`` and ``2 * cp - 1 - r``, so every rank holds as many cheap early as expensive late queries. Attention
+all-gathers keys and values over the cp group (DTensor ``Shard -> Replicate``; backward reduce-scatters)
+and masks with global positions. torch's ring attention is not used: it replaces only the CUDA SDPA
+kernels and takes no mask (packed documents), so the gather is what runs on every device.
+``shard_batch`` keeps this rank's chunks of a micro-batch, ``gather_kv`` serves ``MultiheadAttention``
+inside ``sharded()``, ``reduce_outputs`` makes the loss the whole sequence's token mean. Only training
+steps run sharded; evaluation and generation see whole sequences.
 """
 from __future__ import annotations
 

@@ -1,32 +1,15 @@
 """FP8 training of the linear layers through torchao's float8 (``train.fp8``), as torchtitan does it.
 
-Every ``nn.Linear`` of the model whose dimensions FP8 GEMMs take (multiples of 16) and whose name
-matches none of ``skip`` (the LM head by default: its logits feed the loss, where FP8's 3-bit
-mantissa costs accuracy for little speed) becomes torchao's ``Float8Linear``: inputs, weights and
-gradients are cast to float8 with dynamic scales (``tensorwise``: one scale per tensor; ``rowwise``:
-one per row, more accurate, slower) and multiplied by the tensor cores' FP8 GEMM. Master weights,
-optimizer state and checkpoints stay in their own dtype, and parameter names do not change, so
-checkpoints move between FP8 and bf16 runs. The conversion runs before activation checkpointing,
-compilation and FSDP2 see the layers.
+Every ``nn.Linear`` whose dimensions FP8 GEMMs take and whose name matches none of ``skip`` (the LM head
+by default) becomes torchao's ``Float8Linear`` before checkpointing, compile and FSDP2 see it; master
+weights, optimizer state and parameter names stay, so checkpoints move between FP8 and bf16 runs.
+``filter="auto"`` keeps torchao's size thresholds (small GEMMs lose to their casts); converted linears are
+always compiled, since eager casts are separate kernels. Under ZeRO-2/3 the tensorwise recipe gathers
+weights in float8 (``float8_after_optimizer_step``). A CPU, a GPU below compute capability 8.9, a missing
+torchao and tensor parallelism are refused in one line.
 
-FP8 pays only where the GEMM saves more than the casts cost: ``filter="auto"`` (the default) keeps
-torchao's own thresholds (its H100 tables: e.g. at M x K x N = 1024 x 2048 x 1024 float8 is slower than
-bf16), so small linears stay bf16; ``filter="all"`` converts every linear FP8 GEMMs take. Uncompiled,
-each float8 linear runs its amax, scale and cast as separate kernels (BASELINE: 4.7x slower than bf16
-at 345M), so the converted linears are always compiled: with their layers under ``train.compile``,
-else each on its own (``compile_backend``). Under ZeRO-2/3 (FSDP2) the tensorwise recipe gathers the
-weights in float8 (half the bytes of bf16) with one all-reduce for all weight scales after each
-optimizer step (``float8_after_optimizer_step``), as torchtitan does.
-
-FP8 GEMMs need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); a CPU run
-is refused in one line, as is a run without torchao installed. Tensor parallelism with FP8 would need
-torchao's float8 tensor-parallel styles in place of our SBP plan and is refused too.
-
-FP8 is a fast path (``libai_lite.utils.fallback.FastPath``): if torchao fails to import or convert, the
-model stays in high precision; if a float8 linear fails at its first use, forward or backward (probed on
-a detached copy of its input: a compile error, a float8 GEMM this GPU or torch build lacks), that
-linear and every one not yet used run as plain high-precision linears on the same weights from then
-on. One warning line says which and why.
+FP8 is a fast path (``FastPath``): a linear failing at its first use, forward or backward, and every
+one not yet used run in high precision on the same weights from then on, with one warning line.
 """
 from __future__ import annotations
 

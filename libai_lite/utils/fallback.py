@@ -7,7 +7,8 @@ mode) by running ``fast_fn`` forward and backward on detached inputs; ``compare=
 plain function runs from then on, never retrying the fast one; a failure after a passed probe is raised
 (a bug, not a missing kernel). ``probe=None`` with ``first_call`` guards the first real call instead
 (``torch.compile`` builds its backward there); ``first_uses`` guards more calls (CUDA graphs record on a
-later one). Under ``torch.compile`` tracing or on fake tensors the fast function is called as is.
+later one). Under ``torch.compile`` tracing or on fake tensors nothing is probed: the fast function is
+traced unless an eager call already fell back (the trainer's first step runs compiled modules eager).
 """
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ class FastPath:
 
     def __call__(self, *args, **kwargs):
         if _tracing(args, kwargs):
-            return self.fast_fn(*args, **kwargs)
+            # Nothing can be probed on traced tensors: a graph keeps the path the eager calls chose.
+            return (self.fast_fn if self.fallback_reason is None else self.plain_fn)(*args, **kwargs)
         key = self.signature(*args, **kwargs)
         if self._proven.get(key, 0) >= self.first_uses:
             return self.fast_fn(*args, **kwargs)

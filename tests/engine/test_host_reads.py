@@ -1,5 +1,5 @@
 """A training step reads nothing back from the device: every read (``float(t)``, ``.item()``, a boolean
-mask) stalls a GPU's launch queue. Counted on the CPU with libai_lite/utils/host_reads.py's
+mask) stalls a GPU's launch queue. Counted on the CPU with bench/host_reads.py's
 ``TorchDispatchMode`` (driven by tests/workers/host_read_worker.py) in the real trainer with its hooks,
 for one process and under tp=2, pp=2 and ZeRO-3; the log period reads the interval's values in a small fixed
 number of batches. The branches only a CUDA run takes (the GPU loss kernel, bf16 autocast, fused AdamW)
@@ -67,7 +67,7 @@ def test_a_nonfinite_step_is_skipped_on_the_device_and_counted_at_the_log_period
     from libai_lite.engine.trainer import Trainer
     from libai_lite.model import LOSS
     from libai_lite.utils.events import EventStorage
-    from libai_lite.utils.host_reads import HostReadCounter
+    from bench.host_reads import HostReadCounter
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -118,7 +118,7 @@ def test_fp16_overflow_skips_are_decided_on_the_device_and_read_at_the_log_perio
     from libai_lite.engine.trainer import Trainer
     from libai_lite.model import LOSS
     from libai_lite.utils.events import EventStorage, read_scalars
-    from libai_lite.utils.host_reads import HostReadCounter
+    from bench.host_reads import HostReadCounter
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -169,7 +169,7 @@ def test_the_cuda_branches_of_a_step_read_nothing(monkeypatch, kernel):
     from libai_lite.layers import loss as loss_mod
     from libai_lite.model import output_metrics
     from libai_lite.utils.events import EventStorage
-    from libai_lite.utils.host_reads import HostReadCounter
+    from bench.host_reads import HostReadCounter
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 
     cuda = torch.device("cuda", 0)

@@ -3,7 +3,7 @@
 Host reads are what stall a GPU's launch queue: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
 ``bool()``), ``aten.nonzero``, boolean-mask ``aten.index``, ops that size their output by the data
 (``bincount``), and ``Tensor.tolist`` (no op on the CPU, so it is wrapped). Counted on the CPU with
-``libai_lite.utils.host_reads`` over forward, the statistics the model reports, and backward.
+``bench.host_reads`` over forward, the statistics the model reports, and backward.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
-from libai_lite.utils.host_reads import count_host_reads
+from bench.host_reads import count_host_reads
 
 
 def _step(layer, x):

@@ -8,13 +8,14 @@ and torchao's float8 linears; also the trainer's handling of CUDA graphs under g
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
 
 from libai_lite.layers import fused_linear_ce as flce
-from libai_lite.parallel.compile import CompileOptions, apply_compile
+from libai_lite.parallel.compile import CompileOptions, apply_compile, compiled_modules_eager
 from tests.parallel.test_compile import CFG, batches, build_model, eager_step
 
 N, H, V = 45, 32, 96  # as tests/layers/test_fused_linear_ce.py: 45 tokens in chunks of 16, a padded tail
@@ -159,11 +160,13 @@ def test_liger_falls_back_to_the_chunked_kernel_once(monkeypatch, warned, fresh_
 
 
 # ------------------------------------------------------------------------------------ train.compile
-def _curve(model, steps=2):
+def _curve(model, steps=3):
+    # Three steps, as the trainer runs them: compiled modules eager, then their graphs built, then replayed.
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     step, curve = eager_step(model), []
-    for x, y in batches()[:steps]:
-        curve.append(step(x, y))
+    for i, (x, y) in enumerate(batches()[:steps]):
+        with compiled_modules_eager() if i == 0 else contextlib.nullcontext():
+            curve.append(step(x, y))
         opt.step()
         opt.zero_grad()
     return torch.stack(curve)
@@ -213,8 +216,8 @@ def test_compiled_layers_fall_back_to_eager_at_the_first_call(warned, eager_curv
 
 
 def test_cuda_graphs_fall_back_to_the_same_compilation_without_them(monkeypatch, warned, eager_curve):
-    """reduce-overhead records its CUDA graph on a later call than the first: a recording that fails on the
-    second call falls back to the same compilation without CUDA graphs (here: the eager call, so the
+    """reduce-overhead records its CUDA graph on a later call than the first compiled one (the third step,
+    after the eager first step): a recording that fails on the second compiled call falls back to the same compilation without CUDA graphs (here: the eager call, so the
     losses are the eager ones), which the later calls take; the graphs are never replayed again."""
     real_compile, graph_calls = torch.compile, []
 
@@ -267,6 +270,8 @@ def test_a_fast_path_that_worked_and_then_fails_is_an_error(warned):
     model = Tiny()
     apply_compile(model, CompileOptions(enabled=True, backend=backend), whole_model_ok=True)
     x = torch.randn(3, 4)
+    with compiled_modules_eager():
+        model(x).sum().backward()
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         model(x)

@@ -2,7 +2,7 @@
 
 Usage: ``torchrun --nproc_per_node N tests/workers/host_read_worker.py OUT_JSON OVERRIDE...``. Builds the
 tiny demo GPT run the way ``tools/train_net.py`` does (``DefaultTrainer``, its hooks included), trains it,
-and writes, per rank, each iteration's host reads as ``libai_lite.utils.host_reads.HostReadCounter``
+and writes, per rank, each iteration's host reads as ``bench.host_reads.HostReadCounter``
 counts them (``float(t)``/``.item()``/``bool(t)``, ``nonzero``, a boolean mask, ...) made inside
 ``run_step``, the optimizer's own step left out; and, for the hooks after the step (the log period), how
 many such reads plus ``tolist`` calls. ``HostReadCounter`` is imported here for the tests that drive these
@@ -14,7 +14,7 @@ import json
 import sys
 from types import SimpleNamespace
 
-from libai_lite.utils.host_reads import HostReadCounter
+from bench.host_reads import HostReadCounter
 
 __all__ = ["HostReadCounter", "count_log_reads", "count_run_step"]
 

@@ -1,19 +1,11 @@
 """Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> ``GPTModel``: config keys and weights, one entry per tensor.
 
-State dicts here are ``GPTModel``'s (the ``GPT_model`` attribute of ``GPTForPreTraining``) and
-``GPT2LMHeadModel``'s (``transformer.*``); a bare ``GPT2Model`` checkpoint (keys without
-``transformer.``, as OpenAI's ``gpt2`` on the Hub) is accepted on import. Two layouts differ:
-
-* GPT-2's ``Conv1D`` stores weights ``[in, out]``; ours are ``nn.Linear``'s ``[out, in]``, so every
-  projection weight is transposed.
-* ``c_attn``'s output features are ``[q; k; v]``, each ``heads * head_size`` wide; our fused
-  ``query_key_value`` is head-major ``[heads, 3, head_size]`` (Megatron's layout, so a
-  tensor-parallel split hands each rank whole heads), so rows (and the bias) are permuted.
-
-The LM head is the token embedding in both, so ``lm_head.weight`` is written once (as
-``transformer.wte.weight``) and an HF ``lm_head.weight`` that differs from it is refused.
-Pure functions on plain tensors (files are the core's, ``libai_lite/checkpoint/hf_io.py``); the
-module registers them for ``GPTForPreTraining`` on import, and ``modeling/__init__.py`` imports it.
+A bare ``GPT2Model`` checkpoint (keys without ``transformer.``, as OpenAI's ``gpt2`` on the Hub) is accepted
+on import. GPT-2's ``Conv1D`` weights are ``[in, out]`` (ours ``[out, in]``: transposed), and ``c_attn``'s
+``[q; k; v]`` rows become our head-major ``query_key_value`` ``[heads, 3, head_size]``, so a tensor-parallel
+split hands each rank whole heads. The LM head is the token embedding in both: written once, and an HF
+``lm_head.weight`` that differs from it is refused. Pure functions on tensors (the files are
+``libai_lite/checkpoint/hf_io.py``'s), registered for ``GPTForPreTraining`` on import.
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` <-> ``LlamaModel``.
 
-State dicts here are ``LlamaModel``'s (the ``llama`` attribute of ``LlamaForPreTraining``) and the
-``*ForCausalLM``'s (``model.*`` plus ``lm_head.weight``). One layout differs: HF keeps ``q_proj``,
-``k_proj`` and ``v_proj`` apart; our fused ``query_key_value`` is laid out per key/value head,
-``[kv_heads, group + 2, head_size]`` (the group's query heads, then its key and value: see
-``MultiheadAttention``), so a tensor-parallel split hands each rank whole groups. RoPE uses HF's
-rotate-half convention, so q/k rows load unpermuted. ``mlp.gate_proj`` (the activated one) and
-``up_proj`` are joined into our gated ``dense_h_to_4h``, rows interleaved (``join_gate_up``), and split
-again on export; ``down_proj`` is ``dense_4h_to_h``.
-
-Mixtral's sparse blocks are our MoE layers (``model.cfg.moe``: every layer, top-2, no capacity limit):
-``block_sparse_moe.gate`` (or transformers 5's ``mlp.gate``) is the router, and each expert's ``w1``
-(gate), ``w3`` (up) and ``w2`` (down), the Hub's layout, are read from it or from transformers 5's
-fused ``mlp.experts.gate_up_proj``/``down_proj``; export writes the Hub's layout.
-
-Mistral is Llama's architecture with an optional sliding attention window (``sliding_window``: 4096
-for Mistral 7B v0.1, none from v0.2), which ``model.cfg.sliding_window`` applies; a Llama-architecture
-checkpoint with a window exports as ``MistralForCausalLM``. Qwen2's per-layer window
-(``use_sliding_window`` with ``max_window_layers``) is refused.
+HF's ``q_proj``/``k_proj``/``v_proj`` become our fused ``query_key_value`` laid out per key/value head,
+``[kv_heads, group + 2, head_size]``, so a tensor-parallel split hands each rank whole groups; RoPE uses
+HF's rotate-half convention, so rows load unpermuted. ``gate_proj`` and ``up_proj`` join, rows interleaved,
+into our gated ``dense_h_to_4h``. Mixtral's sparse blocks are our MoE layers (router ``gate``, experts'
+``w1``/``w3``/``w2`` or transformers 5's fused ``gate_up_proj``/``down_proj``; export writes the Hub's
+layout). Mistral's ``sliding_window`` maps to ``model.cfg.sliding_window`` and a Llama checkpoint with a
+window exports as ``MistralForCausalLM``; Qwen2's per-layer window is refused.
 """
 from __future__ import annotations
 
