@@ -10,12 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
 from libai_lite.config import LazyConfig
 from libai_lite.config.instantiate import instantiate_with
-from libai_lite.config.megatron_args import render_config, translate_megatron_args
 from libai_lite.scheduler import MegatronLR, WarmupCosineLR
 from libai_lite.utils.errors import UsageError
-from projects.megatron_compat import MEGATRON_MODELS
 from tests.launch import DATA, ROOT
 
 # Megatron-LM's examples/pretrain_gpt.sh, shrunk (sizes, iterations).
