@@ -6,7 +6,8 @@ packages resolve in the user's own tree (found from the config's path, ``__init_
 not) before the installed ones. Code a config reaches (``from ..modeling.gpt_model import GPT``)
 is imported once under a stable name (``MyLM.modeling.gpt_model`` for a project copied to
 ``/elsewhere/MyLM``, ``projects.MyProj.modeling...`` in a LiBai-style tree), and its folder is
-listed under ``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere.
+listed under ``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere. A config
+written for another framework has its imports answered by the installed dialects (``dialects``).
 """
 import builtins
 import functools
