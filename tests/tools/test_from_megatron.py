@@ -1,6 +1,6 @@
 """Megatron-LM pretrain_gpt.py command lines: tools/from_megatron.py and the translation it prints.
 
-Megatron-LM's example scripts train in tests/config/test_megatron_scripts.py; here, in-process, a
+Megatron-LM's example scripts train in tests/compat/test_megatron_scripts.py; here, in-process, a
 ``pretrain_gpt.sh`` line is the GPT demo config with its values as overrides, and the rules of the flags
 without a one-to-one key.
 """

@@ -1,9 +1,9 @@
 """LiBai-format configs of the T5 and Llama projects load and train here, with no ../shared beside the clone.
 
-The configs are ``tests/config/samples/libai`` (LiBai's tree layout, written for these tests); sizes and
+The configs are ``tests/compat/samples/libai`` (LiBai's tree layout, written for these tests); sizes and
 data paths are overridden on the command line, and the data is made here in the formats LiBai's projects read:
 Hugging Face ``datasets`` folders of token windows (its T5 project) and ``torch.save`` lists of Alpaca samples
-(its Llama project). LiBai's own files are ``tests/config/test_libai_configs.py``'s, which needs ../shared.
+(its Llama project). LiBai's own files are ``tests/compat/test_libai_configs.py``'s, which needs ../shared.
 """
 import json
 import logging
@@ -23,7 +23,7 @@ from libai_lite.data.gpt_dataset import IGNORE_INDEX
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT
 
-SAMPLES = ROOT / "tests" / "config" / "samples" / "libai"
+SAMPLES = ROOT / "tests" / "compat" / "samples" / "libai"
 T5 = SAMPLES / "projects" / "T5" / "configs" / "mt5_pretrain.py"
 LLAMA = SAMPLES / "projects" / "Llama" / "configs" / "llama_config.py"
 SFT = SAMPLES / "projects" / "Llama" / "configs" / "llama_sft.py"

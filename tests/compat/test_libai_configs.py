@@ -2,7 +2,7 @@
 
 Only data paths (and, for speed, sizes and iterations) are overridden on the command line; the
 files are read where they are, never copied into the project. Without ../shared beside the clone these
-tests skip, saying so; tests/config/test_libai_samples.py covers LiBai-format configs without it.
+tests skip, saying so; tests/compat/test_libai_samples.py covers LiBai-format configs without it.
 """
 import json
 import shutil
@@ -26,7 +26,7 @@ def libai_tree():
     path = ROOT.parent / "shared" / "fixtures" / "libai"
     if not (path / GPT).is_file():
         pytest.skip("../shared/fixtures/libai not found beside the clone: these tests read LiBai's own config files "
-                    "from it (tests/config/test_libai_samples.py trains LiBai-format configs without it)")
+                    "from it (tests/compat/test_libai_samples.py trains LiBai-format configs without it)")
     return path
 
 
