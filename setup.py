@@ -14,14 +14,17 @@ setup(
     version="0.1.0",
     description="LiBai-style lazy-config toolbox for GPT and T5 pretraining on torch.distributed",
     python_requires=">=3.10",
-    # configs and projects are installed too: configs import each other and the models as
+    # configs, projects and compat are installed too: configs import each other and the models as
     # `configs.*` / `projects.*`, so tools, benchmarks and user configs anywhere need no sys.path edits.
     packages=find_packages(
-        include=["libai_lite", "libai_lite.*", "configs", "configs.*", "projects", "projects.*"]
+        include=["libai_lite", "libai_lite.*", "configs", "configs.*", "projects", "projects.*", "compat", "compat.*"]
     ),
-    # Plugins the core finds without naming a project: LiBai's model-level names for LiBai config files
-    # (libai_lite/config/libai_compat.py reads this group; a project of yours can add an entry).
-    entry_points={"libai_lite.libai_names": ["projects = projects.libai_compat:LIBAI_NAMES"]},
+    # Plugins the core finds without naming another framework (libai_lite/utils/plugins.py reads the groups):
+    # compat's LiBai config dialect, and its recognition of Megatron-LM and LiBai checkpoints.
+    entry_points={
+        "libai_lite.config_dialects": ["libai = compat.libai:LibaiDialect"],
+        "libai_lite.checkpoint_formats": ["foreign = compat.checkpoints:foreign_checkpoint_error"],
+    },
     install_requires=[
         # 2.11.0a0 as the floor admits the pre-release builds NVIDIA's containers ship (2.11.0a0+<git>).
         "torch>=2.11.0a0,<=2.13.0",

@@ -31,7 +31,7 @@ import tempfile
 
 import torch
 
-from libai_lite.checkpoint.foreign import checkpoint_format, megatron_iteration_dir
+from compat.checkpoints import checkpoint_format, megatron_iteration_dir
 from libai_lite.utils.errors import UsageError
 
 _LEGACY_FILE = "model_optim_rng.pt"

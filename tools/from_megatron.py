@@ -9,7 +9,7 @@
     python tools/from_megatron.py --output my_run.py <flags>     # writes the config file instead
 
 Or run the flags directly: ``python tools/train_net.py --megatron-args "<flags>" [overrides]``. The flags
-that shape the model choose its project (``projects/megatron_compat.py``: GPT by default, Llama for
+that shape the model choose its project (``compat/megatron/models.py``: GPT by default, Llama for
 ``--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear``), whose demo
 config they apply to with Megatron-LM's defaults for what they leave out; flags with no effect here are
 named on stderr; every flag not taken is refused in one error line, each with its reason.
@@ -21,10 +21,9 @@ import shlex
 import sys
 import tempfile
 
-from libai_lite.checkpoint.foreign import checkpoint_format
-from libai_lite.config.megatron_args import render_config, translate_megatron_args
+from compat.checkpoints import checkpoint_format
+from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
 from libai_lite.utils.errors import UsageError
-from projects.megatron_compat import MEGATRON_MODELS
 
 
 def checkpoint_kind(path: str) -> str:

@@ -21,12 +21,15 @@ from ..utils.distributed import broadcast_object, get_rank
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 from ..utils.files import atomic_write
+from ..utils.plugins import plugins
 from .collectives import gather, spread, world_size
 from .vocab_rows import shape_refusal, vocab_padding_differs
 
 logger = logging.getLogger("libai_lite")
 
 MANIFEST = "manifest.json"
+# Plugins naming other frameworks' checkpoints: each maps a path to its one-line refusal, or None.
+FORMATS_GROUP = "libai_lite.checkpoint_formats"
 # (real path, its files' sizes and mtimes) of the checkpoints verified in this process: the engine
 # checks a checkpoint before building the model and loads it after, and the files are read once.
 _VERIFIED: set = set()
@@ -124,19 +127,26 @@ def _stat_key(path: str) -> tuple:
         return ()
 
 
+def foreign_checkpoint_error(path: str) -> str | None:
+    """The refusal of ``path`` by the first installed plugin that knows it as another framework's checkpoint."""
+    for recognise in plugins(FORMATS_GROUP):
+        refusal = recognise(path)
+        if refusal:
+            return refusal
+    return None
+
+
 def verify_checkpoint(path: str) -> None:
     """Refuse (UsageError naming the file) a checkpoint whose files differ from its ``manifest.json``.
 
     Collective when distributed: each rank checks a share of the files and every rank raises the
     same first mismatch. A checkpoint of this format without its manifest is refused: nothing in it
     tells a manifest deleted with a shard changed from an intact one (``--no-verify`` loads it
-    unchecked). Another framework's checkpoint is recognised by its own files (``foreign``) and named
-    by ``read_metadata``.
+    unchecked). Another framework's checkpoint is recognised by the installed plugins
+    (``foreign_checkpoint_error``) and named by ``read_metadata``.
     """
-    from .foreign import checkpoint_format
-
     manifest = os.path.join(path, MANIFEST)
-    if not os.path.isfile(os.path.join(path, ".metadata")) or checkpoint_format(path) != "ours":
+    if not os.path.isfile(os.path.join(path, ".metadata")) or foreign_checkpoint_error(path):
         return  # a missing or foreign checkpoint is read_metadata's to report
     if not os.path.isfile(manifest):
         raise UsageError(f"checkpoint {path} has no {MANIFEST}, so its files cannot be checked against what was "
@@ -164,8 +174,6 @@ def verify_checkpoint(path: str) -> None:
 
 def read_metadata(path: str) -> dict:
     """The DCP metadata of checkpoint ``path`` by key; a one-line UsageError when it is missing or unreadable."""
-    from .foreign import foreign_checkpoint_error
-
     foreign = foreign_checkpoint_error(path)
     if foreign:  # another framework's checkpoint is named, not called incomplete or corrupt
         raise UsageError(foreign)

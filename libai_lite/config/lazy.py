@@ -17,7 +17,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode
 
 from .instantiate import join_key, locate, target_to_string
 from .loader import IMPORT_ROOTS_KEY, ConfigLoadError, add_import_root, cast_to_config, exec_config, one_line
-from .libai_compat import translate_libai_config
 from .loader import restore_import_roots
 from .overrides import ConfigKeyError, ConfigTypeError, apply_overrides
 from ..utils.files import atomic_write
@@ -106,10 +105,10 @@ class LazyConfig:
         path = path.resolve()
 
         if path.suffix == ".py":
-            namespace, roots, is_libai = exec_config(path)
-            if is_libai:
+            namespace, roots, dialect = exec_config(path)
+            if dialect is not None:
                 namespace = {k: v if k.startswith("_") else cast_to_config(v) for k, v in namespace.items()}
-                translate_libai_config(namespace)
+                dialect.translate(namespace)
             if keys is None:
                 cfg = {
                     k: cast_to_config(v)

@@ -6,7 +6,8 @@ packages resolve in the user's own tree (found from the config's path, ``__init_
 not) before the installed ones. Code a config reaches (``from ..modeling.gpt_model import GPT``)
 is imported once under a stable name (``MyLM.modeling.gpt_model`` for a project copied to
 ``/elsewhere/MyLM``, ``projects.MyProj.modeling...`` in a LiBai-style tree), and its folder is
-listed under ``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere.
+listed under ``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere. A config
+written for another framework has its imports answered by the installed dialects (``dialects``).
 """
 import builtins
 import functools
@@ -24,7 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from omegaconf import DictConfig, ListConfig
 
 from ..utils.errors import UsageError
-from .libai_compat import LIBAI_TOPS, LibaiImports
+from .dialects import ConfigDialect, new_dialects
 
 __all__ = ["ConfigLoadError", "IMPORT_ROOTS_KEY", "add_import_root", "exec_config", "restore_import_roots"]
 
@@ -178,8 +179,8 @@ class _FreshLoader:
         self.tree_root = _tree_root(config_file)
         self.roots: List[Path] = []
         self.executed_files: set = set()
-        # LiBai's ``libai.*`` / ``oneflow`` imports, answered without any such package installed.
-        self.libai = LibaiImports()
+        # Imports of other frameworks' configs, answered by the installed dialects without those frameworks.
+        self.dialects = new_dialects()
         if self.tree_root is not None:
             self.add_root(self.tree_root)
 
@@ -253,8 +254,9 @@ class _FreshLoader:
                     root, module_name = _code_module_name(base, importer)
                     return self.import_code(root, module_name, base, importer, fromlist, original_import)
                 return self.import_config(base, fromlist, "." * level + name, importer)
-            if self.libai.handles(name):
-                return self.libai.load(name, fromlist)
+            dialect = next((d for d in self.dialects if d.handles(name)), None)
+            if dialect is not None:
+                return dialect.load(name, fromlist)
             parts = name.split(".")
             base = self._find_absolute(name) if parts[0] in _TREE_PACKAGES else None
             # configs.* and projects.<X>.configs.* are configs; the rest of a user's tree is code.
@@ -266,25 +268,26 @@ class _FreshLoader:
                 try:
                     return self.import_code(self.tree_root, name, base, importer, fromlist, original_import)
                 except ModuleNotFoundError as e:
-                    # LiBai's own code: it imports libai/oneflow, or an installed project of the same name hides it.
-                    missing = e.name or ""
-                    if self.libai.seen and missing and (missing.split(".")[0] in LIBAI_TOPS
-                                                        or name.startswith(missing)):
-                        raise self.libai.code_error(name, fromlist, importer) from e
+                    # Another framework's own code, which only that framework runs: its dialect names it.
+                    for dialect in self.dialects:
+                        error = dialect.code_error(name, fromlist, importer, e.name or "")
+                        if error is not None:
+                            raise error from e
                     raise
             return original_import(name, globals, locals, fromlist, level)
 
         return new_import
 
 
-def exec_config(path: Path) -> Tuple[dict, List[Path], bool]:
+def exec_config(path: Path) -> Tuple[dict, List[Path], Optional[ConfigDialect]]:
     """The namespace of config file ``path``, executed afresh, the folders its code was imported from, and
-    whether it is a LiBai config (it imported ``libai.*``)."""
+    the dialect it is written in (None for this project's own configs)."""
     loader = _FreshLoader(path)
     original = builtins.__import__
     builtins.__import__ = loader.hook(original)
     try:
-        return dict(loader.exec_file(path).__dict__), loader.roots, loader.libai.seen
+        namespace = dict(loader.exec_file(path).__dict__)
+        return namespace, loader.roots, next((d for d in loader.dialects if d.seen), None)
     except Exception as e:
         files = loader.executed_files
         where = [f"{f.filename}, line {f.lineno}" for f in traceback.extract_tb(e.__traceback__) if f.filename in files]

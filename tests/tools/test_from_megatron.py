@@ -1,6 +1,6 @@
 """Megatron-LM pretrain_gpt.py command lines: tools/from_megatron.py and the translation it prints.
 
-Megatron-LM's example scripts train in tests/config/test_megatron_scripts.py; here, in-process, a
+Megatron-LM's example scripts train in tests/compat/test_megatron_scripts.py; here, in-process, a
 ``pretrain_gpt.sh`` line is the GPT demo config with its values as overrides, and the rules of the flags
 without a one-to-one key.
 """
@@ -10,12 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
 from libai_lite.config import LazyConfig
 from libai_lite.config.instantiate import instantiate_with
-from libai_lite.config.megatron_args import render_config, translate_megatron_args
 from libai_lite.scheduler import MegatronLR, WarmupCosineLR
 from libai_lite.utils.errors import UsageError
-from projects.megatron_compat import MEGATRON_MODELS
 from tests.launch import DATA, ROOT
 
 # Megatron-LM's examples/pretrain_gpt.sh, shrunk (sizes, iterations).

@@ -12,7 +12,7 @@
 LiBai's ``initializer_range`` is a standard deviation (every weight ``N(0, std)``, output projections
 ``N(0, std / sqrt(2 * hidden_layers))``, Megatron's scaled init), here MT5's is T5's
 ``initializer_factor``: these builders draw the weights LiBai's way instead, so
-``initializer_range=0.02`` means what it meant in LiBai. ``projects/libai_compat.py`` lists them.
+``initializer_range=0.02`` means what it meant in LiBai. ``compat/libai/models.py`` lists them.
 """
 from __future__ import annotations
 
@@ -24,10 +24,15 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from libai_lite.config.libai_compat import warn_once
+from libai_lite.config import LazyCall
 from libai_lite.utils.errors import UsageError
+from projects.MT5 import MT5ForPreTraining as _MT5ForPreTraining, MT5Model as _MT5Model
+from projects.MT5.data.megatron_t5_dataset import build_megatron_t5_train_valid_test_loaders
+from projects.MT5.data.t5_dataset import (build_t5_train_valid_test_loaders, random_spans_helper,
+                                          random_spans_noise_mask, t5_train_samples_per_epoch)
 
-from . import mt5_model
+from .notice import warn_once
+from .data import LibaiDataset, libai_data_prefix
 
 # Output projections (attention output, MLP output): Megatron's scaled init in LiBai.
 _OUTPUT_WEIGHTS = ("dense.weight", "dense_4h_to_h.weight")
@@ -74,35 +79,30 @@ def _build(cls, cfg, model_type: str | None):
 
 def T5Model(cfg):  # noqa: N802 - LiBai's class name
     """LiBai's ``T5Model``: this MT5 model with ``model_type="t5"``."""
-    return _build(mt5_model.MT5Model, cfg, "t5")
+    return _build(_MT5Model, cfg, "t5")
 
 
 def T5ForPreTraining(cfg):  # noqa: N802
     """LiBai's ``T5ForPreTraining``: this MT5 pretraining model with ``model_type="t5"``."""
-    return _build(mt5_model.MT5ForPreTraining, cfg, "t5")
+    return _build(_MT5ForPreTraining, cfg, "t5")
 
 
 def MT5Model(cfg):  # noqa: N802
     """LiBai's MT5 project's ``MT5Model`` (its ``model_type`` kept)."""
-    return _build(mt5_model.MT5Model, cfg, None)
+    return _build(_MT5Model, cfg, None)
 
 
 def MT5ForPreTraining(cfg):  # noqa: N802
     """LiBai's MT5 project's ``MT5ForPreTraining`` (its ``model_type`` kept)."""
-    return _build(mt5_model.MT5ForPreTraining, cfg, None)
+    return _build(_MT5ForPreTraining, cfg, None)
 
 
 def T5Dataset(name: str = "t5", data_prefix=None, indexed_dataset=None, max_seq_length: int = 512,  # noqa: N802
               max_seq_length_dec: int = 128, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
               seed: int = 1234, max_num_samples: int | None = None):
     """LiBai's T5 dataset (Megatron-LM's): over sentence-split data (``..._sentence``) Megatron's own samples
-    (``data/megatron_t5_dataset.py``); over a ``..._document`` prefix T5 span corruption (``data/t5_dataset.py``),
-    which the start-up warns about (``short_seq_prob`` then has no effect)."""
-    from libai_lite.data.libai_compat import LibaiDataset, libai_data_prefix
-
-    from .data.megatron_t5_dataset import build_megatron_t5_train_valid_test_loaders
-    from .data.t5_dataset import build_t5_train_valid_test_loaders, t5_train_samples_per_epoch
-
+    (``projects/MT5/data/megatron_t5_dataset.py``); over a ``..._document`` prefix T5 span corruption
+    (``projects/MT5/data/t5_dataset.py``), which the start-up warns about (``short_seq_prob`` then has no effect)."""
     prefix = libai_data_prefix(name, data_prefix, indexed_dataset)
     options = dict(max_seq_length=int(max_seq_length), max_seq_length_dec=int(max_seq_length_dec),
                    masked_lm_prob=float(masked_lm_prob), seed=int(seed))
@@ -125,13 +125,13 @@ def _t5_project_head(cfg) -> None:
 def T5ProjectModel(cfg):  # noqa: N802
     """LiBai's T5 project's ``T5Model`` (``projects.T5.models.t5_model``): this MT5 model, its ``model_type`` kept."""
     _t5_project_head(cfg)
-    return _build(mt5_model.MT5Model, cfg, None)
+    return _build(_MT5Model, cfg, None)
 
 
 def T5ProjectForPreTraining(cfg):  # noqa: N802
     """LiBai's T5 project's ``T5ForPreTraining``: this MT5 pretraining model, its ``model_type`` kept."""
     _t5_project_head(cfg)
-    return _build(mt5_model.MT5ForPreTraining, cfg, None)
+    return _build(_MT5ForPreTraining, cfg, None)
 
 
 class UnsuperviseT5Dataset(torch.utils.data.Dataset):
@@ -187,8 +187,6 @@ class T5SpanCollator:
 
     def __init__(self, vocab_size: int, max_seq_length: int, noise_density: float, mean_noise_span_length: float,
                  eos_token_id: int = 1, pad_token_id: int = 0, decoder_start_token_id: int = 0, seed: int = 0):
-        from .data.t5_dataset import random_spans_helper
-
         self.vocab_size, self.max_seq_length = int(vocab_size), int(max_seq_length)
         self.noise_density, self.mean_noise_span_length = float(noise_density), float(mean_noise_span_length)
         self.eos, self.pad, self.start = int(eos_token_id), int(pad_token_id), int(decoder_start_token_id)
@@ -200,8 +198,6 @@ class T5SpanCollator:
 
     def prepare(self, sample, position: int) -> dict:
         """One span-corrupted sample (the batch keys of this MT5) of the window at ``position`` of the run."""
-        from .data.t5_dataset import random_spans_noise_mask
-
         tokens = np.asarray(sample["input_ids"] if isinstance(sample, Mapping) else sample, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size != self.raw_length:
             raise UsageError(f"a T5 sample holds {tokens.size} tokens; collate_fn(max_seq_length="
@@ -233,8 +229,6 @@ def collate_fn(vocab_size, max_seq_length, noise_density, mean_noise_span_length
                pad_token_id=0, decoder_start_token_id=0):
     """LiBai's ``collate_fn(...)``, called in the config file: here a lazy ``T5SpanCollator`` the loader builds, so
     the config keeps it as keys (``dataloader.train.collate_fn.max_seq_length=...``) and saves it as YAML."""
-    from libai_lite.config import LazyCall
-
     return LazyCall(T5SpanCollator)(vocab_size=vocab_size, max_seq_length=max_seq_length, noise_density=noise_density,
                                     mean_noise_span_length=mean_noise_span_length, eos_token_id=eos_token_id,
                                     pad_token_id=pad_token_id, decoder_start_token_id=decoder_start_token_id)

@@ -8,7 +8,7 @@
 * ``projects.Llama.dataset.AlpacaDataset(path)`` reads the pre-tokenized SFT samples that LiBai's
   ``utils/prepare_alpaca.py`` makes, saved with ``torch.save`` (LiBai's ``flow.load`` reads that format too).
 
-``projects/libai_compat.py`` lists them.
+``compat/libai/models.py`` lists them.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from typing import Any, Mapping
 import torch
 from omegaconf import OmegaConf
 
-from libai_lite.config.libai_compat import warn_once
 from libai_lite.data.gpt_dataset import IGNORE_INDEX
 from libai_lite.tokenizer import SentencePieceTokenizer
 from libai_lite.utils.errors import UsageError
+from projects.Llama.modeling import LlamaForPreTraining, LlamaModel
 
-from .modeling.llama_model import LlamaForPreTraining, LlamaModel
+from .notice import warn_once
 
 # LiBai's key -> this Llama's.
 _RENAMED = {"intermediate_size": "ffn_hidden_size", "max_position_embeddings": "max_seq_length",
@@ -37,7 +37,7 @@ _GENERATION = ("is_encoder_decoder", "max_length", "min_length", "do_sample", "e
                "num_return_sequences", "chunk_size_feed_forward", "output_scores", "use_cache", "bos_token_id",
                "eos_token_id", "pad_token_id", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                "exponential_decay_length_penalty", "sep_token_id", "decoder_start_token_id")
-# Named by libai_lite.config.libai_compat's warning with the other model.cfg keys of no effect.
+# Named by compat.libai.config's warning with the other model.cfg keys of no effect.
 _CORE_NAMED = ("amp_enabled", "scale_mask_softmax_fusion")
 _OURS = set(inspect.signature(LlamaModel.__init__).parameters) - {"self"}
 

@@ -1,9 +1,9 @@
 """Checkpoints of other frameworks, recognised so that loading one names its format and the way in.
 
-A Megatron-LM checkpoint handed to ``train.load_weight`` or ``--resume`` was called "missing or incomplete (no
-.metadata)", a Megatron core ``torch_dist`` one opened and failed on its key names, a LiBai (OneFlow) one was
-"corrupt". :func:`checkpoint_format` tells them apart by their files; :func:`foreign_checkpoint_error` is the
-one-line refusal.
+Handed to ``train.load_weight`` or ``--resume``, a Megatron-LM checkpoint has no ``.metadata``, a Megatron core
+``torch_dist`` one has other key names and a LiBai (OneFlow) one no DCP files at all: none is incomplete or
+corrupt. :func:`checkpoint_format` tells them apart by their files; :func:`foreign_checkpoint_error` is the
+one-line refusal, which the core asks for through the ``libai_lite.checkpoint_formats`` entry point.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import glob
 import json
 import os
 
-from ..utils.errors import UsageError
+from libai_lite.utils.errors import UsageError
 
 __all__ = ["checkpoint_format", "foreign_checkpoint_error", "megatron_iteration_dir"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..utils.errors import UsageError
+from libai_lite.utils.errors import UsageError
 
 __all__ = ["Adam", "AdamW", "SGD"]
 

@@ -1,40 +1,33 @@
 """LiBai's config files, loaded unchanged: the names they import and the keys whose meaning differs here.
 
 A LiBai config imports ``libai.config``, ``libai.scheduler``, ``libai.data...``, ``libai.models`` and
-``oneflow``. While (and only while) :func:`libai_lite.config.loader.exec_config` runs a config file,
-those imports are answered from the tables below instead of ``sys.modules``/``sys.path``: no
+``oneflow``. While (and only while) the core's config loader runs a config file, :class:`LibaiDialect`
+answers those imports from the tables below and ``compat.libai.models`` instead of ``sys.modules``: no
 top-level ``libai`` or ``oneflow`` package is installed or registered, so a real LiBai install keeps
-working in the same environment. Names the core does not have (model classes, model-specific
-datasets) come from the tables installed packages declare under the ``libai_lite.libai_names`` entry-point
-group (this repository's projects declare theirs in setup.py): the core names no model and no project.
-A table entry also answers a ``projects.*`` module of LiBai's tree, even where an installed project of the same
-name would hide LiBai's; LiBai code from its tree that no table maps is refused, naming the module.
-
-After the load, :func:`translate_libai_config` rewrites the keys that mean something else here
-(``train.amp.enabled`` is fp16 in LiBai) and names, in one warning line, every LiBai key that has
-no effect here.
+working in the same environment. A table entry also answers a ``projects.*`` module of LiBai's tree, even
+where an installed project of the same name would hide LiBai's; LiBai code from its tree that no table
+maps is refused, naming the module. After the load, :func:`translate_libai_config` rewrites the keys that
+mean something else here (``train.amp.enabled`` is fp16 in LiBai) and names, in one warning line, every
+LiBai key that has no effect here.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import types
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, ListConfig, open_dict
 
-from ..utils.errors import UsageError
+from libai_lite.utils.errors import UsageError
 
-__all__ = ["LIBAI_TOPS", "LibaiImports", "translate_libai_config", "warn_once"]
+__all__ = ["LIBAI_TOPS", "LibaiDialect", "translate_libai_config"]
 
 logger = logging.getLogger("libai_lite")
 
 # Top-level module names a LiBai config imports that are answered here.
 LIBAI_TOPS = ("libai", "oneflow")
-# The entry-point group whose entries are tables of LiBai's model-level names ({"libai.models": {"T5Model": ...}}).
-_NAMES_GROUP = "libai_lite.libai_names"
 
 # LiBai's NLP loader builders (libai.data.build, re-exported by libai.data); its image loaders have no counterpart.
 _LOADERS = ("build_nlp_train_val_test_loader", "build_nlp_train_loader", "build_nlp_test_loader")
@@ -46,21 +39,21 @@ _CORE_NAMES: Dict[str, Dict[str, str]] = {
         "PPLEvaluator": "libai_lite.evaluation:PPLEvaluator",
         "DatasetEvaluator": "libai_lite.evaluation:DatasetEvaluator",
         "inference_on_dataset": "libai_lite.evaluation:inference_on_dataset",
-        "ClsEvaluator": "libai_lite.config.libai_compat:ClsEvaluator",
+        "ClsEvaluator": "compat.libai.config:ClsEvaluator",
     },
     "libai.scheduler": {n: f"libai_lite.scheduler:{n}" for n in (
         "WarmupCosineLR", "WarmupExponentialLR", "WarmupPolynomialLR", "WarmupLinearLR", "WarmupConstantLR")},
     "libai.optim": {"get_default_optimizer_params": "libai_lite.optim:get_default_optimizer_params"},
-    "libai.tokenizer": {n: f"libai_lite.data.libai_compat:{n}" for n in ("GPT2Tokenizer", "BertTokenizer")},
+    "libai.tokenizer": {n: f"compat.libai.data:{n}" for n in ("GPT2Tokenizer", "BertTokenizer")},
     "libai.evaluation.evaluator": {n: f"libai_lite.evaluation:{n}" for n in (
         "DatasetEvaluator", "inference_on_dataset")},
-    "libai.data": {n: f"libai_lite.data.libai_compat:{n}" for n in _LOADERS},
-    "libai.data.build": {n: f"libai_lite.data.libai_compat:{n}" for n in _LOADERS},
-    "libai.data.datasets": {"GPT2Dataset": "libai_lite.data.libai_compat:GPT2Dataset"},
-    "libai.data.data_utils": {"get_indexed_dataset": "libai_lite.data.libai_compat:get_indexed_dataset"},
-    "libai.models.utils": {"GraphBase": "libai_lite.config.libai_compat:GraphBase"},
+    "libai.data": {n: f"compat.libai.data:{n}" for n in _LOADERS},
+    "libai.data.build": {n: f"compat.libai.data:{n}" for n in _LOADERS},
+    "libai.data.datasets": {"GPT2Dataset": "compat.libai.data:GPT2Dataset"},
+    "libai.data.data_utils": {"get_indexed_dataset": "compat.libai.data:get_indexed_dataset"},
+    "libai.models.utils": {"GraphBase": "compat.libai.config:GraphBase"},
     "oneflow": {},
-    "oneflow.optim": {n: f"libai_lite.optim.libai_compat:{n}" for n in ("AdamW", "Adam", "SGD")},
+    "oneflow.optim": {n: f"compat.libai.optim:{n}" for n in ("AdamW", "Adam", "SGD")},
 }
 
 # train.* keys LiBai reads that nothing reads here, with why.
@@ -84,14 +77,6 @@ _NO_EFFECT = {
     "model.cfg.apply_query_key_layer_scaling": "an fp16 overflow guard of Megatron's; softmax runs in fp32 here",
     "model.cfg.amp_enabled": "mixed precision follows train.amp",
 }
-_warned: set = set()
-
-
-def warn_once(message: str) -> None:
-    """Log ``message`` as a warning once per process (a model is built twice: on meta, then for real)."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
 
 
 class GraphBase:
@@ -114,18 +99,10 @@ def _resolve(spec: Any) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def _project_names() -> Dict[str, Dict[str, Any]]:
-    """LiBai's model-level names from every installed table of the ``libai_lite.libai_names`` group."""
-    tables: Dict[str, Dict[str, Any]] = {}
-    for entry in entry_points(group=_NAMES_GROUP):
-        for module, names in dict(entry.load()).items():
-            tables.setdefault(module, {}).update(names)
-    return tables
-
-
-class LibaiImports:
-    """Answers the ``libai``/``oneflow`` imports of one config load (and ``projects.*`` names LiBai's tree has
-    but this project's differ in meaning, once a ``libai`` import marked the load as a LiBai config)."""
+class LibaiDialect:
+    """LiBai's dialect of one config load (the core's ``libai_lite.config_dialects`` entry point): answers its
+    ``libai``/``oneflow`` imports (and ``projects.*`` names LiBai's tree has but this project's differ in meaning,
+    once a ``libai`` import marked the load as a LiBai config), then translates its keys."""
 
     def __init__(self):
         self.seen = False
@@ -133,8 +110,10 @@ class LibaiImports:
 
     def tables(self) -> Dict[str, Dict[str, Any]]:
         if self._tables is None:
+            from .models import LIBAI_NAMES  # the projects' models: imported by a LiBai config only
+
             tables = {k: dict(v) for k, v in _CORE_NAMES.items()}
-            for module, names in _project_names().items():
+            for module, names in LIBAI_NAMES.items():
                 tables.setdefault(module, {}).update(names)
             self._tables = tables
         return self._tables
@@ -183,12 +162,16 @@ class LibaiImports:
             module = types.SimpleNamespace(**{part: module})
         return module
 
-    def code_error(self, name: str, fromlist, importer: Path) -> ImportError:
-        """The refusal of LiBai code (not a config) that a config in a LiBai tree imports and nothing here answers.
+    def code_error(self, name: str, fromlist, importer: Path, missing: str) -> Optional[ImportError]:
+        """The refusal of LiBai code (not a config) that a config in a LiBai tree imports and nothing here answers,
+        or None when the failed import of ``missing`` is not LiBai's.
 
-        Such code needs LiBai itself; what it defines has no counterpart unless a ``libai_lite.libai_names``
-        table maps the module (docs/migrating.md lists those).
+        Such code needs LiBai itself (it imports libai/oneflow), or an installed project of the same name hides it;
+        what it defines has no counterpart unless ``compat.libai.models`` maps the module (docs/migrating.md lists
+        those).
         """
+        if not (self.seen and missing and (missing.split(".")[0] in LIBAI_TOPS or name.startswith(missing))):
+            return None
         names = [n for n in (fromlist or ()) if n != "*"]
         what = ", ".join(f"{name}.{n}" for n in names) if names else name
         parts = importer.parts
@@ -199,6 +182,10 @@ class LibaiImports:
             f"LiBai's {project} needs {what}, which libai_lite has no counterpart for: it is LiBai's own code, not a "
             f"config (LiBai modules mapped here: {', '.join(mapped) or 'none'}; docs/migrating.md); replace the "
             f"import in the config")
+
+    def translate(self, namespace: dict) -> List[str]:
+        """:func:`translate_libai_config` of the loaded namespace."""
+        return translate_libai_config(namespace)
 
 
 def _select(cfg: Any, path: str) -> Any:

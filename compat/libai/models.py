@@ -1,13 +1,13 @@
 """LiBai's model-level names and their counterparts in these projects, for LiBai config files.
 
-``libai_lite.config.libai_compat`` serves a LiBai config's ``from libai.models import ...`` (and the
-other modules listed here) from this table while the config loads; the core keeps the names that
-need no model (``libai.config``, ``libai.scheduler``, ``GPT2Dataset``, ...). A project that
-brings a LiBai model adds its names here. docs/migrating.md lists what maps.
+``compat.libai.config`` serves a LiBai config's ``from libai.models import ...`` (and the other modules
+listed here) from this table while the config loads, beside the names that need no model
+(``libai.config``, ``libai.scheduler``, ``GPT2Dataset``, ...). A project that brings a LiBai model adds
+its names here. docs/migrating.md lists what maps.
 """
 from projects.GPT.modeling import GPTForPreTraining, GPTModel
-from projects.Llama import libai_compat as llama
-from projects.MT5 import libai_compat as mt5
+
+from . import llama, mt5
 
 LIBAI_NAMES = {
     # LiBai's GPT takes the same cfg keys with the same meaning (initializer_range is a std in both).

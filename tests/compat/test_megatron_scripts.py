@@ -14,11 +14,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
 from libai_lite.config import LazyConfig, instantiate
 from libai_lite.config.instantiate import instantiate_with
-from libai_lite.config.megatron_args import render_config, translate_megatron_args
 from libai_lite.utils.errors import UsageError
-from projects.megatron_compat import MEGATRON_MODELS
 from tests.launch import ROOT, env, losses, one_error_line
 
 GPT2 = "--vocab-file data_test/gpt2/vocab.json --merge-file data_test/gpt2/merges.txt"

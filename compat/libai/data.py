@@ -4,7 +4,7 @@ LiBai describes data as ``build_nlp_train_val_test_loader(dataset=[GPT2Dataset(d
 indexed_dataset=get_indexed_dataset(...)), ...], splits=[[949, 50, 1]], weights=[1.0])``. Here the
 dataset classes return a :class:`LibaiDataset` description (instantiating a config builds the inner
 calls first), and the loader builder hands it, with the run's sample counts and layout, to the loader
-builder it names: the GPT one of this package, or one a project registers (the ``libai_lite.libai_names`` entry points).
+builder it names: the core's GPT one, or a project's (``compat.libai.mt5``'s T5Dataset).
 LiBai splits documents as legacy Megatron-LM does, so ``split_rounding="legacy"``.
 
 LiBai's ``build_nlp_train_loader`` / ``build_nlp_test_loader`` also take map-style datasets (a project's
@@ -20,9 +20,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from .gpt_dataset import check_token_ids
-from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
-from ..utils.errors import UsageError
+from libai_lite.config import instantiate
+from libai_lite.data.build import build_gpt_train_valid_test_loaders, train_samples_per_epoch
+from libai_lite.data.gpt_dataset import check_token_ids
+from libai_lite.data.samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
+from libai_lite.tokenizer import BertTokenizer as _BertTokenizer, GPT2Tokenizer as _GPT2Tokenizer
+from libai_lite.utils.errors import UsageError
+
+from .notice import warn_once
 
 __all__ = ["LibaiDataset", "MapDatasetView", "get_indexed_dataset", "GPT2Dataset", "build_nlp_train_val_test_loader",
            "build_nlp_train_loader", "build_nlp_test_loader", "GPT2Tokenizer", "BertTokenizer", "libai_data_prefix"]
@@ -68,8 +73,6 @@ def libai_data_prefix(name: str, data_prefix, indexed_dataset) -> str:
 def GPT2Dataset(name: str = "gpt-2", data_prefix=None, indexed_dataset=None, max_seq_length: int = 1024,  # noqa: N802
                 mask_lm_prob: float = 0.15, max_num_samples: Optional[int] = None, seed: int = 1234) -> LibaiDataset:
     """LiBai's GPT dataset: Megatron's GPT samples of ``max_seq_length`` tokens (this package's GPT builder)."""
-    from .build import build_gpt_train_valid_test_loaders, train_samples_per_epoch
-
     return LibaiDataset("gpt", libai_data_prefix(name, data_prefix, indexed_dataset),
                         build_gpt_train_valid_test_loaders,
                         dict(seq_length=int(max_seq_length), seed=int(seed), split_rounding="legacy"),
@@ -88,8 +91,6 @@ def _splits_string(splits: Any, count: int) -> str:
 
 
 def _entries(dataset: Any) -> list:
-    from ..config import instantiate
-
     if isinstance(dataset, (LibaiDataset, DictConfig)):
         dataset = [dataset]
     entries = [d if isinstance(d, LibaiDataset) else instantiate(d) for d in (dataset or [])]
@@ -277,8 +278,6 @@ def build_nlp_train_loader(dataset, train_batch_size=None, test_batch_size=None,
 
 
 def _train_loader_samples_per_epoch(dataset, dataset_mixer=None) -> int:
-    from ..config import instantiate
-
     dataset = instantiate(dataset)
     if _has_libai_entries(dataset):
         return _samples_per_epoch(dataset, splits=[[1.0, 0.0, 0.0]])
@@ -289,8 +288,6 @@ build_nlp_train_loader.samples_per_epoch = _train_loader_samples_per_epoch
 
 
 def _no_effect(what: str, given: dict) -> None:
-    from ..config.libai_compat import warn_once
-
     set_keys = sorted(k for k, v in given.items() if v)
     if set_keys:
         warn_once(f"LiBai keys with no effect here: {what}({', '.join(set_keys)}) (the data was tokenized when "
@@ -300,11 +297,9 @@ def _no_effect(what: str, given: dict) -> None:
 def GPT2Tokenizer(vocab_file, merges_file, do_lower_case: bool = False, do_chinese_wwm: bool = False,  # noqa: N802
                   add_bos_token: bool = False, **special_tokens: Any):
     """LiBai's GPT-2 tokenizer: this package's, which reads the same vocab.json and merges.txt."""
-    from ..tokenizer import GPT2Tokenizer as Ours
-
     _no_effect("GPT2Tokenizer", dict(do_lower_case=do_lower_case, do_chinese_wwm=do_chinese_wwm,
                                      add_bos_token=add_bos_token, **special_tokens))
-    return Ours(vocab_file, merges_file)
+    return _GPT2Tokenizer(vocab_file, merges_file)
 
 
 def BertTokenizer(vocab_file, do_lower_case: bool = True, do_chinese_wwm: bool = False,  # noqa: N802
@@ -313,8 +308,6 @@ def BertTokenizer(vocab_file, do_lower_case: bool = True, do_chinese_wwm: bool =
                   **others: Any):
     """LiBai's WordPiece tokenizer. LiBai's T5 configs add ``[BOS]``, ``[EOS]`` and ``<extra_id_0..N-1>``:
     this package's ``BertTokenizer(vocab_extra_ids=N)`` appends the same tokens in the same order."""
-    from ..tokenizer import BertTokenizer as Ours
-
     extra = list(additional_special_tokens or [])
     if extra != [f"<extra_id_{i}>" for i in range(len(extra))]:
         raise UsageError(f"BertTokenizer(additional_special_tokens={extra[:3]}...): only T5 sentinels <extra_id_0> ... "
@@ -323,4 +316,4 @@ def BertTokenizer(vocab_file, do_lower_case: bool = True, do_chinese_wwm: bool =
         if value not in (None, expected):
             raise UsageError(f"BertTokenizer({key}={value!r}): only {expected!r} is supported here")
     _no_effect("BertTokenizer", dict(do_chinese_wwm=do_chinese_wwm, add_bos_token=add_bos_token, **others))
-    return Ours(vocab_file, do_lower_case=do_lower_case, vocab_extra_ids=len(extra))
+    return _BertTokenizer(vocab_file, do_lower_case=do_lower_case, vocab_extra_ids=len(extra))

@@ -1,9 +1,9 @@
 """LiBai-format configs of the T5 and Llama projects load and train here, with no ../shared beside the clone.
 
-The configs are ``tests/config/samples/libai`` (LiBai's tree layout, written for these tests); sizes and
+The configs are ``tests/compat/samples/libai`` (LiBai's tree layout, written for these tests); sizes and
 data paths are overridden on the command line, and the data is made here in the formats LiBai's projects read:
 Hugging Face ``datasets`` folders of token windows (its T5 project) and ``torch.save`` lists of Alpaca samples
-(its Llama project). LiBai's own files are ``tests/config/test_libai_configs.py``'s, which needs ../shared.
+(its Llama project). LiBai's own files are ``tests/compat/test_libai_configs.py``'s, which needs ../shared.
 """
 import json
 import logging
@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
+from compat.libai import notice as libai_notice
+from compat.libai.data import build_nlp_train_loader, build_nlp_train_val_test_loader
 from libai_lite.config import ConfigLoadError, LazyConfig, default_argument_parser, instantiate
-from libai_lite.config import libai_compat
 from libai_lite.config.instantiate import InstantiationError, instantiate_with
 from libai_lite.data.gpt_dataset import IGNORE_INDEX
-from libai_lite.data.libai_compat import build_nlp_train_loader, build_nlp_train_val_test_loader
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT
 
-SAMPLES = ROOT / "tests" / "config" / "samples" / "libai"
+SAMPLES = ROOT / "tests" / "compat" / "samples" / "libai"
 T5 = SAMPLES / "projects" / "T5" / "configs" / "mt5_pretrain.py"
 LLAMA = SAMPLES / "projects" / "Llama" / "configs" / "llama_config.py"
 SFT = SAMPLES / "projects" / "Llama" / "configs" / "llama_sft.py"
@@ -52,7 +52,7 @@ def in_process(monkeypatch):
     log = logging.getLogger("libai_lite")
     saved = (list(log.handlers), log.propagate, log.level)
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(libai_compat, "_warned", set())
+    monkeypatch.setattr(libai_notice, "_warned", set())
     yield
     for h in list(log.handlers):
         if h not in saved[0]:
@@ -112,9 +112,9 @@ def test_t5_project_config_trains(in_process, tmp_path):
     # A fresh model predicts about uniformly: the first loss is near ln(vocab).
     assert len(seen) == 5 and abs(seen[0] - math.log(T5_VOCAB)) < 0.2, seen
     saved = LazyConfig.load(out / "config.yaml")
-    assert saved.model._target_ == "projects.MT5.libai_compat.T5ProjectForPreTraining"
+    assert saved.model._target_ == "compat.libai.mt5.T5ProjectForPreTraining"
     assert saved.model.cfg.model_type == "mt5"
-    assert saved.dataloader.train.collate_fn._target_ == "projects.MT5.libai_compat.T5SpanCollator"
+    assert saved.dataloader.train.collate_fn._target_ == "compat.libai.mt5.T5SpanCollator"
 
 
 def test_llama_sft_config_trains(in_process, tmp_path):
@@ -130,7 +130,7 @@ def test_llama_sft_config_trains(in_process, tmp_path):
     seen = losses(out)
     assert len(seen) == 2 and abs(seen[0] - math.log(4000)) < 0.2, seen
     saved = LazyConfig.load(out / "config.yaml")
-    assert saved.model._target_ == "projects.Llama.libai_compat.LlamaForCausalLM"
+    assert saved.model._target_ == "compat.libai.llama.LlamaForCausalLM"
     assert saved.train.amp.dtype == "fp16"
     # The dataset's copy of the tokenizer follows the override of tokenization.tokenizer.
     assert saved.dataloader.train.dataset[0].tokenizer.pretrained_model_path == str(SPM)
@@ -138,7 +138,7 @@ def test_llama_sft_config_trains(in_process, tmp_path):
 
 def test_llama_config_builds_this_llama_with_libai_keys():
     cfg = LazyConfig.load(LLAMA)
-    assert cfg.model._target_.__module__ == "projects.Llama.libai_compat"
+    assert cfg.model._target_.__module__ == "compat.libai.llama"
     cfg.model.cfg.update(hidden_size=64, intermediate_size=96, num_attention_heads=4, hidden_layers=2, vocab_size=256,
                          max_position_embeddings=48, pretrained_model_path=None)
     model = instantiate(cfg.model)
@@ -152,7 +152,7 @@ def test_llama_config_builds_this_llama_with_libai_keys():
 @pytest.fixture
 def warnings_said(monkeypatch):
     """The messages the ``libai_lite`` logger warns from here on (warnings said once per process said afresh)."""
-    monkeypatch.setattr(libai_compat, "_warned", set())
+    monkeypatch.setattr(libai_notice, "_warned", set())
     said = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: said.append(record.getMessage())
@@ -219,7 +219,7 @@ def test_t5_collate_fn_corrupts_spans_as_libai():
 
 
 def test_alpaca_labels_skip_what_libai_skips(tmp_path):
-    from projects.Llama.libai_compat import AlpacaDataset
+    from compat.libai.llama import AlpacaDataset
 
     path = alpaca(tmp_path / "train", 2)
     raw = torch.load(path)
@@ -233,7 +233,7 @@ def test_alpaca_labels_skip_what_libai_skips(tmp_path):
 
 
 def test_alpaca_written_by_flow_save_is_refused_naming_the_format(tmp_path):
-    from projects.Llama.libai_compat import AlpacaDataset
+    from compat.libai.llama import AlpacaDataset
 
     path = tmp_path / "train"
     # flow.save's layout: one pickle of {"protocol_version", "oneflow", "data"}.
@@ -260,7 +260,7 @@ def test_map_dataset_loader_cycles_passes_and_resumes():
 
 def test_train_loader_over_a_gpt2_dataset_reads_all_its_documents(tmp_path):
     """build_nlp_train_loader(dataset=[GPT2Dataset(...)]): Megatron's GPT samples of the whole corpus, train only."""
-    from libai_lite.data.libai_compat import GPT2Dataset
+    from compat.libai.data import GPT2Dataset
 
     for f in (ROOT / "data_test" / "gpt2").glob("demo_gpt2_text_document.*"):
         if f.suffix in (".bin", ".idx"):
@@ -291,10 +291,10 @@ def test_sft_test_loader_reads_every_sample_once(tmp_path):
 
 
 def test_libai_submodules_and_loaders_map():
-    from libai_lite.config.libai_compat import LibaiImports
+    from compat.libai import LibaiDialect
     from libai_lite.evaluation import DatasetEvaluator, PPLEvaluator
 
-    imports = LibaiImports()
+    imports = LibaiDialect()
     assert imports.load("libai", ["evaluation"]).evaluation.PPLEvaluator is PPLEvaluator
     assert imports.load("libai.evaluation", ["evaluator"]).evaluator.DatasetEvaluator is DatasetEvaluator
     assert imports.load("libai.data.build", ["build_nlp_train_loader"]).build_nlp_train_loader is build_nlp_train_loader

@@ -2,7 +2,7 @@
 
 Only data paths (and, for speed, sizes and iterations) are overridden on the command line; the
 files are read where they are, never copied into the project. Without ../shared beside the clone these
-tests skip, saying so; tests/config/test_libai_samples.py covers LiBai-format configs without it.
+tests skip, saying so; tests/compat/test_libai_samples.py covers LiBai-format configs without it.
 """
 import json
 import shutil
@@ -26,7 +26,7 @@ def libai_tree():
     path = ROOT.parent / "shared" / "fixtures" / "libai"
     if not (path / GPT).is_file():
         pytest.skip("../shared/fixtures/libai not found beside the clone: these tests read LiBai's own config files "
-                    "from it (tests/config/test_libai_samples.py trains LiBai-format configs without it)")
+                    "from it (tests/compat/test_libai_samples.py trains LiBai-format configs without it)")
     return path
 
 
@@ -114,10 +114,10 @@ def test_configs_load_as_this_projects_objects(libai_tree):
     gpt = LazyConfig.load(libai_tree / GPT)
     assert "graph" not in gpt and gpt.train.amp.dtype == "fp16"
     assert gpt.train.evaluation.eval_metric == "PPL"
-    assert gpt.dataloader.train._target_.__module__ == "libai_lite.data.libai_compat"
-    assert gpt.optim._target_.__module__ == "libai_lite.optim.libai_compat"
+    assert gpt.dataloader.train._target_.__module__ == "compat.libai.data"
+    assert gpt.optim._target_.__module__ == "compat.libai.optim"
     t5 = LazyConfig.load(libai_tree / T5)
-    assert t5.model._target_.__module__ == "projects.MT5.libai_compat"
+    assert t5.model._target_.__module__ == "compat.libai.mt5"
     assert t5.model._target_.__name__ == "T5ForPreTraining"
     mt5 = LazyConfig.load(libai_tree / MT5)
     assert mt5.model._target_.__name__ == "MT5ForPreTraining" and mt5.model.cfg.initializer_range == 0.02

@@ -1,0 +1,8 @@
+"""Other frameworks' configs, command lines, names and checkpoints, in this project's terms.
+
+``compat.libai``: LiBai config files loaded unchanged (the ``libai``/``oneflow`` imports they write, the
+keys whose meaning differs, LiBai's model, dataset, tokenizer and optimizer names). ``compat.megatron``:
+Megatron-LM ``pretrain_gpt.py`` command lines as a config. ``compat.checkpoints``: Megatron-LM and LiBai
+checkpoints recognised by their files. This package stands above ``libai_lite`` and ``projects`` (it names
+their models) and below ``tools``; the core reaches it only through the entry points setup.py declares.
+"""

@@ -1,0 +1,376 @@
+"""Megatron-LM / Megatron-DeepSpeed / OneFlow-GPT ``pretrain_gpt.py`` command lines as this project's config.
+
+:func:`translate_megatron_args` reads a flag string as ``pretrain_gpt.py`` does, Megatron-LM's defaults
+for what is not given, and returns config assignments (``train.train_iter = 500``), the lr schedule
+(``MegatronLR``: decay and warmup lengths of their own, in iterations), whether to resume, and the flags
+that have no effect here (named, not dropped). The flags that shape the model (``--swiglu``,
+``--normalization``, ``--position-embedding-type``, ``--disable-bias-linear``, ...) choose, among the
+model families the caller passes (:class:`MegatronModel`, ``MEGATRON_MODELS`` for this repository's
+projects), the one that builds that architecture, whose config the assignments apply to. Every flag that is
+unknown or not taken here is reported together in one error, each with its reason. docs/migrating.md
+says what maps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from libai_lite.utils.errors import UsageError
+
+from .flags import (_ARCH, _ARCH_SWITCHES, _DECAYS, _DEFAULTS, _DIRECT, _MOE, _NO_EFFECT, _REFUSED, _SHARDING,
+                    _SWITCHES, _TOKENIZERS, Call, _int, _num, _parse, _Problems, _Reader, _require)
+from .models import MegatronModel, choose_model
+
+__all__ = ["MegatronRun", "translate_megatron_args", "render_config"]
+
+
+@dataclass
+class MegatronRun:
+    """What a Megatron command line asks for, in this project's terms."""
+
+    assignments: Dict[str, Any] = field(default_factory=dict)
+    scheduler: Optional[Dict[str, Any]] = None
+    resume: bool = False
+    no_effect: List[str] = field(default_factory=list)
+    parallel_sizes: Dict[str, int] = field(default_factory=dict)
+    model: Optional[MegatronModel] = None
+
+
+def translate_megatron_args(text: str, models: Sequence[MegatronModel],
+                            checkpoint_exists: Callable[[str], str] = lambda path: "") -> MegatronRun:
+    """This project's run for the Megatron flags ``text``, on the family of ``models`` that builds its model.
+
+    ``checkpoint_exists(path)`` names what ``--load path`` holds: ``"ours"``, ``"megatron"`` or ``""``
+    (nothing there): a Megatron checkpoint is refused with the converting command. Every flag not taken
+    is reported together in one ``UsageError``.
+    """
+    problems = _Problems()
+    given = _parse(text, problems)
+    read = _Reader(given, problems)
+    run = MegatronRun()
+    a = run.assignments
+    raw: Dict[str, Any] = {}
+    for name in given:
+        if name in _REFUSED:
+            problems.add(name, _REFUSED[name])
+        elif name in _DIRECT:
+            key, convert = _DIRECT[name]
+            value = read.one(name, convert)
+            if value is not None:
+                a[key] = value
+        elif name in _ARCH:
+            arg, convert = _ARCH[name]
+            value = read.one(name, convert)
+            if value is not None:
+                raw[arg] = value
+        elif name in _SWITCHES:
+            read.switch(name)
+            a.update(_SWITCHES[name])
+        elif name in _ARCH_SWITCHES:
+            read.switch(name)
+            raw.update(_ARCH_SWITCHES[name])
+        elif name in _NO_EFFECT:
+            run.no_effect.append(f"{name} ({_NO_EFFECT[name]})")
+    mlp_flags = [f for f in ("--swiglu", "--openai-gelu", "--squared-relu") if f in given]
+    if len(mlp_flags) > 1:
+        problems.add(mlp_flags[1], f"excludes {mlp_flags[0]} (one activation)")
+    _batch_and_length(run, read)
+    _data(run, read)
+    _schedule(run, read)
+    _precision_and_parallel(run, read)
+    _logging(run, read)
+    run.model = choose_model(read, raw, models, a, run.no_effect)
+    _load(run, read, checkpoint_exists)
+    for key, value in _DEFAULTS.items():
+        a.setdefault(key, value)
+    if problems:
+        raise UsageError(problems.message())
+    run.parallel_sizes = {flag: int(a[key]) for flag, key in (("tp", "train.dist.tensor_parallel_size"),
+                                                              ("pp", "train.dist.pipeline_parallel_size"),
+                                                              ("cp", "train.dist.context_parallel_size"))}
+    return run
+
+
+def _batch_and_length(run: MegatronRun, read: _Reader) -> None:
+    a = run.assignments
+    if _require(read, "--micro-batch-size") and "train.train_micro_batch_size" in a:
+        a["train.test_micro_batch_size"] = a["train.train_micro_batch_size"]
+    if "--global-batch-size" in read.given:
+        a["train.num_accumulation_steps"] = None
+    else:  # Megatron's global batch: micro x data-parallel size
+        a.update({"train.global_batch_size": None, "train.num_accumulation_steps": 1})
+    samples = read.one("--train-samples", _int)
+    if "--train-iters" in read.given and "--train-samples" in read.given:
+        read.problems.add("--train-samples", "give --train-iters or --train-samples, not both")
+    elif samples is not None:
+        gbs = a.get("train.global_batch_size")
+        if gbs is None:
+            read.problems.add("--train-samples", "needs --global-batch-size here (iterations are counted from it)")
+        else:
+            a["train.train_iter"] = samples // gbs
+    else:
+        _require(read, "--train-iters", "--train-samples")
+    _require(read, "--lr")
+    if "--eval-iters" in read.given:
+        iters = read.one("--eval-iters", _int)
+        if iters == 0:
+            a["train.evaluation.enabled"] = False
+        elif iters is not None:
+            a["train.evaluation.eval_iter"] = iters
+    if "--eval-interval" not in read.given and "train.train_iter" in a:
+        # No evaluation during training, one at the end.
+        a["train.evaluation.eval_period"] = a["train.train_iter"]
+
+
+def _data(run: MegatronRun, read: _Reader) -> None:
+    a, problems = run.assignments, read.problems
+    if _require(read, "--data-path"):
+        paths = read.given["--data-path"]
+        if len(paths) == 1:
+            a["dataloader.train.data_prefix"] = paths[0]
+        elif len(paths) % 2 == 0:
+            try:
+                a["dataloader.train.data_prefix"] = [_num(p) if i % 2 == 0 else p for i, p in enumerate(paths)]
+            except ValueError:
+                problems.add("--data-path", "several paths take a weight each: W1 PREFIX1 W2 PREFIX2 ...")
+        else:
+            problems.add("--data-path", "several paths take a weight each: W1 PREFIX1 W2 PREFIX2 ...")
+    if "--split" in read.given:
+        a["dataloader.train.splits_string"] = "".join(read.given["--split"]).strip("'\"").replace(" ", "")
+    kind = read.one("--tokenizer-type")
+    if kind is None and "--vocab-file" in read.given and "--merge-file" in read.given:
+        kind = "GPT2BPETokenizer"
+    if kind is None:
+        _require(read, "--tokenizer-type")
+        return
+    if kind not in _TOKENIZERS:
+        fix = ("no synthetic data here: preprocess a corpus with tools/preprocess_data.py and pass --data-path"
+               if kind == "NullTokenizer" else
+               f"not built here; the tokenizers taken are {', '.join(_TOKENIZERS)} (HuggingFaceTokenizer reads the "
+               f"model's tokenizer.json from --tokenizer-model DIR)")
+        problems.add(f"--tokenizer-type {kind}", fix)
+        return
+    if kind == "GPT2BPETokenizer":
+        args = {"vocab_file": ("--vocab-file", "vocab_file"), "merges_file": ("--merge-file", "merges_file")}
+    elif kind.startswith("Bert"):
+        args = {"vocab_file": ("--vocab-file", "vocab_file")}
+    elif kind == "HuggingFaceTokenizer":
+        args = {"path": ("--tokenizer-model", "path")}
+    else:
+        args = {"model_file": ("--tokenizer-model", "model_file")}
+    kwargs = {}
+    for arg, (flag, _) in args.items():
+        value = read.one(flag)
+        if value is None:
+            problems.add(flag, f"missing: --tokenizer-type {kind} reads it")
+        kwargs[arg] = value
+    if kind.startswith("Bert"):
+        kwargs["do_lower_case"] = kind == "BertWordPieceLowerCase"
+    a["tokenization.tokenizer"] = Call(_TOKENIZERS[kind], kwargs)
+
+
+def _schedule(run: MegatronRun, read: _Reader) -> None:
+    """Megatron's lr schedule in iterations: ``MegatronLR`` with lengths of its own (samples / global batch)."""
+    a, problems, given = run.assignments, read.problems, read.given
+    samples = "--train-samples" in given
+    unit, other = ("samples", "iters") if samples else ("iters", "samples")
+    for kind in ("decay", "warmup"):
+        if f"--lr-{kind}-{other}" in given:
+            problems.add(f"--lr-{kind}-{other}", f"this run counts {unit} (--train-{unit}): give --lr-{kind}-{unit}")
+    warmups = [f for f in ("--lr-warmup-fraction", f"--lr-warmup-{unit}") if f in given]
+    if len(warmups) > 1:
+        problems.add(warmups[1], f"give one of {' and '.join(warmups)}")
+    style = read.one("--lr-decay-style", default="linear")
+    if style not in _DECAYS:
+        problems.add(f"--lr-decay-style {style}", f"not built here; use {', '.join(_DECAYS)}")
+        style = "linear"
+    lr = float(a.get("optim.lr") or 0.0)
+    min_lr = read.one("--min-lr", _num, 0.0)
+    init_lr = read.one("--lr-warmup-init", _num, 0.0)
+    if lr and not 0 <= min_lr <= lr:
+        problems.add("--min-lr", f"{min_lr} is not between 0 and --lr {lr}")
+    if lr and not 0 <= init_lr <= lr:
+        problems.add("--lr-warmup-init", f"{init_lr} is not between 0 and --lr {lr}")
+    schedule: Dict[str, Any] = {"decay": style, "min_lr_ratio": min_lr / lr if lr else 0.0,
+                                "init_lr_ratio": init_lr / lr if lr else 0.0}
+    per = 1
+    if samples:
+        gbs = a.get("train.global_batch_size") or 0
+        per = gbs or 1
+        # The decay spans the samples asked (not train_iter's whole batches), as Megatron's does.
+        total = read.one("--train-samples", _int)
+        decay = read.one("--lr-decay-samples", _int, total)
+        schedule["decay_iters"] = decay / per if decay is not None else None
+    else:
+        schedule["decay_iters"] = read.one("--lr-decay-iters", _int)
+    if "--lr-warmup-fraction" in given:
+        schedule["warmup_fraction"] = read.one("--lr-warmup-fraction", _num)
+    elif f"--lr-warmup-{unit}" in given:
+        count = read.one(f"--lr-warmup-{unit}", _int)
+        schedule["warmup_iters"] = count / per if count is not None else None
+    decay, fraction = schedule["decay_iters"], schedule.get("warmup_fraction")
+    if decay is not None and style != "constant":
+        warmup = fraction * decay if fraction is not None else schedule.get("warmup_iters") or 0
+        if decay <= warmup:
+            problems.add(f"--lr-decay-{unit}", f"the decay must be longer than the warmup ({warmup:g} iterations)")
+    run.scheduler = {k: v for k, v in schedule.items() if v is not None}
+    a["train.warmup_ratio"] = 0.0
+
+
+def _precision_and_parallel(run: MegatronRun, read: _Reader) -> None:
+    a, problems, given = run.assignments, read.problems, read.given
+    if "--fp16" in given and "--bf16" in given:
+        problems.add("--bf16", "excludes --fp16 (one mixed precision)")
+    if "--fp16" in given and "train.amp.initial_scale" not in a:
+        a["train.amp.initial_scale"] = 2.0 ** 32  # Megatron's --initial-loss-scale
+    if "--loss-scale" in given:
+        scale = read.one("--loss-scale", _num)
+        if scale is not None:
+            a["train.amp.initial_scale"] = scale
+            run.no_effect.append("--loss-scale (the scale here is dynamic: it starts there)")
+    clip = read.one("--clip-grad", _num)
+    if clip is not None:
+        a["optim.params.clip_grad_max_norm"] = clip if clip > 0 else None
+    betas = [read.one("--adam-beta1", _num, 0.9), read.one("--adam-beta2", _num, 0.999)]
+    if "--adam-beta1" in given or "--adam-beta2" in given:
+        a["optim.betas"] = betas
+    _fp8(run, read)
+    if "--recompute-granularity" in given:
+        mode = read.one("--recompute-granularity")
+        if mode not in ("full", "selective"):
+            problems.add(f"--recompute-granularity {mode}", "use full or selective")
+        else:
+            a.update({"train.activation_checkpoint.enabled": True, "train.activation_checkpoint.mode": mode})
+    method = read.one("--recompute-method")
+    layers = read.one("--recompute-num-layers", _int, 1)
+    if method is None and "--recompute-num-layers" in given:
+        run.no_effect.append("--recompute-num-layers (no effect without --recompute-method)")
+    elif method is not None and (method != "uniform" or layers != 1):
+        problems.add(f"--recompute-method {method}", "here each layer is recomputed on its own: --recompute-method "
+                     "uniform --recompute-num-layers 1, or train.activation_checkpoint.every_n_layers in a config")
+    if "--zero-stage" in given:
+        stage = read.one("--zero-stage", _int, 0)
+        a.update({"train.zero_optimization.enabled": stage > 0, "train.zero_optimization.stage": max(stage, 1)})
+    if read.switch("--cpu-optimizer"):
+        a["train.zero_optimization.offload"] = True
+    if read.switch("--use-megatron-fsdp"):
+        strategy = read.one("--data-parallel-sharding-strategy", default="optim_grads_params")
+        if strategy not in _SHARDING:
+            problems.add(f"--data-parallel-sharding-strategy {strategy}", f"use one of {', '.join(_SHARDING)}")
+        else:
+            stage = _SHARDING[strategy]
+            a.update({"train.zero_optimization.enabled": stage > 0, "train.zero_optimization.stage": max(stage, 1)})
+    elif "--data-parallel-sharding-strategy" in given:
+        run.no_effect.append("--data-parallel-sharding-strategy (Megatron FSDP's: no effect without "
+                             "--use-megatron-fsdp)")
+    virtual = read.one("--virtual-pipeline-model-parallel-size", _int)
+    if virtual is not None and virtual > 1:
+        a.update({"train.dist.virtual_pipeline_size": virtual, "train.dist.pipeline_schedule": "interleaved_1f1b"})
+    experts = read.one("--expert-model-parallel-size", _int)
+    if experts is not None and experts != 1:
+        problems.add("--expert-model-parallel-size", _MOE)
+    minutes = read.one("--distributed-timeout-minutes", _num)
+    if minutes is not None:
+        a["train.dist.timeout"] = minutes * 60
+    if read.switch("--calculate-per-token-loss"):
+        if "--eod-mask-loss" in given:
+            problems.add("--calculate-per-token-loss", "the loss here is each micro-batch's token mean, averaged: "
+                         "with --eod-mask-loss micro-batches count different tokens and the two differ; drop one")
+        else:
+            run.no_effect.append("--calculate-per-token-loss (every micro-batch counts the same tokens without "
+                                 "--eod-mask-loss, so the loss is the same per-token mean)")
+
+
+def _fp8(run: MegatronRun, read: _Reader) -> None:
+    """``--fp8-format``/``--fp8-recipe`` as torchao's float8 (``train.fp8``)."""
+    a, problems = run.assignments, read.problems
+    fmt, recipe = read.one("--fp8-format"), read.one("--fp8-recipe")
+    if fmt is None:
+        if recipe is not None:
+            run.no_effect.append("--fp8-recipe (no effect without --fp8-format, as in Megatron-LM)")
+        return
+    if fmt not in ("hybrid", "e4m3"):
+        problems.add(f"--fp8-format {fmt}", "use hybrid or e4m3")
+        return
+    if recipe not in (None, "delayed", "tensorwise"):
+        problems.add(f"--fp8-recipe {recipe}", "torchao's float8 here scales per tensor or per row "
+                     "(train.fp8.recipe tensorwise or rowwise), not per block")
+        return
+    if recipe in (None, "delayed"):
+        run.no_effect.append("--fp8-recipe delayed (Megatron-LM's default: delayed scaling is not built; each "
+                             "tensor is scaled from its current amax here)")
+    a.update({"train.fp8.enabled": True, "train.fp8.recipe": "tensorwise" if fmt == "hybrid" else "rowwise"})
+    if fmt == "e4m3":
+        run.no_effect.append("--fp8-format e4m3 (torchao's all-e4m3 recipe is rowwise: a scale per row, "
+                             "not per tensor)")
+
+
+def _logging(run: MegatronRun, read: _Reader) -> None:
+    """``--profile*`` as ``train.profile`` (Megatron's steps [start, end)); ``--wandb-*`` as ``train.wandb``."""
+    a, given = run.assignments, read.given
+    start = read.one("--profile-step-start", _int, 10)
+    end = read.one("--profile-step-end", _int, 12)
+    if read.switch("--profile"):
+        if end <= start:
+            read.problems.add("--profile-step-end", f"{end} must be after --profile-step-start {start}")
+        else:
+            a.update({"train.profile.enabled": True, "train.profile.wait": max(start - 1, 0),
+                      "train.profile.warmup": 1 if start > 0 else 0, "train.profile.active": end - start,
+                      "train.profile.repeat": 1})
+        if read.switch("--record-memory-history"):
+            a["train.profile.memory_snapshot"] = True
+    else:
+        for flag in ("--profile-step-start", "--profile-step-end", "--record-memory-history"):
+            if flag in given:
+                run.no_effect.append(f"{flag} (no effect without --profile)")
+    project = read.one("--wandb-project")
+    if project:
+        a.update({"train.wandb.enabled": True, "train.wandb.project": project})
+        run.no_effect.append("--wandb-project (the run is written offline under output_dir/wandb: wandb sync "
+                             "uploads it; train.wandb.mode=online streams it)")
+        name = read.one("--wandb-exp-name")
+        if name:
+            a["train.wandb.name"] = name
+    elif "--wandb-exp-name" in given:
+        run.no_effect.append("--wandb-exp-name (no effect without --wandb-project)")
+
+
+def _load(run: MegatronRun, read: _Reader, checkpoint_exists: Callable[[str], str]) -> None:
+    a = run.assignments
+    load = read.one("--load")
+    if load is None:
+        return
+    kind = checkpoint_exists(load)
+    if kind == "megatron":
+        read.problems.add(f"--load {load}", f"a Megatron-LM checkpoint: convert it first with python "
+                          f"tools/convert_checkpoint.py --from megatron --input {load} --output DIR, then --load DIR")
+    elif load == a.get("train.output_dir"):
+        run.resume = True
+    elif kind == "ours":
+        a["train.load_weight"] = load
+        run.no_effect.append(f"--load {load} (another directory than --save: its weights only, as "
+                             f"train.load_weight; resume a run in its own --save directory)")
+
+
+def _render(value: Any, imports: Dict[str, str]) -> str:
+    if isinstance(value, Call):
+        module, name = value.target.split(":")
+        imports[name] = module
+        return f"LazyCall({name})({', '.join(f'{k}={v!r}' for k, v in value.kwargs.items())})"
+    return repr(value)
+
+
+def render_config(run: MegatronRun, flags: str) -> str:
+    """A config file that runs ``run``: its model family's base config with the assignments applied."""
+    if run.model is None:
+        raise UsageError("no model family was chosen for these Megatron flags")
+    imports: Dict[str, str] = {"MegatronLR": "libai_lite.scheduler"}
+    body = [f"{key} = {_render(value, imports)}" for key, value in run.assignments.items()]
+    if run.scheduler is not None:
+        args = ", ".join(f"{k}={v!r}" for k, v in run.scheduler.items())
+        body.append(f"train.scheduler = LazyCall(MegatronLR)({args})")
+    lines = [f'"""Made by tools/from_megatron.py from the Megatron flags:', "", f"    {flags.strip()}", '"""',
+             "from libai_lite.config import LazyCall"]
+    lines += [f"from {module} import {name}" for name, module in sorted(imports.items())]
+    lines += [f"from {run.model.config} import dataloader, model, optim, tokenization, train", ""]
+    return "\n".join(lines + body) + "\n"
