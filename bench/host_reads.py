@@ -60,9 +60,9 @@ def is_host_read(func, args, kwargs=None) -> bool:
     return False
 
 
-# The checkout's libai_lite/ and projects/ (an installed package's own files under site-packages never).
+# The checkout's libai_lite/, projects/ and compat/ (an installed package's own files under site-packages never).
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OURS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("libai_lite", "projects"))
+_OURS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("libai_lite", "projects", "compat"))
 
 
 def _is_ours(filename: str) -> bool:
