@@ -2,22 +2,14 @@
 left to the launch, ZeRO-2, mixed precision, 8 accumulation steps of micro-batch 4, span corruption on the
 demo corpus in data_test/.
 
-The same file runs on any number of processes, as LiBai's guide runs it (LiBai's rule: tensor, then
-pipeline parallel sizes capped at what the world holds, data parallel = world / (tp x pp)):
+The same file runs on any number of processes, as LiBai's guide runs it (tensor, then pipeline parallel
+sizes capped at what the world holds, data parallel = world / (tp x pp)):
 
-    # 1 GPU: tp 2 -> 1 (one warning line), dp 1; micro 4 x 8 accumulation = global 32
-    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 1
-    # 4 GPUs: dp 2 x tp 2; global 64
-    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 4
-    # 8 GPUs: dp 4 x tp 2; global 128
-    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8
-    # 8 GPUs, more tensor parallel (the guide's tensor_parallel_size edit; mT5-base's 12 heads split 4 ways,
-    # not 8): dp 2 x tp 4
-    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8 train.dist.tensor_parallel_size=4
-    # 8 GPUs, pipeline parallel (the guide's pipeline_parallel_size edit): pp 4 x tp 2, dp 1
-    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8 train.dist.pipeline_parallel_size=4
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 1   # tp 2 -> 1, global 32
+    bash tools/train.sh tools/train_net.py projects/MT5/configs/mt5_pretrain.py 8   # dp 4 x tp 2, global 128
+    # the guide's edits: train.dist.tensor_parallel_size=4 (dp 2 x tp 4), pipeline_parallel_size=4 (pp 4 x tp 2)
 
-projects/MT5/README.md has these commands scaled down for a CPU.
+projects/MT5/README.md has more launches, scaled down for a CPU.
 """
 from configs.common.optim import optim
 from configs.common.train import train

@@ -1,25 +1,15 @@
 """T5/mT5 span-corruption data: BERT WordPiece vocabulary with 100 sentinels on the demo corpus.
 
-As LiBai's T5 demo: `BertTokenizer(vocab.txt, vocab_extra_ids=100)` appends [BOS], [EOS] and
-<extra_id_0> ... <extra_id_99>; the decoder starts with [BOS] and labels end with [EOS]. The
-encoder gets `max_seq_length` tokens (512) cut from `random_spans_helper`'s raw length (568);
-`max_seq_length_dec=None` computes the label length (114). These are dataset keys, as in LiBai
-(`dataloader.train.max_seq_length`, `.max_seq_length_dec`, `.masked_lm_prob`), so the model config
-need not know them.
+As LiBai's T5 demo: ``BertTokenizer(vocab.txt, vocab_extra_ids=100)``; the decoder starts with [BOS] and
+labels end with [EOS]. The encoder gets ``max_seq_length`` tokens (512) cut from a raw window of 568;
+``max_seq_length_dec=None`` computes the label length (114). These are dataset keys, as in LiBai, so the
+model config need not know them. ``tokenizer="${tokenization.tokenizer}"`` hands the loader the trainer's
+tokenizer node, so an override of it reaches both. mT5 style (SentencePiece):
 
-`tokenizer="${tokenization.tokenizer}"` hands the loader builder the same LazyCall the trainer
-builds its tokenizer from (`instantiate` builds the interpolated node), so an override such as
-`tokenization.tokenizer.vocab_file=...` reaches both.
-
-mT5 style (SentencePiece: pad 0, eos 1, <extra_id_0> = the top id; decoder starts with pad):
-
-    from libai_lite.tokenizer import SentencePieceTokenizer
     tokenization.tokenizer = LazyCall(SentencePieceTokenizer)(
         model_file="data_test/spm/spiece.model", extra_ids=100, style="t5")
     dataloader.train.data_prefix = "data_test/spm/demo_spm_text_document"
-    # data_test/spm was preprocessed Megatron-style: documents end with <EOD> = 4002, an id this
-    # tokenizer gives to <extra_id_97>. Drop it (data preprocessed with this tokenizer needs null).
-    dataloader.train.eod_token_id = 4002
+    dataloader.train.eod_token_id = 4002  # data_test/spm ends documents with Megatron's <EOD>
 """
 from libai_lite.config import LazyCall
 from libai_lite.tokenizer import BertTokenizer

@@ -1,25 +1,11 @@
 """Megatron-LM's own T5 dataset over sentence-split data (``{prefix}_text_sentence``), sample for sample.
 
-``t5_dataset.py`` follows the T5 paper's span corruption over token windows; this module follows
-Megatron-LM's legacy ``megatron/data/t5_dataset.py`` instead, for users who compare with Megatron
-runs or resume them:
-
-* ``build_samples_mapping`` is ``helpers.cpp``'s ``build_mapping`` (via ``dataset_utils.get_samples_mapping``):
-  each sample is a run of whole sentences of one document, cut when it reaches a target length
-  (``max_seq_length - 2``, or with probability ``short_seq_prob`` a random shorter one), documents
-  with a sentence over 512 tokens skipped, as many epochs as ``max_num_samples`` needs, then
-  shuffled. Its random numbers are ``std::mt19937(seed)`` and ``std::mt19937_64(seed + 1)``, which
-  ``_mt19937_32`` and ``_MT19937_64`` reproduce, so the mapping equals Megatron's entry for entry;
-* ``build_training_sample`` is Megatron's: the sentences back to back, truncated to the sample's
-  target length, n-grams (geometric lengths, p = 0.2, at most 10, whole WordPiece words) masked
-  with ``np.random.RandomState(seed + index)``, each span replaced by the next sentinel; the
-  decoder input starts with the tokenizer's bos and the labels end with its eos.
-
-Samples come out in this project's layout (``encoder_input_ids``, ``decoder_input_ids``, ``labels``
-with -100 where Megatron's loss mask is 0, and the key-padding masks of ``t5_dataset.py``, True
-where Megatron's masks take the token: an id >= 1), so the MT5 model and configs take them as they
-take ``T5Dataset``'s: set ``dataloader.train`` to ``LazyCall(build_megatron_t5_train_valid_test_loaders)``
-(no shipped config uses it yet).
+For users who compare with Megatron runs or resume them (``t5_dataset.py`` follows the T5 paper instead):
+``build_samples_mapping`` is ``helpers.cpp``'s ``build_mapping`` (runs of whole sentences of one document,
+``short_seq_prob``, long-sentence documents skipped, epochs, shuffle) with Megatron's own random streams
+(``std::mt19937`` reproduced), so the mapping equals Megatron's entry for entry; ``build_training_sample``
+is Megatron's whole-word n-gram masking with sentinel spans. Samples come out in ``t5_dataset.py``'s
+layout (labels -100 where Megatron's loss mask is 0), so the MT5 model and configs take them as they are.
 """
 from __future__ import annotations
 

@@ -1,63 +1,14 @@
-"""T5/mT5 span-corruption pretraining data over Megatron ``.bin/.idx`` files.
+"""T5/mT5 span-corruption pretraining data over Megatron ``.bin/.idx`` files (projects/MT5/README.md,
+"What a sample is", has the whole format).
 
-Samples follow the T5 paper's unsupervised objective as its reference code implements it
-(``t5.data.preprocessors.span_corruption``):
-
-* the documents of a split form one contiguous token stream, cut into windows of
-  ``raw_length`` tokens by the GPT dataset's cached doc/sample/shuffle indices (built with
-  ``seq_length = raw_length``; every window is used without its one-token overlap, so windows
-  are disjoint). ``raw_length`` comes from T5's ``random_spans_helper``: the longest window whose
-  corrupted encoder input (kept tokens + one sentinel per span + EOS) fits ``max_seq_length``;
-  for 512, 15% noise and spans of mean length 3 it is 568, and the targets are 114 tokens;
-* a sentence-split corpus (``tools/preprocess_data.py --split-sentences``, ``*_sentence``
-  prefixes) is read like any other: a document is its sentences back to back. This differs from
-  Megatron-LM's T5 dataset, which samples runs of whole sentences (``get_samples_mapping`` with
-  ``short_seq_prob`` and ``max_num_samples``) and masks n-grams BERT-style; here sentence
-  boundaries play no part, as in the T5 paper's span corruption;
-* document-end tokens are dropped from each window (T5 concatenates documents with no separator;
-  only the tokenizer's EOS ends the encoder input and the labels), so a window that held some
-  comes out a little shorter and is padded;
-* ``random_spans_noise_mask`` picks ``round(n * noise_density)`` noise tokens in
-  ``round(num_noise / mean_span_length)`` spans, segmented at random; the sequence starts with
-  kept tokens and ends with a noise span. The random stream is ``numpy.random.default_rng((seed,
-  index))``, so a sample depends only on the seed and its index (reproducible, resumable, the
-  same in every DataLoader worker);
-* span ``k`` becomes sentinel ``additional_special_tokens_ids[k]`` (``<extra_id_k>``) in the
-  encoder input; the labels are ``<extra_id_0> span_0 <extra_id_1> span_1 ... EOS``; the decoder
-  input is the labels shifted right behind the decoder start token.
-
-Special ids come from the tokenizer:
-
-* ``BertTokenizer(vocab_file, vocab_extra_ids=100)``: the decoder starts with ``[BOS]`` (appended
-  by the tokenizer), as in LiBai's and Megatron-LM's T5 datasets, not ``[CLS]`` or pad; labels end
-  with ``[EOS]``; pad is ``[PAD]``; the dropped document end is ``eod_id`` = ``[SEP]`` (Megatron's
-  BERT data has none, so nothing is dropped from ``data_test/bert``).
-* ``SentencePieceTokenizer(model_file, extra_ids=100, style="t5")`` (mT5): the decoder starts with
-  pad (0), as Hugging Face's ``decoder_start_token_id = pad_token_id``; labels end with eos (1);
-  the dropped document end is eos. Data preprocessed with a Megatron-style SentencePiece tokenizer
-  (``data_test/spm``) ends documents with ``<EOD>`` = 4002, which this tokenizer calls
-  ``<extra_id_97>``: pass ``eod_token_id=4002`` to drop it instead.
-* ``SentencePieceTokenizer(..., style="megatron")``: decoder start ``<BOS>``, eos, ``<EOD>`` dropped.
-
-``eod_token_id`` overrides the dropped id for any tokenizer. A token id in the data that is one of
-the tokenizer's sentinels is refused with a ``UsageError``, never silently read as a sentinel.
-
-Every sample is a dict of tensors (the DataLoader adds the batch dimension):
-
-* ``encoder_input_ids``  int64 ``[max_seq_length]``: corrupted input, EOS, then pad ids;
-* ``decoder_input_ids``  int64 ``[max_seq_length_dec]``: decoder start + ``labels[:-1]``, then pad;
-* ``labels``             int64 ``[max_seq_length_dec]``: targets, ``-100`` (IGNORE_INDEX) at padding;
-* ``encoder_attn_mask``  bool ``[max_seq_length]``: True at real encoder tokens;
-* ``decoder_attn_mask``  bool ``[max_seq_length_dec]``: True at real decoder tokens (no causality);
-* ``encoder_decoder_attn_mask``  bool ``[max_seq_length]``: True at the encoder tokens cross-attention
-  may read (the same values as ``encoder_attn_mask``).
-
-The masks are key-padding masks (Hugging Face's ``attention_mask``/``decoder_attention_mask``,
-the 2-D form LiBai's MT5 accepts): the model broadcasts each over queries
-(``mask[:, None, None, :]``) and adds causality to the decoder's. No query row is ever fully
-masked, so ``scaled_dot_product_attention`` cannot produce NaN at padding. There is no
-``loss_mask``: ``labels != -100`` is the loss mask, and it is what ``PaddedEvalDataset`` blanks
-for evaluation padding.
+A split's documents form one token stream cut into disjoint windows of ``raw_length`` tokens (T5's
+``random_spans_helper``: the longest window whose corrupted input fits ``max_seq_length``; 568 for 512 at
+15% noise, mean span 3) by the GPT dataset's cached indices; document ends are dropped; sentence
+boundaries play no part, as in the T5 paper. ``random_spans_noise_mask`` draws the spans from
+``numpy.random.default_rng((seed, index))``, so a sample depends only on the seed and its index. Span
+``k`` becomes sentinel ``<extra_id_k>`` in the encoder input; labels are ``<extra_id_0> span_0 ... EOS``;
+the decoder input is the labels shifted right behind the tokenizer's decoder start. A data id that is one
+of the tokenizer's sentinels is refused, never read as one.
 """
 from __future__ import annotations
 
