@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from omegaconf import DictConfig, ListConfig
 
 from ..utils.errors import UsageError
-from .dialects import ConfigDialect, new_dialects
+from .dialects import DIALECTS_GROUP, ConfigDialect, new_dialects
 
 __all__ = ["ConfigLoadError", "IMPORT_ROOTS_KEY", "add_import_root", "exec_config", "restore_import_roots"]
 
@@ -274,7 +274,15 @@ class _FreshLoader:
                         if error is not None:
                             raise error from e
                     raise
-            return original_import(name, globals, locals, fromlist, level)
+            try:
+                return original_import(name, globals, locals, fromlist, level)
+            except ModuleNotFoundError as e:
+                if e.name != parts[0] or self.dialects:
+                    raise
+                # An editable install older than the entry points, or a checkout used from PYTHONPATH.
+                raise ModuleNotFoundError(f"No module named {parts[0]!r}, and no config dialect is installed to "
+                                          f"answer it (entry-point group {DIALECTS_GROUP}): install the project "
+                                          f"again with pip install -e .", name=e.name) from e
 
         return new_import
 

@@ -329,3 +329,14 @@ def test_libai_code_with_no_counterpart_is_refused_naming_it(tmp_path, case):
     assert f"LiBai's {project} needs {needs}, which libai_lite has no counterpart for" in message
     assert "projects.Llama.llama" in message  # what does map is listed
     assert "oneflow" not in message.lower()
+
+
+def test_a_libai_config_without_its_dialect_installed_names_the_reinstall(monkeypatch):
+    """An editable install made before the dialect entry points (or a checkout on PYTHONPATH) has none."""
+    from libai_lite.config import loader
+
+    monkeypatch.setattr(loader, "new_dialects", lambda: [])
+    with pytest.raises(ConfigLoadError, match="no config dialect is installed to answer it .entry-point group "
+                                              "libai_lite.config_dialects.: install the project again with pip "
+                                              "install -e ."):
+        LazyConfig.load(T5)
