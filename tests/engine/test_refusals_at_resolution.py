@@ -143,7 +143,7 @@ def finished(tmp_path_factory):
 
 def test_a_resume_with_no_iterations_left_is_refused_and_leaves_the_finished_run_as_it_was(finished, tmp_path):
     """It logged "from iteration 2 to 1", exited 0 and rewrote model_final, model_best and config.yaml."""
-    from libai_lite.engine.default import check_resume_has_work
+    from libai_lite.checkpoint.trainer_state import check_resume_has_work
 
     src, cache = finished
     out = tmp_path / "run"

@@ -142,3 +142,38 @@ def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_th
     rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.json")]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-3] * 3
     assert cfg.train.num_accumulation_steps is None  # the loaded config is left as it was
+
+
+def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gives_it():
+    """One set of defaults: a section's field defaults (what a key missing from a config reads as) are
+    configs/common/train.py's values, but for the keys whose absence asks for nothing."""
+    from dataclasses import asdict
+
+    from configs.common.optim import optim
+    from configs.common.train import train
+    from libai_lite import run_sections as rs
+
+    nothing = {"warmup_ratio": 0, "evaluation.enabled": False, "evaluation.eval_metric": None,
+               "checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
+    given = {
+        "amp.initial_scale": rs.LossScale.initial_scale, "amp.growth_interval": rs.LossScale.growth_interval,
+        "max_skipped_nonfinite": rs.OptimStep.max_skipped_nonfinite,
+        "optim.params.clip_grad_norm_type": rs.OptimStep.clip_grad_norm_type,
+        "checkpointer.async_save": rs.CheckpointSettings.async_save,
+        "load_weight": rs.CheckpointSettings.load_weight, "evaluation.eval_mode": rs.EvalSettings.mode,
+        "peak_tflops": rs.LogSettings.peak_tflops, "log_memory_estimate": rs.LogSettings.memory_estimate,
+        **{f"wandb.{k}": v for k, v in asdict(rs.WandbSettings()).items()},
+        **{f"profile.{k}": v for k, v in asdict(rs.ProfileSettings()).items()},
+    }
+
+    def config_value(key):
+        node, path = (optim, key.split(".")[1:]) if key.startswith("optim.") else (train, key.split("."))
+        for part in path:
+            node = node[part]
+        return node
+
+    assert {k: config_value(k) for k in given} == given
+    # Where the config asks for something a missing key does not: the five keys above.
+    assert all(config_value(k) != v for k, v in nothing.items())
+    assert rs.OptimStep.clip_grad_max_norm is None and rs.EvalSettings().metric is None
+    assert rs.EvalSettings().enabled is False and rs.CheckpointSettings(None, None).max_to_keep is None
