@@ -91,8 +91,9 @@ class RunSpec:
                 f"accumulation {b.num_accumulation_steps}")
 
 
-def build_tokenizer(cfg):
-    """``tokenization.tokenizer`` instantiated, or None when the config has none."""
+def tokenizer_from_config(cfg):
+    """``tokenization.tokenizer`` instantiated, or None when the config has none (``tokenizer.build_tokenizer``
+    builds one from Megatron-LM's tokenizer names)."""
     tok_cfg = cfg.get("tokenization")
     if tok_cfg is None or tok_cfg.get("tokenizer") is None:
         return None

@@ -27,7 +27,7 @@ from ..parallel.compile import check_compile, uses_cuda_graphs
 from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..planning import startup_estimate
-from ..run_spec import RunSpec, build_tokenizer, resolve_run
+from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
 from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
@@ -179,7 +179,7 @@ class DefaultTrainer:
     def build_tokenizer(self, cfg):
         """``tokenization.tokenizer`` instantiated (None without one); its padded size becomes the model's vocabulary
         when the config is resolved."""
-        return build_tokenizer(cfg)
+        return tokenizer_from_config(cfg)
 
     def resolve(self, cfg) -> RunSpec:
         """``cfg`` resolved for this layout and tokenizer (``resolve_run``), with the start-up line that states it."""
