@@ -60,7 +60,8 @@ class Checkpointer:
         self.optimizer = optimizer
         self.save_dir = save_dir
         self.max_to_keep = max_to_keep
-        self.model_state = ModelState(self.parts, optimizer, aliases, tied_copies, vocab_ids, model_config)
+        self.model_state = ModelState(self.parts, optimizer, aliases=aliases, tied_copies=tied_copies,
+                                      vocab_ids=vocab_ids, model_config=model_config)
         self.states = dict(states) if states is not None else {"rng": RngState()}
         self.verify = bool(verify)
         self.async_save = bool(async_save)

@@ -143,7 +143,7 @@ class ModelState:
     `model_config` are ``Checkpointer``'s arguments of those names.
     """
 
-    def __init__(self, parts: list, optimizer=None, aliases: dict | None = None, tied_copies: dict | None = None,
+    def __init__(self, parts: list, optimizer=None, *, aliases: dict | None = None, tied_copies: dict | None = None,
                  vocab_ids: int | None = None, model_config=None):
         self.parts, self.optimizer = parts, optimizer
         # {name this rank holds: name to read it from}: a last pipeline stage's copy of a tied

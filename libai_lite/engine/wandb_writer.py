@@ -51,7 +51,7 @@ class WandbWriter(EventWriter):
     history row (an evaluation result recorded after the step's log line joins that step's row).
     """
 
-    def __init__(self, output_dir: str, config: dict | None = None, project: str = "libai_lite",
+    def __init__(self, output_dir: str, config: dict | None = None, *, project: str = "libai_lite",
                  name: str | None = None, mode: str = "offline", resume: bool = False):
         wandb = check_wandb_options(mode)
         os.makedirs(output_dir, exist_ok=True)
