@@ -1,11 +1,12 @@
 """A run resolved once: ``resolve_run`` turns a loaded config and the world it runs on into a frozen ``RunSpec``.
 
 Everything a run decides from its config before building anything is decided here, in one pass: the layout
-(``ParallelDims``), the batch sizes, the padded vocabulary, the iterations, the pipeline stage of each layer,
-precision, FP8, compilation and activation checkpointing. The trainer, the evaluation-only trainer, the memory
-planner and ``tools/estimate_memory.py`` read the same ``RunSpec``; builders take their config section plus what
-the spec says. ``RunSpec.cfg`` is the resolved config (the caller's is left as it was), read-only: what
-``config.yaml`` saves, and nothing edits it afterwards.
+(``ParallelDims``), the batch sizes, the padded vocabulary, the iterations and warmup, the pipeline stage of each
+layer, precision, FP8, compilation, activation checkpointing, and the settings of the optimizer step,
+checkpointer, evaluation, writers and profiler (``run_sections``). The trainer, the evaluation-only trainer, the
+memory planner and ``tools/estimate_memory.py`` read the same ``RunSpec``; builders instantiate their config
+section and read every setting from the spec. ``RunSpec.cfg`` is the resolved config (the caller's is left as it
+was), read-only: what ``config.yaml`` saves, and nothing edits it afterwards.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import copy
 import inspect
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -26,6 +27,8 @@ from .model import max_seq_length, pipeline_num_layers, supports_pipeline
 from .parallel.activation_checkpoint import check_ac_mode
 from .parallel.compile import CompileOptions, compile_options
 from .parallel.float8 import Float8Options, float8_options
+from .run_sections import (CheckpointSettings, EvalSettings, LogSettings, LossScale, OptimStep, ProfileSettings,
+                           read_sections)
 from .tokenizer import pad_vocab_size
 from .utils.errors import UsageError
 from .utils.parallel_dims import ParallelDims, layer_stages
@@ -51,19 +54,31 @@ class RunSpec:
     batch: BatchSizes
     # The model's vocabulary rows (the tokenizer's, padded; or a checkpoint's), None: the config's own.
     vocab_size: int | None
-    # Iterations to train (train.train_epoch counted in samples when it is set) and batches per evaluation.
+    # Iterations to train (train.train_epoch counted in samples when it is set), of lr warmup
+    # (train.warmup_ratio of them) and batches per evaluation.
     train_iter: int
+    warmup_iter: int
     eval_iter: int
-    # The pipeline stage of each layer (empty without a pipeline).
+    # The pipeline stage of each layer (empty without a pipeline); train.dist.pipeline_num_layers as given.
     stage_of_layer: tuple[int, ...]
+    pipeline_num_layers: int | None
     amp_dtype: torch.dtype | None
+    loss_scale: LossScale | None  # fp16 only
     # FSDP's (ZeRO-2/3) mixed precision: parameters gathered in the amp dtype.
     param_dtype: torch.dtype | None
     float8: Float8Options | None
     compile: CompileOptions | None
     activation_checkpoint_every: int  # 0: off
     activation_checkpoint_mode: str
+    optim: OptimStep
+    checkpoint: CheckpointSettings
+    evaluation: EvalSettings
+    log: LogSettings
+    profile: ProfileSettings | None
     cfg: DictConfig
+    # cfg.model built on the meta device while resolving (None when resolution needed none): what the
+    # start-up checks ask the model, built once.
+    meta_model: torch.nn.Module | None = field(default=None, compare=False, repr=False)
 
     def describe(self, device=None) -> str:
         """The layout (on ``device`` when given) and the batch arithmetic, as the start-up line states them."""
@@ -76,8 +91,9 @@ class RunSpec:
                 f"accumulation {b.num_accumulation_steps}")
 
 
-def build_tokenizer(cfg):
-    """``tokenization.tokenizer`` instantiated, or None when the config has none."""
+def tokenizer_from_config(cfg):
+    """``tokenization.tokenizer`` instantiated, or None when the config has none (``tokenizer.build_tokenizer``
+    builds one from Megatron-LM's tokenizer names)."""
     tok_cfg = cfg.get("tokenization")
     if tok_cfg is None or tok_cfg.get("tokenizer") is None:
         return None
@@ -110,9 +126,11 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     train_iter = int(train.get("train_iter") or 0)
     ev = train.get("evaluation") or {}
     eval_iter = int(ev.get("eval_iter", 0) or 0)
+    # The config's loaders feed evaluations: the valid split is read (and eval_period needed).
+    evaluates = data and bool(ev.get("enabled", False) or eval_only)
     if data:
         train_iter = _iterations(cfg.dataloader.train, train, global_batch)
-        if ev.get("enabled", False) or eval_only:
+        if evaluates:
             eval_iter = cap_eval_iter(cfg.dataloader.train, eval_iter, batch.test_micro_batch_size *
                                       dims.data_parallel_size)
     amp = amp_dtype(train.amp)
@@ -128,7 +146,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         resolved.train.train_micro_batch_size, resolved.train.global_batch_size = micro, global_batch
         resolved.train.num_accumulation_steps = acc
         resolved.train.train_iter = train_iter
-        if data and (ev.get("enabled", False) or eval_only):
+        if evaluates:
             resolved.train.evaluation.eval_iter = eval_iter
         if vocab is not None:
             resolved.model.cfg.vocab_size = vocab
@@ -140,12 +158,15 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
             # The assignment goes into config.yaml, so a run can be reproduced exactly.
             resolved.train.dist.stage_of_layer = list(stages)
     OmegaConf.set_readonly(resolved, True)
+    sections = read_sections(cfg, trains=data and not eval_only, evaluates=evaluates, fp16=amp is torch.float16)
     return RunSpec(
-        dims=dims, batch=batch, vocab_size=vocab, train_iter=train_iter, eval_iter=eval_iter,
-        stage_of_layer=tuple(stages), amp_dtype=amp, param_dtype=amp if dims.zero_stage >= 2 else None,
-        float8=float8_options(train.get("fp8")), compile=compile,
+        dims=dims, batch=batch, vocab_size=vocab, train_iter=train_iter,
+        warmup_iter=int(train_iter * float(train.get("warmup_ratio") or 0)), eval_iter=eval_iter,
+        stage_of_layer=tuple(stages), pipeline_num_layers=train.dist.get("pipeline_num_layers"), amp_dtype=amp,
+        param_dtype=amp if dims.zero_stage >= 2 else None, float8=float8_options(train.get("fp8")), compile=compile,
         activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0,
-        activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), cfg=resolved)
+        activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), **sections, cfg=resolved,
+        meta_model=model)
 
 
 def _iterations(loader_cfg, train, global_batch: int) -> int:

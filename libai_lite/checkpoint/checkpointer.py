@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import time
-from typing import Callable
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -40,10 +39,6 @@ from .trainer_state import RngState, TrainerState, read_trainer_state
 logger = logging.getLogger("libai_lite")
 
 
-def _no_step(name: str, step: str) -> None:
-    """The default ``on_save_step``: nothing to do between the steps of a save."""
-
-
 class Checkpointer:
     """Saves and loads model, optimizer and trainer state under `save_dir`.
 
@@ -55,24 +50,20 @@ class Checkpointer:
     ``save(directory)`` and ``load(directory)``; by default this rank's RNG streams, ``RngState``; the trainer
     adds its ``TrainerState``: iteration, data position, lr schedule, loss scale).
     `verify` (False: --no-verify) checks a checkpoint's files against its manifest before loading it.
-    `on_save_step(name, step)` is called on rank 0 at each step of a save (after "partial" files,
-    "background" write, "written", "aside", "published", "marked": ``protocol.publish``), the
-    "partial" and publishing steps only when the save replaces a checkpoint; a test kills a save there.
     """
 
-    def __init__(self, model, optimizer=None, save_dir: str = "", max_to_keep: int | None = None,
+    def __init__(self, model, optimizer=None, save_dir: str = "", *, max_to_keep: int | None = None,
                  aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None,
                  vocab_ids: int | None = None, model_config=None, writer_threads: int | None = None,
-                 states: dict | None = None, verify: bool = True,
-                 on_save_step: Callable[[str, str], None] | None = None):
+                 states: dict | None = None, verify: bool = True):
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
         self.max_to_keep = max_to_keep
-        self.model_state = ModelState(self.parts, optimizer, aliases, tied_copies, vocab_ids, model_config)
+        self.model_state = ModelState(self.parts, optimizer, aliases=aliases, tied_copies=tied_copies,
+                                      vocab_ids=vocab_ids, model_config=model_config)
         self.states = dict(states) if states is not None else {"rng": RngState()}
         self.verify = bool(verify)
-        self.on_save_step = on_save_step or _no_step
         self.async_save = bool(async_save)
         # DCP's writer threads per rank (each writes its own file): see crc_writer.writer_threads.
         self.writer_threads = int(writer_threads or default_writer_threads())
@@ -109,9 +100,6 @@ class Checkpointer:
         final = os.path.join(self.save_dir, name)
         tmp = final + ".tmp"
         rank = get_rank()
-        # on_save_step's "partial" and publishing steps come only for a save that replaces an existing
-        # checkpoint (the dangerous case).
-        replacing = os.path.isdir(final)
         error = ""
         if rank == 0:
             try:
@@ -121,7 +109,7 @@ class Checkpointer:
                 error = describe(e)
         self._raise_if_failed(error, final, None)
         if self.async_save and not blocking:
-            self._start_background_save(name, trainer_state, replacing)
+            self._start_background_save(name, trainer_state)
             return final
         state, known = None, {}
         try:
@@ -138,19 +126,16 @@ class Checkpointer:
                 raise
         # Also the barrier before the manifest: every rank has written all its files.
         self._raise_if_failed(error, final, state)
-        if replacing and rank == 0:
-            self.on_save_step(name, "partial")
         # Written last: its presence is what makes the directory a complete checkpoint.
         self._raise_if_failed(write_manifest(tmp, known=known), final, state)
         if rank == 0:
-            error = self._publish(name, replacing)
+            error = self._publish(name)
         self._raise_if_failed(error, final, state)
         return final
 
-    def _publish(self, name: str, replacing: bool) -> str:
+    def _publish(self, name: str) -> str:
         """Rank 0: move the complete ``NAME.tmp`` into place (``protocol.publish``); returns an error or ""."""
-        return protocol.publish(self.save_dir, name, self.max_to_keep,
-                                self.on_save_step if replacing else _no_step)
+        return protocol.publish(self.save_dir, name, self.max_to_keep)
 
     def _raise_if_failed(self, error: str, final: str, state, cause: BaseException | None = None) -> None:
         """Collective: when any rank reports ``error``, remove the partial save and raise the first one everywhere."""
@@ -179,7 +164,7 @@ class Checkpointer:
         )
 
     # ------------------------------------------------------------------ background saves
-    def _start_background_save(self, name: str, trainer_state: dict | None, replacing: bool) -> None:
+    def _start_background_save(self, name: str, trainer_state: dict | None) -> None:
         """Stage the state in CPU memory and hand the writing of ``NAME.tmp`` to a background thread."""
         final = os.path.join(self.save_dir, name)
         tmp, rank = final + ".tmp", get_rank()
@@ -200,15 +185,15 @@ class Checkpointer:
         # Agreed before any rank starts the background write, whose collectives would otherwise
         # wait for a rank that gave up here.
         self._raise_if_failed(error, final, state, cause)
-        future, needed = self._background.start(state, name, tmp, known, self.on_save_step)
-        self._in_flight = InFlight(name, replacing, future, needed, time.perf_counter())
+        future, needed = self._background.start(state, name, tmp, known)
+        self._in_flight = InFlight(name, future, needed, time.perf_counter())
 
     def _finish(self) -> str:
         """Take the save in flight (its write done) off the books; rank 0 publishes it. Returns an error or ""."""
         job, self._in_flight = self._in_flight, None
         error, self._last_cause = job.future.result()
         if not error and get_rank() == 0:
-            error = self._publish(job.name, job.replacing)
+            error = self._publish(job.name)
             if error:
                 shutil.rmtree(os.path.join(self.save_dir, job.name + ".tmp"), ignore_errors=True)
                 error += " on rank 0" if world_size() > 1 else ""

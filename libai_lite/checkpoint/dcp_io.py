@@ -128,7 +128,6 @@ class InFlight:
     """A checkpoint whose files a background thread is writing into ``NAME.tmp``."""
 
     name: str
-    replacing: bool
     # Resolves to (the first rank's error line or "", this rank's exception behind it or None),
     # the same line on every rank: the background thread agrees on it before resolving.
     future: Future
@@ -144,7 +143,7 @@ class ModelState:
     `model_config` are ``Checkpointer``'s arguments of those names.
     """
 
-    def __init__(self, parts: list, optimizer=None, aliases: dict | None = None, tied_copies: dict | None = None,
+    def __init__(self, parts: list, optimizer=None, *, aliases: dict | None = None, tied_copies: dict | None = None,
                  vocab_ids: int | None = None, model_config=None):
         self.parts, self.optimizer = parts, optimizer
         # {name this rank holds: name to read it from}: a last pipeline stage's copy of a tied
@@ -296,8 +295,7 @@ class BackgroundWriter:
             self._writer_group = dist.new_group(backend="gloo")
         return self._writer_group
 
-    def start(self, state: dict, name: str, tmp: str, known: dict,
-              on_step: Callable[[str, str], None]) -> tuple[Future, int]:
+    def start(self, state: dict, name: str, tmp: str, known: dict) -> tuple[Future, int]:
         """Stage ``state`` in CPU memory and hand the writing of checkpoint ``name`` into ``tmp`` to the thread.
 
         ``known`` holds the manifest records of the files already written there. Returns the future of
@@ -318,12 +316,11 @@ class BackgroundWriter:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
         needed = state_bytes(state)
-        future = self._writer.submit(self._finish_writing, upload, name, tmp, needed, group,
-                                     lambda: {**known, **storage.records}, on_step)
+        future = self._writer.submit(self._finish_writing, upload, tmp, needed, group,
+                                     lambda: {**known, **storage.records})
         return future, needed
 
-    def _finish_writing(self, upload: Future, name: str, tmp: str, needed: int, group,
-                        known: Callable[[], dict], on_step: Callable[[str, str], None]) -> tuple:
+    def _finish_writing(self, upload: Future, tmp: str, needed: int, group, known: Callable[[], dict]) -> tuple:
         """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest
         (from ``known()``, the records of this rank's files checksummed as they were written).
 
@@ -338,8 +335,6 @@ class BackgroundWriter:
         try:
             first = first_error(gather(error, group))
             if not first:
-                if get_rank() == 0:
-                    on_step(name, "background")
                 first = first_error(gather(write_manifest(tmp, group, known()), group))
             if first and get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)

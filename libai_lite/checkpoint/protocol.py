@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-from typing import Callable
 
 from ..utils.distributed import broadcast_object, get_rank
 from ..utils.errors import UsageError
@@ -129,30 +128,25 @@ def recover_interrupted(save_dir: str, remove_partial: bool = True) -> None:
     _fsync_dir(save_dir)
 
 
-def _no_step(name: str, step: str) -> None:
-    """The default ``on_step`` of ``publish``: nothing to do between the steps."""
+def _rename(src: str, dst: str) -> None:
+    """One rename of the protocol, made durable: a power cut after it must not undo it."""
+    os.replace(src, dst)
+    _fsync_dir(os.path.dirname(dst))
 
 
-def publish(save_dir: str, name: str, max_to_keep: int | None = None,
-            on_step: Callable[[str, str], None] = _no_step) -> str:
+def publish(save_dir: str, name: str, max_to_keep: int | None = None) -> str:
     """Rank 0: move the complete ``NAME.tmp`` into place (steps 2-5 of the module docstring), then ``prune``.
 
-    ``on_step(name, step)`` is called after each of the steps "written", "aside", "published" and
-    "marked". Returns the error that stopped it, or "".
+    Returns the error that stopped it, or "".
     """
     final = os.path.join(save_dir, name)
     tmp, aside = final + ".tmp", final + _ASIDE
     try:
-        on_step(name, "written")
         shutil.rmtree(aside, ignore_errors=True)
         if os.path.isdir(final):
-            os.replace(final, aside)
-            on_step(name, "aside")
-        os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        on_step(name, "published")
+            _rename(final, aside)
+        _rename(tmp, final)
         _write_text_atomic(os.path.join(save_dir, LAST_CHECKPOINT), name)
-        on_step(name, "marked")
         shutil.rmtree(aside, ignore_errors=True)
         prune(save_dir, max_to_keep, keep=name)
         return ""

@@ -47,6 +47,30 @@ def read_trainer_state(path: str, fix: str = "resume from an earlier checkpoint"
     return state
 
 
+class RunAlreadyFinished(UsageError):
+    """A resume of a run that has trained all of its ``train.train_iter`` iterations."""
+
+
+def check_resume_has_work(checkpoint: str, done: int, train_iter: int) -> None:
+    """Refuse a resume that would train nothing: it would only rewrite the finished run's checkpoints and config
+    (``RunAlreadyFinished`` when ``train_iter`` is the run's own count, which a torchrun restart takes as done)."""
+    if train_iter <= done:
+        refusal = RunAlreadyFinished if train_iter == done else UsageError
+        raise refusal(f"--resume: {checkpoint} has already trained {done} iterations and train.train_iter={train_iter} "
+                      f"asks for no more: nothing to train, nothing written; set train.train_iter above {done} to "
+                      f"train on (or evaluate it with --eval-only)")
+
+
+def resume_position(path: str | None, train_iter: int | None = None) -> tuple[int, int]:
+    """``(consumed samples, first iteration)`` of a run continuing from checkpoint ``path`` ((0, 0) for None);
+    with ``train_iter`` (a run that trains), a resume with nothing left to train is refused."""
+    state = read_trainer_state(path) if path is not None else {}
+    consumed, start = int(state.get("consumed_samples", 0)), int(state.get("iteration", -1)) + 1
+    if path is not None and train_iter is not None:
+        check_resume_has_work(path, start, train_iter)
+    return consumed, start
+
+
 def write_trainer_state(directory: str, trainer_state: dict) -> dict:
     """Rank 0: write ``directory/trainer_state.json``; returns ``{name: manifest record}``."""
     text = json.dumps(trainer_state, indent=1, sort_keys=True).encode("utf-8")

@@ -1,8 +1,8 @@
 """``DefaultTrainer``: from a config and its ``Layout`` to a running training job.
 
 The config is resolved once (``libai_lite.run_spec.resolve_run``) into ``self.spec``; every ``build_*`` method
-then reads the resolved config it is given and the spec, and returns what it builds, so a subclass that
-overrides any one of them (LiBai's extension point) still trains.
+then instantiates its section of the resolved config it is given, takes its settings from the spec, and returns
+what it builds, so a subclass that overrides any one of them (LiBai's extension point) still trains.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf, open_dict
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
 from ..checkpoint.integrity import check_checkpoint_shapes
-from ..checkpoint.trainer_state import RngState, TrainerState, read_trainer_state
+from ..checkpoint.trainer_state import RngState, TrainerState, resume_position
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_with
 from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
@@ -27,7 +27,7 @@ from ..parallel.compile import check_compile, uses_cuda_graphs
 from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..planning import startup_estimate
-from ..run_spec import RunSpec, build_tokenizer, resolve_run
+from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
 from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
@@ -42,20 +42,6 @@ from .wandb_writer import build_wandb_writer
 logger = logging.getLogger("libai_lite")
 
 
-class RunAlreadyFinished(UsageError):
-    """A resume of a run that has trained all of its ``train.train_iter`` iterations."""
-
-
-def check_resume_has_work(checkpoint: str, done: int, train_iter: int) -> None:
-    """Refuse a resume that would train nothing: it would only rewrite the finished run's checkpoints and config
-    (``RunAlreadyFinished`` when ``train_iter`` is the run's own count, which a torchrun restart takes as done)."""
-    if train_iter <= done:
-        refusal = RunAlreadyFinished if train_iter == done else UsageError
-        raise refusal(f"--resume: {checkpoint} has already trained {done} iterations and train.train_iter={train_iter} "
-                      f"asks for no more: nothing to train, nothing written; set train.train_iter above {done} to "
-                      f"train on (or evaluate it with --eval-only)")
-
-
 class DefaultTrainer:
     """Builds tokenizer, data, model, optimizer, scheduler, checkpointer, trainer and hooks from ``cfg``, then trains.
 
@@ -65,58 +51,26 @@ class DefaultTrainer:
     def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True,
                  run_dir: str | None = None):
         """``run_dir``: the run whose ``last_checkpoint`` ``resume`` continues or evaluates (default
-        ``train.output_dir``, where this job writes; ``--eval-only`` reads a run it does not write in)."""
-        self.cfg, self.layout, self.eval_only = cfg, layout, eval_only
-        # False (--no-verify): checkpoints load without checking their files against their manifest.
-        self.verify = verify
-        self.output_dir = cfg.train.output_dir
+        ``train.output_dir``, where this job writes; ``--eval-only`` reads a run it does not write in).
+        ``verify`` False (--no-verify): checkpoints load without checking their files against their manifest."""
+        self.cfg, self.layout, self.eval_only, self.verify = cfg, layout, eval_only, verify
         self.tokenizer = self.build_tokenizer(cfg)
         # The one resolution of the config; from here on only the resolved (read-only) copy is read.
         self.spec = self.resolve(cfg)
         cfg = self.cfg = self.spec.cfg
-        meta_model = self.build_meta_model(cfg)
-        self.check_layout(cfg, meta_model)
-        run_dir = run_dir or self.output_dir
-        self.resume_path = resolve_resume(run_dir) if resume else None
-        if resume and self.resume_path is None:
-            logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
-        self.precheck_output_dir(self.output_dir)
-        if self.resume_path or cfg.train.get("load_weight"):
-            # Against the meta model: a wrong --resume or load_weight is refused before anything is written.
-            check_checkpoint_shapes(self.resume_path or cfg.train.load_weight, meta_model.state_dict(),
-                                    vocab_ids=getattr(self.tokenizer, "vocab_size", None),
-                                    model_config=cfg.model.get("cfg"), verify=self.verify,
-                                    rebuild=self.model_shapes_with)
-        # The data position is needed before the loaders are built; the rest comes from Checkpointer.load.
-        trainer_state = read_trainer_state(self.resume_path) if self.resume_path is not None else {}
-        self.consumed_samples = int(trainer_state.get("consumed_samples", 0))  # at the start of this run
-        self.start_iter = int(trainer_state.get("iteration", -1)) + 1
-        if self.resume_path is not None and not eval_only:
-            check_resume_has_work(self.resume_path, self.start_iter, self.spec.train_iter)
+        self.output_dir = self.spec.checkpoint.output_dir
+        # Everything refused before anything is written; the data position is needed before the loaders.
+        self.resume_path = self.check_start(cfg, resume, run_dir or self.output_dir)
+        train_iter = None if eval_only else self.spec.train_iter
+        self.consumed_samples, self.start_iter = resume_position(self.resume_path, train_iter)
         self.train_loader, self.valid_loader, self.test_loader = self.build_loaders(cfg)
-        for loader in (self.train_loader, self.valid_loader, self.test_loader):
-            # Before their workers start: a job's stop signal is the trainer's to handle.
-            shield_workers_from_stop_signals(loader)
-        self.check_sequence_parallel(self.train_loader)
-        self.check_context_parallel(self.train_loader)
-        if (cfg.train.get("log_memory_estimate", True) and self.layout.rank == 0
-                and getattr(self.train_loader, "dataset", None) is not None):
-            # What the planner expects this run to need per rank (tools/estimate_memory.py explains it).
-            logger.info(startup_estimate(self.spec, self.layout.device.type, self.train_loader.dataset[0]))
+        self.check_data(self.train_loader, self.valid_loader, self.test_loader)
         self.model = self.build_model(cfg)
         self.optimizer = self.build_optimizer(cfg, self.model)
         self.scheduler = self.build_lr_scheduler(cfg, self.optimizer)
         self.grad_scaler = self.build_grad_scaler(cfg)
         self.checkpointer = self.build_checkpointer(cfg, self.model, self.optimizer)
-        if self.resume_path is not None:
-            self.checkpointer.load(self.resume_path)  # the trainer's state comes back through its TrainerState
-            logger.info(f"Resumed from {self.resume_path} at iteration {self.start_iter}, "
-                        f"{self.consumed_samples} samples consumed")
-        elif cfg.train.get("load_weight"):
-            self.checkpointer.load(cfg.train.load_weight, weights_only=True)
-            logger.info(f"Loaded weights from {cfg.train.load_weight}")
-        elif eval_only:
-            raise UsageError("--eval-only needs weights: set train.load_weight=CHECKPOINT_DIR or add --resume")
+        self.load_checkpoint()
         self._setup_output()
         self.trainer = self.build_trainer(cfg, self.model, self.train_loader, self.optimizer, self.scheduler,
                                           self.grad_scaler)
@@ -124,6 +78,23 @@ class DefaultTrainer:
         self.trainer.register_hooks([] if eval_only else self.build_hooks())
 
     # ------------------------------------------------------------ checks
+    def check_start(self, cfg, resume: bool, run_dir: str) -> str | None:
+        """Refuse, before anything is written, a layout the model cannot take, an output directory that cannot be
+        written, and a ``--resume`` or ``train.load_weight`` checkpoint that does not fit; returns the checkpoint
+        ``resume`` continues from (None: start from scratch)."""
+        meta_model = self.spec.meta_model if self.spec.meta_model is not None else self.build_meta_model(cfg)
+        self.check_layout(cfg, meta_model)
+        resume_path = resolve_resume(run_dir) if resume else None
+        if resume and resume_path is None:
+            logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
+        self.precheck_output_dir(self.output_dir)
+        if resume_path or self.spec.checkpoint.load_weight:
+            check_checkpoint_shapes(resume_path or self.spec.checkpoint.load_weight, meta_model.state_dict(),
+                                    vocab_ids=getattr(self.tokenizer, "vocab_size", None),
+                                    model_config=cfg.model.get("cfg"), verify=self.verify,
+                                    rebuild=self.model_shapes_with)
+        return resume_path
+
     @staticmethod
     def precheck_output_dir(output_dir: str) -> None:
         """Refuse an output directory that cannot be created or written, before anything is written anywhere."""
@@ -141,47 +112,52 @@ class DefaultTrainer:
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.tensor_parallel import check_declared_splits, check_sequence_parallel_split
 
-        layout = self.layout
-        validate_zero_config(layout.zero_stage, layout.offload, self.spec.param_dtype)
+        layout, spec = self.layout, self.spec
+        validate_zero_config(layout.zero_stage, layout.offload, spec.param_dtype)
         # Whatever the model's config keys: every dimension its layers declare split must divide.
         check_declared_splits(model, layout.tensor_parallel_size, cfg.model.get("cfg"))
-        given = cfg.train.dist.get("pipeline_num_layers")
-        expected = getattr(model, "pipeline_num_layers", None)
+        given, expected = spec.pipeline_num_layers, getattr(model, "pipeline_num_layers", None)
         if layout.pipeline_parallel_size > 1 and given is not None and expected is not None and int(given) != expected:
             raise UsageError(f"train.dist.pipeline_num_layers={given} but the model has {expected} layers to place; "
                              f"set it to {expected} or leave it unset (null) to derive it")
-        check_model_layout(model, layout, self.spec.batch.num_accumulation_steps)
-        check_float8(self.spec.float8, layout.device, layout.tensor_parallel_size)
-        check_compile(self.spec.compile, self.spec.batch.num_accumulation_steps, replica_size=layout.replica_size,
+        check_model_layout(model, layout, spec.batch.num_accumulation_steps)
+        check_float8(spec.float8, layout.device, layout.tensor_parallel_size)
+        check_compile(spec.compile, spec.batch.num_accumulation_steps, replica_size=layout.replica_size,
                       pipeline_parallel_size=layout.pipeline_parallel_size, offload=layout.offload)
         if layout.sequence_parallel and max_seq_length(model) is not None:
             check_sequence_parallel_split(max_seq_length(model), layout.tensor_parallel_size, "the model's sequences")
 
-    def check_sequence_parallel(self, loader) -> None:
-        """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks."""
-        from ..parallel.tensor_parallel import check_sequence_parallel_split
+    def check_data(self, train_loader, *loaders) -> None:
+        """Before the loaders' workers start, shield them from the job's stop signals (the trainer's to handle);
+        refuse samples the sequence or context-parallel split cannot cut; log the memory planner's estimate."""
+        for loader in (train_loader, *loaders):
+            shield_workers_from_stop_signals(loader)
+        dataset = getattr(train_loader, "dataset", None)
+        if dataset:
+            self.check_sample_splits(dataset)
+        if self.spec.log.memory_estimate and self.layout.rank == 0 and dataset is not None:
+            # What the planner expects this run to need per rank (tools/estimate_memory.py explains it).
+            logger.info(startup_estimate(self.spec, self.layout.device.type, dataset[0]))
 
-        tp, dataset = self.layout.tensor_parallel_size, getattr(loader, "dataset", None)
-        if not self.layout.sequence_parallel or tp == 1 or not dataset:
-            return
-        for name, value in dataset[0].items():
-            if len(getattr(value, "shape", ())) == 1:
-                check_sequence_parallel_split(value.shape[0], tp, f"the samples' {name}")
-
-    def check_context_parallel(self, loader) -> None:
-        """Under context parallelism every sequence of a sample must cut into 2 x cp equal chunks (and, with
-        sequence parallelism, each rank's part split evenly over the tp ranks)."""
+    def check_sample_splits(self, dataset) -> None:
+        """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks; under context
+        parallelism cut into 2 x cp equal chunks (and, with sequence parallelism, each rank's part split evenly)."""
         from ..parallel.context_parallel import check_context_parallel_chunks
         from ..parallel.tensor_parallel import check_sequence_parallel_split
 
-        cp, dataset = self.layout.context_parallel_size, getattr(loader, "dataset", None)
-        if cp == 1 or not dataset:
+        tp, cp, sp = self.layout.tensor_parallel_size, self.layout.context_parallel_size, self.layout.sequence_parallel
+        if not (sp and tp > 1) and cp == 1:
             return
-        for name, value in dataset[0].items():
-            if len(getattr(value, "shape", ())) == 1:
-                check_context_parallel_chunks(value.shape[0], cp, f"the samples' {name}")
-                if self.layout.sequence_parallel:
-                    check_sequence_parallel_split(value.shape[0] // cp, self.layout.tensor_parallel_size,
+        sequences = [(name, value.shape[0]) for name, value in dataset[0].items()
+                     if len(getattr(value, "shape", ())) == 1]
+        if sp and tp > 1:
+            for name, length in sequences:
+                check_sequence_parallel_split(length, tp, f"the samples' {name}")
+        if cp > 1:
+            for name, length in sequences:
+                check_context_parallel_chunks(length, cp, f"the samples' {name}")
+                if sp:
+                    check_sequence_parallel_split(length // cp, tp,
                                                   f"each context-parallel rank's part of the samples' {name}")
 
     # ------------------------------------------------------------ building
@@ -203,7 +179,7 @@ class DefaultTrainer:
     def build_tokenizer(self, cfg):
         """``tokenization.tokenizer`` instantiated (None without one); its padded size becomes the model's vocabulary
         when the config is resolved."""
-        return build_tokenizer(cfg)
+        return tokenizer_from_config(cfg)
 
     def resolve(self, cfg) -> RunSpec:
         """``cfg`` resolved for this layout and tokenizer (``resolve_run``), with the start-up line that states it."""
@@ -219,7 +195,7 @@ class DefaultTrainer:
         global_batch, micro, test_micro = (spec.batch.global_batch_size, spec.batch.micro_batch_size,
                                    spec.batch.test_micro_batch_size)
         valid_samples = test_samples = 0
-        if cfg.train.evaluation.get("enabled", False) or self.eval_only:
+        if spec.evaluation.enabled or self.eval_only:
             # A pipeline schedule evaluates num_accumulation_steps batches at once: whole schedules.
             group = spec.batch.num_accumulation_steps if self.layout.pipeline_parallel_size > 1 else 1
             eval_batches = -(-spec.eval_iter // group) * group
@@ -227,8 +203,8 @@ class DefaultTrainer:
             # The valid and test splits are sized as Megatron-LM sizes them (eval_iters global batches
             # per evaluation, one evaluation per eval_interval and one at the end), so their indices
             # are Megatron's; each evaluation reads the window of that order Megatron's would (evaluate).
-            period = int(cfg.train.evaluation.eval_period)
-            valid_samples = megatron_valid_samples(spec.train_iter, period, spec.eval_iter, global_batch, read)
+            valid_samples = megatron_valid_samples(spec.train_iter, spec.evaluation.period, spec.eval_iter,
+                                                   global_batch, read)
             test_samples = max(read, spec.eval_iter * global_batch)
         extra = {}
         if self.tokenizer is not None and "eod_token_id" in loader_cfg and loader_cfg.eod_token_id is None:
@@ -282,42 +258,51 @@ class DefaultTrainer:
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 
     def build_lr_scheduler(self, cfg, optimizer):
-        """Instantiate `train.scheduler` with `max_iter` and `warmup_iter` filled in."""
-        train_iter = self.spec.train_iter
-        warmup_iter = int(train_iter * float(cfg.train.get("warmup_ratio", 0) or 0))
-        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=train_iter, warmup_iter=warmup_iter)
+        """Instantiate ``train.scheduler`` with the spec's ``max_iter`` and ``warmup_iter`` filled in."""
+        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=self.spec.train_iter,
+                                warmup_iter=self.spec.warmup_iter)
 
     def build_grad_scaler(self, cfg):
         """fp16's loss scaler (None for fp32 and bf16)."""
-        if self.spec.amp_dtype is not torch.float16:
+        scale = self.spec.loss_scale
+        if scale is None:
             return None
-        amp = cfg.train.amp
-        return build_loss_scaler(self.layout.device, float(amp.get("initial_scale", 2.0**16)),
-                                 int(amp.get("growth_interval", 1000)))
+        return build_loss_scaler(self.layout.device, scale.initial_scale, scale.growth_interval)
 
     def build_checkpointer(self, cfg, model: ParallelModel, optimizer) -> Checkpointer:
         """DCP checkpoints of the model parts and optimizer in ``train.output_dir``."""
+        settings = self.spec.checkpoint
         states = {"rng": RngState(), "trainer": TrainerState(self.trainer_state, self._restore_trainer_state)}
-        return Checkpointer(model.parts, optimizer, cfg.train.output_dir, states=states,
-                            max_to_keep=cfg.train.checkpointer.get("max_to_keep"), aliases=model.checkpoint_aliases,
+        return Checkpointer(model.parts, optimizer, settings.output_dir, states=states,
+                            max_to_keep=settings.max_to_keep, aliases=model.checkpoint_aliases,
                             tied_copies=model.tied_copies,
-                            async_save=resolve_async_save(cfg.train.checkpointer.get("async_save"), self.layout.device),
+                            async_save=resolve_async_save(settings.async_save, self.layout.device),
                             vocab_ids=getattr(self.tokenizer, "vocab_size", None),
                             model_config=cfg.model.get("cfg"), verify=self.verify)
+
+    def load_checkpoint(self) -> None:
+        """The ``--resume`` checkpoint (the trainer's state comes back through its ``TrainerState``), else the
+        weights of ``train.load_weight``; ``--eval-only`` needs one of them."""
+        if self.resume_path is not None:
+            self.checkpointer.load(self.resume_path)
+            logger.info(f"Resumed from {self.resume_path} at iteration {self.start_iter}, "
+                        f"{self.consumed_samples} samples consumed")
+        elif self.spec.checkpoint.load_weight:
+            self.checkpointer.load(self.spec.checkpoint.load_weight, weights_only=True)
+            logger.info(f"Loaded weights from {self.spec.checkpoint.load_weight}")
+        elif self.eval_only:
+            raise UsageError("--eval-only needs weights: set train.load_weight=CHECKPOINT_DIR or add --resume")
 
     def build_trainer(self, cfg, model: ParallelModel, train_loader, optimizer, scheduler, grad_scaler) -> Trainer:
         """The step runner: eager, or through the pipeline schedule when the model is pipelined."""
         from ..parallel.tensor_parallel import loss_parallel_context
 
-        optim = cfg.optim.get("params", {})
-        tp = self.layout.tensor_parallel_size > 1
+        step, tp = self.spec.optim, self.layout.tensor_parallel_size > 1
         return Trainer(
             model.module, train_loader, optimizer, scheduler, model.metrics,
             num_accumulation_steps=self.spec.batch.num_accumulation_steps, device=self.layout.device,
-            amp_dtype=self.spec.amp_dtype, grad_scaler=grad_scaler,
-            clip_grad_max_norm=optim.get("clip_grad_max_norm"),
-            clip_grad_norm_type=float(optim.get("clip_grad_norm_type") or 2.0),
-            max_skipped_nonfinite=int(cfg.train.get("max_skipped_nonfinite", 0) or 0),
+            amp_dtype=self.spec.amp_dtype, grad_scaler=grad_scaler, clip_grad_max_norm=step.clip_grad_max_norm,
+            clip_grad_norm_type=step.clip_grad_norm_type, max_skipped_nonfinite=step.max_skipped_nonfinite,
             loss_context=lambda: loss_parallel_context(tp),
             pipeline=model.pipeline,
             context_parallel=model.context_parallel,
@@ -326,28 +311,25 @@ class DefaultTrainer:
 
     def build_hooks(self):
         """The trainer's hooks, in the order ``hooks.hooks_in_order`` gives (and explains)."""
-        cfg = self.cfg
-        periodic = hooks.PeriodicCheckpointer(self.checkpointer, cfg.train.checkpointer.period)
+        spec = self.spec
+        periodic = hooks.PeriodicCheckpointer(self.checkpointer, spec.checkpoint.period)
         evaluation = best = None
-        ev = cfg.train.evaluation
-        if ev.get("enabled", False) and self.valid_loader is not None:
-            metric = ev.get("eval_metric")
-            evaluation = hooks.EvalHook(ev.eval_period, self.evaluate, periodic.save if metric else None, metric,
-                                        ev.get("eval_mode", "min"))
+        ev = spec.evaluation
+        if ev.enabled and self.valid_loader is not None:
+            evaluation = hooks.EvalHook(ev.period, self.evaluate, save_best=periodic.save if ev.metric else None,
+                                        metric=ev.metric, mode=ev.mode)
             best = hooks.BestCheckpointer(evaluation)
         dataset = getattr(self.train_loader, "dataset", None)
         tokens, flops = sample_throughput(self.model.source, dataset[0]) if dataset else (None, None)
         writer = hooks.PeriodicWriter(
-            self.output_dir, cfg.train.log_period, self.spec.batch.global_batch_size, tokens, flops,
-            device_peak_flops(self.layout.device, self.spec.amp_dtype is not None,
-                              cfg.train.get("peak_tflops", None)),
-            lambda: self.consumed_samples_at(self.trainer.next_iter), self.layout, self.model.metrics,
-            wandb=build_wandb_writer(cfg, self.output_dir, resume=self.resume_path is not None),
+            output_dir=self.output_dir, period=spec.log.period, global_batch_size=spec.batch.global_batch_size,
+            tokens_per_sample=tokens, flops_per_sample=flops,
+            peak_flops=device_peak_flops(self.layout.device, spec.amp_dtype is not None, spec.log.peak_tflops),
+            consumed_fn=lambda: self.consumed_samples_at(self.trainer.next_iter), layout=self.layout,
+            metrics=self.model.metrics,
+            wandb=build_wandb_writer(spec.log.wandb, self.output_dir, resume=self.resume_path is not None),
         )
-        profile = cfg.train.get("profile") or {}
-        profiler = ProfilerHook(self.output_dir, self.layout.device, **{
-            k: profile[k] for k in ("wait", "warmup", "active", "repeat", "memory_snapshot") if k in profile
-        }) if profile.get("enabled", False) else None
+        profiler = ProfilerHook(self.output_dir, self.layout.device, spec.profile) if spec.profile else None
         return hooks.hooks_in_order(hooks.IterationTimer(), writer, periodic, hooks.SignalCheckpointer(periodic),
                                     evaluation=evaluation, best=best, profiler=profiler)
 
@@ -434,12 +416,11 @@ class DefaultTrainer:
         its `eval_iter` batches start at sample `k * eval_iter * global_batch_size` and cover the
         whole window when `test_micro_batch_size` x data-parallel size is the global batch size.
         """
-        ev = self.cfg.train.evaluation
         sampler = getattr(self.valid_loader, "batch_sampler", None)
         if hasattr(sampler, "seek"):
             # EvalHook runs after step `iter` (from 0), or at the end with `iter` = max_iter: either way
             # Megatron would have evaluated iter // eval_period times before.
-            period = int(ev.eval_period)
+            period = self.spec.evaluation.period
             before = self.trainer.iter // period if period > 0 else 0
             start = megatron_consumed_valid_samples(before, self.spec.eval_iter, self.spec.batch.global_batch_size)
             if start >= sampler.total_samples:
@@ -449,7 +430,7 @@ class DefaultTrainer:
                 start %= sampler.total_samples
             sampler.seek(start)
             logger.info(f"Evaluating valid window {before}: samples from {start} on")
-        return self._inference(self.valid_loader, instantiate(ev.evaluator), self.spec.eval_iter)
+        return self._inference(self.valid_loader, instantiate(self.cfg.train.evaluation.evaluator), self.spec.eval_iter)
 
     def test(self) -> dict:
         """`--eval-only`: the evaluator on the valid and test splits and each `dataloader.test` loader."""

@@ -137,7 +137,7 @@ class EvalHook(HookBase):
     no checkpoint of a step is published before that step's metrics row.
     """
 
-    def __init__(self, eval_period: int, eval_fn, save_best=None, metric: str = "PPL", mode: str = "min"):
+    def __init__(self, eval_period: int, eval_fn, *, save_best=None, metric: str | None = "PPL", mode: str = "min"):
         if mode not in ("min", "max"):
             raise UsageError(f"train.evaluation.eval_mode must be 'min' or 'max', not {mode!r}")
         self.period = int(eval_period)
@@ -220,7 +220,7 @@ class PeriodicWriter(HookBase):
     once per log line, never on the steps between.
     """
 
-    def __init__(self, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
+    def __init__(self, *, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
                  flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics,
                  wandb=None):
         self.period = max(int(period), 1)

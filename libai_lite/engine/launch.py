@@ -132,7 +132,8 @@ def launch(args) -> int:
     Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
     by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
     """
-    from .default import DefaultTrainer, RunAlreadyFinished
+    from ..checkpoint.trainer_state import RunAlreadyFinished
+    from .default import DefaultTrainer
 
     # A stop signal before training ends the process through `finally` (lock released); during
     # training the SignalCheckpointer hook saves first.
@@ -150,7 +151,7 @@ def launch(args) -> int:
             results = trainer.test()
             if layout.rank == 0:
                 path = write_eval_results(trainer.output_dir, results,
-                                          trainer.resume_path or cfg.train.get("load_weight"))
+                                          trainer.resume_path or trainer.spec.checkpoint.load_weight)
                 logger.info(f"Evaluation results saved to {path}")
         else:
             trainer.train()

@@ -17,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from ..run_sections import ProfileSettings
 from ..utils.distributed import get_rank
 from ..utils.errors import UsageError
 from .trainer import HookBase
@@ -28,24 +29,24 @@ _MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class ProfilerHook(HookBase):
-    """Runs ``torch.profiler`` over the steps ``wait``/``warmup``/``active``/``repeat`` select (``torch.profiler.schedule``).
+    """Runs ``torch.profiler`` over the steps ``wait``/``warmup``/``active``/``repeat`` of its ``ProfileSettings``
+    select (``torch.profiler.schedule``).
 
     Register it last: its ``after_step`` ends a profiler step, so each traced step spans the
     iteration's hooks as well as its forward, backward and optimizer step.
     """
 
-    def __init__(self, output_dir: str, device: torch.device, wait: int = 10, warmup: int = 2, active: int = 3,
-                 repeat: int = 1, memory_snapshot: bool = False):
+    def __init__(self, output_dir: str, device: torch.device, settings: ProfileSettings = ProfileSettings()):
         self.device = torch.device(device)
-        if memory_snapshot and self.device.type != "cuda":
+        if settings.memory_snapshot and self.device.type != "cuda":
             raise UsageError(f"train.profile.memory_snapshot=True records the CUDA allocator, and this run trains on "
                              f"{self.device.type}: set train.profile.memory_snapshot=False (the Chrome trace is "
                              f"still written)")
         self.directory = os.path.join(output_dir, "profile")
-        self.memory_snapshot = bool(memory_snapshot)
-        self._schedule = torch.profiler.schedule(wait=int(wait), warmup=int(warmup), active=int(active),
-                                                 repeat=int(repeat))
-        self.cycles, self.done = int(repeat), 0
+        self.memory_snapshot = bool(settings.memory_snapshot)
+        self._schedule = torch.profiler.schedule(wait=int(settings.wait), warmup=int(settings.warmup),
+                                                 active=int(settings.active), repeat=int(settings.repeat))
+        self.cycles, self.done = int(settings.repeat), 0
         self._first = self._current = 0
         self._profiler = None
         self._recording_memory = False

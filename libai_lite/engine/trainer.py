@@ -136,7 +136,7 @@ class Trainer(TrainerBase):
     period (and before a checkpoint), counts them and stops a diverged run.
     """
 
-    def __init__(self, model, data_loader, optimizer, scheduler, metrics, num_accumulation_steps: int = 1,
+    def __init__(self, model, data_loader, optimizer, scheduler, metrics, *, num_accumulation_steps: int = 1,
                  device: torch.device = torch.device("cpu"), amp_dtype: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad_max_norm: float | None = None,
                  clip_grad_norm_type: float = 2.0, max_skipped_nonfinite: int = 0, loss_context=nullcontext,

@@ -1,6 +1,6 @@
 """Weights & Biases beside TensorBoard: the scalars of every ``metrics.json`` row and the resolved config.
 
-``train.wandb`` (configs/common/train.py) turns it on::
+``train.wandb`` (configs/common/train.py; ``run_sections.WandbSettings`` once resolved) turns it on::
 
     train.wandb.enabled=True train.wandb.mode=offline   # pip install -e .[wandb]
 
@@ -16,6 +16,7 @@ import logging
 import os
 import uuid
 
+from ..run_sections import WandbSettings
 from ..utils.errors import UsageError
 from ..utils.files import atomic_write
 from .writers import EventWriter
@@ -50,7 +51,7 @@ class WandbWriter(EventWriter):
     history row (an evaluation result recorded after the step's log line joins that step's row).
     """
 
-    def __init__(self, output_dir: str, config: dict | None = None, project: str = "libai_lite",
+    def __init__(self, output_dir: str, config: dict | None = None, *, project: str = "libai_lite",
                  name: str | None = None, mode: str = "offline", resume: bool = False):
         wandb = check_wandb_options(mode)
         os.makedirs(output_dir, exist_ok=True)
@@ -110,21 +111,19 @@ class WandbWriter(EventWriter):
             wandb.teardown()
 
 
-def build_wandb_writer(cfg, output_dir: str, resume: bool = False) -> WandbWriter | None:
-    """The writer ``cfg.train.wandb`` asks for on the main process, else None; ``resume`` (a run continued
-    from its checkpoint) continues the output directory's W&B run.
+def build_wandb_writer(settings: WandbSettings | None, output_dir: str, resume: bool = False) -> WandbWriter | None:
+    """The writer ``train.wandb`` (resolved into ``settings``, None when off) asks for on the main process, else
+    None; ``resume`` (a run continued from its checkpoint) continues the output directory's W&B run.
 
     Its config is ``output_dir/config.yaml``, the resolved config the trainer wrote before building
     its hooks, so the W&B run shows exactly the values this run used.
     """
     from ..utils.distributed import is_main_process
 
-    opts = cfg.train.get("wandb", None) or {}
-    if not opts.get("enabled", False):
+    if settings is None:
         return None
-    mode = opts.get("mode") or "offline"
     # Every rank checks, so all of them stop on a bad setting, not rank 0 alone.
-    check_wandb_options(mode)
+    check_wandb_options(settings.mode)
     if not is_main_process():
         return None
     import yaml
@@ -134,5 +133,5 @@ def build_wandb_writer(cfg, output_dir: str, resume: bool = False) -> WandbWrite
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f)
-    return WandbWriter(output_dir, config, project=opts.get("project") or "libai_lite", name=opts.get("name"),
-                       mode=mode, resume=resume)
+    return WandbWriter(output_dir, config, project=settings.project, name=settings.name, mode=settings.mode,
+                       resume=resume)

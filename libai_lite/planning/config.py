@@ -45,13 +45,13 @@ def plan_settings(spec, device: str = "cuda") -> PlanSettings:
 def resolve_for_plan(cfg, world_size: int):
     """``cfg`` resolved as ``tools/train_net.py`` resolves it on ``world_size`` processes (``resolve_run``; no
     data read for counting) and its tokenizer."""
-    from ..run_spec import build_tokenizer, resolve_run
+    from ..run_spec import resolve_run, tokenizer_from_config
     from ..utils.parallel_dims import ParallelDims
 
     if world_size < 1:
         raise UsageError(f"--nproc {world_size} must be at least 1")
     dims = ParallelDims.resolve(world_size, cfg.train.dist, cfg.train.get("zero_optimization"))
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = tokenizer_from_config(cfg)
     return resolve_run(cfg, dims, tokenizer, data=False), tokenizer
 
 

@@ -1,6 +1,12 @@
 """``tools/train_net.py`` with one save held: with LIBAI_LITE_TEST_PAUSE_SAVE="NAME:STEP:FLAG_FILE", rank 0
-creates FLAG_FILE and waits forever at STEP of saving checkpoint NAME (``Checkpointer``'s ``on_save_step``),
-so a test can kill the process exactly there. The variable is read here, by the test, not by the package."""
+creates FLAG_FILE and waits forever at STEP of saving checkpoint NAME (``hold_save_at``), so a test can kill
+the process exactly there. The variable is read here, by the test, not by the package.
+
+A step is a call of a function of the checkpoint modules, wrapped here (``hold_save``): "partial" (files written,
+before the manifest), "background" (a background write, before its manifest), then the steps of
+``protocol.publish``: "written" (before it), "aside" and "published" (after each rename), "marked" (after
+``last_checkpoint``). All but "background" count only for a save that replaces an existing checkpoint.
+"""
 import os
 import runpy
 import sys
@@ -9,34 +15,64 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def pause_at(spec: str):
-    """An ``on_save_step`` that holds the save forever at ``spec``'s ("NAME:STEP:FLAG_FILE") step, FLAG_FILE made."""
-    want_name, want_step, flag = spec.split(":", 2)
+def _steps(name: str | None):
+    """step -> (module, function, hold after the call?, whether this call is the step of a save of ``name``)."""
+    from libai_lite.checkpoint import checkpointer, dcp_io, protocol
+    from libai_lite.utils.distributed import get_rank
 
-    def on_save_step(name: str, step: str) -> None:
-        if (want_name, want_step) == (name, step):
-            open(flag, "w").close()
-            while True:
-                time.sleep(1)
+    def named(path: str) -> bool:
+        return name is None or os.path.basename(path) == name
 
-    return on_save_step
+    def replaced(tmp, *a, **kw):  # the files of a save that replaces NAME are written, its manifest is not
+        return named(tmp[:-len(".tmp")]) and os.path.isdir(tmp[:-len(".tmp")])
+
+    return {
+        "partial": (checkpointer, "write_manifest", False, replaced),
+        "background": (dcp_io, "write_manifest", False, lambda tmp, *a, **kw: named(tmp[:-len(".tmp")])),
+        "written": (protocol, "publish", False,
+                    lambda save_dir, n, *a, **kw: named(n) and os.path.isdir(os.path.join(save_dir, n))),
+        "aside": (protocol, "_rename", True, lambda src, dst: dst.endswith(".old") and named(src)),
+        "published": (protocol, "_rename", True,
+                      lambda src, dst: src.endswith(".tmp") and named(dst) and os.path.isdir(dst + ".old")),
+        "marked": (protocol, "_write_text_atomic", True,
+                   lambda path, text: os.path.basename(path) == protocol.LAST_CHECKPOINT and named(text) and
+                   os.path.isdir(os.path.join(os.path.dirname(path), text + ".old"))),
+    }, get_rank
 
 
-def hold_every_checkpointer(spec: str) -> None:
-    """Give every ``Checkpointer`` built from now on ``pause_at(spec)`` as its ``on_save_step``."""
-    from libai_lite.checkpoint import Checkpointer
+def hold_save(step: str, hold, name: str | None = None, setattr=setattr) -> None:
+    """Call ``hold()`` on rank 0 at ``step`` of each save of checkpoint ``name`` (any when None); ``setattr`` is
+    how the function is replaced (pytest's ``monkeypatch.setattr`` undoes it after the test)."""
+    steps, get_rank = _steps(name)
+    module, attr, after, is_step = steps[step]
+    original = getattr(module, attr)
 
-    init = Checkpointer.__init__
+    def held(*args, **kwargs):
+        due = get_rank() == 0 and is_step(*args, **kwargs)
+        if due and not after:
+            hold()
+        out = original(*args, **kwargs)
+        if due and after:
+            hold()
+        return out
 
-    def held_init(self, *args, **kwargs):
-        kwargs.setdefault("on_save_step", pause_at(spec))
-        init(self, *args, **kwargs)
+    setattr(module, attr, held)
 
-    Checkpointer.__init__ = held_init
+
+def hold_save_at(spec: str) -> None:
+    """Hold every save forever at ``spec``'s ("NAME:STEP:FLAG_FILE") step, FLAG_FILE made."""
+    name, step, flag = spec.split(":", 2)
+
+    def forever():
+        open(flag, "w").close()
+        while True:
+            time.sleep(1)
+
+    hold_save(step, forever, name)
 
 
 if __name__ == "__main__":
-    hold_every_checkpointer(os.environ["LIBAI_LITE_TEST_PAUSE_SAVE"])
+    hold_save_at(os.environ["LIBAI_LITE_TEST_PAUSE_SAVE"])
     script = os.path.join(ROOT, "tools", "train_net.py")
     sys.argv[0] = script
     runpy.run_path(script, run_name="__main__")

@@ -38,16 +38,17 @@ def _model_and_optimizer(width: int = 64):
 
 @pytest.fixture
 def held_write(monkeypatch):
-    """Holds every background write just before its manifest until ``release`` is set: ``(reached, release,
-    the Checkpointer's on_save_step)``."""
+    """Holds every background write just before its manifest until ``release`` is set: ``(reached, release)``."""
+    from tests.checkpoint.paused_train_net import hold_save
+
     reached, release = threading.Event(), threading.Event()
 
-    def pause(name, step):
-        if step == "background":
-            reached.set()
-            assert release.wait(60), "the test never released the background write"
+    def pause():
+        reached.set()
+        assert release.wait(60), "the test never released the background write"
 
-    yield reached, release, pause
+    hold_save("background", pause, setattr=monkeypatch.setattr)
+    yield reached, release
     release.set()
 
 
@@ -61,9 +62,9 @@ def _states(trainer_state):
 def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp_path, held_write):
     from libai_lite.checkpoint import Checkpointer, resolve_resume
 
-    reached, release, pause = held_write
+    reached, release = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause)
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
     release.set()
     ck.save("model_0000001", {"iteration": 1})
     assert ck.wait() == str(tmp_path / "model_0000001")
@@ -103,9 +104,9 @@ def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp
 def test_a_save_while_one_is_in_flight_waits_for_it_and_pruning_follows_publication(tmp_path, held_write):
     from libai_lite.checkpoint import Checkpointer
 
-    reached, release, pause = held_write
+    reached, release = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), max_to_keep=1, async_save=True, on_save_step=pause)
+    ck = Checkpointer(model, opt, str(tmp_path), max_to_keep=1, async_save=True)
     ck.save("model_0000001", {"iteration": 1})
     assert reached.wait(30)
     done = []
@@ -130,9 +131,9 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
     from libai_lite.engine.hooks import PeriodicCheckpointer
     from libai_lite.engine.trainer import TrainerBase
 
-    reached, release, pause = held_write
+    reached, release = held_write
     model, opt = _model_and_optimizer()
-    ck = Checkpointer(model, opt, str(tmp_path), async_save=True, on_save_step=pause,
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True,
                       states=_states(lambda: {"iteration": trainer.iter}))
 
     class FailsAtStep3(TrainerBase):

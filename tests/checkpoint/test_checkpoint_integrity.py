@@ -173,12 +173,13 @@ def test_checkpoint_without_its_manifest_is_refused_unless_no_verify(run):
 _SAVER = """
 import sys, torch
 from libai_lite.checkpoint import Checkpointer
-from tests.checkpoint.paused_train_net import pause_at
+from tests.checkpoint.paused_train_net import hold_save_at
 model = torch.nn.Linear(32, 32)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 32)).sum().backward()
 opt.step()
-ck = Checkpointer(model, opt, sys.argv[1], on_save_step=pause_at(sys.argv[2]))
+hold_save_at(sys.argv[2])
+ck = Checkpointer(model, opt, sys.argv[1])
 for it in (1, 2):
     with torch.no_grad():
         model.weight.fill_(it)

@@ -35,7 +35,8 @@ def _evaluations(valid, iterations):
     cfg = OmegaConf.create({"train": {"global_batch_size": GLOBAL_BATCH, "evaluation": {
         "eval_period": PERIOD, "eval_iter": EVAL_ITER, "evaluator": None}}})
     # What DefaultTrainer.evaluate reads of the run's spec (libai_lite.run_spec.RunSpec).
-    spec = SimpleNamespace(eval_iter=EVAL_ITER, batch=SimpleNamespace(global_batch_size=GLOBAL_BATCH))
+    spec = SimpleNamespace(eval_iter=EVAL_ITER, batch=SimpleNamespace(global_batch_size=GLOBAL_BATCH),
+                           evaluation=SimpleNamespace(period=PERIOD))
     read = []
 
     def inference(loader, evaluator, eval_iter):

@@ -20,12 +20,13 @@ def _loop(tmp_path, start: int, end: int, device: str = "cpu", **profile):
     """A trainer whose step is one small matmul, with only the profiler hook; returns the hook."""
     from libai_lite.engine.profiler import ProfilerHook
     from libai_lite.engine.trainer import TrainerBase
+    from libai_lite.run_sections import ProfileSettings
 
     class Loop(TrainerBase):
         def run_step(self):
             torch.mm(torch.ones(8, 8, device=device), torch.ones(8, 8, device=device))
 
-    hook = ProfilerHook(str(tmp_path), torch.device(device), **profile)
+    hook = ProfilerHook(str(tmp_path), torch.device(device), ProfileSettings(**profile))
     loop = Loop()
     loop.register_hooks([hook])
     loop.train(start, end)
@@ -52,11 +53,12 @@ def test_a_run_ending_inside_the_window_writes_what_it_traced(tmp_path):
 
 def test_a_memory_snapshot_on_the_cpu_is_refused_in_one_line(tmp_path):
     from libai_lite.engine.profiler import ProfilerHook
+    from libai_lite.run_sections import ProfileSettings
     from libai_lite.utils.errors import UsageError
 
     with pytest.raises(UsageError, match=r"^train\.profile\.memory_snapshot=True records the CUDA allocator, and "
                                          r"this run trains on cpu: set train\.profile\.memory_snapshot=False"):
-        ProfilerHook(str(tmp_path), torch.device("cpu"), memory_snapshot=True)
+        ProfilerHook(str(tmp_path), torch.device("cpu"), ProfileSettings(memory_snapshot=True))
 
 
 @pytest.mark.parametrize("key, value", [("active", 0), ("wait", -1), ("repeat", 0)])

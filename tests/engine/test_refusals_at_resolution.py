@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from libai_lite.config import LazyConfig
-from libai_lite.run_spec import build_tokenizer, resolve_run
+from libai_lite.run_spec import resolve_run, tokenizer_from_config
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.parallel_dims import ParallelDims
 from tests.launch import CONFIG, ROOT, env, one_error_line, tiny, train_cmd, train_net, tree_snapshot
@@ -67,7 +67,7 @@ def test_what_the_run_depends_on_is_refused_in_one_line_when_resolved_and_nothin
     before = tree_snapshot(tmp_path)
     with pytest.raises(UsageError) as e:
         check_ranges(cfg)  # what default_setup checks first
-        resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), build_tokenizer(cfg))
+        resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg))
     assert RESOLUTION[override] in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_snapshot(tmp_path) == before
 
@@ -143,7 +143,7 @@ def finished(tmp_path_factory):
 
 def test_a_resume_with_no_iterations_left_is_refused_and_leaves_the_finished_run_as_it_was(finished, tmp_path):
     """It logged "from iteration 2 to 1", exited 0 and rewrote model_final, model_best and config.yaml."""
-    from libai_lite.engine.default import check_resume_has_work
+    from libai_lite.checkpoint.trainer_state import check_resume_has_work
 
     src, cache = finished
     out = tmp_path / "run"

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from libai_lite.config import LazyConfig
-from libai_lite.run_spec import build_tokenizer, resolve_run
+from libai_lite.run_spec import resolve_run, tokenizer_from_config
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.parallel_dims import ParallelDims
 from tests.launch import CONFIG, ROOT, tiny
@@ -27,7 +27,7 @@ def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_o
     cfg = _load(tmp_path, "train.global_batch_size=null", "train.num_accumulation_steps=3",
                 "train.dist.data_parallel_size=null", "train.dist.tensor_parallel_size=2")
     before = OmegaConf.to_yaml(cfg)
-    spec = resolve_run(cfg, _dims(4, **cfg.train.dist), build_tokenizer(cfg))
+    spec = resolve_run(cfg, _dims(4, **cfg.train.dist), tokenizer_from_config(cfg))
     assert OmegaConf.to_yaml(cfg) == before
     # 4 processes at tp 2: dp 2, so the global batch is micro 4 x dp 2 x accumulation 3.
     assert (spec.dims.data_parallel_size, spec.dims.tensor_parallel_size) == (2, 2)
@@ -45,7 +45,7 @@ def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_o
 def test_pipeline_stages_epochs_and_the_evaluation_cap_are_resolved_into_the_spec(tmp_path):
     cfg = _load(tmp_path, "train.dist.pipeline_parallel_size=2", "train.train_epoch=2", "train.train_iter=1",
                 "train.evaluation.eval_iter=100000")
-    spec = resolve_run(cfg, _dims(2, **cfg.train.dist), build_tokenizer(cfg))
+    spec = resolve_run(cfg, _dims(2, **cfg.train.dist), tokenizer_from_config(cfg))
     assert spec.stage_of_layer == (0, 1) and list(spec.cfg.train.dist.stage_of_layer) == [0, 1]
     # The demo corpus at 32 tokens a sample: two epochs of its train split, 8 samples a step.
     from libai_lite.config.instantiate import instantiate_target
@@ -81,7 +81,8 @@ def test_the_planner_plans_the_run_the_trainer_resolves(tmp_path):
 
     cfg = _load(tmp_path, "train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
                 "train.zero_optimization.stage=2", "train.amp.enabled=True", "train.activation_checkpoint.enabled=True")
-    spec = resolve_run(cfg, ParallelDims.resolve(4, cfg.train.dist, cfg.train.zero_optimization), build_tokenizer(cfg))
+    dims = ParallelDims.resolve(4, cfg.train.dist, cfg.train.zero_optimization)
+    spec = resolve_run(cfg, dims, tokenizer_from_config(cfg))
     settings = settings_from_config(cfg, 4, "cpu")
     assert settings == plan_settings(spec, "cpu")
     assert (settings.data_parallel_size, settings.tensor_parallel_size, settings.zero_stage) == (2, 2, 2)
@@ -142,3 +143,38 @@ def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_th
     rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.json")]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-3] * 3
     assert cfg.train.num_accumulation_steps is None  # the loaded config is left as it was
+
+
+def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gives_it():
+    """One set of defaults: a section's field defaults (what a key missing from a config reads as) are
+    configs/common/train.py's values, but for the keys whose absence asks for nothing."""
+    from dataclasses import asdict
+
+    from configs.common.optim import optim
+    from configs.common.train import train
+    from libai_lite import run_sections as rs
+
+    nothing = {"warmup_ratio": 0, "evaluation.enabled": False, "evaluation.eval_metric": None,
+               "checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
+    given = {
+        "amp.initial_scale": rs.LossScale.initial_scale, "amp.growth_interval": rs.LossScale.growth_interval,
+        "max_skipped_nonfinite": rs.OptimStep.max_skipped_nonfinite,
+        "optim.params.clip_grad_norm_type": rs.OptimStep.clip_grad_norm_type,
+        "checkpointer.async_save": rs.CheckpointSettings.async_save,
+        "load_weight": rs.CheckpointSettings.load_weight, "evaluation.eval_mode": rs.EvalSettings.mode,
+        "peak_tflops": rs.LogSettings.peak_tflops, "log_memory_estimate": rs.LogSettings.memory_estimate,
+        **{f"wandb.{k}": v for k, v in asdict(rs.WandbSettings()).items()},
+        **{f"profile.{k}": v for k, v in asdict(rs.ProfileSettings()).items()},
+    }
+
+    def config_value(key):
+        node, path = (optim, key.split(".")[1:]) if key.startswith("optim.") else (train, key.split("."))
+        for part in path:
+            node = node[part]
+        return node
+
+    assert {k: config_value(k) for k in given} == given
+    # Where the config asks for something a missing key does not: the five keys above.
+    assert all(config_value(k) != v for k, v in nothing.items())
+    assert rs.OptimStep.clip_grad_max_norm is None and rs.EvalSettings().metric is None
+    assert rs.EvalSettings().enabled is False and rs.CheckpointSettings(None, None).max_to_keep is None

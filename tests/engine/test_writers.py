@@ -101,8 +101,10 @@ def _train(out, monkeypatch, caplog, wandb=None):
     layout = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, group=lambda name: None)
     storage = EventStorage()
     trainer = types.SimpleNamespace(max_iter=5, start_iter=0, iter=0, storage=storage, check_skipped=lambda: None)
-    writer = hooks.PeriodicWriter(str(out), 2, 16, 128, 1.7e9, 1e11, lambda: 16 * (trainer.iter + 1), layout,
-                                  {"lm_loss": _Metric("mean")}, wandb=wandb)
+    writer = hooks.PeriodicWriter(output_dir=str(out), period=2, global_batch_size=16, tokens_per_sample=128,
+                                  flops_per_sample=1.7e9, peak_flops=1e11,
+                                  consumed_fn=lambda: 16 * (trainer.iter + 1), layout=layout,
+                                  metrics={"lm_loss": _Metric("mean")}, wandb=wandb)
     writer.trainer = trainer
     with caplog.at_level(logging.INFO, logger="libai_lite"):
         writer.before_train()
