@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .utils.errors import UsageError
+
 
 @dataclass(frozen=True)
 class LossScale:
@@ -90,7 +92,7 @@ def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
     train = cfg.train
     amp, ck, ev = train.get("amp") or {}, train.get("checkpointer") or {}, train.get("evaluation") or {}
     params = (cfg.get("optim") or {}).get("params") or {}
-    eval_period = ev.eval_period if evaluates else ev.get("eval_period")
+    eval_period = _needed(ev, "eval_period", "train.evaluation") if evaluates else ev.get("eval_period")
     return dict(
         loss_scale=LossScale(initial_scale=float(amp.get("initial_scale", LossScale.initial_scale)),
                              growth_interval=int(amp.get("growth_interval", LossScale.growth_interval)))
@@ -99,17 +101,25 @@ def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
                         clip_grad_norm_type=float(params.get("clip_grad_norm_type") or OptimStep.clip_grad_norm_type),
                         max_skipped_nonfinite=int(train.get("max_skipped_nonfinite") or 0)),
         checkpoint=CheckpointSettings(output_dir=train.get("output_dir"),
-                                      period=ck.period if trains else ck.get("period"),
+                                      period=_needed(ck, "period", "train.checkpointer") if trains else ck.get("period"),
                                       max_to_keep=ck.get("max_to_keep"), async_save=ck.get("async_save"),
                                       load_weight=train.get("load_weight")),
         evaluation=EvalSettings(enabled=bool(ev.get("enabled", False)), period=int(eval_period or 0),
                                 metric=ev.get("eval_metric"), mode=ev.get("eval_mode", EvalSettings.mode)),
-        log=LogSettings(period=train.log_period if trains else train.get("log_period"),
+        log=LogSettings(period=_needed(train, "log_period", "train") if trains else train.get("log_period"),
                         peak_tflops=train.get("peak_tflops", None),
                         memory_estimate=bool(train.get("log_memory_estimate", LogSettings.memory_estimate)),
                         wandb=wandb_settings(train.get("wandb", None))),
         profile=profile_settings(train.get("profile")),
     )
+
+
+def _needed(node, key: str, where: str):
+    """``node[key]``, or a one-line UsageError naming the missing key (null is a value here)."""
+    if key not in node:
+        raise UsageError(f"{where}.{key} is missing from the config: set it (configs/common/train.py has every "
+                         f"train key with its default)")
+    return node[key]
 
 
 def wandb_settings(wandb) -> WandbSettings | None:

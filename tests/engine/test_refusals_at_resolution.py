@@ -56,6 +56,8 @@ RESOLUTION = {
                                               "so there are no documents to train on; give the train split a "
                                               "positive share",
     "dataloader.train.seq_length=0": "dataloader.train.seq_length=0 is out of range: it must be an integer >= 1",
+    "~train.checkpointer.period": "train.checkpointer.period is missing from the config: set it",
+    "~train.log_period": "train.log_period is missing from the config: set it",
 }
 
 
