@@ -54,9 +54,8 @@ class KVCache:
 
 
 def document_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Boolean SDPA mask ``[batch, 1, seq, seq]`` (True = attend) from ``document_ids`` ``[batch, seq]``: a query
-    sees the keys of its own document, and with ``causal`` only those at or before it (packed documents,
-    Megatron's ``reset_attention_mask``)."""
+    """Boolean SDPA mask ``[batch, 1, seq, seq]``, True to attend, from ``document_ids`` ``[batch, seq]``.
+    A query sees keys of its own document, and with ``causal`` only those at or before it."""
     if document_ids.dim() != 2:
         raise ValueError(f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}")
     keep = document_ids[:, :, None] == document_ids[:, None, :]
@@ -74,36 +73,22 @@ def _key_mask(attention_mask: torch.Tensor, device) -> torch.Tensor:
 class MultiheadAttention(nn.Module):
     """Self- or cross-attention through ``F.scaled_dot_product_attention``.
 
-    Self-attention uses one fused ``query_key_value`` projection laid out head-major,
-    ``[num_heads, 3, head_size]`` flattened (Megatron's layout), so splitting its output features
-    evenly over tensor-parallel ranks hands every rank whole heads with their own q, k and v; the
-    forward reshapes with ``-1`` heads, so it runs unchanged on a rank holding only its share.
-    ``dense`` is row-parallel (its partial outputs are summed by the plan). Cross-attention
-    (``is_cross_attention=True``) uses a column-parallel ``query`` over the decoder states and a
-    fused ``key_value`` (``[num_heads, 2, head_size]``) over ``encoder_states``.
+    Self-attention uses one fused ``query_key_value`` projection laid out head-major (Megatron's
+    ``[num_heads, 3, head_size]``), so an even tensor-parallel split of its outputs gives every rank
+    whole heads; the forward reshapes with ``-1`` heads and runs unchanged on a shard. ``dense`` is
+    row-parallel. Cross-attention uses a column-parallel ``query`` and a fused ``key_value`` over
+    ``encoder_states``. The block needs ``hidden_states`` and ``encoder_states`` whole.
 
-    SBP: projections are split in whole heads; the block needs ``hidden_states`` and
-    ``encoder_states`` whole (a column-parallel projection reads every position) and gives hidden states.
+    ``attn_mask_type`` is ``"causal"`` or ``"padding"``. ``head_size`` defaults to
+    ``hidden_size // num_attention_heads`` and ``softmax_scale`` to ``1/sqrt(head_size)``; T5 sets both.
 
-    ``attn_mask_type``: ``"causal"`` (combined with an ``attention_mask`` if given) or ``"padding"``.
-    ``head_size`` defaults to ``hidden_size // num_attention_heads`` (T5 decouples them);
-    ``softmax_scale`` to ``1/sqrt(head_size)`` (T5 uses 1.0); ``output_layer_init_method`` (for
-    ``dense``) to ``init_method``.
-
-    Grouped-query attention: ``num_key_value_heads`` (default ``num_attention_heads``) heads of keys
-    and values, each shared by ``num_attention_heads // num_key_value_heads`` query heads (one:
-    multi-query). The fused projection is then laid out per key/value group, ``[kv_heads, group + 2,
-    head_size]`` (the group's queries, its key, its value: Megatron's GQA layout), so a
-    tensor-parallel rank holds whole groups, the split counts ``num_key_value_heads``, and a
-    ``KVCache`` stores only the key/value heads. Query head ``h`` reads key/value head ``h // group``,
-    as Hugging Face's ``repeat_kv``. ``qkv_bias`` (default ``bias``) sets the q/k/v projection's bias
-    alone (Qwen2: q/k/v biased, output not). ``rope_theta`` (and ``rope_scaling``) rotate queries and
-    keys by their positions (``RotaryEmbedding``); the angles are computed here, after sequence
-    parallelism has gathered the whole sequence, from ``position_ids`` or the positions after the cache.
-
-    Context parallelism (``libai_lite.parallel.context_parallel``): in a sharded training step a causal
-    self-attention holds its rank's part of the sequence; keys and values are gathered over the cp ranks
-    and masked by global positions (and ``document_ids``).
+    With ``num_key_value_heads`` below ``num_attention_heads`` (grouped-query attention) the fused
+    projection is laid out per key/value group, ``[kv_heads, group + 2, head_size]``, so tensor
+    parallelism splits whole groups and a ``KVCache`` stores only the key/value heads. Query head ``h``
+    reads key/value head ``h // group``. ``qkv_bias`` (default ``bias``) sets the q/k/v bias alone.
+    ``rope_theta`` and ``rope_scaling`` enable rotary embeddings, computed after sequence parallelism
+    has gathered the whole sequence. Under context parallelism keys and values are gathered over the
+    cp ranks and masked by global positions.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states", "encoder_states"))
@@ -179,25 +164,16 @@ class MultiheadAttention(nn.Module):
                 score_buckets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend and project back to ``hidden_size``.
 
-        ``hidden_states`` ``[batch, seq, hidden]``; ``attention_mask``: which keys may be attended
-        (True/1 = attend), ``[batch, key_seq]`` or broadcastable to ``[batch, heads, query_seq,
-        key_seq]``; ``encoder_states`` ``[batch, key_seq, hidden]`` for cross-attention;
-        ``position_bias``: additive score bias (T5), ``[batch or 1, local_heads, query_seq, key_seq]``.
-        ``kv_cache``: self-attention appends this call's keys and values and attends over everything
-        cached (``hidden_states`` are then the new positions only, mask and bias cover all keys);
-        cross-attention projects ``encoder_states`` into an empty cache once and reuses it.
-        ``position_ids`` ``[batch or 1, seq]`` of the new positions for rotary embeddings (default: those
-        after the cached ones), applied to queries and keys before the keys are cached.
-        ``document_ids`` ``[batch, seq]`` (packed documents, self-attention without a cache): a query
-        attends only to keys of its own document (``document_mask``).
-
-        ``attention_mask`` may instead be an ``AttentionMask`` built once per batch (it then says all that
-        is masked: causality, window and padding included), and the score bias may come as a table:
-        ``score_table`` ``[num_buckets, local_heads]`` and ``score_buckets`` ``[query_seq + key_seq - 1]``, the
-        bucket of each key-minus-query diagonal (a relative position bias, T5's), add
-        ``score_table[score_buckets[k - q + query_seq - 1], h]``. Either goes through FlexAttention where
-        ``flex_enabled`` says so (CUDA, no active attention dropout, no cache), else the same mask and bias
-        densely.
+        ``hidden_states`` ``[batch, seq, hidden]``. ``attention_mask`` marks keys that may be attended
+        (True/1), ``[batch, key_seq]`` or broadcastable to ``[batch, heads, query_seq, key_seq]``, or is an
+        ``AttentionMask`` that then says everything masked. ``position_bias`` is an additive score bias
+        ``[batch or 1, local_heads, query_seq, key_seq]``. With ``kv_cache``, self-attention appends the new
+        positions and attends over all cached keys; cross-attention fills the cache once from
+        ``encoder_states``. ``position_ids`` ``[batch or 1, seq]`` default to the positions after the cache.
+        ``document_ids`` ``[batch, seq]`` restrict each query to its own packed document (no cache).
+        ``score_table`` ``[num_buckets, local_heads]`` with ``score_buckets`` ``[query_seq + key_seq - 1]``
+        add ``score_table[score_buckets[k - q + query_seq - 1], h]``, a relative position bias. Masks and
+        tables go through FlexAttention where ``flex_enabled`` allows it, else densely.
         """
         bsz, q_len, _ = hidden_states.shape
         if document_ids is not None:
@@ -239,8 +215,7 @@ class MultiheadAttention(nn.Module):
 
         cp = self.context_parallel
         if cp is not None and cp.enabled:
-            # Context parallelism: this rank holds part of the sequence; keys and values (rotated by
-            # their own global positions above) are gathered whole, the mask built from global positions.
+            # Keys were rotated by their global positions above; the mask uses global positions too.
             if kv_cache is not None or attention_mask is not None or position_bias is not None \
                     or score_table is not None:
                 raise ValueError("context-parallel attention takes no KV cache, attention_mask or position_bias")
@@ -345,8 +320,7 @@ class MultiheadAttention(nn.Module):
             mask = _key_mask(attention_mask, query.device)
             keep = mask if keep is None else keep & mask
 
-        # An additive float mask with a finite floor keeps rows with no visible key
-        # finite (uniform weights) instead of NaN, which a boolean mask would give.
+        # A finite floor keeps rows with no visible key finite, where a boolean mask would give NaN.
         bias = torch.zeros((), dtype=query.dtype, device=query.device)
         if position_bias is not None:
             bias = bias + position_bias.to(query.dtype)

@@ -1,9 +1,8 @@
 """Attention masks built once per batch, and T5's relative bias read inside the kernel, for FlexAttention.
 
-A mask or a bias forces SDPA off its flash kernel and makes every layer read (for a learnable bias, also
-write the gradient of) a ``[batch, heads, query, key]`` tensor. FlexAttention takes a ``BlockMask``, built
-once per batch and shared by every layer, and a ``score_mod``: T5's ``[num_buckets, heads]`` table is
-gathered once per layer into one row per key-minus-query diagonal, which the kernel indexes by position.
+A mask or bias forces SDPA off its flash kernel and makes every layer read a ``[batch, heads, query, key]``
+tensor. FlexAttention instead takes a ``BlockMask`` shared by every layer and a ``score_mod`` that reads
+one bias row per key-minus-query diagonal.
 
 Backends (``attention_backend``, else ``$LIBAI_LITE_ATTENTION``): ``auto`` runs flex compiled on CUDA
 and, elsewhere, the same mask and bias materialised through SDPA (the CPU has no flex backward); ``flex``
@@ -70,23 +69,20 @@ def current_backend() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
-    # Created once: every call site shares one compiled function (and its cache of kernels per shape).
+    # One compiled function, so every call site shares its kernel cache.
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _tracing() -> bool:
-    # Under torch.compile or a dispatch mode (the memory planner's FakeTensorMode, an op counter) a
-    # tensor is a fake or traced one: nothing built there may be kept for a later real step.
+    # Under torch.compile or a dispatch mode tensors are fake or traced and must not be kept.
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def relative_bias(rows: torch.Tensor, q_len: int):
-    """FlexAttention's ``score_mod`` adding ``rows[kv_idx - q_idx + q_len - 1, h]``: ``rows``
+    """FlexAttention's ``score_mod`` adding ``rows[kv_idx - q_idx + q_len - 1, h]``, where ``rows``
     ``[q_len + k_len - 1, heads]`` holds one bias per key-minus-query diagonal.
 
-    The index is integer arithmetic on the tile's positions (nothing captured is read to find it), and
-    flex bounds ``q_idx``/``kv_idx`` to the real lengths, so it stays in ``[0, q_len + k_len - 1)``. A
-    factory, so every call hands flex a closure of the same code object (no recompilation per layer).
+    A factory, so every layer hands flex a closure of the same code object and nothing recompiles.
     """
     offset = int(q_len) - 1
 
@@ -135,15 +131,13 @@ def dense_bias(table: torch.Tensor, buckets: torch.Tensor, q_len: int) -> torch.
 class AttentionMask:
     """Which keys each query may attend, for every layer of one batch: built once, read by all.
 
-    The conditions combine (all must hold): ``causal`` (a query sees keys at or before it, the queries
-    being the last ``q_len`` of ``k_len`` positions), ``window`` (and fewer than ``window`` positions
-    before it: Mistral's sliding window), ``document_ids`` ``[batch, seq]`` (only keys of its own
-    document: packed documents), ``key_padding`` ``[batch, k_len]`` (True = a real key) and ``keep``, any
-    boolean mask broadcastable to ``[batch, heads, q_len, k_len]`` (True = attend).
+    All given conditions must hold. With ``causal`` a query sees keys at or before it, the queries being
+    the last ``q_len`` of ``k_len`` positions; ``window`` also limits it to fewer than ``window`` positions
+    back. ``document_ids`` ``[batch, seq]`` keep it to its own document, ``key_padding`` ``[batch, k_len]``
+    marks real keys, and ``keep`` is any boolean mask broadcastable to ``[batch, heads, q_len, k_len]``.
 
-    ``prepare(flex)`` builds the form attention will read outside any compiled region: ``block_mask``
-    for FlexAttention, ``keep_mask`` (``[batch or 1, 1 or heads, q_len, k_len]`` bool, None when nothing
-    is masked) for SDPA. Either is built on first use otherwise, and kept.
+    ``prepare(flex)`` builds ``block_mask`` or ``keep_mask`` outside any compiled region; otherwise they
+    are built on first use and kept.
     """
 
     def __init__(self, q_len: int, k_len: int, *, causal: bool = False, window: Optional[int] = None,
@@ -260,12 +254,10 @@ class AttentionMask:
         return self._keep_mask
 
     def dense_bias(self, table: Optional[torch.Tensor], buckets: Optional[torch.Tensor], dtype) -> torch.Tensor:
-        """This mask and the relative bias of ``table`` through the diagonal ``buckets`` ``[q + k - 1]``
-        (``dense_bias``) as one additive SDPA mask ``[batch or 1, heads, q, k]``.
+        """This mask and ``table``'s relative bias through ``buckets`` ``[q + k - 1]`` as one additive SDPA
+        mask ``[batch or 1, heads, q, k]``. Masked scores get ``finfo.min``, so an empty row is not NaN.
 
-        Masked scores get a finite floor (``finfo.min``): a row with no visible key gets uniform
-        weights, not NaN. Built in each layer, not kept for the next: activation checkpointing
-        recomputes a layer from its inputs and must save the same tensors as its forward did.
+        Not kept between layers: activation checkpointing must recompute the same saved tensors.
         """
         return self.additive(None if table is None else dense_bias(table, buckets, self.q_len), dtype)
 
@@ -315,9 +307,8 @@ def shared_mask(q_len: int, k_len: int, *, causal: bool, window: Optional[int], 
                 device, flex: bool) -> AttentionMask:
     """The ``AttentionMask`` every layer of one step asks for, built by the first and handed to the others.
 
-    One entry is kept (the last batch's, holding its ``document_ids``): a layer passing the same
-    ``document_ids`` tensor, unmodified, and the same shape gets the same mask. Inside a compiled region
-    each call builds its own (a kept tensor there would be a tracing artifact).
+    Only the last batch's mask is kept; a call with the same unmodified ``document_ids`` tensor and shape
+    reuses it. Under tracing each call builds its own, since a kept traced tensor would be invalid.
     """
     def build():
         return AttentionMask(q_len, k_len, causal=causal, window=window, document_ids=document_ids, device=device)
@@ -335,11 +326,9 @@ def shared_mask(q_len: int, k_len: int, *, causal: bool, window: Optional[int], 
 def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[AttentionMask] = None,
                 table: Optional[torch.Tensor] = None, buckets: Optional[torch.Tensor] = None,
                 scale: Optional[float] = None) -> torch.Tensor:
-    """FlexAttention over ``[batch, heads, seq, head_size]`` with ``mask``'s block mask and, given ``table``
-    ``[num_buckets, heads]`` and ``buckets`` ``[q_len + k_len - 1]`` (the bucket of each key-minus-query
-    diagonal), the score bias ``table[buckets[k - q + q_len - 1], h]`` (its gradient reaches ``table``).
-    Compiled on CUDA, eager elsewhere (the CPU has no flex backward). A compiled kernel that fails at its
-    first use falls back to ``dense_attend`` (see the module docstring)."""
+    """FlexAttention over ``[batch, heads, seq, head_size]`` with ``mask`` and, given ``table``
+    ``[num_buckets, heads]`` and ``buckets`` ``[q_len + k_len - 1]``, the score bias
+    ``table[buckets[k - q + q_len - 1], h]``. A kernel that fails at first use falls back to ``dense_attend``."""
     if (table is None) != (buckets is None):
         raise ValueError("a table bias needs both table and buckets")
     q_len, k_len = query.shape[-2], key.shape[-2]
@@ -355,9 +344,8 @@ def flex_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 
 def dense_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Optional[torch.Tensor],
                  mask: Optional[AttentionMask], scale: Optional[float]) -> torch.Tensor:
-    """What ``flex_attend`` computes, through SDPA with the mask and the ``rows`` bias materialised
-    (``[q + k - 1, heads]``, or None): the dense path of a flex kernel that failed. A query that sees no
-    key gets zeros, as from flex."""
+    """What ``flex_attend`` computes, through SDPA with the mask and ``rows`` ``[q + k - 1, heads]``
+    materialised. A query that sees no key gets zeros, as from flex."""
     keep = None if mask is None else mask.keep_mask
     if rows is None and (keep is None or mask.sees_itself):
         attn_mask = keep  # boolean: no row is empty
