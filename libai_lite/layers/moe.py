@@ -1,15 +1,13 @@
 """Mixture-of-experts feed-forward layer: a learned router sends each token to its top-k experts.
 
-Switch Transformer (top-1) and GShard (top-2) routing as DeepSpeed-MoE and Megatron-LM do it: an fp32
-router; top-1 weights the chosen expert's output by its probability, top-k > 1 renormalises the k
-chosen ones; every expert is the model's ordinary ``MLP``; each takes at most ``ceil(capacity_factor *
-tokens * k / num_experts)`` assignments of a rank's micro-batch (a dropped one contributes nothing);
-the load-balancing loss is ``num_experts * sum_e f_e * P_e`` (Switch eq. 4), 1 at perfect balance.
+Switch (top-1) and GShard (top-2) routing with an fp32 router. Top-1 weights the chosen expert by its
+probability; top-k > 1 renormalises the k chosen ones. Every expert is an ordinary ``MLP`` and takes at
+most ``ceil(capacity_factor * tokens * k / num_experts)`` assignments; dropped ones contribute nothing.
+The load-balancing loss ``num_experts * sum_e f_e * P_e`` is 1 at perfect balance.
 
-A drop-in for ``MLP``: ``collect_moe_outputs(model)`` adds its auxiliary loss and statistics to the
-model's output dict. In a pipeline stage (``backprop_aux_loss``) it back-propagates its own auxiliary
-loss through an identity on its output (Megatron-LM's ``MoEAuxLossAutoScaler``). Expert parallelism
-keeps only this rank's experts in ``experts`` (keyed by the GLOBAL index) and sets ``dispatch``.
+A drop-in for ``MLP``; ``collect_moe_outputs(model)`` adds its loss and statistics to the output dict.
+In a pipeline stage the layer back-propagates its own auxiliary loss (``backprop_aux_loss``). Expert
+parallelism keeps only this rank's experts, keyed by global index, and sets ``dispatch``.
 """
 from __future__ import annotations
 
@@ -33,11 +31,10 @@ from .mlp import MLP
 class MoEConfig:
     """``model.cfg.moe``: which feed-forward layers become mixtures of experts, and how they route.
 
-    ``num_experts`` per MoE layer, each token sent to ``top_k`` (1: Switch, 2: GShard); the experts of a
-    layer spread over ``ep_size`` data-parallel ranks; ``capacity_factor``: expert capacity as a multiple
-    of the balanced load (None: no limit); ``aux_loss_weight`` of the load-balancing loss; the N-th,
-    2N-th, ... feed-forward layer of each stack is an MoE layer (``every_n_layers``); ``jitter_noise``:
-    router input multiplied by ``U(1 - eps, 1 + eps)`` while training (0: off).
+    Each token goes to ``top_k`` of ``num_experts``, spread over ``ep_size`` data-parallel ranks.
+    ``capacity_factor`` is a multiple of the balanced load, None for no limit. Every ``every_n_layers``-th
+    feed-forward layer of a stack is an MoE layer. ``jitter_noise`` multiplies the router input by
+    ``U(1 - eps, 1 + eps)`` while training.
     """
 
     enabled: bool = False
@@ -183,9 +180,8 @@ class Experts(nn.ModuleDict):
 
 
 class _AuxLossInBackward(torch.autograd.Function):
-    """Identity on the layer output; its backward adds the weighted auxiliary loss's gradient and
-    records the micro-batch's statistics on the layer (once per micro-batch: under activation
-    checkpointing the recomputed forward's graph is never back-propagated)."""
+    """Identity on the layer output whose backward adds the weighted auxiliary loss's gradient and records
+    the micro-batch's statistics. Recording in backward counts each micro-batch once under checkpointing."""
 
     @staticmethod
     def forward(ctx, output, aux_loss, layer, stats):
@@ -225,8 +221,7 @@ class MoELayer(nn.Module):
             str(e): MLP(hidden_size, ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
             for e in range(moe.num_experts)
         })
-        # How dispatched tokens (or, with a capacity, fixed slots) reach the experts: here, or (set by
-        # libai_lite.parallel.expert_parallel) over the expert-parallel group and back.
+        # Replaced by libai_lite.parallel.expert_parallel to exchange tokens over the expert-parallel group.
         self.dispatch = _local_experts
         self.run_slots = _local_slots
         self.ep_size = 1
@@ -237,9 +232,8 @@ class MoELayer(nn.Module):
         self.step_records: list[dict] = []
 
     def backprop_aux_loss(self, grad_scale: float) -> None:
-        """From now on back-propagate the weighted auxiliary loss from this layer's output (its gradient
-        times ``grad_scale``, the fp16 loss scale) and record each micro-batch's statistics in
-        ``step_records`` in backward: a pipeline stage returns hidden states, not the auxiliary loss."""
+        """Back-propagate the weighted auxiliary loss, times the fp16 loss scale ``grad_scale``, from this
+        layer's output and record statistics in ``step_records``, since a pipeline stage returns no loss."""
         self.aux_loss_in_backward = True
         self.aux_grad_scale = float(grad_scale)
         self.step_records = []
@@ -255,9 +249,8 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor)
         aux_loss = load_balancing_loss(routing.probs, routing.load)
-        # Fixed slots need no host read. Across expert-parallel ranks they also need the same token count on
-        # every rank (the built-in loaders' fixed shapes in training); evaluation may batch each rank's data to
-        # its own length, so there the exchange sizes its pieces by the routing.
+        # Fixed slots avoid a host read but need equal token counts on every expert-parallel rank, which
+        # only training guarantees.
         if self.capacity_factor is not None and (self.run_slots is _local_slots or torch.is_grad_enabled()):
             out = self._fixed_capacity(x, routing)
         else:
@@ -275,9 +268,8 @@ class MoELayer(nn.Module):
         return out
 
     def _fixed_capacity(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The experts on ``[capacity, hidden]`` slots each (unused slots zero), with no host read: every
-        shape is known before the routing is. Kept assignment ``(t, j)`` fills slot ``position`` of its
-        expert; dropped ones go to one spare slot whose output is never read."""
+        """The experts on ``[capacity, hidden]`` zero-filled slots each, so no shape depends on the routing.
+        Dropped assignments go to one spare slot whose output is never read."""
         num_experts, capacity, k = self.num_experts, routing.capacity, self.top_k
         keep = routing.keep.reshape(-1)
         flat_expert = routing.expert_index.reshape(-1)
@@ -325,16 +317,14 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-# How the trainer treats the entries ``collect_moe_outputs`` adds to a model's outputs
-# (``libai_lite.model``): the weighted auxiliary loss is back-propagated, the statistics logged.
+# How the trainer treats the entries ``collect_moe_outputs`` adds to a model's outputs.
 MOE_METRICS = {"moe_aux_loss": LOSS, "moe_dropped_frac": MEAN, "moe_load_max": MEAN}
 
 
 def collect_moe_outputs(model: nn.Module) -> dict:
-    """The MoE entries of a pretraining model's output dict from the layers' last forward (``{}`` when
-    dense): ``moe_aux_loss``, the weighted load-balancing losses summed (back-propagated);
-    ``moe_dropped_frac``, dropped / all assignments; ``moe_load_max``, the largest max/mean expert load
-    before capacity (1.0: perfect balance). Statistics are this rank's tokens."""
+    """The MoE entries of a model's output dict from the layers' last forward, ``{}`` when dense.
+    ``moe_aux_loss`` sums the weighted losses, ``moe_dropped_frac`` is dropped over all assignments, and
+    ``moe_load_max`` is the largest max/mean expert load before capacity. Statistics cover this rank."""
     layers = [m for m in moe_layers(model) if m.aux_loss is not None]
     if not layers:
         return {}

@@ -62,9 +62,8 @@ def check_zero1(tensor_parallel: bool = False, expert_parallel: bool = False) ->
 
 def wrap_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy=None, offload_policy=None,
                  reshard_after_forward: bool | None = None) -> None:
-    """Each MoE layer's experts reduced over their edp group, averaged over all dp ranks: FSDP2 ``replicate``
-    (ZeRO 0, ``reshard_after_forward`` None) or ``fully_shard`` (ZeRO 2/3); the dense wrapper then leaves
-    them alone."""
+    """Wrap each MoE layer's experts to reduce over ``edp_mesh`` and average over all dp ranks, with FSDP2
+    ``replicate`` when ``reshard_after_forward`` is None, else ``fully_shard``."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
@@ -76,9 +75,8 @@ def wrap_experts(model: nn.Module, edp_mesh: DeviceMesh, dp_size: int, mp_policy
         # replicate divides by the factor before its all-reduce (a SUM): gloo-safe as it is.
         experts.set_gradient_divide_factor(float(dp_size))
         if reshard_after_forward is not None and edp_mesh.size() > 1:
-            # A factor other than the group size makes FSDP reduce-scatter with NCCL's PREMUL_SUM,
-            # which gloo lacks; forcing SUM divides afterwards. (On a one-rank mesh FSDP divides
-            # by the factor itself, and forcing SUM would divide a second time.)
+            # Any other factor than the group size makes FSDP use NCCL's PREMUL_SUM, which gloo lacks.
+            # On a one-rank mesh FSDP divides by itself, so forcing SUM there would divide twice.
             experts.set_force_sum_reduction_for_comms(True)
 
 
@@ -129,13 +127,10 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
                         expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Make ``model`` data parallel over ``dp_mesh`` at the given ZeRO stage; returns the module to train.
 
-    Stage 0/1 return a ``DistributedDataParallel`` wrapper (or, for DTensor parameters, a pipeline
-    stage or experts on ``expert_mesh``, the model under FSDP2 ``replicate``), or the model itself at
-    dp=1; stage 1 also needs ``build_zero1_optimizer``. Stage 2/3 shard in place with FSDP2 (even at
-    dp=1 with ``offload``, which needs FSDP's parameter movement; at dp=1 without it there is nothing to
-    shard, so the model runs plain, autocast doing the mixed precision). Apply tensor parallelism and activation
-    checkpointing first. ``expert_mesh``: the expert-data-parallel mesh of
-    ``expert_parallel.apply_expert_parallel``, over which experts are reduced instead of ``dp_mesh``.
+    Stage 0/1 wrap it in DDP, or in FSDP2 ``replicate`` for DTensor parameters, pipeline stages and
+    experts; stage 1 also needs ``build_zero1_optimizer``. Stage 2/3 shard in place with FSDP2. At dp=1
+    the model runs plain unless ``offload`` needs FSDP. Apply tensor parallelism and activation
+    checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
@@ -149,9 +144,7 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
             return model
         return apply_replicate(model, dp_mesh) if dtensor_params or pipeline else apply_ddp(model, dp_mesh)
     if dp_size == 1 and not offload:
-        # FSDP over a group of one only adds per-layer gather/free work and parameter casts; the plain
-        # model's state dict reads and writes the same checkpoints (DCP's get_state_dict), so a run
-        # can resume under FSDP at dp > 1 and back.
+        # FSDP over one rank only adds work; the plain model's checkpoints stay interchangeable with FSDP's.
         logger.info(f"ZeRO stage {stage} at data-parallel size 1 without offload: nothing to shard, training the "
                     f"plain model (no FSDP)")
         return model
@@ -164,11 +157,9 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
 class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     """ZeRO-1 whose state_dict is this rank's shard under global parameter indices, for DCP.
 
-    Upstream ``state_dict()`` only works after gathering every rank's state to one rank, and its
-    ``.state`` stays empty, which makes DCP's ``get_state_dict`` run a fake zero-gradient step
-    (advancing Adam's moments) on every save. Here ``.state`` is the local optimizer's state and
-    ``state_dict()`` holds the owned parameters' states plus an empty entry for every other one, so
-    DCP writes each state once, from its owner, loadable under any layout.
+    Upstream's empty ``.state`` makes DCP's ``get_state_dict`` run a fake step that advances Adam's
+    moments on every save. Here ``.state`` is the local optimizer's, and ``state_dict()`` holds the owned
+    states plus empty entries, so DCP writes each state once from its owner.
     """
 
     def _broadcast_params_from_rank(self, rank: int):

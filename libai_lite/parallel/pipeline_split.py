@@ -1,15 +1,12 @@
 """Cutting a model into pipeline stages by the ``layer_idx`` its pieces declare, and its tied weights.
 
-A stage keeps the pieces of ``model.pipeline_module()`` whose layer the layout places on it: layer
-containers (``nn.ModuleDict`` keyed by the global layer index), pieces carrying ``layer_idx`` (embeddings
-on 0, a final norm and LM head on the last) and pieces without parameters, which every stage keeps. A
-stage's forward skips the pieces set to None, or the module defines ``pipeline_forward`` (an encoder-decoder).
+A stage keeps the pieces of ``model.pipeline_module()`` that the layout places on it: entries of layer
+``nn.ModuleDict``s keyed by global layer index, pieces with a ``layer_idx``, and parameterless pieces,
+which every stage keeps. A stage's forward skips pieces set to None, unless it defines ``pipeline_forward``.
 
-Tied embeddings (Megatron's scheme): ``model.pipeline_tied`` names ``(source, copy)`` parameter paths.
-On different ranks the copy is the last stage's own Parameter; ``sync_tied_weight_grads`` sums both
-copies' gradients over {first-stage rank, last-stage rank} of each (dp, tp) coordinate, so both take
-identical updates. A rank holding the copy without the source reads its checkpoint entries from the
-source's (``tied_checkpoint_aliases``), with the optimizer state flattened.
+Tied embeddings: ``model.pipeline_tied`` names ``(source, copy)`` parameter paths. On different ranks
+``sync_tied_weight_grads`` sums both copies' gradients over the first and last stage ranks, so both take
+identical updates. A rank holding only the copy loads it from the source's checkpoint entries.
 """
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     return out
 
 
-# Schedules whose two stages per rank sit on a V: rank r runs stages r and 2 * pp - 1 - r, so the first
-# and the last stage share rank 0 and each rank's second stage feeds its neighbour back up the V.
+# Rank r runs stages r and 2 * pp - 1 - r, so the first and last stage share rank 0.
 V_SHAPE_SCHEDULES = frozenset({"zbv_zero_bubble", "dualpipev"})
 
 
@@ -299,12 +295,9 @@ def tied_checkpoint_aliases(model_view: nn.Module, tied: tuple[str, str] | None)
 
 
 def tied_copies_with_source(model_view: nn.Module, tied: tuple[str, str] | None) -> dict[str, str]:
-    """``{copy FQN: source FQN}`` when this rank holds both the copy and the source of ``tied`` as separate
-    parameters (a V-shaped schedule puts the first and the last stage on rank 0), else ``{}``.
-
-    A checkpoint saved where the two were one parameter (one process, or any unpipelined layout) holds
-    the optimizer state once, under the source: the copy's is filled from it at load.
-    """
+    """``{copy FQN: source FQN}`` when this rank holds the copy and the source of ``tied`` as separate
+    parameters, as under a V-shaped schedule, else ``{}``. An unpipelined checkpoint holds the optimizer
+    state once, under the source, and the copy's is filled from it at load."""
     if not tied:
         return {}
     tied_source, tied_copy = tied
@@ -321,8 +314,8 @@ def alias_state_dict_keys(state: dict, aliases: dict[str, str]) -> dict:
     """Rename keys of a model state dict, a flattened optimizer state dict (``state.FQN.x``,
     ``param_groups.FQN.x``) or a dict of those (``{"model": ..., "optim": ...}``) by ``aliases``.
 
-    Apply before ``dcp.load`` and the inverse afterwards, before ``set_state_dict``: the tensors
-    are the same objects, so what DCP loads under the alias lands in the copy.
+    Apply before ``dcp.load`` and the inverse before ``set_state_dict``; the tensors are shared, so what
+    DCP loads under the alias lands in the copy.
     """
     if not aliases:
         return state
