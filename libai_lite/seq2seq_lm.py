@@ -1,13 +1,10 @@
-"""What every encoder-decoder language model gives the engine the same way: its loss with token accuracy,
-the LM head's three outputs, generation and the model protocol (``libai_lite.model``); a project keeps its
-embedding, layers, position scheme and FLOPs.
+"""The parts every encoder-decoder language model shares: loss with token accuracy, the LM head, generation
+and the model protocol of ``libai_lite.model``. A project keeps its embedding, layers and FLOPs.
 
-``Seq2SeqLM`` (the network, e.g. ``MT5Model``) asks for ``embedding`` and ``lm_head`` (None on a pipeline
-stage without them), ``decoder_layers`` (an ``nn.ModuleDict`` of layers taking ``kv_cache=`` and
-``cross_kv_cache=``), ``vocab_size``, ``fused_cross_entropy``, ``pipeline_num_layers``, and
-``pipeline_forward(*carried, encoder_attn_mask, decoder_attn_mask, encoder_decoder_attn_mask,
-skip_lm_head, lm_labels)`` (one stage; the whole model is one stage), ``encode`` and ``decode``.
-``Seq2SeqLMForPreTraining`` adds ``Seq2SeqLMLoss`` and reads the span-corruption batch's keys.
+A ``Seq2SeqLM`` subclass provides ``embedding`` and ``lm_head`` (None on a pipeline stage without them),
+``decoder_layers`` taking ``kv_cache=`` and ``cross_kv_cache=``, ``vocab_size``, ``fused_cross_entropy``,
+``pipeline_num_layers``, ``pipeline_forward``, ``encode`` and ``decode``. ``Seq2SeqLMForPreTraining``
+adds ``Seq2SeqLMLoss`` and reads the span-corruption batch's keys.
 """
 from __future__ import annotations
 
@@ -27,11 +24,10 @@ MASK_KEYS = ("encoder_attn_mask", "decoder_attn_mask", "encoder_decoder_attn_mas
 
 
 def label_is_top1(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Bool ``labels.shape``: whether each label's logit is the largest of its row (ties count as correct).
+    """Bool ``labels.shape``, True where the label's logit is the row's largest; ties count as correct.
 
-    "Gathered logit >= row max" rather than ``argmax``: on logits sharded over the vocabulary ``gather``
-    and ``amax`` exchange one value per token, where ``argmax`` would all-gather the logits. Labels must
-    be valid ids (replace ignored ones first).
+    Compares with the row max instead of ``argmax`` so vocab-sharded logits exchange one value per token.
+    Labels must be valid ids.
     """
     index = labels.unsqueeze(-1)
     if isinstance(logits, DTensor):
@@ -52,10 +48,9 @@ def label_is_top1(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Seq2SeqLMLoss(nn.Module):
     """Token-averaged cross entropy over the decoder positions whose label is not ``ignore_index``.
 
-    Returns ``lm_loss`` (back-propagated), ``num_tokens`` (count of scored tokens), ``nll_sum`` (detached
-    sum of their NLL: perplexity over batches or ranks is ``exp(sum(nll_sum) / sum(num_tokens))``) and
-    ``token_acc`` (detached fraction of scored tokens whose label is the top-1 prediction). Logits may be
-    vocab-sharded DTensors (run it under ``loss_parallel()`` then, as ``ParallelCrossEntropyLoss`` says).
+    Returns ``lm_loss``, the count ``num_tokens``, the detached ``nll_sum`` from which perplexity over
+    ranks is ``exp(sum(nll_sum) / sum(num_tokens))``, and ``token_acc``, the detached top-1 accuracy.
+    Vocab-sharded DTensor logits need ``loss_parallel()``.
     """
 
     def __init__(self, ignore_index: int = -100):
@@ -105,11 +100,10 @@ class Seq2SeqLM(LanguageModel):
     ) -> torch.Tensor:
         """Encode, decode and project to the vocabulary: logits ``[batch, dec_seq, vocab]``.
 
-        Ids are ``[batch, enc_seq]`` / ``[batch, dec_seq]``. ``encoder_attn_mask``: encoder padding, 1/True =
-        real token, ``[batch, enc_seq]`` (or LiBai's ``[batch, enc_seq, enc_seq]``, or 4-D);
-        ``decoder_attn_mask``: decoder padding (causality is added); ``encoder_decoder_attn_mask``: the
-        encoder positions the decoder may attend to (``[batch, enc_seq]`` or ``[batch, dec_seq, enc_seq]``;
-        None takes a 2-D ``encoder_attn_mask``, as Hugging Face does). ``skip_lm_head``: see ``head``.
+        Ids are ``[batch, enc_seq]`` and ``[batch, dec_seq]``. Masks mark real tokens with 1/True.
+        ``encoder_attn_mask`` is ``[batch, enc_seq]``, LiBai's ``[batch, enc_seq, enc_seq]`` or 4-D;
+        ``decoder_attn_mask`` gets causality added. ``encoder_decoder_attn_mask`` defaults to a 2-D
+        ``encoder_attn_mask``, as in Hugging Face. ``skip_lm_head`` is as in ``head``.
         """
         return self.pipeline_forward(
             encoder_input_ids, decoder_input_ids, encoder_attn_mask=encoder_attn_mask,
@@ -144,11 +138,9 @@ class Seq2SeqLM(LanguageModel):
         """Decode from ``decoder_start_token_id`` given the encoder input; returns the decoder ids
         ``[batch, 1 + new]``, start token first, as Hugging Face does.
 
-        ``encoder_input_ids`` of different lengths are right-padded with ``encoder_attn_mask`` 0 on the
-        padding. The encoder runs once; with ``use_cache`` each decoder step feeds one token, its
-        self-attention keys and values are cached and the encoder's are projected once per layer.
-        ``vocab_size`` and ``options`` (``do_sample``, ``temperature``, ...) are as in
-        ``libai_lite.decoder_lm.DecoderLM.generate`` and ``libai_lite.inference.decode``.
+        Right-pad ``encoder_input_ids`` of different lengths and mark the padding 0 in ``encoder_attn_mask``.
+        With ``use_cache`` each decoder step feeds one token. ``vocab_size`` and ``options`` are as in
+        ``libai_lite.inference.decode``.
         """
         from .inference import decode, eval_mode, gather_logits, tensor_parallel_group
 
@@ -178,9 +170,8 @@ class Seq2SeqLM(LanguageModel):
 class Seq2SeqLMForPreTraining(LMForPreTraining):
     """A ``Seq2SeqLM`` with its pretraining loss, answering the model protocol (``libai_lite.model``).
 
-    ``forward`` takes the span-corruption batch as keyword arguments. With ``labels`` (``[batch, dec_seq]``,
-    -100 where nothing is predicted) it returns ``{"lm_loss", "num_tokens", "nll_sum", "token_acc"}`` (see
-    ``Seq2SeqLMLoss``), plus the MoE layers' outputs; without, ``{"logits"}``.
+    ``forward`` takes the span-corruption batch as keyword arguments. With ``labels`` ``[batch, dec_seq]``,
+    -100 where nothing is predicted, it returns ``Seq2SeqLMLoss``'s dict plus MoE outputs, else ``{"logits"}``.
     """
 
     loss_metrics = {"lm_loss": LOSS, "token_acc": MEAN}
@@ -236,8 +227,8 @@ class Seq2SeqLMForPreTraining(LMForPreTraining):
         return self.loss_func(output, labels)
 
     def generate(self, encoder_input_ids: torch.Tensor, encoder_attn_mask: Optional[torch.Tensor] = None, **options):
-        """Decode for the encoder input; ``Seq2SeqLM.generate`` lists the options (``decoder_start_token_id``, ...).
-        Its parameters name the encoder's inputs: that is how callers tell an encoder-decoder's generate."""
+        """Decode for the encoder input with ``Seq2SeqLM.generate``'s options. Callers tell an encoder-decoder
+        by these parameter names."""
         return self.inner.generate(encoder_input_ids, encoder_attn_mask, **options)
 
     @torch.no_grad()
