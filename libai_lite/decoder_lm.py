@@ -1,13 +1,10 @@
-"""What every decoder-only language model gives the engine the same way: its loss, the end of its
-forward, generation and the model protocol (``libai_lite.model``); a project keeps its embeddings,
-layers, head and FLOPs.
+"""The parts every decoder-only language model shares: loss, the end of its forward, generation and the
+model protocol of ``libai_lite.model``. A project keeps its embeddings, layers, head and FLOPs.
 
-``DecoderLM`` (the network: ``GPTModel``, ``LlamaModel``) asks for ``embeddings``, ``layers`` (an
-``nn.ModuleDict`` of layers taking ``kv_cache=``), ``final_layernorm``, ``lm_head``, ``vocab_size``,
-``max_seq_length``, ``hidden_layers``, ``fused_cross_entropy`` and a ``forward(input_ids, attention_mask,
-position_ids, kv_caches, logits_to_keep, lm_labels, document_ids)`` that ends in ``norm_and_head``.
-``DecoderLMForPreTraining`` adds ``CausalLMLoss``; a project's wrapper only builds its decoder and names
-the attribute holding it.
+A ``DecoderLM`` subclass provides ``embeddings``, ``layers`` taking ``kv_cache=``, ``final_layernorm``,
+``lm_head``, ``vocab_size``, ``max_seq_length``, ``hidden_layers``, ``fused_cross_entropy`` and a
+``forward(input_ids, attention_mask, position_ids, kv_caches, logits_to_keep, lm_labels, document_ids)``
+that ends in ``norm_and_head``. ``DecoderLMForPreTraining`` adds ``CausalLMLoss``.
 """
 from __future__ import annotations
 
@@ -27,11 +24,9 @@ from .utils.errors import UsageError
 class CausalLMLoss(nn.Module):
     """Token-averaged LM loss plus the sums needed for token-weighted perplexity across ranks.
 
-    Labels equal to ``ignore_index`` (-100) do not count; ``loss_mask`` (1 keep / 0 drop,
-    or fractional weights) multiplies each token's loss. Returns ``lm_loss`` (to
-    back-propagate), ``num_tokens`` (LongTensor count of tokens with non-zero weight)
-    and ``nll_sum`` (detached weighted sum of token NLLs): perplexity over many batches
-    or ranks is ``exp(sum(nll_sum) / sum(num_tokens))`` for 0/1 masks.
+    Labels equal to ``ignore_index`` do not count, and ``loss_mask`` weights each token's loss. Returns
+    ``lm_loss``, ``num_tokens`` with non-zero weight, and the detached ``nll_sum``; with 0/1 masks
+    perplexity over ranks is ``exp(sum(nll_sum) / sum(num_tokens))``.
     """
 
     def __init__(self, ignore_index: int = -100):
@@ -49,7 +44,7 @@ class CausalLMLoss(nn.Module):
         if loss_mask is not None:
             weights = weights * loss_mask.to(per_token.dtype)
         nll_sum = (per_token * weights).sum()
-        # A batch with nothing to predict yields 0, not NaN (0 / tiny == 0).
+        # A batch with nothing to predict yields 0, not NaN.
         lm_loss = nll_sum / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
         return {"lm_loss": lm_loss, "num_tokens": (weights != 0).sum(), "nll_sum": nll_sum.detach()}
 
@@ -64,10 +59,9 @@ class DecoderLM(LanguageModel):
 
     def norm_and_head(self, hidden_states: torch.Tensor, logits_to_keep: int = 0,
                       lm_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The end of ``forward`` after the last layer: the last ``logits_to_keep`` positions (> 0),
-        the final norm and the LM head where this pipeline stage has them (hidden states come out
-        otherwise), and with ``lm_labels`` and a head that fuses, the per-token loss ``[batch, seq]``
-        (fp32) instead of the logits: the pretraining loss and a pipeline's last stage never hold them."""
+        """The end of ``forward``: keep the last ``logits_to_keep`` positions if > 0, then apply the final norm
+        and LM head where this stage has them. With ``lm_labels`` and a fusing head it returns the fp32
+        per-token loss ``[batch, seq]`` instead, so the full logits are never held."""
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.final_layernorm is not None:
@@ -83,16 +77,11 @@ class DecoderLM(LanguageModel):
                  max_new_tokens: int = 20, use_cache: bool = True, vocab_size: Optional[int] = None, **options):
         """Continue the prompts ``input_ids`` ``[batch, len]``; returns ``[batch, len + new]`` ids.
 
-        Prompts of different lengths are left-padded, with ``attention_mask`` 0 on the padding
-        (``libai_lite.inference.pad_prompts``); positions count from each row's first real token,
-        as Hugging Face does. ``use_cache`` keeps every layer's keys and values (an attention with
-        fewer key/value heads caches only those) so each step feeds one token; without it each step
-        re-reads the whole sequence (same tokens, slower). ``vocab_size`` is the tokenizer's real
-        size: ids from it up to the padded embedding size are never produced (default: the model's
-        whole, padded vocabulary). ``options`` are ``libai_lite.inference.decode``'s (``do_sample``,
-        ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``,
-        ``pad_token_id``, ``generator``, ``return_logits``). Runs in eval mode, also on a
-        tensor-parallel model (every rank must call it with the same arguments).
+        Left-pad prompts of different lengths and mark the padding 0 in ``attention_mask``; positions count
+        from each row's first real token. ``use_cache`` keeps keys and values so each step feeds one token.
+        ``vocab_size`` is the tokenizer's real size, so padded embedding rows are never sampled; it defaults
+        to the model's padded vocabulary. ``options`` are ``libai_lite.inference.decode``'s. Under tensor
+        parallelism every rank must call it with the same arguments.
         """
         from .inference import decode, eval_mode, gather_logits, tensor_parallel_group
 
@@ -132,11 +121,9 @@ class DecoderLM(LanguageModel):
 class DecoderLMForPreTraining(LMForPreTraining):
     """A ``DecoderLM`` with its pretraining loss, answering the model protocol (``libai_lite.model``).
 
-    ``forward(input_ids, labels=None, loss_mask=None, position_ids=None, document_ids=None)``: with labels
-    returns ``{"lm_loss", "num_tokens", "nll_sum"}`` (see ``CausalLMLoss``), plus the MoE layers' outputs;
-    without, ``{"logits"}``. Labels are already shifted (``labels[:, t]`` follows ``input_ids[:, t]``);
-    ``position_ids`` and ``document_ids`` ``[batch, seq]`` come with packed documents
-    (``libai_lite.data.packing``). ``decoder_name`` is the attribute holding the decoder.
+    ``forward`` with labels returns ``CausalLMLoss``'s dict plus MoE outputs, else ``{"logits"}``. Labels
+    are already shifted: ``labels[:, t]`` follows ``input_ids[:, t]``. ``position_ids`` and ``document_ids``
+    ``[batch, seq]`` come with packed documents. ``decoder_name`` is the attribute holding the decoder.
     """
 
     # Under context parallelism the loss is re-weighted to the whole sequence's token mean.
@@ -185,9 +172,8 @@ class DecoderLMForPreTraining(LMForPreTraining):
         return self.decoder.max_seq_length
 
     def pipeline_batch(self, batch: dict) -> tuple[tuple, dict, torch.Tensor]:
-        """``(first-stage inputs, every-stage kwargs, labels)``: the labels also reach the stages as
-        ``lm_labels``, so the last one returns per-token losses from the fused head; packed documents'
-        ``position_ids`` and ``document_ids`` reach every stage too (each attention masks with the latter)."""
+        """``(first-stage inputs, every-stage kwargs, labels)``. With a fused head the labels also reach the
+        stages as ``lm_labels``; packed documents' ``position_ids`` and ``document_ids`` reach every stage."""
         kwargs = {"lm_labels": batch["labels"]} if self.decoder.fused_cross_entropy else {}
         kwargs.update({k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None})
         return (batch["input_ids"],), kwargs, batch["labels"]

@@ -50,16 +50,14 @@ class DefaultTrainer:
 
     def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True,
                  run_dir: str | None = None):
-        """``run_dir``: the run whose ``last_checkpoint`` ``resume`` continues or evaluates (default
-        ``train.output_dir``, where this job writes; ``--eval-only`` reads a run it does not write in).
-        ``verify`` False (--no-verify): checkpoints load without checking their files against their manifest."""
+        """``run_dir`` is the run whose ``last_checkpoint`` ``resume`` reads, by default ``train.output_dir``.
+        With ``verify`` False checkpoints load without checking their files against their manifest."""
         self.cfg, self.layout, self.eval_only, self.verify = cfg, layout, eval_only, verify
         self.tokenizer = self.build_tokenizer(cfg)
-        # The one resolution of the config; from here on only the resolved (read-only) copy is read.
         self.spec = self.resolve(cfg)
         cfg = self.cfg = self.spec.cfg
         self.output_dir = self.spec.checkpoint.output_dir
-        # Everything refused before anything is written; the data position is needed before the loaders.
+        # Refuse before writing anything; the loaders need the resumed data position.
         self.resume_path = self.check_start(cfg, resume, run_dir or self.output_dir)
         train_iter = None if eval_only else self.spec.train_iter
         self.consumed_samples, self.start_iter = resume_position(self.resume_path, train_iter)
@@ -79,9 +77,8 @@ class DefaultTrainer:
 
     # ------------------------------------------------------------ checks
     def check_start(self, cfg, resume: bool, run_dir: str) -> str | None:
-        """Refuse, before anything is written, a layout the model cannot take, an output directory that cannot be
-        written, and a ``--resume`` or ``train.load_weight`` checkpoint that does not fit; returns the checkpoint
-        ``resume`` continues from (None: start from scratch)."""
+        """Refuse, before anything is written, a layout, output directory or checkpoint that cannot work;
+        returns the checkpoint ``resume`` continues from, None to start from scratch."""
         meta_model = self.spec.meta_model if self.spec.meta_model is not None else self.build_meta_model(cfg)
         self.check_layout(cfg, meta_model)
         resume_path = resolve_resume(run_dir) if resume else None
@@ -200,9 +197,7 @@ class DefaultTrainer:
             group = spec.batch.num_accumulation_steps if self.layout.pipeline_parallel_size > 1 else 1
             eval_batches = -(-spec.eval_iter // group) * group
             read = eval_batches * test_micro * self.layout.data_parallel_size
-            # The valid and test splits are sized as Megatron-LM sizes them (eval_iters global batches
-            # per evaluation, one evaluation per eval_interval and one at the end), so their indices
-            # are Megatron's; each evaluation reads the window of that order Megatron's would (evaluate).
+            # Sized as Megatron-LM sizes them, so each evaluation reads the samples Megatron's would.
             valid_samples = megatron_valid_samples(spec.train_iter, spec.evaluation.period, spec.eval_iter,
                                                    global_batch, read)
             test_samples = max(read, spec.eval_iter * global_batch)
@@ -236,8 +231,7 @@ class DefaultTrainer:
     def build_optimizer(self, cfg, model: ParallelModel):
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
 
-        ZeRO-1 shards the optimizer state over the data-parallel group; a rank holding several
-        pipeline stages gets one optimizer per stage behind one ``OptimizersContainer``.
+        A rank holding several pipeline stages gets one optimizer per stage in an ``OptimizersContainer``.
         """
         from ..optim import build_optimizer
         from ..optim.container import OptimizersContainer
@@ -340,8 +334,7 @@ class DefaultTrainer:
 
     def trainer_state(self) -> dict:
         """What ``trainer_state.json`` holds for a checkpoint taken now (``TrainerState``)."""
-        # `iteration` is the last one done: at the end of a run trainer.iter is already max_iter,
-        # which would make a resume skip one iteration and count its samples as consumed.
+        # The last iteration done, not trainer.iter, which is already max_iter at the end of a run.
         done = self.trainer.next_iter
         state = {
             "iteration": done - 1,
@@ -411,20 +404,17 @@ class DefaultTrainer:
     def evaluate(self) -> dict:
         """Run `train.evaluation.evaluator`: on the valid split for `eval_iter` batches, or on its own data.
 
-        Like Megatron-LM's, evaluation k of a run (one per `eval_period` and one at the end; k counts
-        Megatron's evaluations before it, resumed runs included) reads window k of the valid split:
-        its `eval_iter` batches start at sample `k * eval_iter * global_batch_size` and cover the
-        whole window when `test_micro_batch_size` x data-parallel size is the global batch size.
+        As in Megatron-LM, the k-th evaluation of a run, resumed runs included, starts at valid sample
+        ``k * eval_iter * global_batch_size``.
         """
         sampler = getattr(self.valid_loader, "batch_sampler", None)
         if hasattr(sampler, "seek"):
-            # EvalHook runs after step `iter` (from 0), or at the end with `iter` = max_iter: either way
-            # Megatron would have evaluated iter // eval_period times before.
+            # Megatron would have evaluated iter // eval_period times before this one.
             period = self.spec.evaluation.period
             before = self.trainer.iter // period if period > 0 else 0
             start = megatron_consumed_valid_samples(before, self.spec.eval_iter, self.spec.batch.global_batch_size)
             if start >= sampler.total_samples:
-                # A split shorter than the run's evaluations need (a builder that caps it): go round again.
+                # A capped split shorter than the run's evaluations need wraps around.
                 logger.warning(f"the valid split holds {sampler.total_samples} samples, too few for evaluation "
                                f"{before} to start at sample {start}; it starts at {start % sampler.total_samples}")
                 start %= sampler.total_samples
