@@ -34,14 +34,12 @@ def peak_memory_bytes(device: torch.device) -> float:
 class PeriodicCheckpointer(HookBase):
     """Saves `model_XXXXXXX` every `period` iterations and `model_final` at the end.
 
-    With the checkpointer's `async_save`, a save returns once the state is staged and each step
-    publishes the checkpoint once its background write is done; a failed write stops every rank
-    at the step boundary with the synchronous save's error. The run does not end, however it
-    ends, before the write in flight has finished.
+    With `async_save` a save returns once the state is staged, and a later step publishes it when the
+    background write is done. A failed write stops every rank at the step boundary. The run never ends
+    before the write in flight has finished.
     """
 
     def __init__(self, checkpointer, period: int):
-        # The checkpointer holds the trainer's state (its TrainerState) and saves it with each checkpoint.
         self.checkpointer = checkpointer
         self.period = int(period)
         self._ending = False
@@ -60,23 +58,20 @@ class PeriodicCheckpointer(HookBase):
             fail_at_step_boundary(e)
 
     def after_train(self):
-        # From here on every save blocks: nothing after the loop would wait for a background write
-        # (BestCheckpointer saves model_best after model_final).
+        # Every later save blocks, since nothing after the loop waits for a background write.
         self._ending = True
         # Only a run that reached the end writes model_final; a crash must not label itself final.
         if self.trainer.iter >= self.trainer.max_iter:
             self.save("model_final", blocking=True)
             return
-        # Stopped or failing: finish the background write, so the process exits with it published
-        # (or, when killed meanwhile, the previous checkpoint still named by last_checkpoint).
+        # Stopped or failing: finish the background write so the process exits with it published.
         leaving = sys.exc_info()[1]
         try:
             self.checkpointer.wait(collective=False)
         except UsageError as e:
             if leaving is None:
                 raise
-            # The exception on its way out is the one to report (often this very failure, which
-            # another rank saw first); a different one goes to the log.
+            # The exception already leaving is the one reported; a different one goes to the log.
             if str(e) != str(leaving):
                 logger.error(str(e))
 
@@ -93,12 +88,9 @@ class PeriodicCheckpointer(HookBase):
 
 
 class SignalCheckpointer(HookBase):
-    """At each step boundary, all ranks agree whether to stop: after SIGTERM, SIGINT or SIGHUP on any
-    rank, save a checkpoint and stop cleanly; after a rank-local failure (a write to a full disk),
-    stop every rank with that rank's one-line error.
-
-    The signal handler itself is ``libai_lite.utils.process``'s, installed at start-up; during
-    training it only records the signal.
+    """At each step boundary all ranks agree whether to stop. After SIGTERM, SIGINT or SIGHUP on any rank
+    it saves a checkpoint and stops; after a rank-local failure it stops every rank with that rank's error.
+    The handler in ``libai_lite.utils.process`` only records the signal during training.
     """
 
     def __init__(self, periodic: PeriodicCheckpointer):
@@ -109,8 +101,8 @@ class SignalCheckpointer(HookBase):
 
     def after_step(self):
         received, failure = stop_requested(), pending_failure()
-        # One collective for both questions; every rank must agree, or one would enter the save's
-        # collectives (or the next step's) alone. The lowest failing rank's error is the one reported.
+        # One collective for both questions, so no rank enters the save's collectives alone.
+        # The lowest failing rank's error is reported.
         signalled, failed = all_reduce_max([1.0 if received is not None else 0.0,
                                             -float(get_rank()) if failure is not None else -math.inf])
         if failed > -math.inf:
@@ -132,9 +124,8 @@ class SignalCheckpointer(HookBase):
 class EvalHook(HookBase):
     """Runs `eval_fn` every `eval_period` iterations and after the last one, storing its results as `valid/*`.
 
-    With `save_best` (a function taking a checkpoint name), `model_best` is due whenever `metric`
-    improves (`mode` "min" or "max"); `BestCheckpointer`, placed after the metrics writer, saves it, so
-    no checkpoint of a step is published before that step's metrics row.
+    With `save_best`, a function taking a checkpoint name, `model_best` is due whenever `metric` improves
+    in `mode` "min" or "max". `BestCheckpointer` saves it after the step's metrics row is written.
     """
 
     def __init__(self, eval_period: int, eval_fn, *, save_best=None, metric: str | None = "PPL", mode: str = "min"):
@@ -168,7 +159,6 @@ class EvalHook(HookBase):
         """Save `model_best` if the last evaluation improved the metric (once)."""
         if self._best_due:
             self._best_due = False
-            # The checkpointer logs the save itself (written, or staged for a background write).
             logger.info(f"New best {self.metric} {self.best:.4f}: checkpointing model_best")
             self.save_best("model_best")
 
@@ -209,15 +199,12 @@ class IterationTimer(HookBase):
 
 
 class PeriodicWriter(HookBase):
-    """Every `period` iterations (and after the last): a log row to the writers on rank 0, the console
-    line (`CommonMetricPrinter`), `metrics.json` (`JSONWriter`), TensorBoard (`TensorboardXWriter`) and
-    W&B (`wandb`, a `WandbWriter`, when asked for), with tqdm's progress bar on a terminal.
+    """Every `period` iterations and after the last, rank 0 writes the console line, `metrics.json`,
+    TensorBoard and, when given, W&B, with a tqdm bar on a terminal.
 
-    The log line shows this rank's means over the interval since the last log; `metrics.json`
-    holds the logged step's values, the model's outputs reduced over data-parallel ranks as it
-    declares (`metrics`, its `output_metrics()`), and each mean-reduced loss's interval mean as
-    `<key>_window_mean` (the log line's number). Device values in the window are read back here,
-    once per log line, never on the steps between.
+    The console shows this rank's means since the last log. `metrics.json` holds the logged step's values
+    reduced over data-parallel ranks as `metrics` declares, plus each mean-reduced loss's interval mean as
+    `<key>_window_mean`. Device values are read back only once per log line.
     """
 
     def __init__(self, *, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
@@ -233,7 +220,6 @@ class PeriodicWriter(HookBase):
         self._failed: UsageError | None = None
         # The file writers, in the order a row reaches them: metrics.json first, the record a resume reads.
         self._files: list = []
-        # A WandbWriter (libai_lite/engine/wandb_writer.py) on the main process, or None.
         self._wandb = wandb
         self._printer: CommonMetricPrinter | None = None
         if self.main:
@@ -266,8 +252,7 @@ class PeriodicWriter(HookBase):
                 self._failed = write_error(writer.path, e)
                 fail_at_step_boundary(self._failed)
                 return
-        # After the row is safely in metrics.json: the W&B run holds the same values (its own
-        # service process writes them).
+        # Only after the row is safely in metrics.json.
         if self._wandb is not None:
             self._wandb.write(iteration, scalars)
 
@@ -288,20 +273,16 @@ class PeriodicWriter(HookBase):
             self._record_valid(it + 1)
 
     def _write(self):
-        # The one read of the interval's device values (losses, metrics, norms; EventStorage keeps
-        # them on the device), after the trainer's own read of its skip decisions.
+        # The interval's one read of device values, after the trainer reads its skip decisions.
         waited = time.perf_counter()
         self.trainer.check_skipped()
         latest, *window = read_scalars([self.trainer.storage.latest(), *self._window])
-        # The steps only queued their work: what the device still had to do is charged to the logged
-        # step (its time and the interval's mean), so s/it and tokens/s count it (about 0 on a CPU).
+        # The steps only queued their work; the device's remaining time is charged to the logged step.
         waited = time.perf_counter() - waited
         latest["time"] += waited
         window[-1]["time"] += waited
         self._window = []
         keys = ["total_loss"] + [k for k in self.metrics if k in latest]
-        # Two losses, named apart: the log line shows the interval's mean, a metrics.json row the logged
-        # step's value (as plots and TensorBoard do) and the interval's mean as `<key>_window_mean`.
         means = {f"{k}_window_mean": sum(w.get(k, 0.0) for w in window) / len(window) for k in keys
                  if k not in self.metrics or self.metrics[k].reduce == "mean"}
         raw = {**latest, **self._reduce_over_dp({**{k: latest[k] for k in keys}, **means})}
@@ -349,17 +330,12 @@ class PeriodicWriter(HookBase):
 def hooks_in_order(timer: IterationTimer, writer: PeriodicWriter, checkpointer: PeriodicCheckpointer,
                    signal_checkpointer: SignalCheckpointer, evaluation: EvalHook | None = None,
                    best: BestCheckpointer | None = None, profiler: HookBase | None = None) -> list[HookBase]:
-    """The trainer's hooks in the order each step runs them (those given as None left out), and why:
+    """The trainer's hooks in the order each step runs them, those given as None left out.
 
-    1. ``timer``: first, so the run's total time spans the others.
-    2. ``evaluation``: before the writer, so its ``valid/*`` results join the step's metrics row.
-    3. ``writer``: a step's metrics row is written before any checkpoint of that step is published (a
-       checkpoint becomes last_checkpoint): a kill in between then resumes at that step and logs it,
-       instead of resuming after a step metrics.json never got.
-    4. ``checkpointer``, then ``best`` (model_best): after the row, for the same reason.
-    5. ``signal_checkpointer``: after those, so the step a signal interrupts is fully logged before the
-       checkpoint and stop; at the end it stops deferring signals after the final checkpoint.
-    6. ``profiler``: after the others, so a traced step spans its iteration's hooks too.
+    The timer comes first so the total time spans the others. Evaluation precedes the writer so its
+    ``valid/*`` results join the step's metrics row. The writer precedes both checkpointers, so a kill
+    between row and checkpoint resumes at a step that metrics.json already holds. The signal
+    checkpointer follows them, and the profiler comes last so a traced step spans its hooks.
     """
     ordered = [timer, evaluation, writer, checkpointer, best, signal_checkpointer, profiler]
     return [h for h in ordered if h is not None]
