@@ -49,8 +49,7 @@ class TrainerBase:
     def __init__(self):
         self._hooks: list[HookBase] = []
         self.iter = self.start_iter = self.max_iter = 0
-        # The first iteration not yet done: what a checkpoint taken now resumes at, whether it is
-        # taken after a step, after a stop, or after the last step (when `iter` is already max_iter).
+        # The first iteration not yet done, where a checkpoint taken now resumes.
         self.next_iter = 0
         self.storage: EventStorage | None = None
 
@@ -94,8 +93,7 @@ class TrainerBase:
                 if leaving is None:
                     h.after_train()
                     continue
-                # The error that stopped the run is the one reported; one met on the way out (model_best on
-                # the same full disk) goes to the log.
+                # The error that stopped the run is reported; one met on the way out only goes to the log.
                 try:
                     h.after_train()
                 except Exception as e:  # noqa: BLE001
@@ -110,8 +108,7 @@ class TrainerBase:
 
 
 def _own_gradients(model) -> None:
-    # A first backward's gradients are the graph's output tensors themselves (autograd keeps an output as
-    # .grad when nothing else holds it); the next replay writes there. Later micro-batches add in place.
+    # A first backward's gradients can be CUDA-graph outputs that the next replay overwrites.
     for p in model.parameters():
         if p.grad is not None:
             p.grad = p.grad.clone()
@@ -120,20 +117,14 @@ def _own_gradients(model) -> None:
 class Trainer(TrainerBase):
     """One optimizer step over ``num_accumulation_steps`` micro-batches, with AMP and gradient clipping.
 
-    Forward and backward run eagerly on a plain, DDP, FSDP2 or tensor-parallel model, or, when
-    ``pipeline`` (a ``PipelineStepper``) is given, through its schedule with the micro-batches
-    concatenated; the rest of the step is the same. ``metrics`` is the model's
-    ``output_metrics()``: the entries back-propagated and how each combines over micro-batches.
-    ``context_parallel`` (a ``ContextParallel``, cp > 1): each micro-batch is cut to this rank's part of the
-    sequence and its outputs formed over the whole sequence. ``cuda_graphs``: the model replays CUDA graphs
-    (``train.compile.mode=reduce-overhead``), whose outputs and gradients live in memory the next replay
-    overwrites: each micro-batch starts a new graph step, its stacked outputs are copies, and the gradients
-    the first micro-batch left in the graphs' memory become the trainer's own before the next one runs.
+    Forward and backward run eagerly, or through ``pipeline``'s schedule with the micro-batches
+    concatenated. ``metrics`` is the model's ``output_metrics()``. With ``context_parallel`` each
+    micro-batch is cut to this rank's part of the sequence. With ``cuda_graphs`` the outputs and first
+    gradients are copied, since the next graph replay overwrites their memory.
 
-    A step reads nothing back from the device: losses, metrics and the gradient norm go to the
-    ``EventStorage`` as tensors, and whether a step is skipped (a NaN/inf loss or gradient norm, an
-    fp16 overflow) is decided on the device; ``check_skipped`` reads those decisions at the log
-    period (and before a checkpoint), counts them and stops a diverged run.
+    A step reads nothing back from the device. Losses, metrics and the gradient norm are stored as
+    tensors, and skipping a step with a NaN/inf loss or norm, or an fp16 overflow, is decided on the
+    device. ``check_skipped`` reads those decisions at the log period and stops a diverged run.
     """
 
     def __init__(self, model, data_loader, optimizer, scheduler, metrics, *, num_accumulation_steps: int = 1,
@@ -169,8 +160,7 @@ class Trainer(TrainerBase):
         try:
             batch = next(self._data_iter)
         except StopIteration:
-            # The train split is sized for train_iter steps; an exhausted loader means the
-            # caller asked for more, so wrap around rather than stop mid-run.
+            # The split is sized for train_iter steps; wrap around rather than stop mid-run.
             self._data_iter = iter(self.data_loader)
             batch = next(self._data_iter)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -192,8 +182,7 @@ class Trainer(TrainerBase):
         for micro, batch in enumerate(batches):
             if cp is not None:
                 batch = cp.shard_batch(batch)
-            # Gradients are reduced across data-parallel ranks once per step, on the last micro-batch.
-            # Backward stays inside `sharded()` too: recomputed (checkpointed) attention gathers again.
+            # Backward stays inside `sharded()` because recomputed attention gathers again.
             with no_sync_context(self.model, micro == len(batches) - 1), self.loss_context(), \
                     (cp.sharded() if cp is not None else nullcontext()):
                 if self.cuda_graphs:
@@ -223,9 +212,8 @@ class Trainer(TrainerBase):
         return clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], *self.clip_grad)
 
     def check_skipped(self) -> None:
-        """Read the skip decisions of the steps since the last call (one read), count them, move the
-        schedule back over them and warn; past train.max_skipped_nonfinite (or an fp32/bf16 loss that
-        is NaN/inf with none allowed), raise the error that stops the run."""
+        """Read the skip decisions since the last call, count them, rewind the schedule over them and warn.
+        Past train.max_skipped_nonfinite, raise the error that stops the run."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -258,13 +246,10 @@ class Trainer(TrainerBase):
             self._mark_skipped_row()
 
     def _mark_skipped_row(self) -> None:
-        # The row logged for a skipped step says so, as when the skip was decided on the host.
         self.storage.put_scalars(skipped=1.0, **({} if self.grad_scaler else {"grad_norm": float("nan")}))
 
     def _rewind_schedule(self, steps: int) -> None:
-        # As in Megatron, a skipped step does not advance the schedule. Each step advanced it without
-        # waiting for the device's decision; the schedules are pure functions of the iteration, so
-        # stepping back lands on the lr of a run that never advanced over the skipped steps.
+        # A skipped step must not advance the schedule; schedules are pure functions of the iteration.
         self.scheduler.last_epoch -= steps + 1
         self.scheduler.step()
 
@@ -288,7 +273,6 @@ class Trainer(TrainerBase):
         scalars["data_time"] = time.perf_counter() - start
         set_activity("forward/backward (gradient reduction)", self.iter)
         totals = self.forward_backward(batches)
-        # Values stay on the device: the log period reads them (EventStorage, read_scalars).
         scalars.update(totals)
         total_loss = sum(v for k, v in totals.items() if k in self.metrics and self.metrics[k].backward)
         scalars["total_loss"] = total_loss
