@@ -1,15 +1,12 @@
 """Tensor (and sequence) parallelism from the SBP the layers declare.
 
-Layers never communicate; each declares the SBP of its parameters and activations (``module.sbp``).
-This module turns the tp entries into one ``parallelize_module`` plan: a split weight with a
-``partial_sum`` output is ``RowwiseParallel``, one with a split output ``ColwiseParallel``; replicated
-layers get DTensor parameters (``clip_grad_norm_`` refuses a mix of DTensor and plain gradients), and
-under sequence parallelism blocks needing whole inputs all-gather their declared ``args`` first.
-Plain torch layers read as their replicated ``libai_lite`` counterparts.
+Layers never communicate; each declares the SBP of its parameters and activations in ``module.sbp``.
+This module turns the tp entries into one ``parallelize_module`` plan. A split weight with a partial-sum
+output becomes ``RowwiseParallel``, one with a split output ``ColwiseParallel``. Replicated layers still
+get DTensor parameters, since ``clip_grad_norm_`` refuses a mix of DTensor and plain gradients.
 
-Sequence parallelism (Megatron's "Reducing Activation Recomputation") keeps the residual stream as
-this rank's slice of the sequence, so models must be batch-first with the sequence on dim 1 and
-take sequence lengths from ``input_ids``, not from hidden states.
+Sequence parallelism keeps the residual stream as this rank's slice of the sequence, so models must be
+batch-first with the sequence on dim 1 and take sequence lengths from ``input_ids``.
 """
 from __future__ import annotations
 
@@ -63,9 +60,8 @@ def _divisors(n: int) -> str:
 
 def check_declared_splits(model: nn.Module, tp_size: int, model_cfg: Optional[Mapping] = None) -> None:
     """Refuse a tensor-parallel size that does not divide, in whole ``unit`` blocks, every dimension
-    ``model``'s layers declare split (``model`` may be on meta). The one-line ``UsageError`` names
-    ``model.cfg.<counts>`` when ``model_cfg`` holds the declared ``counts`` with that value, else the
-    parameter, and the sizes that work."""
+    ``model``'s layers declare split. The ``UsageError`` names the ``model.cfg`` key when ``model_cfg``
+    holds it, else the parameter, and the sizes that work. ``model`` may be on meta."""
     tp = int(tp_size)
     if tp < 1:
         raise UsageError(f"tensor_parallel_size={tp_size} must be at least 1")
@@ -111,9 +107,8 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement)
 
 
 class ReplicateParallel(ParallelStyle):
-    """Replicate a module's parameters as DTensors (broadcast from the mesh's first rank) and run it on
-    replicated inputs; outputs come back local, redistributed to ``output_layout`` first (``Shard(-2)``
-    hands a position embedding's output back as this rank's sequence slice). torchtitan's ``NoParallel``.
+    """Replicate a module's parameters as DTensors broadcast from the first rank and run it on replicated
+    inputs. Outputs come back local after redistribution to ``output_layout``.
     """
 
     def __init__(self, output_layout: Placement = Replicate()):
@@ -141,9 +136,8 @@ class ReplicateParallel(ParallelStyle):
 class GatherSequence(ParallelStyle):
     """All-gather a block's sequence-sharded inputs before it runs (sequence parallelism).
 
-    torch's ``PrepareModuleInput`` wants one layout per positional argument, but the attention's
-    arguments vary by call site (masks and position bias are already whole), so this names them:
-    positional ``indices`` and keyword ``names``, each a local ``Shard(1)`` slice gathered whole.
+    torch's ``PrepareModuleInput`` wants a layout for every positional argument, but attention's
+    arguments vary by call site. This gathers only positional ``indices`` and keyword ``names``.
     """
 
     def __init__(self, indices: tuple[int, ...] = (0,), names: tuple[str, ...] = ()):
@@ -165,8 +159,8 @@ class GatherSequence(ParallelStyle):
 
 
 class _BroadcastSequenceParallel(SequenceParallel):
-    """``SequenceParallel`` whose replicated parameters are broadcast from the first rank (torch's wraps
-    each rank's own copy, right only when every rank initialised or loaded identical weights)."""
+    """``SequenceParallel`` whose replicated parameters are broadcast from the first rank, since torch's
+    wraps each rank's own copy."""
 
     def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
         for p_name, param in list(module.named_parameters(recurse=False)):
@@ -288,8 +282,7 @@ def _gather_sequence(model: nn.Module, plan: dict[str, ParallelStyle], owned: se
 
 
 def check_sequence_parallel_split(length: int, tp: int, what: str = "the sequences") -> None:
-    """Refuse, in one line, a sequence length that sequence parallelism cannot split over ``tp`` ranks
-    (gloo aborts the process on the uneven reduce-scatter otherwise)."""
+    """Refuse a sequence length that sequence parallelism cannot split over ``tp`` ranks; gloo would abort."""
     if tp > 1 and length % tp:
         raise UsageError(f"sequence parallelism splits the sequence over tensor_parallel_size={tp} ranks, but "
                          f"{what} have {length} tokens: use a sequence length divisible by {tp} or set "

@@ -78,13 +78,12 @@ def optimizer_state_ratio(optimizer_factory: Callable[[list], torch.optim.Optimi
 
 
 class MemoryPlanner:
-    """Estimates for one model and training sample under any ``PlanSettings``; the meta model, the optimizer's
-    state ratio and the activation traces are built once and reused (``suggest`` estimates many layouts).
+    """Estimates for one model and training sample under any ``PlanSettings``, reusing the meta model,
+    optimizer state ratio and activation traces across layouts.
 
-    ``build()`` returns the model; it is called under ``torch.device("meta")`` and under ``FakeTensorMode``.
-    ``sample``: one unbatched training sample ``{name: tensor}`` (a micro-batch stacks copies of it).
-    ``optimizer_factory(params)``: the optimizer (None: AdamW). ``param_groups(model)``: its parameter groups,
-    which ZeRO-1 partitions one after another (None: one group).
+    ``build()`` returns the model and must work under ``torch.device("meta")`` and ``FakeTensorMode``.
+    ``sample`` is one unbatched training sample ``{name: tensor}``. ``optimizer_factory(params)`` defaults
+    to AdamW, and ``param_groups(model)`` to one group; ZeRO-1 partitions the groups one after another.
     """
 
     def __init__(self, build: Callable[[], nn.Module], sample: Mapping[str, torch.Tensor],
@@ -111,8 +110,7 @@ class MemoryPlanner:
 
     # ---------------------------------------------------------------- checks
     def check(self, s: PlanSettings) -> None:
-        """Refuse, in one line, settings the world size or the model cannot take: the trainer's own checks
-        (``resolve_layout``, ``validate_zero_config``, ``check_declared_splits``, ``check_model_layout``)."""
+        """Refuse settings the world size or the model cannot take, with the trainer's own checks."""
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.parallelize import check_model_layout
         from ..parallel.tensor_parallel import check_declared_splits
@@ -203,10 +201,8 @@ class MemoryPlanner:
                         layers: set[int] | None) -> MemoryEstimate:
         # Gradients are reduced, and ZeRO shards, over dp x cp: every cp rank holds the whole parameters.
         dp, stage, tp = s.data_parallel_size * s.context_parallel_size, _zero_stage(s), s.tensor_parallel_size
-        # The trace is of whole sequences; a cp rank keeps about 1/cp of it: its [local, whole] attention
-        # scores are 1/cp of the [whole, whole] ones. Not counted: the keys and values each attention
-        # gathers whole and keeps for backward (2 x seq x kv width per layer) and the one [local, whole]
-        # score mask the layers share (libai_lite/parallel/context_parallel.py).
+        # A cp rank keeps about 1/cp of the whole-sequence trace. The gathered keys and values kept for
+        # backward and the shared score mask are not counted.
         act_share = 1.0 / s.context_parallel_size
         fsdp = stage >= 2
         offloaded = s.offload and s.device != "cpu"
@@ -297,8 +293,7 @@ class MemoryPlanner:
 
 
 def _zero_stage(s: PlanSettings) -> int:
-    """The ZeRO stage the trainer runs: ``apply_data_parallel`` trains the plain model under ZeRO-2/3 over a
-    data-parallel (dp x cp) group of one without offload, where FSDP would only add gathers."""
+    """The ZeRO stage the trainer runs; ZeRO-2/3 over one dp x cp rank without offload trains the plain model."""
     if s.zero_stage >= 2 and s.data_parallel_size * s.context_parallel_size == 1 and not s.offload:
         return 0
     return s.zero_stage
