@@ -1,10 +1,8 @@
 """Pipeline parallelism: this rank's stages run by a ``torch.distributed.pipelining`` schedule.
 
-The model is cut by ``pipeline_split`` (by the ``layer_idx`` of its pieces); this module validates the
-schedule (GPipe, 1F1B, interleaved 1F1B and the zero-bubble ones: interleaved zero bubble, ZBV and
-DualPipeV, the last two on a V of stages, ``pipeline_split.V_SHAPE_SCHEDULES``), builds the
-``PipelineStage``s and runs one step's forward and backward (``PipelineStepper``). What flows between
-stages and how the last stage's output becomes a loss is the model's (``libai_lite.model``).
+``pipeline_split`` cuts the model; this module validates the schedule, builds the ``PipelineStage``s and
+runs one step's forward and backward in ``PipelineStepper``. The model decides what flows between stages
+and how the last stage's output becomes a loss.
 """
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
-    # Zero bubble (arXiv 2401.10241): the backward split into input and weight gradients, the weight
-    # half filling the bubbles; PipelineStage does the split itself.
+    # Zero bubble splits backward into input and weight gradients; the weight half fills the bubbles.
     "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
@@ -88,9 +85,8 @@ def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches:
 
 
 def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> None:
-    """Refuse a zero-bubble schedule over torch.compile'd layers: a compiled region's backward computes
-    input and weight gradients in one graph, which the input-gradient pass cannot take apart (torch
-    fails there, and the other ranks wait until the timeout)."""
+    """Refuse a zero-bubble schedule over torch.compile'd layers, whose backward computes input and weight
+    gradients in one graph; torch would fail there and the other ranks hang until the timeout."""
     if str(schedule).lower() not in SPLIT_BACKWARD_SCHEDULES:
         return
     for stage in stage_modules:
@@ -105,13 +101,10 @@ def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> N
 class PipelineStepper:
     """Runs one optimizer step's forward and backward through the pipeline.
 
-    ``stage_modules`` are this rank's stages (``stage_ids``: ``local_stage_ids``). ``loss_fn(output,
-    target)`` is the mean loss of one micro-batch; each is divided by ``n_microbatches`` before its
-    backward, as the eager trainer does. ``step`` takes the step's micro-batches concatenated on dim 0 (every rank may
-    pass them; only stage 0 uses the inputs and only the last stage the labels) and leaves in the
-    stage parameters the gradient of the mean micro-batch loss, the tied copies already summed.
-    ``batch_fn``, ``metrics_fn`` and ``metric_names``: the model's ``pipeline_batch``,
-    ``pipeline_metrics`` and ``pipeline_metric_names``.
+    ``stage_modules`` are this rank's stages ``stage_ids``. ``loss_fn(output, target)`` is one
+    micro-batch's mean loss. ``step`` takes the micro-batches concatenated on dim 0 and leaves the gradient
+    of the mean micro-batch loss in the parameters, tied copies summed. ``batch_fn``, ``metrics_fn`` and
+    ``metric_names`` are the model's ``pipeline_batch``, ``pipeline_metrics`` and ``pipeline_metric_names``.
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int, pp_group,
@@ -152,16 +145,14 @@ class PipelineStepper:
                                         n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # torch also calls this on placeholder outputs while inferring backward metadata, so
-        # the step's losses come from the schedule's `losses` list, not from here.
+        # torch also calls this on placeholder outputs, so losses come from the schedule's `losses` list.
         loss = self.loss_fn(output, target)
         if self.metric_names:
             metrics = self.metrics_fn(output.detach(), target)
             self._metric_records.append(torch.stack([metrics[k].float() for k in self.metric_names]))
         if not torch.is_grad_enabled():  # evaluation: the plain micro-batch loss
             return loss
-        # Divided before backward, not the gradients afterwards (torch's scale_grads): fp16 gradients
-        # then overflow at the same loss scale as the eager trainer's.
+        # Dividing the loss, not the gradients, makes fp16 overflow at the eager trainer's loss scale.
         loss = loss / self.n_microbatches
         return self._grad_scaler.scale(loss) if self._grad_scaler is not None else loss
 
@@ -207,16 +198,14 @@ class PipelineStepper:
              kwargs: dict | None = None) -> torch.Tensor:
         """Forward + backward of one step; returns the mean micro-batch loss (0-d float64, on the device) on every rank.
 
-        ``input_ids``: the first stage's input (a tensor or tuple of tensors); ``kwargs`` (masks) reach
-        every stage. With ``grad_scaler`` (fp16) each micro-batch loss is scaled before its backward.
-        ``step_metrics`` then holds the step's MoE entries and the mean of each of ``metric_names``.
+        ``input_ids`` is the first stage's input, a tensor or tuple; ``kwargs`` reach every stage. Afterwards
+        ``step_metrics`` holds the step's MoE entries and the mean of each of ``metric_names``.
         """
         for m in self.stage_modules:
             m.train()
         self._grad_scaler = grad_scaler
         if grad_scaler is not None:
-            # Only the last stage's rank scales a loss, and a GradScaler allocates its scale on the
-            # first scale(): without this the other ranks' unscale_() finds none.
+            # A GradScaler allocates its scale on the first scale(), which only the last stage calls.
             grad_scaler.scale(torch.zeros((), device=self.device))
         # The scale stays a device tensor; only MoE layers, which take it as a number, read it.
         scale = grad_scaler._get_scale_async() if grad_scaler is not None else None
@@ -239,7 +228,6 @@ class PipelineStepper:
                 values[1:] = torch.stack(self._metric_records[-self.n_microbatches:]).mean(0)
         if dist.get_world_size(self.pp_group) > 1:
             dist.broadcast(values, src=self._last_rank, group=self.pp_group)
-        # Device tensors, nothing read back: the trainer's log period reads them.
         self.step_metrics.update({k: values[i + 1].float() for i, k in enumerate(self.metric_names)})
         return values[0]
 
@@ -247,8 +235,7 @@ class PipelineStepper:
     def eval_step(self, input_ids, labels: torch.Tensor | None, kwargs: dict | None = None) -> dict:
         """Forward only; ``{"lm_loss", "nll_sum", "num_tokens"}`` as float tensors on every pipeline rank.
 
-        ``nll_sum`` weights each micro-batch's mean loss by its count of labels other than -100,
-        so ``nll_sum / num_tokens`` is the token-weighted mean the perplexity evaluator wants.
+        ``nll_sum`` weights each micro-batch's mean loss by its labels other than -100, for perplexity.
         """
         modes = [m.training for m in self.stage_modules]
         for m in self.stage_modules:
