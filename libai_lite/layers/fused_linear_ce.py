@@ -1,16 +1,11 @@
 """The LM head fused with the cross entropy for GPUs, so the ``[tokens, vocab]`` logits are never held.
 
-Tokens are cut into chunks; forward keeps each token's log-sum-exp, backward recomputes the chunk's
-logits and turns them straight into both gradients: one more GEMM buys back the logits' memory and
-most passes over it. On CUDA a head whole on a rank runs ``plain`` (logits, then cross entropy) while
-its fp32 logits fit ``PLAIN_LOGITS_SHARE`` of the device; beyond that, or vocabulary-parallel:
-
-* ``chunked`` (default): an online softmax per chunk in torch ops, compiled; no host reads; the
-  vocabulary-parallel head combines ranks with two all-reduces of ``2 x tokens`` values.
-* ``liger``: Liger-Kernel's fused kernel, only when ``LIBAI_LITE_CE_KERNEL=liger`` (its forward and
-  backward each read the target count back to the host).
-
-Both are fast paths (``FastPath``): a failure at first use falls back with one warning line.
+Tokens are cut into chunks. Forward keeps each token's log-sum-exp; backward recomputes the chunk's logits
+and turns them into both gradients, trading one GEMM for the logits' memory. On CUDA a head whole on a
+rank runs ``plain`` while its fp32 logits fit ``PLAIN_LOGITS_SHARE`` of the device. Otherwise it runs
+``chunked``, compiled torch ops with no host reads, or Liger-Kernel when ``LIBAI_LITE_CE_KERNEL=liger``.
+A vocabulary-parallel head combines ranks with two all-reduces of ``2 x tokens`` values. Both fast paths
+fall back with one warning if they fail at first use.
 """
 from __future__ import annotations
 
@@ -26,13 +21,10 @@ from ..utils.errors import UsageError
 from ..utils.fallback import FastPath
 
 KERNELS = ("buffer", "plain", "chunked", "liger")
-# On CUDA the plain head (logits, then cross entropy: three GEMMs, no recomputation) runs while its fp32
-# logits take at most this share of the device's memory; the chunked kernel beyond it.
+# Largest share of device memory the plain head's fp32 logits may take on CUDA.
 PLAIN_LOGITS_SHARE = 1 / 32
-# Where a run asks for Liger's kernel on CUDA (the compiled chunked kernel otherwise).
 KERNEL_ENV = "LIBAI_LITE_CE_KERNEL"
-# The release read to fold the per-token gradient into its reduction="none" backward (it recomputes the
-# logits there); a release that scales the whole gradient by one number would train wrongly.
+# Earlier releases scale a reduction="none" gradient by one number, which would train wrongly.
 LIGER_MIN_VERSION = (0, 8, 5)
 
 
@@ -55,19 +47,16 @@ def _device_memory(index: int) -> int:
 
 
 def plain_fits(tokens: int, vocab: int, device_memory: int) -> bool:
-    """Whether ``tokens x vocab`` fp32 logits take at most ``PLAIN_LOGITS_SHARE`` of ``device_memory``
-    bytes: the plain head's rule (GPT-2 124M at micro-batch 12 on an 80 GB GPU: 2.5 GB of 2.7 GB)."""
+    """Whether ``tokens x vocab`` fp32 logits take at most ``PLAIN_LOGITS_SHARE`` of ``device_memory`` bytes."""
     return 4 * tokens * vocab <= device_memory * PLAIN_LOGITS_SHARE
 
 
 def select_kernel(device: torch.device, vocab_parallel: bool, tokens: int | None = None,
                   vocab: int | None = None) -> str:
-    """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU. On CUDA, for a head
-    whole on this rank whose ``tokens x vocab`` fp32 logits fit ``plain_fits``, ``plain`` (logits then
-    cross entropy, what a compiled model fuses best); else ``chunked`` (no ``[tokens, vocab]`` buffer, no
-    host read). ``LIBAI_LITE_CE_KERNEL`` (``plain``, ``chunked`` or ``liger``) chooses instead; ``liger``
-    runs for a plain head outside ``torch.compile`` (a missing Liger falls back to ``chunked`` with one
-    warning at first use), ``plain`` for a head whole on this rank."""
+    """The kernel ``linear_cross_entropy`` uses on ``device``: ``buffer`` on a CPU. On CUDA ``plain`` for a
+    head whole on this rank whose logits pass ``plain_fits``, else ``chunked``. ``LIBAI_LITE_CE_KERNEL``
+    overrides the choice for a head whole on this rank; ``liger`` is replaced by ``chunked`` under
+    ``torch.compile``."""
     if device.type != "cuda":
         return "buffer"
     asked = os.environ.get(KERNEL_ENV, "")
@@ -88,9 +77,8 @@ def select_kernel(device: torch.device, vocab_parallel: bool, tokens: int | None
 
 
 def chunk_rows(device: torch.device, vocab: int, tokens: int) -> int:
-    """Tokens per chunk: on a GPU at most ~256 MiB of fp32-equivalent logits (a handful of chunks per step,
-    each GEMM large enough for the tensor cores), elsewhere ~8 MiB; the tokens split evenly over the
-    chunks, rounded up to 16 rows (tensor-core tiles), so the padded tail is under 16 rows per chunk."""
+    """Tokens per chunk, for at most 256 MiB of fp32 logits on a GPU and 8 MiB elsewhere. Tokens split
+    evenly over the chunks, rounded up to 16 rows for tensor-core tiles."""
     budget = 1 << 28 if device.type == "cuda" else 1 << 23
     most = max(16, budget // (4 * max(1, vocab)))
     chunks = -(-tokens // most)
@@ -112,9 +100,8 @@ def _forward_chunk(h, w, target, vocab_start: int, ignore_index: int):
 
 
 def _backward_chunk(h, w, target, lse, scale, grad_w, vocab_start: int, ignore_index: int):
-    """d hidden of one chunk, its d weight added to ``grad_w`` (fp32) in place (one fused kernel after the
-    GEMM): ``scale * (softmax - onehot)`` is formed in registers, never stored in fp32, the one-hot
-    compared against a column index (no scatter, no boolean indexing)."""
+    """d hidden of one chunk; its d weight is added to the fp32 ``grad_w`` in place. The one-hot is a
+    comparison against a column index, so the compiled kernel needs no scatter."""
     logits = (h @ w.t()).float()
     owned, safe = _owned(target, vocab_start, w.shape[0], ignore_index)
     cols = torch.arange(w.shape[0], device=h.device)
@@ -131,8 +118,7 @@ def _compile(fn, backend: str):
 
 
 def _backward_probe(fn, args, kwargs) -> None:
-    # The chunk's backward adds into the weight gradient in place: its first use writes into a copy, so a
-    # kernel failing half-way leaves the real accumulator as it was for the eager kernel to fill.
+    # The first use writes into a copy, so a kernel failing half-way leaves the real accumulator intact.
     args = list(args)
     args[5] = args[5].clone()
     fn(*args, **kwargs)
@@ -140,8 +126,7 @@ def _backward_probe(fn, args, kwargs) -> None:
 
 @functools.cache
 def chunk_kernel(fn, backend: str) -> FastPath:
-    """``fn`` (``_forward_chunk`` or ``_backward_chunk``) compiled with ``backend``, falling back to ``fn`` run
-    eagerly if the compiled kernel fails at its first use (one warning; see ``libai_lite.utils.fallback``)."""
+    """``fn`` compiled with ``backend``, falling back to eager ``fn`` if it fails at its first use."""
     kind = "forward" if fn is _forward_chunk else "backward"
     return FastPath(f"the compiled chunked cross entropy ({kind}, torch.compile backend {backend})",
                     _compile(fn, backend), fn, probe=_backward_probe if fn is _backward_chunk else None,
