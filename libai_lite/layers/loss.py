@@ -11,24 +11,22 @@ from .fused_linear_ce import gpu_linear_cross_entropy, select_kernel
 class ParallelCrossEntropyLoss(nn.Module):
     """Per-token cross entropy in fp32, a plain tensor shaped like ``target`` (0 where ignored).
 
-    The logits may be a DTensor sharded on the vocabulary: under torch's ``loss_parallel()`` (around
-    forward and backward) ``F.cross_entropy`` itself is vocab-parallel, hence no hand-written logsumexp.
+    The logits may be a DTensor sharded on the vocabulary if forward and backward run under torch's
+    ``loss_parallel()``, which makes ``F.cross_entropy`` vocab-parallel.
     """
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none",
                                ignore_index=ignore_index)
         if isinstance(loss, DTensor):
-            # loss_parallel returns the per-token loss replicated over the tensor-parallel
-            # ranks, so the local tensor already holds every token's value (no communication).
+            # loss_parallel returns the loss replicated, so the local tensor holds every token.
             loss = loss.to_local()
         return loss.view(target.shape)
 
 
 def scratch_rows(probs: torch.Tensor) -> int:
     """Rows of bf16/fp16 logits normalised per fp32 chunk (at least 8)."""
-    # On a CPU about 512 KiB of fp32, so a chunk stays in cache while it is normalised and copied back;
-    # on a GPU, where every chunk costs kernel launches, 256 MiB, so a step takes a few chunks.
+    # Small enough to stay in cache on a CPU; large on a GPU, where every chunk costs kernel launches.
     budget = 1 << 17 if probs.device.type == "cpu" else 1 << 26
     return max(1, min(probs.shape[0], max(8, budget // max(1, probs.shape[1]))))
 
@@ -36,16 +34,13 @@ def scratch_rows(probs: torch.Tensor) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, target)`` per token, storing one ``[N, V]`` buffer.
 
-    The unfused path keeps the logits, autocast's fp32 copy, the log-softmax, a zero-filled
-    gradient and the log-softmax backward's output: up to five ``[N, V]`` tensors. Here the logits
-    buffer is overwritten with the softmax ``P`` and kept for backward, where ``P - onehot`` is never
-    formed: ``d hidden = g (P W - W[t])``, ``d W = P^T (g h) - scatter(t, g h)``. The loss is
-    ``log sum exp(x - max) + max - x[t]``, exact even where ``P[t]`` underflows.
+    The logits buffer is overwritten with the softmax ``P`` and kept for backward, which never forms
+    ``P - onehot``: ``d hidden = g (P W - W[t])`` and ``d W = P^T (g h) - scatter(t, g h)``. The loss
+    ``log sum exp(x - max) + max - x[t]`` stays exact where ``P[t]`` underflows.
 
-    With ``group`` the weight's rows (the vocabulary) are split over it (Megatron's vocabulary-parallel
-    cross entropy): each rank forms only its ``[N, V / tp]`` slice of the logits, starting at
-    ``vocab_start``; the row max, the softmax denominator and the target logit are combined with two
-    all-reduces of ``N`` values, and the hidden gradient returned is this rank's partial sum.
+    With ``group`` the vocabulary rows are split over it. Each rank forms its ``[N, V / tp]`` slice from
+    ``vocab_start``, two all-reduces of ``N`` values combine the row statistics, and the hidden gradient
+    is this rank's partial sum.
     """
 
     @staticmethod
@@ -99,8 +94,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 scaled = h.float() * scale
                 grad_weight = (probs.t() @ scaled.to(probs.dtype)).float()
-                # Every row added, the rows of targets this rank does not own (and ignored ones) as zeros:
-                # a boolean selection would read its count back to the host and stall a GPU's queue.
+                # Zeros for rows this rank does not own: a boolean selection would stall on a host read.
                 grad_weight.index_add_(0, safe_target, torch.where(owned[:, None], scaled, 0.0), alpha=-1.0)
                 grad_weight = grad_weight.to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
@@ -118,16 +112,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          return_top1: bool = False, kernel: str | None = None):
     """Per-token cross entropy of the logits ``hidden @ weight.T``, fused with the LM head.
 
-    Same contract as ``ParallelCrossEntropyLoss`` applied to ``F.linear(hidden, weight)``: fp32
-    loss shaped like ``target``, 0 where ``target == ignore_index``, the logits computed in
-    autocast's dtype when autocast is on; one ``[tokens, vocab]`` buffer instead of up to five.
-    ``weight`` may be a DTensor split on the vocabulary over a 1-D mesh (the tensor-parallel head):
-    each rank then forms its slice of the logits only, and ``hidden`` may be replicated or, under
-    sequence parallelism, this rank's slice of the sequence (dim 1). ``return_top1=True`` also
-    returns whether each target is the arg-max of its logits (False where ignored). ``kernel``: ``buffer``
-    (the one-buffer path below), ``plain`` (logits, then cross entropy), ``chunked`` or ``liger``
-    (``fused_linear_ce``: no ``[tokens, vocab]`` buffer); None picks by device and size
-    (``fused_linear_ce.select_kernel``: ``buffer`` on a CPU).
+    Same contract as ``ParallelCrossEntropyLoss`` on ``F.linear(hidden, weight)``: fp32 loss shaped like
+    ``target``, 0 where ignored, logits in autocast's dtype when autocast is on. ``weight`` may be a
+    DTensor split on the vocabulary over a 1-D mesh; ``hidden`` is then replicated or, under sequence
+    parallelism, this rank's slice of dim 1. ``return_top1=True`` also returns whether each target is
+    the arg-max, False where ignored. ``kernel`` is ``buffer``, ``plain``, ``chunked`` or ``liger``;
+    None lets ``fused_linear_ce.select_kernel`` choose.
     """
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
