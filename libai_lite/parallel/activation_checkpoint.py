@@ -1,13 +1,10 @@
 """Activation checkpointing: recompute a transformer layer's activations in backward instead of keeping them.
 
-Apply it after tensor parallelism and before compilation and data parallelism (FSDP2 then shards the
-wrapped layers, torchtitan's order). The layers are the children of every ``layers`` ModuleDict/ModuleList,
-or one whose name ends in ``_layers`` (``encoder_layers``), so stacks and pipeline stages need no registration.
+Apply it after tensor parallelism and before compilation and data parallelism. The layers are the
+children of every ModuleDict/ModuleList named ``layers`` or ending in ``_layers``.
 
-Two modes: ``full`` keeps only each layer's input and recomputes the whole layer in backward;
-``selective`` keeps the outputs of the matmuls and of attention (the FLOPs) and recomputes only the
-cheap ops between them (norms, activations, dropout, residual adds, casts), through
-``torch.utils.checkpoint``'s op-level policy (``create_selective_checkpoint_contexts``).
+``full`` keeps only each layer's input. ``selective`` keeps the outputs of matmuls and attention and
+recomputes only the cheap ops between them.
 """
 from __future__ import annotations
 
@@ -36,9 +33,7 @@ def _selective_save_ops() -> frozenset:
     """The ops whose outputs ``selective`` keeps: every matmul and fused attention, plus the collectives
     that end a tensor-parallel block (recomputing those would repeat the communication in backward).
 
-    torchtitan keeps every other matmul to trade a little more recomputation for memory; here every
-    matmul is kept, so recomputation costs no matmul FLOPs and the saving is the elementwise and
-    normalisation intermediates, which outnumber the matmul outputs in a transformer layer.
+    Every matmul is kept, so recomputation costs no matmul FLOPs.
     """
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",

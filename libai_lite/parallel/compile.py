@@ -1,15 +1,10 @@
 """``torch.compile`` of the whole model or per transformer layer (torchtitan's regional compilation), and the loss.
 
-``train.compile.enabled``: ``auto`` (on with a CUDA device), true or false. ``scope="model"`` compiles
-the whole model (norms fuse with the adds around them across layers, the loss with the head);
-``"layers"`` each transformer layer in place (layers of a stack share one graph); ``"auto"`` the whole
-model where nothing needs the layers apart (one replica, no pipeline, tensor, context or expert
-parallelism), else the layers. Compiled in place after tensor parallelism and activation checkpointing,
-before FSDP2, so parameter names and ``state_dict()`` keys do not change. ``mode`` is torch.compile's;
-CUDA graphs with accumulation need the trainer's own ``.grad`` (``check_compile``). The trainer's first
-step runs compiled modules eager (``compiled_modules_eager``: the fast paths inside probe there); then
-each is a ``FastPath``: its first compiled call builds forward and backward, and a failure there runs
-the module eager from then on (CUDA graphs fall back to the same compilation without them).
+``scope="model"`` compiles the whole model, ``"layers"`` each transformer layer in place, and ``"auto"``
+the whole model where nothing needs the layers apart, else the layers. Compilation happens in place after
+tensor parallelism and activation checkpointing and before FSDP2, so parameter names do not change. The
+trainer's first step runs compiled modules eager so the fast paths inside can probe. Afterwards each
+module is a ``FastPath`` whose failure at first call makes it run eager, or without CUDA graphs.
 """
 from __future__ import annotations
 
@@ -39,11 +34,9 @@ CUDA_GRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """``train.compile``: ``enabled`` (``auto``, the default: on where the run has a CUDA device, off on a CPU,
-    where compiling costs more than it saves; ``automatic`` records that it was chosen so); ``scope`` ``auto``, ``model`` or ``layers`` (see the module docstring);
-    ``loss`` also the cross entropy; ``backend`` is torch.compile's (``inductor``, or ``aot_eager``/``eager``
-    to debug); ``fullgraph`` makes a graph break an error instead of a silent split; ``mode``
-    torch.compile's (None, ``reduce-overhead``: CUDA graphs, ``max-autotune``, ``max-autotune-no-cudagraphs``)."""
+    """``train.compile``. ``automatic`` records that ``enabled="auto"`` chose the value; on a CPU compiling
+    costs more than it saves. ``loss`` also compiles the cross entropy. ``fullgraph`` makes a graph break an
+    error. ``backend`` and ``mode`` are torch.compile's."""
 
     enabled: bool = False
     loss: bool = False
@@ -94,9 +87,8 @@ def uses_cuda_graphs(options: CompileOptions | None) -> bool:
 
 def check_compile(options: CompileOptions | None, num_accumulation_steps: int, *, replica_size: int,
                   pipeline_parallel_size: int, offload: bool) -> None:
-    """Refuse, in one line and before any work, CUDA graphs with gradient accumulation where the gradients
-    are not the trainer's own ``.grad`` (DDP/FSDP over several replicas, CPU offload, a pipeline schedule):
-    a graph's replay would overwrite the gradients the previous micro-batch left in its memory."""
+    """Refuse CUDA graphs with gradient accumulation where the gradients are not the trainer's own ``.grad``,
+    since a replay would overwrite the gradients the previous micro-batch left in the graph's memory."""
     if not uses_cuda_graphs(options) or num_accumulation_steps <= 1:
         return
     if replica_size > 1 or pipeline_parallel_size > 1 or offload:
@@ -108,8 +100,7 @@ def check_compile(options: CompileOptions | None, num_accumulation_steps: int, *
 
 @contextlib.contextmanager
 def _first_call_builds_backward():
-    # torch.compile lowers the backward graph at its first backward call unless told otherwise: built with
-    # the forward, its compile errors and unlaunchable Triton kernels surface in the guarded first call.
+    # Build the backward with the forward, so its errors surface in the guarded first call.
     start = time.perf_counter()
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=torch.is_grad_enabled()):
         yield
@@ -169,10 +160,8 @@ _eager_steps = 0
 
 @contextlib.contextmanager
 def compiled_modules_eager():
-    """Compiled modules run eager inside: the trainer's first step, where the fast paths inside them
-    (FlexAttention, the fused loss, FP8) probe and compare on real tensors, which they cannot do while
-    dynamo traces them; the graphs built at the next step hold the paths they chose. A whole step, so an
-    activation checkpoint's recomputation runs the same code as its forward."""
+    """Compiled modules run eager inside, so the fast paths within them can probe on real tensors, which
+    they cannot do under dynamo. It spans a whole step so recomputation runs the same code as forward."""
     global _eager_steps
     _eager_steps += 1
     try:
@@ -182,10 +171,8 @@ def compiled_modules_eager():
 
 
 def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: bool = False) -> str | None:
-    """Compile ``model`` in place: whole (``scope="model"``, or ``auto`` where ``whole_model_ok``: nothing
-    needs its layers apart) or its transformer layers (and its cross entropy with ``options.loss``), each
-    behind one fast path that falls back to eager (``compile_paths``).
-    Returns what was compiled: ``model``, ``layers`` or None (off)."""
+    """Compile ``model`` in place, whole or per transformer layer, behind a fast path that falls back to
+    eager. Returns ``"model"``, ``"layers"`` or None when off."""
     if not options.enabled:
         return None
     if options.scope == "model" and not whole_model_ok:
@@ -221,10 +208,8 @@ def apply_compile(model: nn.Module, options: CompileOptions, whole_model_ok: boo
 
 
 def _compile_target(layer: nn.Module) -> nn.Module:
-    """What to compile for one layer: the layer with its checkpoint region, as torchtitan does, except for a
-    checkpointed layer with tensor-parallel (DTensor) parameters, whose layer inside the checkpoint is
-    compiled instead: torch's AOT autograd cannot yet trace a checkpoint region over DTensors (it tries to
-    save the DeviceMesh for backward), so there the checkpoint stays eager around the compiled layer."""
+    """The layer with its checkpoint region, or for a checkpointed layer with DTensor parameters the inner
+    layer, since AOT autograd cannot trace a checkpoint region over DTensors."""
     if is_checkpointed(layer) and any(isinstance(p, DTensor) for p in layer.parameters()):
         return layer._checkpoint_wrapped_module
     return layer

@@ -1,9 +1,7 @@
 """From a built model and the run's ``Layout`` to what this rank trains: torchtitan's order, one job per step.
 
-Pipeline split (by the pieces' ``layer_idx``), then on each stage expert parallel, tensor parallel
-(from the layers' SBP declarations), activation checkpointing, torch.compile per layer and data
-parallel / ZeRO. Everything
-comes from the layout and from the model itself (``libai_lite.model``); no config key is read.
+Pipeline split, then on each stage expert parallel, tensor parallel, activation checkpointing,
+torch.compile and data parallel. Everything comes from the layout and the model; no config key is read.
 """
 from __future__ import annotations
 
@@ -32,14 +30,13 @@ logger = logging.getLogger("libai_lite")
 
 @dataclass
 class ParallelModel:
-    """What ``parallelize_model`` returns. ``source``: the model as built (a pipeline cuts it in place;
-    the counts it made at construction stay: FLOPs, tokens, ``max_seq_length``). ``module``: what the
-    trainer calls (under pipeline parallelism a view with the unsplit model's parameter names, for
-    checkpoints and optimizers only). ``parts``: the modules this rank trains and checkpoints, one
-    optimizer each. ``pipeline``: the ``PipelineStepper``, or None. ``checkpoint_aliases``: FQNs this
-    rank reads from another's entries (a pipelined tied weight). ``metrics``: the declared outputs.
-    ``context_parallel``: the run's ``ContextParallel`` (cp > 1), which shards the trainer's batches.
-    ``tied_copies``: ``{copy: source}`` of a tied weight this rank holds twice (V-shaped schedules).
+    """What ``parallelize_model`` returns.
+
+    ``source`` is the model as built, possibly cut in place by a pipeline. ``module`` is what the trainer
+    calls; under pipeline parallelism it is a view with the unsplit names, for checkpoints and optimizers
+    only. ``parts`` get one optimizer each. ``checkpoint_aliases`` and ``tied_copies`` map the FQNs of a
+    pipelined tied weight this rank reads from another entry. ``context_parallel`` shards the trainer's
+    batches when cp > 1.
     """
 
     source: nn.Module
@@ -84,12 +81,10 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
                      activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
                      compile: CompileOptions | None = None, param_dtype: torch.dtype | None = None,
                      float8: Float8Options | None = None) -> nn.Module:
-    """FP8 linears, expert, tensor parallel, activation checkpointing, compilation and data parallel for one
-    model part. ``moe``: the whole model's MoE settings (building the expert mesh is a collective, whatever
-    this part holds)."""
+    """FP8, expert and tensor parallelism, activation checkpointing, compilation and data parallelism for one
+    part. ``moe`` is the whole model's, since building the expert mesh is collective whatever the part holds."""
     if float8 is not None:
-        # First, as torchtitan does: checkpointing, compilation and FSDP2 then wrap the float8 linears,
-        # compiled with their layers under train.compile, else each on its own (uncompiled FP8 is slow).
+        # First, so checkpointing, compilation and FSDP2 wrap the float8 linears; uncompiled FP8 is slow.
         apply_float8(module, float8, compile_backend=None if compile is not None and compile.enabled else "inductor",
                      fsdp=(layout.zero_stage or 0) >= 2 and (layout.replica_size > 1 or layout.offload))
     expert_mesh = None
@@ -104,10 +99,8 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
     if activation_checkpoint_every:
         apply_activation_checkpointing(module, activation_checkpoint_every, activation_checkpoint_mode)
     if compile is not None:
-        # After TP and AC, so the compiled layers hold DTensor parameters and the checkpoint region;
-        # before FSDP2, whose hooks then stay outside the compiled code.
-        # The whole model where nothing needs its layers apart: a pipeline's stages, DTensor layers, FSDP2's
-        # per-layer gathers, expert all-to-alls, and DDP, whose buckets would all wait for one backward graph.
+        # Before FSDP2, so its hooks stay outside the compiled code. The whole model only where nothing
+        # needs the layers apart; DDP's buckets would all wait for one backward graph.
         apply_compile(module, compile, whole_model_ok=layout.pipeline_parallel_size == 1 and tp == 1
                       and layout.replica_size == 1 and not layout.offload and layout.context_parallel_size == 1
                       and expert_mesh is None)
@@ -144,10 +137,8 @@ def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1,
                       param_dtype: torch.dtype | None = None, float8: Float8Options | None = None) -> ParallelModel:
     """Make ``model`` (built whole on this rank's device) what this rank trains under ``layout``.
 
-    ``n_microbatches``: the step's micro-batches (a pipeline schedule's). ``activation_checkpoint_every``:
-    recompute every N-th transformer layer (0: off), ``activation_checkpoint_mode`` ``full`` or
-    ``selective``. ``compile``: torch.compile per transformer layer (``libai_lite.parallel.compile``).
-    ``param_dtype``: FSDP's mixed-precision parameters. ``float8``: FP8 linears (``libai_lite.parallel.float8``).
+    ``activation_checkpoint_every`` recomputes every N-th transformer layer, 0 for none.
+    ``param_dtype`` sets FSDP's mixed-precision parameters.
     """
     metrics = output_metrics(model)
     options = dict(moe=model_moe_config(model), activation_checkpoint_every=activation_checkpoint_every,
