@@ -1,13 +1,9 @@
 """Context parallelism: each sample's sequence split over the ``cp`` ranks, attention over the whole sequence.
 
-Load-balanced causal sharding: the sequence is cut into ``2 * cp`` chunks and cp rank ``r`` holds chunks
-``r`` and ``2 * cp - 1 - r``, so every rank holds as many cheap early as expensive late queries. Attention
-all-gathers keys and values over the cp group (DTensor ``Shard -> Replicate``; backward reduce-scatters)
-and masks with global positions. torch's ring attention is not used: it replaces only the CUDA SDPA
-kernels and takes no mask (packed documents), so the gather is what runs on every device.
-``shard_batch`` keeps this rank's chunks of a micro-batch, ``gather_kv`` serves ``MultiheadAttention``
-inside ``sharded()``, ``reduce_outputs`` makes the loss the whole sequence's token mean. Only training
-steps run sharded; evaluation and generation see whole sequences.
+The sequence is cut into ``2 * cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, which
+balances causal work. Attention all-gathers keys and values over the cp group and masks with global
+positions. torch's ring attention is not used because it takes no mask and covers only CUDA kernels.
+Only training steps run sharded; evaluation and generation see whole sequences.
 """
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ class ContextParallel:
         self.rank = mesh.get_local_rank()
         self.group = mesh.get_group()
         self.enabled = False
-        # One score mask per micro-batch, shared by every layer: SDPA keeps a float mask it is given for
-        # backward as is, so the layers hold one [local, whole] mask instead of one each.
+        # One score mask per micro-batch shared by every layer, since SDPA keeps its mask for backward.
         self._masks: dict = {}
 
     @contextmanager
@@ -93,10 +88,9 @@ class ContextParallel:
         return out
 
     def gather_kv(self, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor | None = None):
-        """``(keys, values, mask)``: the whole sequence's keys and values ``[batch, heads, seq, head_size]``
-        (in cp-rank order, not position order) and the additive SDPA mask (``key.dtype``) of the local
-        queries, causal on global positions and, with ``document_ids`` ``[batch, local_seq]``, inside each
-        query's document. The mask is built once per micro-batch (``sharded()``) and shared by the layers."""
+        """``(keys, values, mask)``: the whole sequence's keys and values ``[batch, heads, seq, head_size]`` in
+        cp-rank order, and the additive SDPA mask of the local queries, causal on global positions and,
+        with ``document_ids`` ``[batch, local_seq]``, within each document."""
         total = key.shape[-2] * self.size
         docs = None if document_ids is None else (document_ids.data_ptr(), tuple(document_ids.shape))
         cache_key = (total, key.dtype, key.device, docs)
@@ -123,10 +117,9 @@ class ContextParallel:
     def reduce_outputs(self, outputs: dict, metrics: Mapping) -> dict:
         """The outputs of one sharded forward as over the whole sequence, the same value on every cp rank.
 
-        A back-propagated loss declaring ``tokens`` (``Metric(backward=True, tokens=...)``): sum of the
-        ranks' ``loss x tokens`` over the sum of tokens; its gradient is this rank's share times cp, since
-        the gradient reduction over dp x cp averages. Other losses: their mean over cp. Logged-only
-        metrics reduce over cp as they do over data-parallel ranks.
+        A loss declaring ``tokens`` becomes the token-weighted mean over ranks, with this rank's share of
+        the gradient times cp because gradients are averaged over dp x cp. Other losses take their mean
+        over cp; logged-only metrics reduce as they do over data-parallel ranks.
         """
         out = dict(outputs)
         for name, metric in metrics.items():

@@ -1,15 +1,10 @@
 """FP8 training of the linear layers through torchao's float8 (``train.fp8``), as torchtitan does it.
 
-Every ``nn.Linear`` whose dimensions FP8 GEMMs take and whose name matches none of ``skip`` (the LM head
-by default) becomes torchao's ``Float8Linear`` before checkpointing, compile and FSDP2 see it; master
-weights, optimizer state and parameter names stay, so checkpoints move between FP8 and bf16 runs.
-``filter="auto"`` keeps torchao's size thresholds (small GEMMs lose to their casts); converted linears are
-always compiled, since eager casts are separate kernels. Under ZeRO-2/3 the tensorwise recipe gathers
-weights in float8 (``float8_after_optimizer_step``). A CPU, a GPU below compute capability 8.9, a missing
-torchao and tensor parallelism are refused in one line.
-
-FP8 is a fast path (``FastPath``): a linear failing at its first use, forward or backward, and every
-one not yet used run in high precision on the same weights from then on, with one warning line.
+Eligible ``nn.Linear``s become torchao's ``Float8Linear`` before checkpointing, compilation and FSDP2 see
+them. Master weights and parameter names stay, so checkpoints move between FP8 and bf16 runs. Converted
+linears are always compiled, since eager casts are separate kernels. A CPU, a GPU below compute
+capability 8.9, a missing torchao and tensor parallelism are refused. If a linear fails at first use,
+it and every linear not yet used run in high precision from then on, with one warning.
 """
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ FILTERS = ("auto", "all")
 
 @dataclass(frozen=True)
 class Float8Options:
-    """``train.fp8``: ``enabled``; ``recipe`` ``tensorwise`` or ``rowwise``; ``skip``: module-name
-    substrings whose linears stay in high precision; ``filter``: ``auto`` (only linears large enough to
-    gain, torchao's thresholds) or ``all``."""
+    """``train.fp8``. ``skip`` holds module-name substrings whose linears stay in high precision; ``filter``
+    ``auto`` converts only linears large enough to gain, ``all`` every eligible one."""
 
     enabled: bool = False
     recipe: str = "tensorwise"
@@ -93,9 +87,8 @@ def _torchao_float8():
 
 
 def large_enough(recipe: str, in_features: int, out_features: int) -> bool:
-    """Whether FP8 speeds up a linear of these features under ``recipe``: torchao's thresholds from its
-    H100 tables (``torchao.float8.float8_linear_utils._auto_filter_for_recipe``); below them the casts
-    cost more than the faster GEMM saves."""
+    """Whether FP8 speeds up a linear of these features under ``recipe``, by torchao's thresholds; below
+    them the casts cost more than the faster GEMM saves."""
     k, n = in_features, out_features
     if recipe == "rowwise":
         return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
@@ -117,9 +110,8 @@ def apply_float8(module: nn.Module, options: Float8Options, *, compile_backend: 
                  fsdp: bool = False) -> int:
     """Swap the eligible linears of ``module`` for torchao's ``Float8Linear`` in place; returns how many.
 
-    ``compile_backend``: compile each converted linear with it (None when the caller compiles the layers
-    holding them, ``train.compile``). ``fsdp``: the module will be sharded by FSDP2 (ZeRO-2/3): the
-    tensorwise recipe then all-gathers the weights in float8."""
+    ``compile_backend`` compiles each converted linear, None when the caller compiles their layers. With
+    ``fsdp`` the tensorwise recipe all-gathers the weights in float8."""
     if not options.enabled:
         return 0
     _torchao()
@@ -191,12 +183,10 @@ def guard_float8_linear(linear: nn.Module, path: FastPath) -> None:
 
 def float8_after_optimizer_step(optimizer, module: nn.Module) -> bool:
     """Have ``optimizer`` precompute the float8 scales of ``module``'s FSDP-sharded float8 weights after
-    each step (one all-reduce for all of them, instead of one per weight at its all-gather); whether
-    there were any."""
+    each step, in one all-reduce; returns whether there were any."""
     from torch.distributed.tensor import DTensor
 
-    # Without a float8 conversion torchao was never imported: importing it here would cost every run its
-    # import time (and its warnings about kernels built for other GPUs) for nothing.
+    # Without a float8 conversion torchao was never imported; importing it now would only cost time.
     if "torchao" not in sys.modules:
         return False
     try:
