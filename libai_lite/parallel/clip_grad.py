@@ -1,10 +1,8 @@
 """One gradient clipper for every layout: plain, DDP, FSDP2/ZeRO, tensor, pipeline and expert parallel.
 
-``torch.nn.utils.clip_grad_norm_`` fails on DTensor gradients of different meshes (FSDP+TP, experts on
-their own mesh) and knows nothing of pipeline stages or of a tied weight held twice. Here the norm is
-taken per mesh (torch's ``get_total_norm``, ``full_tensor()`` finishing a DTensor reduction), the other
-ranks' experts are added, the stages' norms combined over the pipeline group (as torchtitan does),
-and scaling works shard by shard.
+``torch.nn.utils.clip_grad_norm_`` fails on DTensor gradients of different meshes and knows nothing of
+pipeline stages or a tied weight held twice. Here the norm is taken per mesh, other ranks' experts and
+stages are added, and scaling works shard by shard.
 """
 from __future__ import annotations
 
@@ -55,12 +53,9 @@ def clip_grad_norm_(
     exclude_from_norm: Iterable[torch.Tensor] = (),
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Clip the gradients' global norm to ``max_norm`` (inf: only measure); returns the norm before clipping,
-    a 0-d fp32 tensor, the same on every rank. ``pp_group``: the pipeline group when ranks hold other stages;
-    ``exclude_from_norm``: gradients scaled but not counted (a tied weight's second copy).
-
-    Nothing is read back to the host (unless ``error_if_nonfinite``): as in torch's own
-    ``clip_grad_norm_``, the coefficient ``min(max_norm / (norm + 1e-6), 1)`` stays a device tensor.
+    """Clip the gradients' global norm to ``max_norm``, inf only measuring; returns the norm before
+    clipping, a 0-d fp32 tensor equal on every rank. ``exclude_from_norm`` gradients are scaled but not
+    counted. Nothing is read back to the host unless ``error_if_nonfinite``.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -1,10 +1,9 @@
 """Expert parallelism: the experts of each MoE layer spread over ``ep_size`` ranks of the data-parallel group.
 
-DeepSpeed-MoE's and torchtitan's layout: ``"dp"`` is unflattened into ``("edp", "ep")``. Consecutive
-data-parallel ranks (``"ep"``) hold a layer's experts between them, rank ``i`` experts ``[i * E/ep,
-(i + 1) * E/ep)`` (keys stay global, so checkpoints load under any ``ep_size``); tokens reach them by
-all-to-all. Experts are reduced over ``"edp"`` divided by the whole dp size: an expert's gradient
-already sums those of every token its ep group sent it. The clipper adds the other experts' norms.
+``"dp"`` is unflattened into ``("edp", "ep")``. Consecutive data-parallel ranks share a layer's experts,
+rank ``i`` holding ``[i * E/ep, (i + 1) * E/ep)``; keys stay global, so checkpoints load under any
+``ep_size``. Tokens reach the experts by all-to-all. Expert gradients are reduced over ``"edp"`` and
+divided by the whole dp size, since each already sums every token its ep group sent it.
 """
 from __future__ import annotations
 
@@ -132,10 +131,9 @@ def expert_parallel_forward(experts: Experts, tokens: torch.Tensor, tokens_per_e
 
 
 def expert_parallel_slots(experts: Experts, slots: torch.Tensor, capacity: int, *, group, ep_size: int) -> torch.Tensor:
-    """An ``MoELayer.run_slots``: ``slots`` ``[experts * capacity, hidden]`` (global expert order) to the ranks
-    holding their experts and the outputs back, in the same layout, through two all-to-alls of equal pieces:
-    no size is read back to the host. Every rank must route the same number of tokens (same capacity).
-    Differentiable: backward runs the two all-to-alls in reverse."""
+    """An ``MoELayer.run_slots``: send ``slots`` ``[experts * capacity, hidden]`` to their experts' ranks and
+    the outputs back in the same layout, with equal pieces so no size is read to the host. Every rank must
+    route the same number of tokens. Differentiable."""
     import torch.distributed._functional_collectives as funcol
 
     local = slots.shape[0] // (capacity * ep_size)
@@ -148,9 +146,8 @@ def expert_parallel_slots(experts: Experts, slots: torch.Tensor, capacity: int, 
 
 
 class PipelineMoE:
-    """The MoE layers of this rank's pipeline stages, each back-propagating its own auxiliary loss
-    (``MoELayer.backprop_aux_loss``); ``step_metrics`` combines the records their backward left per
-    micro-batch over every stage, then averages. Collective over the pipeline group."""
+    """The MoE layers of this rank's pipeline stages, each back-propagating its own auxiliary loss.
+    ``step_metrics`` combines their per-micro-batch records over the pipeline group, a collective."""
 
     def __init__(self, stage_modules, pp_group, n_microbatches: int, device: torch.device):
         self.layers = [m for module in stage_modules for m in moe_layers(module)]
@@ -176,13 +173,11 @@ class PipelineMoE:
         sums = torch.zeros(n, 3, dtype=torch.float64, device=self.device)  # aux, assignments, dropped
         load_max = torch.zeros(n, dtype=torch.float64, device=self.device)
         for m in self.layers:
-            # The last n: on its first step torch runs the last stage once more, on placeholder inputs,
-            # to infer the backward's metadata. Every stage back-propagates micro-batches in order.
+            # The last n, since torch's first step also runs the last stage on placeholder inputs.
             for i, r in enumerate(m.step_records[-n:]):
                 sums[i, 0] += r["aux"].double()
                 sums[i, 1] += r["assignments"]
                 sums[i, 2] += r["dropped"]
-                # Tensors, compared on the device: a host read here would stall every step.
                 load_max[i] = torch.maximum(load_max[i], torch.as_tensor(r["load_max"], dtype=load_max.dtype,
                                                                           device=load_max.device))
             m.step_records = []
