@@ -1,12 +1,9 @@
 """A run resolved once: ``resolve_run`` turns a loaded config and the world it runs on into a frozen ``RunSpec``.
 
-Everything a run decides from its config before building anything is decided here, in one pass: the layout
-(``ParallelDims``), the batch sizes, the padded vocabulary, the iterations and warmup, the pipeline stage of each
-layer, precision, FP8, compilation, activation checkpointing, and the settings of the optimizer step,
-checkpointer, evaluation, writers and profiler (``run_sections``). The trainer, the evaluation-only trainer, the
-memory planner and ``tools/estimate_memory.py`` read the same ``RunSpec``; builders instantiate their config
-section and read every setting from the spec. ``RunSpec.cfg`` is the resolved config (the caller's is left as it
-was), read-only: what ``config.yaml`` saves, and nothing edits it afterwards.
+Everything a run decides from its config before building anything is decided here, in one pass. The
+trainers and the memory planner read the same ``RunSpec``; builders instantiate their config section and
+read every setting from the spec. ``RunSpec.cfg`` is the resolved, read-only copy that ``config.yaml``
+saves; the caller's config is left unchanged.
 """
 from __future__ import annotations
 
@@ -76,8 +73,7 @@ class RunSpec:
     log: LogSettings
     profile: ProfileSettings | None
     cfg: DictConfig
-    # cfg.model built on the meta device while resolving (None when resolution needed none): what the
-    # start-up checks ask the model, built once.
+    # cfg.model on the meta device if resolving built it, reused by the start-up checks.
     meta_model: torch.nn.Module | None = field(default=None, compare=False, repr=False)
 
     def describe(self, device=None) -> str:
@@ -104,12 +100,10 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
                 eval_only: bool = False) -> RunSpec:
     """The ``RunSpec`` of ``cfg`` on the layout ``dims``; UsageError (one line) for what cannot run.
 
-    ``tokenizer``: the run's (its vocabulary, padded, sizes the model); ``vocab_rows``: a checkpoint's vocabulary
-    rows, which win (evaluating a checkpoint padded otherwise). ``data``: the config's own loaders feed the run,
-    so ``train.train_epoch`` is counted and ``eval_iter`` capped to the valid split (the planner, and an
-    evaluation on other data, pass False). ``eval_only``: ``--eval-only``, which evaluates whatever
-    ``train.evaluation.enabled`` says. Everything the run reads is checked here, before anything is written:
-    the types of its paths, and (with ``data``) the splits and the data's sequence length against the model's.
+    The padded vocabulary of ``tokenizer`` sizes the model, unless a checkpoint's ``vocab_rows`` are given.
+    With ``data`` the config's own loaders feed the run, so ``train.train_epoch`` is counted, ``eval_iter`` is
+    capped to the valid split, and the splits and sequence length are checked. ``eval_only`` evaluates
+    whatever ``train.evaluation.enabled`` says.
     """
     check_paths(cfg)
     if data:
