@@ -1,13 +1,9 @@
 """The model protocol: everything the engine, the parallel code and the checkpointer learn from a model.
 
-A model is an ``nn.Module`` a config builds (``LazyCall(MyLMForPreTraining)(cfg=...)``); the core never
-names it, imports its project or reads a config key only it has. It must give ``forward(**batch) -> dict``
-(one micro-batch in) and ``output_metrics() -> {name: Metric}`` (which outputs are back-propagated and how
-each reduces). The rest is optional and read only through the functions below, whose docstrings say what
-each member must be; a model without one loses only the feature that needs it (tokens/s and MFU,
-generation, pipeline or context parallelism). ``libai_lite.decoder_lm`` and ``libai_lite.seq2seq_lm``
-answer all of it for decoder-only and encoder-decoder LMs; a project registers its Hugging Face mapping
-(``libai_lite.checkpoint.hf``) when its modeling package is imported.
+A model is an ``nn.Module`` a config builds; the core never names it or reads a config key only it has.
+It must give ``forward(**batch) -> dict`` and ``output_metrics() -> {name: Metric}``. The rest is
+optional and read only through the functions below; a model without a member loses only the feature
+that needs it. ``libai_lite.decoder_lm`` and ``libai_lite.seq2seq_lm`` answer all of it for LMs.
 """
 from __future__ import annotations
 
@@ -23,12 +19,9 @@ REDUCTIONS = ("mean", "sum", "max")
 
 @dataclass(frozen=True)
 class Metric:
-    """How the trainer treats one entry of a model's output dict: ``backward``, added to the loss that is
-    back-propagated; ``reduce``, how a step's value forms from its micro-batches and then the
-    data-parallel ranks (``mean``: losses, accuracies; ``sum``: counts; ``max``: a worst case); ``tokens``, for
-    a loss that is a mean over tokens, the output counting them (the sum of its 0/1 token weights): context
-    parallelism, where ``forward`` takes each rank's global ``position_ids``, re-weights by it to the whole
-    sequence's mean, and averages a loss without one over the cp ranks."""
+    """How the trainer treats one entry of a model's output dict. ``backward`` entries are added to the
+    back-propagated loss. ``reduce`` combines micro-batches and then data-parallel ranks. ``tokens`` names
+    the output counting a token-mean loss's tokens, which context parallelism re-weights by."""
 
     backward: bool = False
     reduce: str = "mean"

@@ -80,13 +80,11 @@ def placements(sbp: NdSbp, dims: Sequence[str] = ("tp",), sequence_parallel: boo
 class LayerSBP:
     """What a layer declares: the nd_sbp of its parameters and of the activations it takes and gives.
 
-    ``weight`` and ``bias`` are None for a block whose sublayers declare their own; on a module holding
-    submodules a ``weight`` SBP covers every parameter under it. ``input``: the layout the layer needs
-    its ``args`` in (forward argument names; empty: the first); ``output``: the layout it gives (a
-    ``partial_sum`` is summed by the plan). A column split taking ``hidden`` reads the residual stream
-    itself: an LM head, whose vocab-sharded logits stay a DTensor for ``loss_parallel``. ``unit``: a
-    split dimension is cut in whole blocks of that size (a head's width); ``counts``: the constructor
-    argument giving their number (``num_attention_heads``), named by a refusal as ``model.cfg.<counts>``.
+    ``weight`` and ``bias`` are None for a block whose sublayers declare their own. ``input`` is the layout
+    the layer needs its ``args`` in, by default its first forward argument; ``output`` is the layout it
+    gives. A column split taking ``hidden`` is an LM head, whose vocab-sharded logits stay a DTensor for
+    ``loss_parallel``. A split dimension is cut in whole blocks of ``unit``, and ``counts`` names the
+    constructor argument giving their number, for error messages.
     """
 
     weight: Optional[NdSbp]
