@@ -21,12 +21,8 @@ logger = logging.getLogger("libai_lite")
 
 
 def default_setup(cfg, args) -> Layout:
-    """Process group, mesh, seeds and logger for a run; returns its ``Layout``. ``cfg`` is read, not changed: the
-    trainer resolves it (``libai_lite.run_spec``).
-
-    Nothing is written to disk yet: ``DefaultTrainer`` creates the output directory (and writes
-    ``config.yaml``) only once every input has been checked, so a run refused for bad input
-    leaves no trace.
+    """Process group, mesh, seeds and logger for a run; returns its ``Layout``. ``cfg`` is only read.
+    Nothing is written to disk, so a run refused later for bad input leaves no trace.
     """
     if getattr(args, "fast_dev_run", False):
         cfg = LazyConfig.apply_overrides(cfg, ["train.train_epoch=0", "train.train_iter=20", "train.log_period=1",
@@ -56,9 +52,8 @@ def own_output_dir(cfg, args) -> str | None:
     """Point ``train.output_dir`` of a ``--fast-dev-run`` or ``--eval-only`` at a folder of its own inside it;
     return the run folder whose ``last_checkpoint`` ``--resume`` reads (None: ``train.output_dir`` as it now is).
 
-    Neither check writes over the run it is pointed at: a fast dev run trains in ``<output_dir>/fast_dev_run``
-    (``--resume`` continues that fast dev run), an evaluation logs to ``<output_dir>/eval_only`` (``--resume``
-    evaluates the run's last checkpoint); ``train.output_dir=DIR`` on the command line moves both.
+    Neither writes over the run it is pointed at: a fast dev run trains in ``<output_dir>/fast_dev_run`` and
+    an evaluation logs to ``<output_dir>/eval_only``, where ``--resume`` evaluates the run's last checkpoint.
     """
     run_dir = cfg.train.get("output_dir")
     eval_only, fast = getattr(args, "eval_only", False), getattr(args, "fast_dev_run", False)
@@ -89,8 +84,7 @@ def write_eval_results(output_dir: str, results: dict, checkpoint) -> str:
 
 def _find_user_error(exc: BaseException | None):
     """The most specific user error in `exc`'s cause chain (an InstantiationError only if nothing better)."""
-    # An InstantiationError is a config-built object refusing its arguments (the message names the
-    # target, key path and original error): a config problem the user fixes.
+    # An InstantiationError is a config-built object refusing its arguments: a config problem.
     found = []
     while exc is not None and len(found) < 10:
         if isinstance(exc, (UsageError, FileNotFoundError, FloatingPointError, InstantiationError)):
@@ -103,10 +97,9 @@ def _find_user_error(exc: BaseException | None):
 def report_cli_error(exc: Exception) -> int:
     """For a command-line tool's ``except`` block: print the one ``error:`` line and return 1, or re-raise.
 
-    A user error is printed by global rank 0 (every rank hits the same one); a collective timeout
-    by every rank that gave up (it is rank-local), which then exits at once rather than wait for
-    the stuck rank in the process group's teardown. Anything else, or ``LIBAI_LITE_TRACEBACK=1``,
-    re-raises with the traceback.
+    A user error is printed by global rank 0 only. A collective timeout is rank-local, so every rank that
+    gave up prints it and exits at once rather than wait in teardown. Anything else, or
+    ``LIBAI_LITE_TRACEBACK=1``, re-raises.
     """
     if os.environ.get("LIBAI_LITE_TRACEBACK"):
         raise exc
@@ -135,8 +128,7 @@ def launch(args) -> int:
     from ..checkpoint.trainer_state import RunAlreadyFinished
     from .default import DefaultTrainer
 
-    # A stop signal before training ends the process through `finally` (lock released); during
-    # training the SignalCheckpointer hook saves first.
+    # Before training a stop signal ends the process through `finally`, releasing the lock.
     install_stop_signals()
     die_with_launcher()
     try:

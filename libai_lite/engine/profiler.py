@@ -1,12 +1,8 @@
 """``train.profile``: a ``torch.profiler`` Chrome trace (and on CUDA a memory snapshot) of chosen training steps.
 
-As torchtitan's profiling: off by default; when on, each rank traces ``active`` steps after skipping
-``wait`` steps and warming up ``warmup`` more (counted from the run's first step, a resumed run's
-too), ``repeat`` times, and writes ``OUTPUT_DIR/profile/trace_iterNNNNNNN_rankR.json`` (NNNNNNN: the
-last step traced) for chrome://tracing or https://ui.perfetto.dev. Steps are labelled
-``ProfilerStep#<iteration>`` with the log's iteration numbers. ``memory_snapshot`` also records
-the CUDA caching allocator's history over the same steps and dumps it beside the trace
-(``memory_snapshot_iterNNNNNNN_rankR.pickle``, for https://pytorch.org/memory_viz).
+Each rank skips ``wait`` steps from the run's first, warms up ``warmup``, traces ``active``, ``repeat`` times,
+and writes ``OUTPUT_DIR/profile/trace_iterNNNNNNN_rankR.json`` named after the last step traced.
+``memory_snapshot`` also dumps the CUDA allocator's history over the same steps beside the trace.
 """
 from __future__ import annotations
 
@@ -29,11 +25,8 @@ _MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class ProfilerHook(HookBase):
-    """Runs ``torch.profiler`` over the steps ``wait``/``warmup``/``active``/``repeat`` of its ``ProfileSettings``
-    select (``torch.profiler.schedule``).
-
-    Register it last: its ``after_step`` ends a profiler step, so each traced step spans the
-    iteration's hooks as well as its forward, backward and optimizer step.
+    """Runs ``torch.profiler`` over the steps its ``ProfileSettings`` select. Register it last, so each
+    traced step spans the iteration's hooks too.
     """
 
     def __init__(self, output_dir: str, device: torch.device, settings: ProfileSettings = ProfileSettings()):

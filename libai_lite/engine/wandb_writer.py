@@ -1,14 +1,8 @@
 """Weights & Biases beside TensorBoard: the scalars of every ``metrics.json`` row and the resolved config.
 
-``train.wandb`` (configs/common/train.py; ``run_sections.WandbSettings`` once resolved) turns it on::
-
-    train.wandb.enabled=True train.wandb.mode=offline   # pip install -e .[wandb]
-
-``mode="offline"`` needs no network or account: the run is written under ``OUTPUT_DIR/wandb/`` and
-``wandb sync OUTPUT_DIR/wandb/offline-run-*`` uploads it later; ``"online"`` streams it;
-``"disabled"`` makes every call a no-op. The W&B step is the training iteration, and a run continued
-with ``--resume`` continues its W&B run (the id kept in ``OUTPUT_DIR/wandb/run_id``): its rows land on
-the iterations ``metrics.json`` gives them, in the one run ``wandb sync`` uploads.
+Turned on by ``train.wandb.enabled=True``. ``mode="offline"`` needs no network: the run is written under
+``OUTPUT_DIR/wandb/`` for ``wandb sync`` later. The W&B step is the training iteration, and ``--resume``
+continues the W&B run whose id is kept in ``OUTPUT_DIR/wandb/run_id``.
 """
 from __future__ import annotations
 
@@ -44,11 +38,8 @@ def check_wandb_options(mode: str):
 
 
 class WandbWriter(EventWriter):
-    """A W&B run, one of the trainer's writers (``write`` a log row), also driven like TensorBoard's
-    ``SummaryWriter``: ``add_scalar``, ``flush``, ``close``.
-
-    The config is given once, at the start. Scalars given for one step are merged into one W&B
-    history row (an evaluation result recorded after the step's log line joins that step's row).
+    """A W&B run as one of the trainer's writers, also usable like TensorBoard's ``SummaryWriter``.
+    Scalars given for one step are merged into one W&B history row.
     """
 
     def __init__(self, output_dir: str, config: dict | None = None, *, project: str = "libai_lite",
@@ -57,8 +48,7 @@ class WandbWriter(EventWriter):
         os.makedirs(output_dir, exist_ok=True)
         # A disabled run writes nothing, not even the id.
         run_id, resumed = self._run_id(output_dir, resume) if mode != "disabled" else (None, False)
-        # console="off": log.txt already holds the log, and W&B's capture of stdout/stderr would wrap
-        # the streams the launcher filters for the one-line error.
+        # W&B's console capture would wrap the streams the launcher filters for the one-line error.
         settings = wandb.Settings(console="off", save_code=False)
         try:
             self._run = wandb.init(project=project, name=name, mode=mode, dir=output_dir, config=config or {},
@@ -104,19 +94,15 @@ class WandbWriter(EventWriter):
         if self._run is not None:
             self._run.finish()
             self._run = None
-            # finish() can return before W&B's service process has written the last records (seen
-            # on a loaded machine: an offline run file without its history); teardown waits for it.
+            # finish() can return before W&B's service has written the last records; teardown waits.
             import wandb
 
             wandb.teardown()
 
 
 def build_wandb_writer(settings: WandbSettings | None, output_dir: str, resume: bool = False) -> WandbWriter | None:
-    """The writer ``train.wandb`` (resolved into ``settings``, None when off) asks for on the main process, else
-    None; ``resume`` (a run continued from its checkpoint) continues the output directory's W&B run.
-
-    Its config is ``output_dir/config.yaml``, the resolved config the trainer wrote before building
-    its hooks, so the W&B run shows exactly the values this run used.
+    """The writer ``settings`` asks for on the main process, else None; ``resume`` continues the output
+    directory's W&B run. Its config is the resolved ``output_dir/config.yaml``.
     """
     from ..utils.distributed import is_main_process
 

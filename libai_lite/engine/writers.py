@@ -1,9 +1,7 @@
-"""Where a log row goes: ``metrics.json``, TensorBoard and the console line, each a writer with one ``write``
-(detectron2's ``EventWriter``s; the W&B writer is ``wandb_writer.WandbWriter``).
+"""Where a log row goes: ``metrics.json``, TensorBoard and the console line, each a writer with one ``write``.
 
-``hooks.PeriodicWriter`` decides when a row is due and what it holds, and hands it to these on the main
-process. A file writer's failed write raises the ``OSError`` and names its file in ``path``, for the
-hook's one error line.
+``hooks.PeriodicWriter`` decides when a row is due and what it holds. A file writer's failed write raises
+the ``OSError`` and names its file in ``path``.
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ class JSONWriter(EventWriter):
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, "metrics.json")
-        # Unbuffered: a row either reaches the file or fails on the spot, and nothing is left in a
-        # buffer for close() to fail on again.
+        # Unbuffered, so a row fails on the spot and close() has nothing left to fail on.
         self._file = open(self.path, "ab", buffering=0)
 
     def write(self, iteration: int, scalars: dict) -> None:
