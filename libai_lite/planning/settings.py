@@ -25,8 +25,7 @@ class PlanSettings(ParallelDims):
     micro_batch_size: int = 1
     num_microbatches: int = 1  # gradient accumulation steps: a pipeline schedule's micro-batches
     amp_dtype: torch.dtype | None = None
-    # "cuda": an accelerator beside host memory, where offload moves state off the device; "cpu": training in
-    # host memory, where offload moves nothing (the bench's CPU rows measure exactly that).
+    # On "cpu" training runs in host memory, so offload moves nothing.
     device: str = "cuda"
 
     @classmethod

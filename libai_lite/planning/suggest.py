@@ -37,11 +37,9 @@ def _changes(base: PlanSettings, world_size: int, num_microbatches: int, micro_b
 
 
 def candidate_changes(s: PlanSettings) -> list[PlanSettings]:
-    """The settings ``suggest`` tries, in order: each single change alone, cheapest kind first (ZeRO stage up,
-    activation checkpointing on, the micro-batch halved down to 1 with more accumulation steps for the same
-    global batch, tensor then pipeline parallelism doubled with the data-parallel size shrinking to keep the
-    world size), then the kinds stacked, each on the previous kinds' strongest setting, for a model that
-    needs several."""
+    """The settings ``suggest`` tries, in order. First each single change alone, cheapest kind first: ZeRO,
+    activation checkpointing, a smaller micro-batch with the same global batch, then more tensor or pipeline
+    parallelism. Then the kinds stacked, each on the previous kinds' strongest setting."""
     out = [c for kind in _changes(s, s.world_size, s.num_microbatches, s.micro_batch_size) for c in kind]
     current = s
     for i in range(3):  # ZeRO, activation checkpointing, micro-batch: each on the previous ones' strongest

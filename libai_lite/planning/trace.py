@@ -13,9 +13,8 @@ from torch import nn
 
 def optimizer_step_temporaries(optimizer_factory: Callable | None, groups: Sequence[Sequence[tuple[int, ...]]],
                                 dtype: torch.dtype = torch.float32) -> int:
-    """Peak bytes an optimizer step allocates beyond its state (a for-loop AdamW: about one parameter's size;
-    foreach: a group's; fused: none), measured by stepping it on fake parameters of these shapes (one list
-    of shapes per parameter group)."""
+    """Peak bytes an optimizer step allocates beyond its state, measured by stepping it on fake parameters of
+    these shapes, one list of shapes per parameter group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,11 +118,9 @@ def _worst_case_dispatch(func, args, kwargs):
 
 
 class _AcceleratorKernels:
-    """Trace on CPU fake tensors as the job's accelerator would run: attention through the fused (flash)
-    kernel, which keeps no ``[seq, seq]`` scores whatever the dropout (the CPU picks the math path under
-    attention dropout), and the fused loss's softmax scratch at its accelerator size. Both are swapped in
-    for the trace only, as module attributes, so activation checkpointing's recomputation in backward
-    takes the same path as the forward."""
+    """Trace on CPU fake tensors as the job's accelerator would run: attention through the flash kernel,
+    which keeps no ``[seq, seq]`` scores, and the fused loss's scratch at its accelerator size. Both are
+    swapped in as module attributes, so recomputation in backward takes the same path as the forward."""
 
     def __init__(self, device: str):
         self.device = device
@@ -209,10 +206,9 @@ def _head_split_sizes(model: nn.Module) -> set[int]:
 def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.Tensor], *,
                       amp_dtype: torch.dtype | None = None, activation_checkpoint_every: int = 0,
                       activation_checkpoint_mode: str = "full", device: str = "cpu") -> ActivationTrace:
-    """Forward ``build()`` on ``batch`` (real tensors of one micro-batch) and back-propagate its loss under
-    ``FakeTensorMode`` (the sum of its declared losses, as the trainer does), recording every storage allocated and freed (``ActivationTrace``). Parameters'
-    gradients are dropped as soon as they are made: the caller counts them with the static bytes. ``device``:
-    the job's device kind; for an accelerator the kernels it would pick stand in (``_AcceleratorKernels``)."""
+    """Forward ``build()`` on one micro-batch ``batch`` and back-propagate its declared losses under
+    ``FakeTensorMode``, recording every storage allocated and freed. Parameter gradients are dropped as they
+    are made, since the caller counts them with the static bytes. ``device`` is the job's device kind."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mod_tracker import ModTracker
