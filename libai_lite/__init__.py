@@ -2,8 +2,7 @@
 import re as _re
 from importlib import metadata as _metadata
 
-# The oldest torch supported. pip enforces it through setup.py; a checkout used from PYTHONPATH does not
-# go through pip, and an older torch would fail later, at some import of a newer torch.distributed piece.
+# The oldest torch supported; checked here too because a checkout on PYTHONPATH bypasses pip.
 MIN_TORCH = (2, 11)
 
 

@@ -1,10 +1,8 @@
-"""What decoder-only and encoder-decoder language models share: the fused-loss switch of the network and
-the pretraining wrapper's half of the model protocol (``libai_lite.model``).
+"""What decoder-only and encoder-decoder language models share: the fused-loss switch and the pretraining
+wrapper's half of the model protocol.
 
-``LanguageModel`` asks its subclass for ``lm_head`` (None off the last pipeline stage) and
-``fused_cross_entropy``. ``LMForPreTraining`` holds the network under a project-chosen attribute (the
-prefix of its checkpoint keys and Hugging Face mapping's ``inner``, so each project keeps its own)
-and delegates to it; ``decoder_lm`` and ``seq2seq_lm`` add the forward, loss and batch of their kind.
+``LMForPreTraining`` holds the network under a project-chosen attribute, which prefixes its checkpoint
+keys, and delegates to it; ``decoder_lm`` and ``seq2seq_lm`` add the forward, loss and batch of their kind.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The settings of a run's optimizer step, checkpoints, evaluation, writers and profiler, read once from its config.
 
-Each section is a frozen dataclass ``run_spec.resolve_run`` fills from the config, so builders and hooks take
-settings, not config nodes. The values documented (and given to every shipped config) are those of
-``configs/common/train.py``; a key a config leaves out takes the field's default here, which is that value, except
-for those whose absence asks for nothing: ``train.warmup_ratio`` (no warmup), ``train.evaluation.enabled`` (no
-evaluation), ``eval_metric`` (no best checkpoint), ``train.checkpointer.max_to_keep`` (every checkpoint kept) and
-``optim.params.clip_grad_max_norm`` (no clipping).
+Each section is a frozen dataclass ``run_spec.resolve_run`` fills, so builders and hooks take settings, not
+config nodes. A key a config leaves out takes the field's default, which matches ``configs/common/train.py``
+except where absence means off: warmup, evaluation, the best checkpoint, ``max_to_keep`` and clipping.
 """
 from __future__ import annotations
 

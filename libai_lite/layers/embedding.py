@@ -6,10 +6,8 @@ from torch import nn
 from ..sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
 from .init_methods import InitMethod
 
-# The table is [num_embeddings, embedding_dim] and the ids are whole on every rank. "vocab" splits
-# the rows: a rank looks up only its own ids and the partial lookups are summed. "col" splits the
-# columns: each rank gets its slice of every vector (a per-head table, one column per head). A
-# replicated table's output joins the hidden states, so it takes their layout.
+# "vocab" splits the rows and sums the partial lookups; "col" splits the columns, as for a per-head table.
+# A replicated table's output joins the hidden states, so it takes their layout.
 SBP_SHORTHAND = {
     "data": declare(weight=broadcast, input=broadcast, output=hidden),
     "vocab": declare(weight=split(0), input=broadcast, output=partial_sum, counts="vocab_size"),

@@ -8,10 +8,8 @@ from torch import nn
 from ..sbp import Shorthand, broadcast, declare, hidden, partial_sum, split
 from .init_methods import InitMethod
 
-# LiBai's Linear1D: the weight is [out_features, in_features], so "col" splits outputs (dim 0) and
-# hands each rank a slice of the output features, and "row" splits inputs (dim 1) so that each
-# rank's product is a partial sum; the row bias is whole because it is added once, after the sum.
-# "vocab" is a column split fed by the residual stream: the LM head, whose logits stay split.
+# "col" splits output features and "row" input features, giving partial sums; the row bias is whole
+# because it is added once after the sum. "vocab" is a column split fed by the residual stream, an LM head.
 SBP_SHORTHAND = {
     "col": declare(weight=split(0), bias=split(0), input=broadcast, output=split(-1)),
     "row": declare(weight=split(1), bias=broadcast, input=split(-1), output=partial_sum),
@@ -23,11 +21,9 @@ SBP_SHORTHAND = {
 class Linear1D(Shorthand, nn.Linear):
     """``nn.Linear`` that declares its tensor-parallel SBP (``self.sbp``) instead of acting on it.
 
-    ``parallel`` is LiBai's shorthand: ``"col"``, ``"row"``, ``"vocab"`` (an LM head) or ``"data"``
-    (see ``SBP_SHORTHAND``). ``split_unit`` cuts the split features in whole blocks (an attention
-    head's q/k/v) and ``split_counts`` names the constructor size they count. ``layer_idx`` tells
-    the pipeline splitter which stage owns it. With ``skip_bias_add=True`` the forward returns
-    ``(output_without_bias, bias)`` so a caller can fuse the bias into a later op, as Megatron does.
+    ``parallel`` is a key of ``SBP_SHORTHAND``. ``split_unit`` cuts the split features in whole blocks and
+    ``split_counts`` names the constructor size they count. ``layer_idx`` places it on a pipeline stage.
+    With ``skip_bias_add=True`` the forward returns ``(output_without_bias, bias)`` for a later fusion.
     """
 
     SBP_SHORTHAND = SBP_SHORTHAND

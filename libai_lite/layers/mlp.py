@@ -1,11 +1,9 @@
 """Transformer feed-forward block: column-parallel up projection, row-parallel down projection.
 
-A gated MLP (SwiGLU, gated-GELU) computes its gate and up projections as one GEMM: ``dense_h_to_4h``
-holds both, their rows interleaved (row ``2i`` is gate feature ``i``, row ``2i + 1`` up feature ``i``).
-That layout cuts the same under any tensor-parallel size: a column split into contiguous row blocks
-hands every rank the gate and up rows of the same features, and a checkpoint holds one layout
-whatever ``tensor_parallel_size`` wrote it. ``join_gate_up`` / ``split_gate_up`` convert to and from
-separate weights (Hugging Face's ``gate_proj``/``up_proj``, ``wi_0``/``wi_1``).
+A gated MLP computes gate and up projections as one GEMM. ``dense_h_to_4h`` holds both with rows
+interleaved, row ``2i`` gate feature ``i`` and row ``2i + 1`` up feature ``i``, so a contiguous column
+split gives every rank matching pairs and checkpoints hold one layout whatever the tensor-parallel size.
+``join_gate_up`` and ``split_gate_up`` convert to and from separate weights.
 """
 from typing import Optional, Tuple
 
@@ -66,10 +64,8 @@ class GateUpLinear(Linear1D):
 
 
 class MLP(nn.Module):
-    """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout; column- then row-parallel, so the
-    activation runs on each rank's slice with no communication in between. ``gated=True`` (SwiGLU, T5
-    v1.1/mT5's gated-GELU) makes ``dense_h_to_4h`` a ``GateUpLinear``: ``act(gate) * up`` from one GEMM.
-    The block needs ``hidden_states`` whole (``broadcast``) and gives hidden states.
+    """``dense_4h_to_h(act(dense_h_to_4h(x)))`` followed by dropout, column- then row-parallel so the
+    activation needs no communication. ``gated=True`` computes ``act(gate) * up`` with a ``GateUpLinear``.
     """
 
     sbp = declare(input=broadcast, output=hidden, args=("hidden_states",))

@@ -1,9 +1,8 @@
 """Rotary position embeddings (RoPE) as the Llama family uses them, in Hugging Face's convention.
 
-A head's features are rotated in two halves (``rotate_half``: feature ``i`` pairs with ``i + head_size/2``),
-which is the layout of every Hugging Face Llama, Mistral and Qwen2 checkpoint, so their q/k weights load
-unpermuted. ``scaling`` is a ``config.json`` ``rope_scaling`` dict; ``{"rope_type": "llama3", "factor",
-"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}`` is Llama 3.1's frequency scaling.
+Feature ``i`` of a head pairs with feature ``i + head_size/2``, the layout of Hugging Face Llama, Mistral
+and Qwen2 checkpoints, so their q/k weights load unpermuted. ``scaling`` is a ``config.json``
+``rope_scaling`` dict; ``rope_type`` ``"llama3"`` selects Llama 3.1's frequency scaling.
 """
 import math
 import weakref
@@ -45,10 +44,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _LastAngles:
     """The last ``(cos, sin)`` any ``RotaryEmbedding`` computed, with ``sin``'s first half negated.
 
-    Every layer of a model rotates by the same angles (the same ``position_ids`` tensor, frequencies and
-    dtype), so one forward computes them once and the other layers reuse them; a new ``position_ids``
-    tensor (the next step's) or other settings compute again. Kept by identity, never by value (a
-    comparison of values would read the device). Compiled code computes its own (fused there).
+    Every layer rotates by the same angles, so one forward computes them once. The cache matches
+    ``position_ids`` by identity, since comparing values would read the device. Compiled code computes its own.
     """
 
     def __init__(self):
@@ -87,8 +84,7 @@ _ANGLES = _LastAngles()
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[batch, heads, seq, head_size]`` by ``cos``/``sin`` ``[batch or 1, seq, head_size]``.
 
-    ``x * cos + rotate_half(x) * sin`` as one roll, two products and a sum (the negation folded into
-    ``sin`` once per step): four kernels instead of five, bit for bit the same result.
+    Computes ``x * cos + rotate_half(x) * sin`` with one roll and the negation folded into ``sin``.
     """
     cos, sin = cos.unsqueeze(1), _ANGLES.signed(sin).unsqueeze(1)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
@@ -97,11 +93,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """``forward(position_ids, dtype) -> (cos, sin)``, each ``[batch, seq, head_size]``, for ``apply_rotary``.
 
-    It holds no parameters or buffers (the frequencies are recomputed, a few hundred numbers), so a
-    meta-device build needs no re-initialisation, checkpoints do not hold it, and every pipeline
-    stage keeps it (no ``layer_idx``). The angles are computed in fp32 whatever the autocast dtype,
-    then cast, as transformers does: positions in the thousands need fp32 to stay exact. Layers
-    handed the same ``position_ids`` tensor share one computation (see ``_LastAngles``).
+    It holds no parameters or buffers, so meta builds need no re-initialisation, checkpoints do not hold
+    it, and every pipeline stage keeps it. Angles are computed in fp32 and then cast, since positions in
+    the thousands need fp32 to stay exact.
     """
 
     def __init__(self, head_size: int, theta: float = 10000.0, scaling: Optional[Mapping] = None):
