@@ -249,8 +249,8 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor)
         aux_loss = load_balancing_loss(routing.probs, routing.load)
-        # Fixed slots avoid a host read but need equal token counts on every expert-parallel rank, which
-        # only training guarantees.
+        # Fixed slots avoid a host read but need equal token counts on every expert-parallel rank, which the
+        # built-in loaders give in training; evaluation may batch each rank to its own length.
         if self.capacity_factor is not None and (self.run_slots is _local_slots or torch.is_grad_enabled()):
             out = self._fixed_capacity(x, routing)
         else:

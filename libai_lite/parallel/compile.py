@@ -34,9 +34,9 @@ CUDA_GRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """``train.compile``. ``automatic`` records that ``enabled="auto"`` chose the value; on a CPU compiling
-    costs more than it saves. ``loss`` also compiles the cross entropy. ``fullgraph`` makes a graph break an
-    error. ``backend`` and ``mode`` are torch.compile's."""
+    """``train.compile``. ``enabled="auto"``, the config's default, turns it on with a CUDA device, since on
+    a CPU compiling costs more than it saves; ``automatic`` records that choice. ``loss`` also compiles the
+    cross entropy, ``fullgraph`` makes a graph break an error, and ``backend`` and ``mode`` are torch's."""
 
     enabled: bool = False
     loss: bool = False
