@@ -2,7 +2,7 @@
 
 A stage keeps the pieces of ``model.pipeline_module()`` that the layout places on it: entries of layer
 ``nn.ModuleDict``s keyed by global layer index, pieces with a ``layer_idx``, and parameterless pieces,
-which every stage keeps. A stage's forward skips pieces set to None, unless it defines ``pipeline_forward``.
+which every stage keeps. The model's forward skips pieces set to None, or it defines ``pipeline_forward``.
 
 Tied embeddings: ``model.pipeline_tied`` names ``(source, copy)`` parameter paths. On different ranks
 ``sync_tied_weight_grads`` sums both copies' gradients over the first and last stage ranks, so both take
