@@ -8,9 +8,8 @@ import torch.distributed as dist
 class SyncedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose "found inf" flags are summed over a process group.
 
-    torch's ``ShardedGradScaler`` keeps the flag as a ``[1]`` tensor, which the fused AdamW kernel
-    (our default optimizer) refuses after ``unscale_`` ("output with shape [] doesn't match the
-    broadcast shape [1]"); this keeps GradScaler's ``[]`` flags.
+    torch's ``ShardedGradScaler`` keeps a ``[1]`` flag, which the fused AdamW kernel refuses after
+    ``unscale_``; this keeps GradScaler's ``[]`` flags.
     """
 
     def __init__(self, device: str, process_group=None, **kwargs):

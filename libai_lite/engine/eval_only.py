@@ -24,16 +24,14 @@ class EvalOnlyTrainer(DefaultTrainer):
         """The config resolved for evaluation alone (no training data counted), the model's vocabulary as padded as
         the checkpoint's embedding.
 
-        A checkpoint may be padded otherwise than this config pads (older versions padded to 128 x the
-        tensor-parallel size: 8192 rows at tp=2); the checkpoint's size wins, which lets any layout
+        A checkpoint may be padded otherwise than this config pads; its size wins, so any layout can
         evaluate it.
         """
         rows = checkpoint_vocab_rows(cfg, cfg.train.load_weight) if self.tokenizer is not None else None
         return resolve_run(cfg, self.layout.dims, self.tokenizer, vocab_rows=rows, data=False, eval_only=True)
 
     def build_loaders(self, cfg):
-        # The base builds the train loader from the config's data; evaluation needs none of it.
-        # The empty "train loader" is only there for the step runner the trainer still builds.
+        # The config's training data is never opened; the empty train loader only feeds the step runner.
         return [], None, self._data_loader_fn(self)
 
     def build_optimizer(self, cfg, model):

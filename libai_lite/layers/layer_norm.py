@@ -24,10 +24,8 @@ class LayerNorm(nn.LayerNorm):
 class RMSLayerNorm(nn.Module):
     """T5-style RMS norm: scale only, no mean subtraction, no bias; ``F.rms_norm`` underneath.
 
-    Computed in the wider of the input's and the weight's dtypes, and in fp32 inside ``F.rms_norm``
-    for half-precision inputs (squaring them overflows); the result is in the weight's dtype when
-    that is half precision, else in fp32, as Hugging Face's ``T5LayerNorm`` gives it. On CUDA,
-    input and weight of one dtype run torch's fused kernel (one kernel forward, instead of six).
+    Computed in the wider of the input's and the weight's dtypes. The result is in the weight's dtype
+    when that is half precision, else in fp32, as Hugging Face's ``T5LayerNorm`` gives it.
     """
 
     parallel = "data"

@@ -14,14 +14,10 @@ from .moe import MoEConfig, MoELayer
 
 
 class TransformerLayer(nn.Module):
-    """``x + attn(ln(x))`` then ``x + mlp(ln(x))``, dropouts inside attention and MLP. With
-    ``apply_residual_post_layernorm`` each residual is the normalised input (a LiBai/Megatron option,
-    off for GPT-2); with ``moe`` (a ``MoEConfig``) the feed-forward is a ``MoELayer`` of such MLPs.
-
-    The Llama family: ``norm="rmsnorm"`` (``RMSLayerNorm``), ``gated=True`` with ``activation="silu"``
-    (SwiGLU), ``num_key_value_heads``, ``qkv_bias``, ``rope_theta``/``rope_scaling`` and ``sliding_window`` (see
-    ``MultiheadAttention``), and ``position_ids`` passed to ``forward``. ``document_ids`` (packed
-    documents) keep each position's attention inside its own document.
+    """``x + attn(ln(x))`` then ``x + mlp(ln(x))``, with dropouts inside attention and MLP. With
+    ``apply_residual_post_layernorm`` each residual is the normalised input; with ``moe`` the feed-forward
+    is a ``MoELayer``. A Llama layer sets ``norm="rmsnorm"``, ``gated=True`` with ``activation="silu"``
+    and the attention options of ``MultiheadAttention``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
