@@ -24,7 +24,8 @@ class LayerNorm(nn.LayerNorm):
 class RMSLayerNorm(nn.Module):
     """T5-style RMS norm: scale only, no mean subtraction, no bias; ``F.rms_norm`` underneath.
 
-    Computed in the wider of the input's and the weight's dtypes. The result is in the weight's dtype
+    Computed in the wider of the input's and the weight's dtypes (``F.rms_norm`` squares half-precision
+    inputs in fp32, where they would overflow). The result is in the weight's dtype
     when that is half precision, else in fp32, as Hugging Face's ``T5LayerNorm`` gives it.
     """
 

@@ -403,18 +403,11 @@ def test_a_compiled_mt5_falls_back_from_wrong_flex_gradients_at_its_eager_first_
     from libai_lite.layers import flex_attention as flex_module
     from libai_lite.layers.flex_attention import attention_backend
 
-    class FarOffBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 1e16
+    from tests.layers.test_flex_attention import _identity_with_backward
 
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
-    real_flex = flex_module.flex_attention
-    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: FarOffBackward.apply(real_flex(*a, **k)))
+    real_flex, far_off = flex_module.flex_attention, _identity_with_backward(lambda grad: grad * 1e16)
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: far_off(real_flex(*a, **k)))
     eager = build_mt5()
     with attention_backend("dense"):
         reference, _ = train(seq2seq_step(eager), eager.parameters())
