@@ -1,19 +1,12 @@
 """Checkpoints through `torch.distributed.checkpoint` that are either complete or absent.
 
-A checkpoint is a directory `model_XXXXXXX/` holding
-  - DCP files (`.metadata`, `*.distcp`) with the model and optimizer state keyed by parameter
-    name, so a later run can load them under another parallel layout (``dcp_io``);
-  - `trainer_state.json`: iteration, consumed samples, scheduler and loss-scaler state, and
-    `rng_state_{rank}.pt`: each rank's RNG states (``trainer_state``);
-  - `manifest.json`: the size and CRC-32 of every other file, written last, so a complete
-    checkpoint can be told from a partial one and flipped or truncated bytes are refused at load
-    (``integrity``).
-It is written under `NAME.tmp/` and published by renames that a crash at any point leaves
-repairable (``protocol``). ``Checkpointer`` composes these: it is what the trainer holds.
-
-With ``async_save``, the files are written in the background (``dcp_io.BackgroundWriter``); the
-renames run on the main thread only once that write is complete (``Checkpointer.poll``/``wait``),
-so until then the previous checkpoint is the one ``last_checkpoint`` names.
+A checkpoint `model_XXXXXXX/` holds DCP files with model and optimizer state keyed by parameter name,
+loadable under another parallel layout (``dcp_io``); `trainer_state.json` and per-rank
+`rng_state_{rank}.pt` (``trainer_state``); and `manifest.json`, written last, with each other file's
+size and CRC-32, so partial or corrupt checkpoints are refused at load (``integrity``). It is written
+under `NAME.tmp/` and published by crash-safe renames (``protocol``). With ``async_save`` the files are
+written in the background and published only once complete (``Checkpointer.poll``/``wait``); until then
+``last_checkpoint`` still names the previous checkpoint.
 """
 from __future__ import annotations
 

@@ -25,17 +25,15 @@ from .integrity import stored_rows
 class HFMapping:
     """How one project's pretraining module converts to and from Hugging Face directories.
 
-    ``model_class(model_cfg)`` builds the module (its subclasses share the mapping); ``model_types`` are
-    the ``config.json`` ``model_type`` values it reads; the functions speak the state dict of the
-    module's attribute ``inner``: ``config_from_hf``/``config_to_hf`` (``config.json`` <-> ``model.cfg``),
-    ``state_dict_from_hf``/``state_dict_to_hf`` (``(state dict, model.cfg)`` -> the other side's).
-    ``vocab_keys``: our keys whose rows are the vocabulary, the token embedding first (padded on
-    import, cut to the tokenizer on export). ``special_token_ids``: ``config.json`` ids for one of
-    our tokenizers; ``find_tokenizer``: ``hf_dir -> HFTokenizer`` or None; ``sentencepiece_config``:
-    ``tokenizer -> tokenizer_config.json`` with which transformers reads one of our SentencePiece tokenizers
-    as the model's own, or None (see ``hf_io.tokenizer_files``); ``finetune_config``: the
-    project config an import's fine-tuning config starts from; ``pipeline_num_layers``: ``model.cfg ->
-    train.dist.pipeline_num_layers`` when it is not ``hidden_layers``.
+    ``model_class(model_cfg)`` builds the module; ``model_types`` are the ``config.json`` ``model_type``
+    values it reads. The converters work on the state dict of the module's ``inner``:
+    ``config_from_hf``/``config_to_hf`` map ``config.json`` and ``model.cfg``, and
+    ``state_dict_from_hf``/``state_dict_to_hf`` map ``(state dict, model.cfg)`` to the other side's.
+    ``vocab_keys`` are our keys whose rows are the vocabulary, token embedding first (padded on import, cut
+    on export). ``special_token_ids``, ``find_tokenizer`` and ``sentencepiece_config`` carry the tokenizer
+    across (see ``hf_io.tokenizer_files``); ``finetune_config`` is the project config an import's fine-tuning
+    config starts from; ``pipeline_num_layers`` maps ``model.cfg`` to ``train.dist.pipeline_num_layers``
+    when that is not ``hidden_layers``.
     """
 
     model_class: type

@@ -1,16 +1,11 @@
 """The directory protocol: a checkpoint directory ``model_XXXXXXX/`` is either complete or absent.
 
-Replacing a checkpoint (`model_best`, `model_final`, a periodic one saved again) never leaves
-`last_checkpoint` naming a directory that is gone for good:
-  1. everything is written under `NAME.tmp/`, `manifest.json` last (``Checkpointer.save``);
-  2. an existing `NAME/` is renamed `NAME.old/`;
-  3. `NAME.tmp/` is renamed `NAME/`;
-  4. `last_checkpoint` (a one-line text file) is replaced, atomically;
-  5. `NAME.old/` is deleted.
-A crash at any point is repaired at the next start (`recover_interrupted`): a `NAME.tmp/` with
-its manifest is complete and is published, a `NAME.old/` whose `NAME/` is missing is put back,
-and only a `NAME.tmp/` without a manifest (never published) is deleted. ``resolve_resume`` finds
-the checkpoint to continue from, and ``prune`` keeps the newest ``max_to_keep`` periodic ones.
+A save writes everything under `NAME.tmp/` (`manifest.json` last), renames an existing `NAME/` to
+`NAME.old/`, renames `NAME.tmp/` to `NAME/`, atomically replaces `last_checkpoint`, then deletes
+`NAME.old/`. So `last_checkpoint` never names a directory that is gone for good. After a crash,
+``recover_interrupted`` publishes a `NAME.tmp/` that has its manifest, puts back a `NAME.old/` whose
+`NAME/` is missing, and deletes only a `NAME.tmp/` without a manifest. ``resolve_resume`` finds the
+checkpoint to continue from, and ``prune`` keeps the newest ``max_to_keep`` periodic ones.
 """
 from __future__ import annotations
 

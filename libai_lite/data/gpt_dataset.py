@@ -1,17 +1,14 @@
 """Megatron-LM's GPT pretraining dataset: fixed-length samples cut from a shuffled document stream.
 
-Three index arrays turn an indexed dataset plus a split's documents into samples:
+* ``doc_idx``: the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled;
+* ``sample_idx``: ``(position in doc_idx, token offset)`` rows; sample ``i`` is the ``seq_length + 1``
+  tokens from row ``i`` to row ``i + 1``, so consecutive samples share one token;
+* ``shuffle_idx``: a permutation of the samples; a last epoch used for under 80% of its samples is
+  shuffled apart so its partial coverage is not spread over the complete epochs.
 
-* ``doc_idx``     the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled
-                  (a separate last epoch shuffled on its own);
-* ``sample_idx``  ``(position in doc_idx, token offset)`` rows: sample ``i`` is the ``seq_length + 1``
-                  tokens from row ``i`` to row ``i + 1``, so consecutive samples share one token;
-* ``shuffle_idx`` a permutation of the samples; a last epoch used for under 80% of its samples is
-                  shuffled apart so its partial coverage is not smeared over the complete epochs.
-
-Every array equals Megatron-LM's for the same documents, seed, length and count, so a run moved from
-Megatron-LM or LiBai reads the same samples in the same order. Global rank 0 builds them under a file
-lock, saves them atomically as ``.npy`` with Megatron's names; every rank and worker memory-maps them.
+Every array equals Megatron-LM's for the same inputs, so a run moved from Megatron-LM or LiBai reads the
+same samples in the same order. Global rank 0 builds them under a file lock and saves them atomically as
+``.npy`` with Megatron's names; every rank and worker memory-maps them.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Autoregressive decoding shared by decoder-only and encoder-decoder models, and its logits processors.
 
-A model's ``generate`` supplies ``step(tokens) -> logits``: it feeds the tokens the model has not
-seen yet (the prompt, then the token each row just chose) and returns the next-token logits
-``[batch, vocab]``, keeping its own key/value cache or re-reading the sequence. ``decode`` owns the
-rest: the real vocabulary, the processors, greedy or seeded sampling, EOS and padding per row.
-
-The processors follow Hugging Face's ``LogitsProcessor`` semantics (``processor(input_ids, scores)
--> scores``, tested against transformers' classes), applied in the order repetition penalty,
-temperature, top-k, top-p, as LiBai's ``libai/inference`` does.
+A model's ``generate`` supplies ``step(tokens) -> logits [batch, vocab]``, fed first the prompt and then
+each row's new token, keeping its own cache or not. ``decode`` handles the rest: the real vocabulary,
+the processors, greedy or seeded sampling, EOS and padding per row. The processors follow Hugging
+Face's ``LogitsProcessor`` semantics and run in LiBai's order: repetition penalty, temperature, top-k, top-p.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Exact word-level caching for tokenizers that apply their model to each pre-token on its own.
 
-GPT-2 byte-level BPE and BERT WordPiece tokenise a text by normalising it, splitting it into
-pre-tokens (words, punctuation, whitespace runs) and running the model on every pre-token
-independently. A corpus repeats the same words endlessly, so encoding each distinct pre-token
-once and concatenating the cached ids gives the very same ids at a fraction of the cost: the
-split is one C regex call per text and the rest is dictionary look-ups, where the full pipeline
-builds an ``Encoding`` (token strings included) for every text.
-
-Exactness rests on our regex splitting a text exactly as the tokenizer's own pre-tokenizer does.
-The regex depends only on which class (letter, number, whitespace, punctuation, other) each
-character belongs to, and two Unicode tables can disagree on a character, so every character is
-checked once against the real pre-tokenizer before a text holding it takes the fast path; a
-text with a character whose split differs is encoded by the tokenizer itself.
+GPT-2 byte-level BPE and BERT WordPiece encode every pre-token independently, so encoding each distinct
+pre-token once and concatenating the cached ids gives the same ids as the full pipeline, far cheaper.
+This holds only if our regex splits a text exactly as the tokenizer's pre-tokenizer does. Two Unicode
+tables can disagree on a character's class, so each character is checked once against the real
+pre-tokenizer; a text holding a character whose split differs is encoded by the tokenizer itself.
 """
 from __future__ import annotations
 

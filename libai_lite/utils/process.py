@@ -77,12 +77,9 @@ def stop_requested() -> int | None:
 def leave_job_process_group(worker_id: int | None = None) -> None:
     """DataLoader ``worker_init_fn``: move the worker out of its trainer's process group.
 
-    torchrun (and a terminal) signal a worker's whole process group; torch's DataLoader worker
-    dies of a SIGTERM not sent by its trainer, which crashes the trainer before it can save. In a
-    group of its own the worker is out of reach of the job's stop signal, and torch still ends it
-    its own ways: the trainer's done event, a SIGTERM from the trainer (multiprocessing's exit),
-    or its watchdog once the trainer is gone. Ignoring the signal instead would make the trainer's
-    own SIGTERM at exit ineffective and hang it joining the worker.
+    A signal to the job's process group would kill the worker, and a worker dying of a SIGTERM not sent by
+    its trainer crashes the trainer before it can save. Out of the group, torch still ends the worker
+    its own ways. Ignoring SIGTERM instead would hang the trainer joining the worker at exit.
     """
     try:
         os.setpgid(0, 0)
@@ -144,13 +141,10 @@ _watching = False
 def die_with_parent(poll_s: float = 1.0) -> None:
     """End this process with SIGKILL as soon as the process that started it (torchrun) is gone.
 
-    torchrun starts each worker in a session of its own, so killing the launcher's process group
-    (kill -9, a dying agent) would otherwise leave the workers training on as orphans. Linux kills
-    us through PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` with the original
-    parent covers other systems. A parent that died before this call cannot be recognised by its
-    pid any more, so ``tools/train.sh`` also exports its own pid (``LIBAI_LITE_LAUNCHER_PID``): a
-    worker whose launcher is gone ends too, also when it was killed while the worker was still
-    starting. Calling it again is a no-op.
+    torchrun puts each worker in its own session, so killing the launcher's group would leave workers
+    training on as orphans. Linux uses PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` covers
+    other systems. A parent that died before this call cannot be recognised by pid, so ``tools/train.sh``
+    also exports ``LIBAI_LITE_LAUNCHER_PID``, and a worker whose launcher is gone ends too. Idempotent.
     """
     global _watching
     if _watching:
