@@ -35,14 +35,11 @@ logger = logging.getLogger("libai_lite")
 class Checkpointer:
     """Saves and loads model, optimizer and trainer state under `save_dir`.
 
-    `model` is a module or a list of model parts (the pipeline stages this rank holds);
-    `optimizer` is one optimizer or an `OptimizersContainer` with one optimizer per part.
-    With `async_save`, `save` returns once the state is copied to CPU memory and the files are
-    written in the background; `poll` (each step) or `wait` publishes the checkpoint when they are.
-    `states` are the ``Stateful`` objects kept in files of their own beside the DCP files (each with
-    ``save(directory)`` and ``load(directory)``; by default this rank's RNG streams, ``RngState``; the trainer
-    adds its ``TrainerState``: iteration, data position, lr schedule, loss scale).
-    `verify` (False: --no-verify) checks a checkpoint's files against its manifest before loading it.
+    `model` is a module or the list of pipeline stages this rank holds; `optimizer` is one optimizer or an
+    `OptimizersContainer` with one per part. `states` are ``Stateful`` objects with ``save(directory)`` and
+    ``load(directory)``, kept in files of their own; by default ``RngState``, and the trainer adds its
+    ``TrainerState``. With `async_save`, `save` returns once the state is in CPU memory and `poll` or `wait`
+    publishes it. `verify` (False with --no-verify) checks files against the manifest before loading.
     """
 
     def __init__(self, model, optimizer=None, save_dir: str = "", *, max_to_keep: int | None = None,

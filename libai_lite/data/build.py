@@ -58,12 +58,10 @@ SPLIT_ROUNDINGS = ("core", "legacy")
 def get_train_valid_test_split(splits_string, size: int, rounding: str = "core") -> list:
     """Document boundaries ``[0, end_train, end_valid, size]`` of the three contiguous splits.
 
-    ``rounding="core"`` (the default) is Megatron core's: each boundary is the cumulative share
-    times ``size``, rounded (at 10,010 documents and "949,50,1" train is ``[0, 9499)``).
-    ``"legacy"`` is legacy Megatron's and LiBai's ``get_train_valid_test_split_``: round each
-    share of ``size``, then shift the boundaries so the last one is ``size`` (train ``[0, 9500)``
-    there); when that shift would give a split a negative length or documents to a zero-weight
-    split (possible only for a handful of documents), the cumulative rounding is used instead.
+    ``rounding="core"`` (default) is Megatron core's: each boundary is the cumulative share times ``size``,
+    rounded. ``"legacy"`` is legacy Megatron's and LiBai's: round each share of ``size``, then shift the
+    boundaries so the last is ``size``; when that would give a split a negative length or documents to a
+    zero-weight split, the cumulative rounding is used instead.
     """
     if rounding not in SPLIT_ROUNDINGS:
         raise UsageError(f"split_rounding must be one of {', '.join(SPLIT_ROUNDINGS)}, got {rounding!r}: "

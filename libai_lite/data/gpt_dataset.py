@@ -121,13 +121,11 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 # ----------------------------------------------------------------------------------------------
 def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None,
                    vocab_size: int | None = None) -> tuple:
-    """``(min_token_id, max_token_id)`` of the tokens checked at start-up: every token of a ``.bin`` of up
-    to ``SAMPLE_BYTES`` (16 MiB), else that many bytes in ``SAMPLE_RUNS`` runs spread evenly over it
-    (``MMapIndexedDataset.token_range``), so the cost does not grow with the corpus.
+    """``(min_token_id, max_token_id)`` of the tokens checked at start-up, at a cost bounded whatever the corpus
+    size (``MMapIndexedDataset.token_range``).
 
-    Values that are not integers (a float dtype byte) are refused; with ``vocab_size``, ids outside
-    ``[0, vocab_size)`` raise a UsageError. Nothing is written: ``cache_dir`` is accepted for the callers of
-    the earlier, cached full scan.
+    Non-integer values are refused; with ``vocab_size``, ids outside ``[0, vocab_size)`` raise a UsageError.
+    Nothing is written; ``cache_dir`` is accepted and unused.
     """
     if isinstance(indexed_dataset, MMapIndexedDataset):
         if indexed_dataset.dtype.kind not in "iu":
