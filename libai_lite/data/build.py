@@ -127,8 +127,7 @@ def build_blending_indices(weights, size: int) -> tuple:
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 1 or weights.size == 0 or (weights < 0).any() or weights.sum() <= 0:
         raise UsageError(f"blend weights must be non-negative and not all zero, got {weights.tolist()}")
-    # A sequential greedy has no closed form; plain Python floats and an unrolled argmax keep it
-    # at ~0.3 s per million samples, which is the price of matching Megatron's order exactly.
+    # A sequential greedy has no closed form; plain Python floats and an unrolled argmax keep it fast.
     w, counts, others = (weights / weights.sum()).tolist(), [0] * weights.size, range(1, weights.size)
     chosen, taken = [0] * size, [0] * size
     progress = Progress("blending datasets", size)

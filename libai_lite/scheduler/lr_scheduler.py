@@ -130,9 +130,8 @@ def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=
                          decay_end_iter=decay_iters)
 
 
-# What a checkpoint's scheduler state gives a resumed run: its position in the schedule. Everything
-# else (base lr, length, warmup, decay) is this run's config, so `--resume optim.lr=...` or a longer
-# train.train_iter takes effect instead of being silently replaced by the checkpoint's values.
+# Only the position is resumed; the schedule itself comes from this run's config, so a changed lr or
+# train_iter takes effect on resume.
 _POSITION_KEYS = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
 
 

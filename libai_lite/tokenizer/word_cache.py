@@ -14,11 +14,8 @@ import unicodedata
 from itertools import chain
 from typing import Dict, List, Optional, Sequence
 
-# tokenizers' ByteLevel(use_regex=True) split (GPT-2's) in the stdlib re: a letter is a word
-# character that is not a decimal digit or "_"; "other" is neither whitespace nor a word character.
-# Where Python's Unicode classes differ from the library's (numerals such as "½" count as letters
-# here), the character check below finds it. The contractions share their quote: the same
-# matches as GPT-2's "'s|'t|...", a fifth faster.
+# GPT-2's ByteLevel split in the stdlib re: a letter is a word character that is not a digit or "_".
+# Where Python's Unicode classes differ from the library's, the per-character check catches it.
 GPT2_SPLIT = r"'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"
 
 
@@ -57,9 +54,8 @@ class WordCache:
 
     ``split`` is a ``re`` pattern (or a function returning one) that must split a normalised text
     as ``tok.pre_tokenizer`` does, ``ascii_split`` one for ASCII-only texts (both are checked). At most
-    ``max_words`` pre-tokens are kept (about 225 bytes each: the default is ~60 MB per process);
-    past that the cache starts afresh, which bounds memory on corpora with unbounded
-    vocabularies and keeps the frequent words hot.
+    ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory on
+    corpora with unbounded vocabularies and keeps the frequent words hot.
     """
 
     def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 18):

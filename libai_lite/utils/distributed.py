@@ -149,10 +149,8 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's static rendezvous (--master_addr/--master_port) hands a restarted job the
-            # same agent store, still holding the dead workers' gloo addresses under the same keys:
-            # a new worker can read a stale one and fail to connect. A prefix per restart keeps
-            # every attempt's keys apart.
+            # A restarted job under static rendezvous reuses the agent store, which still holds the
+            # dead workers' gloo addresses; a prefix per restart keeps each attempt's keys apart.
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                   is_master=False, timeout=timeout)
