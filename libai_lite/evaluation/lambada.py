@@ -1,11 +1,9 @@
 """LAMBADA cloze evaluation: can the model produce the last word of a passage?
 
-JSON lines with a `text` field (the public `lambada_test.jsonl` format) whose last word is the
-target; the context is everything before it, and the target is tokenized with the space in front
-(`" word"`, the byte-level BPE convention). A passage is right when the greedy prediction at every target
-position is the target token. Reports `lambada_acc`, `lambada_ppl` (exp of the mean NLL over
-target tokens) and the counts behind them; used as `train.evaluation.evaluator` or through
-`tools/evaluate.py --task lambada`.
+Reads JSON lines with a `text` field whose last word is the target, tokenized with its leading space.
+A passage is right when the greedy prediction at every target position is the target token. Reports
+`lambada_acc`, `lambada_ppl` (exp of the mean NLL over target tokens) and their counts; used as
+`train.evaluation.evaluator` or through `tools/evaluate.py --task lambada`.
 """
 from __future__ import annotations
 

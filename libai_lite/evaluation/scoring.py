@@ -1,10 +1,9 @@
 """Log-likelihood of target tokens under a model, the question LAMBADA and lm-evaluation-harness ask.
 
 A `ScoringExample` holds the tokens a model reads and how many at the end are the target; `score`
-returns, per example, the summed log-probability of the target tokens and whether greedy decoding
-would have produced every one of them. Probabilities are over the tokenizer's real vocabulary: the
-rows an embedding is padded with (to a multiple of 128 x tp) are never a token, so they take no mass,
-as in the Hugging Face model the checkpoint converts to.
+returns, per example, the summed log-probability of the target and whether greedy decoding produces it.
+Probabilities are over the tokenizer's real vocabulary: the embedding's padding rows take no mass, as in
+the Hugging Face model the checkpoint converts to.
 """
 from __future__ import annotations
 

@@ -202,11 +202,9 @@ def _pid_alive(pid: int) -> bool:
 class OutputDirLock:
     """One run per ``train.output_dir``: ``OUTPUT_DIR/.lock`` holds the owner's host and pid under flock.
 
-    The kernel drops the flock when its process dies however it dies, so a lock left by a killed
-    run is taken over (with a log line); a live owner gets the second run refused by name. Only the
-    owner holds it: the descriptor is closed on exec, and a forked child (a DataLoader worker, which
-    outlives a killed trainer by seconds) closes its copy at once (``_forget_locks_in_child``), since
-    an flock stays held while any descriptor of its open file is open.
+    The kernel drops the flock when its process dies, so a killed run's lock is taken over with a log line;
+    a live owner gets the second run refused by name. An flock stays held while any descriptor of its file
+    is open, so the descriptor is closed on exec and a forked child closes its copy at once.
     """
 
     def __init__(self, output_dir: str):
