@@ -295,14 +295,11 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
                                        eod_token_id: int | None = None) -> tuple:
     """``(train_loader, valid_loader, test_loader)`` yielding ``{"input_ids", "labels"}`` micro-batches.
 
-    The train loader starts after ``consumed_samples`` (resume) and drops the final incomplete
-    global batch. Valid/test loaders cover exactly their requested number of samples once,
-    padding the last global batch with ``labels == IGNORE_INDEX`` samples so all ranks stay in
-    step. A split asked for 0 samples gets None.
-
-    Megatron's packed-document options (``libai_lite.data.packing``), each needing ``eod_token_id``:
-    ``reset_position_ids`` adds ``position_ids``, ``reset_attention_mask`` adds ``document_ids`` and
-    ``eod_mask_loss`` ignores the labels whose input token is the end of a document, in every split.
+    The train loader starts after ``consumed_samples`` and drops the final incomplete global batch.
+    Valid/test loaders cover their requested samples exactly once, padding the last global batch with
+    ``labels == IGNORE_INDEX`` samples so all ranks stay in step; a split asked for 0 samples gets None.
+    The packed-document options (``libai_lite.data.packing``) apply to every split and need ``eod_token_id``;
+    ``reset_position_ids`` adds ``position_ids`` and ``reset_attention_mask`` adds ``document_ids`` to batches.
     """
     nums = check_num_samples(train_valid_test_num_samples)
     packing = dict(reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
@@ -357,10 +354,8 @@ def megatron_valid_samples(train_iter: int, eval_period: int, eval_iter: int, gl
 def megatron_consumed_valid_samples(evaluations_before: int, eval_iter: int, global_batch_size: int) -> int:
     """Where Megatron-LM's validation iterator stands after ``evaluations_before`` evaluations.
 
-    Megatron's iterator runs on from one evaluation to the next, each reading ``eval_iter`` global
-    batches, so its k-th evaluation (from 0) reads window k of the split: samples from
-    ``k * eval_iter * global_batch_size`` on. On a resume Megatron derives the same count from the
-    iteration (``iteration // eval_interval`` evaluations), so a resumed run reads the same windows.
+    Megatron's iterator runs on across evaluations, each reading ``eval_iter`` global batches, so evaluation
+    k reads samples from ``k * eval_iter * global_batch_size`` on; a resumed run thus reads the same windows.
     """
     return max(int(evaluations_before), 0) * int(eval_iter) * int(global_batch_size)
 
@@ -385,12 +380,10 @@ def valid_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, sp
 
 
 def cap_eval_iter(loader_cfg, eval_iter: int, samples_per_batch: int) -> int:
-    """``eval_iter``, capped (one warning line) to the batches of one pass over the valid split.
+    """``eval_iter``, capped with one warning to the batches of one pass over the valid split.
 
-    ``loader_cfg`` is the train loader's LazyCall; its builder says how many samples one epoch of
-    its valid split holds (``valid_samples_per_epoch``; a builder without it is not capped). More
-    batches would read the same samples again, and size the valid and test indices by them: LiBai's
-    default ``eval_iter=1e5`` is millions of samples of the demo corpus.
+    ``loader_cfg`` is the train loader's LazyCall; its builder's ``valid_samples_per_epoch`` gives the cap (a
+    builder without it is not capped). More batches would reread samples and oversize the valid and test indices.
     """
     from ..config.instantiate import instantiate_target
 

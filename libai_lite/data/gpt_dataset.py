@@ -64,10 +64,8 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
                   separate_last_epoch: bool = False) -> np.ndarray:
     """Megatron's ``_build_doc_idx``: ``documents`` repeated ``num_epochs`` times and shuffled as one array.
 
-    With ``separate_last_epoch`` the first ``num_epochs - 1`` epochs are shuffled together and the
-    last epoch on its own, after them, from the same ``rng``. Shuffling the whole repeated list (not
-    each epoch apart) is what spends the random stream as Megatron does, so every later draw (the
-    shuffle index) agrees too.
+    With ``separate_last_epoch`` the last epoch is shuffled on its own, after the others, from the same
+    ``rng``. Shuffling the whole repeated list spends the random stream as Megatron does, so later draws agree.
     """
     documents = np.asarray(documents)
     if separate_last_epoch and num_epochs > 1:
@@ -163,12 +161,10 @@ def _scan_token_range(ds) -> tuple:
 class GPTDataset(torch.utils.data.Dataset):
     """Megatron's GPT dataset over the ``documents`` of one split of an ``MMapIndexedDataset``.
 
-    ``dataset[i]`` is ``{"input_ids": LongTensor[seq_length], "labels": LongTensor[seq_length]}``:
-    the ``seq_length + 1`` tokens of sample ``shuffle_idx[i]`` split as ``tokens[:-1]`` and
-    ``tokens[1:]``. ``len(dataset)`` covers whole epochs, so it is at least ``num_samples``.
-    ``max_token_id`` / ``min_token_id`` describe the tokens of the indexed dataset checked at start-up
-    (``token_id_range``), so the caller can refuse ids beyond the vocabulary (see ``check_token_ids``).
-    A document made of several sequences (sentence-split corpora) is read as their concatenation.
+    ``dataset[i]`` is ``{"input_ids", "labels"}``, two ``LongTensor[seq_length]``: the ``seq_length + 1``
+    tokens of sample ``shuffle_idx[i]`` as ``tokens[:-1]`` and ``tokens[1:]``. ``len(dataset)`` covers whole
+    epochs, so it is at least ``num_samples``. ``min_token_id`` / ``max_token_id`` come from
+    ``token_id_range``, for ``check_token_ids``. A document of several sequences reads as their concatenation.
     """
 
     def __init__(self, name: str, indexed_dataset, documents, num_samples: int, seq_length: int,

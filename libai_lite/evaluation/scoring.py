@@ -90,11 +90,10 @@ def score(model, context: EvalContext, examples: list[ScoringExample], *, batch_
           vocab_size: int, pad_id: int = 0, decoder_start_id: int | None = None) -> list[tuple[float, bool]]:
     """`(log-probability of the target, greedy decoding gives the target)` for each example, in order.
 
-    Decoder-only examples must fit `max_seq_length + 1` tokens (cut them on the left first);
-    encoder-decoder examples (`encoder_ids` set) need `decoder_start_id`. Batches take the longest
-    examples first (less padding; memory trouble shows at once) and sequence lengths are rounded up
-    to a multiple of the tensor-parallel size, which sequence parallelism splits them by. Every
-    tensor-parallel rank must call it with the same examples.
+    Decoder-only examples must fit `max_seq_length + 1` tokens (cut them on the left first); encoder-decoder
+    examples (`encoder_ids` set) need `decoder_start_id`. Longest examples are batched first, so memory
+    trouble shows at once; lengths are rounded up to a multiple of the tensor-parallel size for sequence
+    parallelism. Every tensor-parallel rank must call it with the same examples.
     """
     if not examples:
         return []

@@ -156,14 +156,12 @@ def decode(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Extend ``input_ids`` ``[batch, len]`` by up to ``max_new_tokens`` tokens chosen from ``step``'s logits.
 
-    ``step`` is called with ``input_ids``, then with each chosen ``[batch, 1]`` column. Ids at or
-    above ``vocab_size`` (the embedding's padding) are never chosen. Sampling options are
-    ``build_logits_processors``'s; greedy unless ``do_sample``, drawing from ``generator``. A row
-    ends at an id of ``eos_token_id`` (an id or ids) and is then filled with ``pad_token_id`` (default
-    the first EOS id); decoding stops when every row has ended. ``ignore_mask`` (True at padding of
-    ``input_ids``) keeps padding out of the repetition penalty. Under tensor parallelism every rank
-    takes the choice of ``sync_group``'s first rank. Returns ``[batch, len + new]`` (prompt included)
-    and, with ``return_logits``, the raw logits of each step ``[batch, new, vocab_size]``.
+    ``step`` gets ``input_ids``, then each chosen ``[batch, 1]`` column. Ids at or above ``vocab_size``
+    (embedding padding) are never chosen. Greedy unless ``do_sample``, drawing from ``generator``. A row ends
+    at an ``eos_token_id`` and is then filled with ``pad_token_id`` (default the first EOS id); decoding
+    stops when every row has ended. ``ignore_mask`` keeps prompt padding out of the repetition penalty.
+    Under tensor parallelism every rank takes ``sync_group``'s first rank's choice. Returns
+    ``[batch, len + new]`` and, with ``return_logits``, the raw logits ``[batch, new, vocab_size]``.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise UsageError(f"max_new_tokens={max_new_tokens} must be a non-negative integer (--max-new-tokens)")
