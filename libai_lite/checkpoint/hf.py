@@ -192,12 +192,10 @@ def _load_converted(inner: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
 
 
 def resize_vocab_rows(sd: Mapping[str, torch.Tensor], keys, vocab_size: int) -> dict:
-    """Cut or grow the vocabulary rows of ``keys`` to ``vocab_size``.
+    """Cut or grow the vocabulary rows of ``keys`` to ``vocab_size``; a tied pair stays one tensor.
 
-    New rows are the mean of the existing ones, as transformers' ``resize_token_embeddings`` does:
-    a padded id's logit is then the mean logit, so all padded ids together take at most
-    (added / original) of the probability mass and the model's predictions barely move.
-    A tied pair (one tensor under two keys) stays one tensor.
+    New rows are the mean of the existing ones, as in transformers' ``resize_token_embeddings``, so a padded
+    id's logit is the mean logit and the model's predictions barely move.
     """
     out = dict(sd)
     done: dict[int, torch.Tensor] = {}

@@ -87,14 +87,12 @@ def _current_location(save_dir: str, name: str) -> str:
 
 
 def recover_interrupted(save_dir: str, remove_partial: bool = True) -> None:
-    """Repair what a save killed part-way left in ``save_dir`` (rank 0, holding the directory's lock).
+    """Repair what an interrupted save left in ``save_dir`` (rank 0, holding the directory's lock).
 
-    A ``NAME.tmp/`` holding its manifest was completely written: it is published as the save would
-    have done. A ``NAME.old/`` whose ``NAME/`` is gone is put back; one beside a complete ``NAME/``
-    was replaced and is deleted. With ``remove_partial``, a ``NAME.tmp/`` without a manifest (never
-    published, so nothing names it) is deleted. ``last_checkpoint`` is left alone: it names a
-    complete checkpoint, or one this repair puts back, at every step of the save. Raises OSError
-    when the disk refuses a rename.
+    A ``NAME.tmp/`` with its manifest is published as the save would have. A ``NAME.old/`` whose ``NAME/`` is
+    gone is put back; one beside a complete ``NAME/`` is deleted. With ``remove_partial``, a ``NAME.tmp/``
+    without a manifest is deleted. ``last_checkpoint`` is left alone, since at every step of a save it names
+    a complete checkpoint or one this repair puts back. Raises OSError when the disk refuses a rename.
     """
     if not os.path.isdir(save_dir):
         return
@@ -176,10 +174,9 @@ def prune(save_dir: str, max_to_keep: int | None, keep: str) -> None:
 def _resume_verdict(save_dir: str) -> tuple[str | None, str | None]:
     """Rank 0: ``(checkpoint to resume from or None, error or None)``, reading only.
 
-    After a save killed part-way, the checkpoint ``last_checkpoint`` names may still be in
-    ``NAME.tmp/`` or ``NAME.old/``: that directory is loaded, and renamed to ``NAME/`` only once this
-    run holds the output directory (``Checkpointer.remove_partial``), so a run refused as a second
-    one in the directory changes nothing.
+    After an interrupted save the checkpoint ``last_checkpoint`` names may still be in ``NAME.tmp/`` or
+    ``NAME.old/``; it is loaded from there and renamed only once this run holds the output directory
+    (``Checkpointer.remove_partial``), so a run refused as a second one changes nothing.
     """
     name = _read_marker(save_dir)
     if name is None:

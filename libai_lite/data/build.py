@@ -1,10 +1,8 @@
 """From data prefixes to train/valid/test datasets and loaders, the way Megatron-LM does it.
 
-* ``data_prefix`` is one ``.bin/.idx`` prefix, or Megatron's blend list
-  ``[weight1, prefix1, weight2, prefix2, ...]``;
-* each prefix's documents are split into contiguous train/valid/test ranges by a splits string
-  such as ``"949,50,1"``;
-* blended splits draw each sample from the dataset whose share is furthest behind its weight.
+``data_prefix`` is one ``.bin/.idx`` prefix or Megatron's blend list ``[weight1, prefix1, ...]``. Each
+prefix's documents are split into contiguous ranges by a splits string such as ``"949,50,1"``, and a
+blend draws each sample from the dataset whose share is furthest behind its weight.
 """
 from __future__ import annotations
 
@@ -117,12 +115,10 @@ def get_datasets_weights_and_num_samples(data_prefix, train_valid_test_num_sampl
 
 
 def build_blending_indices(weights, size: int) -> tuple:
-    """Megatron's build_blending_indices: for each blended sample, which dataset and which of its samples.
+    """Megatron's build_blending_indices: ``(dataset_index, dataset_sample_index)`` for each blended sample.
 
-    Sample ``n`` goes to the dataset whose count lags its weight the most
-    (``argmax_i weights[i] * max(n, 1) - count[i]``, lowest index on ties), so every prefix of the
-    blend is within one sample per dataset of the exact proportions. Returns
-    ``(dataset_index, dataset_sample_index)``.
+    Sample ``n`` goes to the dataset whose count lags its weight the most (lowest index on ties), so every
+    prefix of the blend is within one sample per dataset of the exact proportions.
     """
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 1 or weights.size == 0 or (weights < 0).any() or weights.sum() <= 0:

@@ -79,11 +79,10 @@ _warned_read_only: set = set()
 def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
     """Path stem for files cached about ``data_prefix``.
 
-    Next to the data it is the prefix itself (Megatron's names). In ``cache_dir`` the basename
-    gets a short hash of the prefix's absolute path, so ``en/text_document`` and
-    ``zh/text_document`` sharing one cache do not evict each other. When the data directory is
-    read-only and no ``cache_dir`` is given, ``$LIBAI_LITE_CACHE_DIR`` (default
-    ``~/.cache/libai_lite``) is used instead.
+    Next to the data it is the prefix itself (Megatron's names). In ``cache_dir`` the basename gets a short
+    hash of the prefix's absolute path, so same-named prefixes sharing one cache do not evict each other.
+    With a read-only data directory and no ``cache_dir``, ``$LIBAI_LITE_CACHE_DIR`` (default
+    ``~/.cache/libai_lite``) is used.
     """
     data_prefix = str(data_prefix)
     if cache_dir is None:

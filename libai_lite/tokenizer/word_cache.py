@@ -84,10 +84,9 @@ class WordCache:
     def _ascii_normalizer(self, ascii_chars):
         """A str-method equivalent of the normaliser on ASCII texts, or None.
 
-        BERT's normaliser costs more than all the rest of the cached path; on ASCII it only
-        lowercases and drops or maps a few control characters, one character at a time, which
-        ``str.lower`` and ``str.translate`` do at memory speed. The table is read off the real
-        normaliser, character by character, then checked on whole strings.
+        BERT's normaliser dominates the cached path's cost; on ASCII it only lowercases and drops or maps a few
+        control characters, which ``str.lower`` and ``str.translate`` do far faster. The table is read off the
+        real normaliser per character, then checked on whole strings.
         """
         if self._normalizer is None:
             return None
