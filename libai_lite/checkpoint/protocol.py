@@ -71,7 +71,7 @@ def _interrupted(save_dir: str, name: str, marker: str | None) -> str | None:
     final, tmp, aside = (os.path.join(save_dir, name + suffix) for suffix in ("", ".tmp", _ASIDE))
     if is_complete(tmp) and (
         os.path.isfile(os.path.join(tmp, MANIFEST))
-        # Saved by a version without manifests, killed between deleting NAME and renaming NAME.tmp.
+        # A checkpoint without a manifest, killed between deleting NAME and renaming NAME.tmp.
         or (name == marker and not os.path.isdir(final) and not os.path.isdir(aside))
     ):
         return "publish"

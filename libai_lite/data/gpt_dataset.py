@@ -91,7 +91,7 @@ def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int
     ends = np.cumsum(stream_sizes)
     starts = ends - stream_sizes
     out = np.zeros((num_samples + 1, 2), dtype=np.int32 if len(doc_idx) < np.iinfo(np.int32).max else np.int64)
-    # Chunked so a few hundred million samples need tens of MB of scratch, not tens of GB.
+    # Chunked so scratch memory stays small whatever the sample count.
     for lo in range(1, num_samples + 1, _SAMPLE_IDX_CHUNK):
         pos = np.arange(lo, min(lo + _SAMPLE_IDX_CHUNK, num_samples + 1), dtype=np.int64) * seq_length
         which = np.searchsorted(ends, pos, side="right")

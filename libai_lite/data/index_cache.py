@@ -38,8 +38,7 @@ def _load_json(path: str) -> dict | None:
 
 def _load_npy(path: str) -> np.ndarray:
     try:
-        # A plain ndarray view of the map (no copy): indexing a np.memmap builds a memmap object per
-        # row and element read, a third of the loader's time (bench/data_loader.py).
+        # A plain ndarray view (no copy): indexing a np.memmap builds a costly object per read.
         return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
     except ValueError:
         # An empty array cannot be memory-mapped; it is also too small to matter.

@@ -103,8 +103,8 @@ class MMapIndexedDataset:
         self._read_index(idx_path)
         actual = os.path.getsize(bin_path)
         self._check_index(idx_path, bin_path, actual)
-        # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
-        # sample, which halves the loader's samples/s (bench/data_loader.py). An empty file cannot be mapped.
+        # A plain ndarray view: slicing a np.memmap builds a costly subclass object per sample.
+        # An empty file cannot be mapped.
         self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r")) if actual else np.zeros(0, self.dtype)
 
     def _read_index(self, idx_path: str) -> None:
