@@ -76,14 +76,13 @@ class Checkpointer:
         return out
 
     def save(self, name: str, trainer_state: dict | None = None, blocking: bool = False) -> str:
-        """Write checkpoint `name` with the ``states`` the checkpointer was given (or `trainer_state` as the
-        trainer's, for a checkpoint written without a trainer); returns its final path.
+        """Write checkpoint `name` with the checkpointer's ``states`` (or `trainer_state` as the trainer's);
+        returns its final path.
 
-        Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
-        removes the partial files and raises a UsageError on every rank; the previous checkpoints
-        and ``last_checkpoint`` are untouched. With ``async_save`` and not ``blocking``, returns
-        once the state is staged in CPU memory: the checkpoint is published, or its failure raised,
-        by a later ``poll``, ``wait`` or ``save``. A save still in flight is finished first.
+        Collective. A write failure on any rank removes the partial files and raises a UsageError on every
+        rank, leaving earlier checkpoints and ``last_checkpoint`` untouched. With ``async_save`` and not
+        ``blocking``, returns once the state is in CPU memory; a later ``poll``, ``wait`` or ``save`` publishes
+        it or raises its failure. A save still in flight is finished first.
         """
         if self.async_save:
             self.wait()

@@ -1,8 +1,7 @@
 """Warmup + decay schedules with LiBai's class names.
 
-Each is a pure function of the iteration, so its state is a handful of numbers (saved as JSON
-in checkpoints) and resuming at iteration k gives exactly the lr of an uninterrupted run.
-The trainer fills in `max_iter` and `warmup_iter` (from `train.train_iter` and `train.warmup_ratio`).
+Each is a pure function of the iteration, so its state is a few numbers and resuming at iteration k
+gives exactly the lr of an uninterrupted run. The trainer fills in `max_iter` and `warmup_iter`.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def _iterations(value: float) -> float:
 class WarmupDecayLR(LRScheduler):
     """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`.
 
-    The decay ends at `decay_end_iter` (None: `max_iter`, the end of the run) and the lr stays at the
-    floor after it, so a schedule may decay over a length of its own (Megatron-LM's --lr-decay-iters).
-    `warmup_iter` and `decay_end_iter` may be fractional (Megatron-LM counts its schedule in samples).
+    The decay ends at `decay_end_iter` (None: `max_iter`) and the lr stays at the floor after it.
+    `warmup_iter` and `decay_end_iter` may be fractional, since Megatron-LM counts its schedule in samples.
     """
 
     def __init__(self, optimizer, max_iter: int, warmup_iter: float = 0, warmup_factor: float = 0.001,
