@@ -108,9 +108,8 @@ def index_stem(data_prefix: str, cache_dir: str | None, name: str, num_samples: 
 def _cache_lock(path: str, exclusive: bool):
     """An advisory ``flock`` on ``{path}.lock``: builders take it exclusively, readers shared.
 
-    Two jobs (or two ranks of jobs sharing a cache) then never read arrays another is still
-    writing or removing. Where locks cannot be taken (a read-only cache, a filesystem without
-    ``flock``) the atomic writes alone still keep every file whole.
+    So no job reads arrays another is still writing or removing. Where locks cannot be taken (a read-only
+    cache, no ``flock``), the atomic writes alone still keep every file whole.
     """
     try:
         f = open(f"{path}.lock", "a+b")
@@ -129,9 +128,8 @@ def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], wha
                     open_cache: Callable[[], None] | None = None, lock: bool = True) -> None:
     """Rank 0 builds when the cache is not valid; every rank then waits, checks and opens it.
 
-    With ``lock`` (caches of several files) the check and the build happen under one exclusive
-    lock, and every rank checks and opens the cache under a shared one, so another job rebuilding
-    the same files can never be caught half-way. A one-file cache written atomically needs none.
+    With ``lock``, rank 0 checks and builds under an exclusive lock and every rank opens under a shared one,
+    so another job rebuilding the same files is never caught half-way. A one-file atomic cache needs none.
     """
     guard = _cache_lock if lock else (lambda path, exclusive: contextlib.nullcontext())
     error = None

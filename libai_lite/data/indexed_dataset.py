@@ -283,9 +283,8 @@ class MMapIndexedDataset:
 class MMapIndexedDatasetBuilder:
     """Writes Megatron's format under temporary names; `finalize` makes it visible.
 
-    The `.bin` is renamed first and the `.idx` last, so a reader (which needs both) never
-    sees a dataset whose writer was interrupted. The temporary names carry the process id and
-    a random part: two writers of one prefix never share (and steal) each other's files.
+    The `.bin` is renamed first and the `.idx` last, so a reader never sees an interrupted write. Temporary
+    names carry the pid and a random part, so two writers of one prefix never take each other's files.
     """
 
     def __init__(self, out_prefix: str, dtype=np.uint16):

@@ -26,10 +26,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class _StopSignals:
     """SIGTERM/SIGINT/SIGHUP for the training process, installed once at start-up.
 
-    Until training runs (``defer``), a signal ends the process as usual (SystemExit, so ``finally``
-    blocks still run); while it runs, the signal is only recorded and the trainer saves and stops at
-    the next step boundary. A forked child (a DataLoader worker) inherits this handler: there it
-    ignores the signal, which is its trainer's to handle.
+    Before ``defer``, a signal raises SystemExit so ``finally`` blocks run; while training, it is only
+    recorded and the trainer saves and stops at the next step boundary. A forked child (a DataLoader
+    worker) inherits the handler and ignores the signal, which is its trainer's to handle.
     """
 
     def __init__(self):
