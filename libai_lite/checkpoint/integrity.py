@@ -189,7 +189,7 @@ def read_metadata(path: str) -> dict:
 def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
     """First dimension of the first of ``names`` (model parameter names) stored in checkpoint ``path``.
 
-    For the token embedding: the vocabulary the run padded to (a tp=2 run pads to a multiple of 256).
+    For the token embedding this is the padded vocabulary size the saving run used.
     """
     meta = read_metadata(path)
     for name in names:

@@ -85,10 +85,11 @@ def _seeded_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def comparing_probe(plain_fn: Callable, plain_name: str) -> Callable:
-    """A probe that runs the fast function and ``plain_fn`` forward and backward on the same detached
-    inputs and the same random output gradient, and raises ``MismatchError`` where an output or an input's
-    gradient differs by more than ``tolerance`` of the plain one's magnitude (or is not finite where the
-    plain one is). A plain path without the memory to run is not compared."""
+    """A probe that runs the fast function and ``plain_fn`` on the same detached inputs and output gradient.
+
+    Raises ``MismatchError`` where an output or input gradient differs by more than ``tolerance`` of the
+    plain one's magnitude, or is not finite where the plain one is. A plain path out of memory is not compared.
+    """
     def probe(fn: Callable, args: tuple, kwargs: dict) -> None:
         fast = _detached_run(fn, args, kwargs, _seeded_like)
         try:

@@ -177,8 +177,8 @@ def die_with_parent(poll_s: float = 1.0) -> None:
 def die_with_launcher() -> None:
     """``die_with_parent`` for a worker of torchrun (a no-op otherwise); call it first thing in a tool.
 
-    Before this, the worker spends seconds importing torch: a job killed then would leave it
-    orphaned and waiting forever on the dead launcher's rendezvous.
+    A worker killed with its job while still importing torch would otherwise be left orphaned, waiting
+    forever on the dead launcher's rendezvous.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
