@@ -199,10 +199,8 @@ class Checkpointer:
     def poll(self) -> str | None:
         """Publish the background save if its files are written; returns its path, or None (nothing done).
 
-        Does not block and is not collective: the save's outcome is the same on every rank, but
-        ranks may observe it at different steps. A failed write raises the UsageError ``save``
-        would have raised, on this rank only; the trainer stops every rank with it at the step
-        boundary (``libai_lite.utils.process.fail_at_step_boundary``).
+        Not blocking and not collective, so ranks may observe the outcome at different steps. A failed write
+        raises ``save``'s UsageError on this rank only; the trainer stops every rank with it at the step boundary.
         """
         if self._in_flight is None or not self._in_flight.future.done():
             return None
@@ -215,9 +213,8 @@ class Checkpointer:
     def wait(self, collective: bool = True) -> str | None:
         """Block until the background save is written and publish it; returns its path, or None (none in flight).
 
-        Collective unless ``collective`` is False (a rank leaving on an exception, alone): a
-        failure raises the same UsageError on every rank, also on one whose ``poll`` already
-        took the save off its books.
+        Collective unless ``collective`` is False (a rank leaving alone on an exception); a failure raises the
+        same UsageError on every rank, even one whose ``poll`` already saw it.
         """
         job = self._in_flight
         outcome = ("", None, None)
@@ -246,12 +243,11 @@ class Checkpointer:
                              f"({describe(e)}): check the permissions and free space there") from None
 
     def load(self, path: str, weights_only: bool = False) -> dict:
-        """Load a checkpoint into the model (and optimizer, ``states`` unless `weights_only`: the trainer's state
-        reaches its ``TrainerState``); returns the trainer state saved with it (``{}`` with `weights_only` or
-        without an optimizer).
+        """Load a checkpoint into the model, and unless `weights_only` into the optimizer and ``states``; returns
+        the trainer state saved with it (``{}`` with `weights_only` or without an optimizer).
 
-        Collective when distributed. The checkpoint is verified first (``check_checkpoint_shapes``):
-        corrupt files (unless ``verify`` is False) or tensors that do not fit the model are refused in one line.
+        Collective when distributed. Corrupt files (unless ``verify`` is False) or tensors that do not fit the
+        model are refused in one line before anything is loaded.
         """
         full = not weights_only and self.optimizer is not None
         part_states, meta = self.model_state.check(path, with_optim=full, verify=self.verify)
