@@ -1,8 +1,8 @@
 """Hugging Face weights in and out of libai_lite models, through the mapping each project registers.
 
 A project's ``hf_mapping`` module describes its conversion as an ``HFMapping`` and calls
-``register_hf_model``; importing the model class imports it. Export finds the mapping through the model's
-class MRO, import through the directory's ``model_type``. ``tools/hf_convert.py`` is the command line.
+``register_hf_model``; the modeling package imports that module, so importing the model class registers
+it. Export finds the mapping through the model's class MRO, import through the directory's ``model_type``.
 """
 from __future__ import annotations
 
