@@ -1,19 +1,12 @@
 """Checkpoints through `torch.distributed.checkpoint` that are either complete or absent.
 
-A checkpoint is a directory `model_XXXXXXX/` holding
-  - DCP files (`.metadata`, `*.distcp`) with the model and optimizer state keyed by parameter
-    name, so a later run can load them under another parallel layout (``dcp_io``);
-  - `trainer_state.json`: iteration, consumed samples, scheduler and loss-scaler state, and
-    `rng_state_{rank}.pt`: each rank's RNG states (``trainer_state``);
-  - `manifest.json`: the size and CRC-32 of every other file, written last, so a complete
-    checkpoint can be told from a partial one and flipped or truncated bytes are refused at load
-    (``integrity``).
-It is written under `NAME.tmp/` and published by renames that a crash at any point leaves
-repairable (``protocol``). ``Checkpointer`` composes these: it is what the trainer holds.
-
-With ``async_save``, the files are written in the background (``dcp_io.BackgroundWriter``); the
-renames run on the main thread only once that write is complete (``Checkpointer.poll``/``wait``),
-so until then the previous checkpoint is the one ``last_checkpoint`` names.
+A checkpoint `model_XXXXXXX/` holds DCP files with model and optimizer state keyed by parameter name,
+loadable under another parallel layout (``dcp_io``); `trainer_state.json` and per-rank
+`rng_state_{rank}.pt` (``trainer_state``); and `manifest.json`, written last, with each other file's
+size and CRC-32, so partial or corrupt checkpoints are refused at load (``integrity``). It is written
+under `NAME.tmp/` and published by crash-safe renames (``protocol``). With ``async_save`` the files are
+written in the background and published only once complete (``Checkpointer.poll``/``wait``); until then
+``last_checkpoint`` still names the previous checkpoint.
 """
 from __future__ import annotations
 
@@ -42,14 +35,11 @@ logger = logging.getLogger("libai_lite")
 class Checkpointer:
     """Saves and loads model, optimizer and trainer state under `save_dir`.
 
-    `model` is a module or a list of model parts (the pipeline stages this rank holds);
-    `optimizer` is one optimizer or an `OptimizersContainer` with one optimizer per part.
-    With `async_save`, `save` returns once the state is copied to CPU memory and the files are
-    written in the background; `poll` (each step) or `wait` publishes the checkpoint when they are.
-    `states` are the ``Stateful`` objects kept in files of their own beside the DCP files (each with
-    ``save(directory)`` and ``load(directory)``; by default this rank's RNG streams, ``RngState``; the trainer
-    adds its ``TrainerState``: iteration, data position, lr schedule, loss scale).
-    `verify` (False: --no-verify) checks a checkpoint's files against its manifest before loading it.
+    `model` is a module or the list of pipeline stages this rank holds; `optimizer` is one optimizer or an
+    `OptimizersContainer` with one per part. `states` are ``Stateful`` objects with ``save(directory)`` and
+    ``load(directory)``, kept in files of their own; by default ``RngState``, and the trainer adds its
+    ``TrainerState``. With `async_save`, `save` returns once the state is in CPU memory and `poll` or `wait`
+    publishes it. `verify` (False with --no-verify) checks files against the manifest before loading.
     """
 
     def __init__(self, model, optimizer=None, save_dir: str = "", *, max_to_keep: int | None = None,
@@ -86,14 +76,13 @@ class Checkpointer:
         return out
 
     def save(self, name: str, trainer_state: dict | None = None, blocking: bool = False) -> str:
-        """Write checkpoint `name` with the ``states`` the checkpointer was given (or `trainer_state` as the
-        trainer's, for a checkpoint written without a trainer); returns its final path.
+        """Write checkpoint `name` with the checkpointer's ``states`` (or `trainer_state` as the trainer's);
+        returns its final path.
 
-        Collective. A failure to write (full disk, read-only or over-quota filesystem) on any rank
-        removes the partial files and raises a UsageError on every rank; the previous checkpoints
-        and ``last_checkpoint`` are untouched. With ``async_save`` and not ``blocking``, returns
-        once the state is staged in CPU memory: the checkpoint is published, or its failure raised,
-        by a later ``poll``, ``wait`` or ``save``. A save still in flight is finished first.
+        Collective. A write failure on any rank removes the partial files and raises a UsageError on every
+        rank, leaving earlier checkpoints and ``last_checkpoint`` untouched. With ``async_save`` and not
+        ``blocking``, returns once the state is in CPU memory; a later ``poll``, ``wait`` or ``save`` publishes
+        it or raises its failure. A save still in flight is finished first.
         """
         if self.async_save:
             self.wait()
@@ -210,10 +199,8 @@ class Checkpointer:
     def poll(self) -> str | None:
         """Publish the background save if its files are written; returns its path, or None (nothing done).
 
-        Does not block and is not collective: the save's outcome is the same on every rank, but
-        ranks may observe it at different steps. A failed write raises the UsageError ``save``
-        would have raised, on this rank only; the trainer stops every rank with it at the step
-        boundary (``libai_lite.utils.process.fail_at_step_boundary``).
+        Not blocking and not collective, so ranks may observe the outcome at different steps. A failed write
+        raises ``save``'s UsageError on this rank only; the trainer stops every rank with it at the step boundary.
         """
         if self._in_flight is None or not self._in_flight.future.done():
             return None
@@ -226,9 +213,8 @@ class Checkpointer:
     def wait(self, collective: bool = True) -> str | None:
         """Block until the background save is written and publish it; returns its path, or None (none in flight).
 
-        Collective unless ``collective`` is False (a rank leaving on an exception, alone): a
-        failure raises the same UsageError on every rank, also on one whose ``poll`` already
-        took the save off its books.
+        Collective unless ``collective`` is False (a rank leaving alone on an exception); a failure raises the
+        same UsageError on every rank, even one whose ``poll`` already saw it.
         """
         job = self._in_flight
         outcome = ("", None, None)
@@ -257,12 +243,11 @@ class Checkpointer:
                              f"({describe(e)}): check the permissions and free space there") from None
 
     def load(self, path: str, weights_only: bool = False) -> dict:
-        """Load a checkpoint into the model (and optimizer, ``states`` unless `weights_only`: the trainer's state
-        reaches its ``TrainerState``); returns the trainer state saved with it (``{}`` with `weights_only` or
-        without an optimizer).
+        """Load a checkpoint into the model, and unless `weights_only` into the optimizer and ``states``; returns
+        the trainer state saved with it (``{}`` with `weights_only` or without an optimizer).
 
-        Collective when distributed. The checkpoint is verified first (``check_checkpoint_shapes``):
-        corrupt files (unless ``verify`` is False) or tensors that do not fit the model are refused in one line.
+        Collective when distributed. Corrupt files (unless ``verify`` is False) or tensors that do not fit the
+        model are refused in one line before anything is loaded.
         """
         full = not weights_only and self.optimizer is not None
         part_states, meta = self.model_state.check(path, with_optim=full, verify=self.verify)

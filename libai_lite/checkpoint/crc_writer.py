@@ -1,12 +1,10 @@
 """Checkpoint files whose CRC-32 is computed from the bytes as they are written, never by reading them back.
 
-``CrcFileSystemWriter`` is DCP's ``FileSystemWriter`` with a file system whose write streams feed
-every buffer to ``zlib.crc32`` (which releases the GIL, so DCP's writer threads checksum in
-parallel) on its way to the file. After the save, ``records`` holds the manifest entry
-(``{"bytes": n, "crc32": "8 hex digits"}``) of every file this rank wrote, the DCP ``.metadata``
-included (it is written under a temporary name and renamed: the record follows the rename). A
-stream that is seeked, or left by an exception, records nothing: the manifest then reads that
-file back, as it did for every file before.
+``CrcFileSystemWriter`` is DCP's ``FileSystemWriter`` whose write streams feed every buffer to
+``zlib.crc32`` (which releases the GIL, so writer threads checksum in parallel). After the save,
+``records`` holds the manifest entry (``{"bytes": n, "crc32": "8 hex digits"}``) of every file this rank
+wrote, the renamed DCP ``.metadata`` included. A stream that is seeked, or left by an exception, records
+nothing, and the manifest then reads that file back.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """DCP I/O: the model and optimizer state read and written through `torch.distributed.checkpoint`.
 
 The state is keyed by parameter name (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``), so a later run can
-load it under another parallel layout. ``ModelState`` gathers it from the model parts and optimizer
-and loads a checkpoint into them (tied weights, vocabulary padding rows and gate/up halves of another
-layout included); ``BackgroundWriter`` writes it with DCP's ``async_save``: the state is staged to CPU
-memory and written (its manifest then assembled) by a background thread whose collectives use a gloo
-group of their own, while training goes on.
-Nothing here unpickles arbitrary objects.
+load it under another parallel layout. ``ModelState`` gathers it from the model parts and optimizer and
+loads a checkpoint into them, handling tied weights, vocabulary padding and gate/up halves.
+``BackgroundWriter`` stages the state to CPU memory and writes it from a background thread whose
+collectives use their own gloo group, while training goes on. Nothing here unpickles arbitrary objects.
 """
 from __future__ import annotations
 

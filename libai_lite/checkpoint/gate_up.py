@@ -1,11 +1,9 @@
-"""DCP checkpoints written before a gated MLP held its gate and up projections as one weight.
+"""Loading DCP checkpoints that store a gated MLP's gate and up projections as two weights.
 
-Such a checkpoint stores ``...mlp.dense_h_to_4h.<kind>`` (the gate, ``[ffn, ...]``) and
-``...mlp.dense_h_to_4h_linear.<kind>`` (the up projection) where the model now has one
-``dense_h_to_4h`` of ``2 * ffn`` interleaved rows (``libai_lite.layers.mlp``); the optimizer's
-per-parameter tensors (Adam's moments) are stored the same way under both names. The fused name is
-the old gate's, so the optimizer's ``step`` and param-group entries load unchanged. ``Checkpointer.load``
-reads both halves into whole stand-in tensors and joins them into the model's (possibly sharded) ones.
+Such a checkpoint stores ``...mlp.dense_h_to_4h.<kind>`` (the gate) and ``...mlp.dense_h_to_4h_linear.<kind>``
+(the up projection), optimizer moments included, where the model has one ``dense_h_to_4h`` of ``2 * ffn``
+interleaved rows. The fused name is the gate's, so the optimizer's step and param groups load unchanged.
+``Checkpointer.load`` reads both halves and joins them into the model's (possibly sharded) tensors.
 """
 from __future__ import annotations
 

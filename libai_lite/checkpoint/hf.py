@@ -1,9 +1,8 @@
 """Hugging Face weights in and out of libai_lite models, through the mapping each project registers.
 
 A project's ``hf_mapping`` module describes its conversion as an ``HFMapping`` and calls
-``register_hf_model``; its modeling package imports that module, so importing the model class
-registers it. Export finds the mapping through the model's class (walking its MRO), import
-through the directory's ``model_type``. Files are ``hf_io``'s; ``tools/hf_convert.py`` is the command line.
+``register_hf_model``; the modeling package imports that module, so importing the model class registers
+it. Export finds the mapping through the model's class MRO, import through the directory's ``model_type``.
 """
 from __future__ import annotations
 
@@ -25,17 +24,15 @@ from .integrity import stored_rows
 class HFMapping:
     """How one project's pretraining module converts to and from Hugging Face directories.
 
-    ``model_class(model_cfg)`` builds the module (its subclasses share the mapping); ``model_types`` are
-    the ``config.json`` ``model_type`` values it reads; the functions speak the state dict of the
-    module's attribute ``inner``: ``config_from_hf``/``config_to_hf`` (``config.json`` <-> ``model.cfg``),
-    ``state_dict_from_hf``/``state_dict_to_hf`` (``(state dict, model.cfg)`` -> the other side's).
-    ``vocab_keys``: our keys whose rows are the vocabulary, the token embedding first (padded on
-    import, cut to the tokenizer on export). ``special_token_ids``: ``config.json`` ids for one of
-    our tokenizers; ``find_tokenizer``: ``hf_dir -> HFTokenizer`` or None; ``sentencepiece_config``:
-    ``tokenizer -> tokenizer_config.json`` with which transformers reads one of our SentencePiece tokenizers
-    as the model's own, or None (see ``hf_io.tokenizer_files``); ``finetune_config``: the
-    project config an import's fine-tuning config starts from; ``pipeline_num_layers``: ``model.cfg ->
-    train.dist.pipeline_num_layers`` when it is not ``hidden_layers``.
+    ``model_class(model_cfg)`` builds the module; ``model_types`` are the ``config.json`` ``model_type``
+    values it reads. The converters work on the state dict of the module's ``inner``:
+    ``config_from_hf``/``config_to_hf`` map ``config.json`` and ``model.cfg``, and
+    ``state_dict_from_hf``/``state_dict_to_hf`` map ``(state dict, model.cfg)`` to the other side's.
+    ``vocab_keys`` are our keys whose rows are the vocabulary, token embedding first (padded on import, cut
+    on export). ``special_token_ids``, ``find_tokenizer`` and ``sentencepiece_config`` carry the tokenizer
+    across (see ``hf_io.tokenizer_files``); ``finetune_config`` is the project config an import's fine-tuning
+    config starts from; ``pipeline_num_layers`` maps ``model.cfg`` to ``train.dist.pipeline_num_layers``
+    when that is not ``hidden_layers``.
     """
 
     model_class: type
@@ -194,12 +191,10 @@ def _load_converted(inner: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
 
 
 def resize_vocab_rows(sd: Mapping[str, torch.Tensor], keys, vocab_size: int) -> dict:
-    """Cut or grow the vocabulary rows of ``keys`` to ``vocab_size``.
+    """Cut or grow the vocabulary rows of ``keys`` to ``vocab_size``; a tied pair stays one tensor.
 
-    New rows are the mean of the existing ones, as transformers' ``resize_token_embeddings`` does:
-    a padded id's logit is then the mean logit, so all padded ids together take at most
-    (added / original) of the probability mass and the model's predictions barely move.
-    A tied pair (one tensor under two keys) stays one tensor.
+    New rows are the mean of the existing ones, as in transformers' ``resize_token_embeddings``, so a padded
+    id's logit is the mean logit and the model's predictions barely move.
     """
     out = dict(sd)
     done: dict[int, torch.Tensor] = {}

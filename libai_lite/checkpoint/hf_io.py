@@ -144,12 +144,11 @@ def _gpt2_files(hf_dir: str) -> HFTokenizer | None:
 
 
 def find_hf_tokenizer(hf_dir: str, formats=TOKENIZER_FORMATS) -> HFTokenizer | None:
-    """Our tokenizer for the tokenizer files of a Hugging Face directory, or None when it holds none of ``formats``.
+    """Our tokenizer for a Hugging Face directory's tokenizer files, or None when it holds none of ``formats``.
 
-    ``formats`` are tried in order: ``"tokenizer.json"`` (a ``HuggingFaceTokenizer``; the side files transformers
-    reads with it are taken along) and ``"gpt2"`` (``vocab.json`` + ``merges.txt``, a ``GPT2Tokenizer``). A
-    project's ``find_tokenizer`` names those its models ship in the order it prefers them: GPT-2's Hub
-    directories hold both, and GPT reads them as GPT-2 files.
+    ``formats`` are tried in order: ``"tokenizer.json"`` (a ``HuggingFaceTokenizer``, with its side files)
+    and ``"gpt2"`` (``vocab.json`` + ``merges.txt``, a ``GPT2Tokenizer``). The order matters because GPT-2's
+    Hub directories hold both.
     """
     finders = {"tokenizer.json": _tokenizer_json, "gpt2": _gpt2_files}
     unknown = [f for f in formats if f not in finders]

@@ -137,13 +137,12 @@ def foreign_checkpoint_error(path: str) -> str | None:
 
 
 def verify_checkpoint(path: str) -> None:
-    """Refuse (UsageError naming the file) a checkpoint whose files differ from its ``manifest.json``.
+    """Refuse, with a UsageError naming the file, a checkpoint whose files differ from its ``manifest.json``.
 
-    Collective when distributed: each rank checks a share of the files and every rank raises the
-    same first mismatch. A checkpoint of this format without its manifest is refused: nothing in it
-    tells a manifest deleted with a shard changed from an intact one (``--no-verify`` loads it
-    unchecked). Another framework's checkpoint is recognised by the installed plugins
-    (``foreign_checkpoint_error``) and named by ``read_metadata``.
+    Collective when distributed: each rank checks a share of the files and every rank raises the same first
+    mismatch. A checkpoint without its manifest is refused, since a deleted manifest cannot be told from an
+    intact one (``--no-verify`` loads it unchecked). Another framework's checkpoint is recognised by the
+    installed plugins (``foreign_checkpoint_error``).
     """
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(os.path.join(path, ".metadata")) or foreign_checkpoint_error(path):
@@ -190,7 +189,7 @@ def read_metadata(path: str) -> dict:
 def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
     """First dimension of the first of ``names`` (model parameter names) stored in checkpoint ``path``.
 
-    For the token embedding: the vocabulary the run padded to (a tp=2 run pads to a multiple of 256).
+    For the token embedding this is the padded vocabulary size the saving run used.
     """
     meta = read_metadata(path)
     for name in names:
@@ -202,18 +201,14 @@ def stored_rows(path: str, names: Sequence[str], hint: str) -> int:
 def check_checkpoint_shapes(path: str, model_state: dict, aliases: dict | None = None,
                             all_keys: set | None = None, vocab_ids: int | None = None,
                             model_config=None, verify: bool = True, rebuild=None) -> None:
-    """Refuse (UsageError naming the first mismatch) a checkpoint that does not fit the model exactly.
+    """Refuse, with a UsageError naming the first mismatch, a checkpoint that does not fit the model exactly.
 
-    Its files must match its manifest (``verify_checkpoint``, collective when distributed; skipped
-    when ``verify`` is False: --no-verify), every
-    tensor of ``model_state`` must be stored at its global shape, and no model tensor may be stored
-    that the model lacks. ``model_state`` maps FQNs to tensors, DTensors or meta tensors (a model
-    built on the meta device checks a checkpoint before any data or weights are touched);
-    ``all_keys`` (the names read, over all ranks) replaces its keys in the last check when this
-    rank holds only part of the model (a pipeline stage). With ``vocab_ids`` (the tokenizer's ids)
-    and ``model_config`` (``model.cfg``), vocabulary rows that differ only in padding are accepted
-    (``Checkpointer.load`` cuts or adds them) and a refusal names the ``model.cfg`` key that differs
-    (``rebuild``: ``vocab_rows.shape_refusal``'s, which tells keys of the same value apart).
+    Its files must match its manifest (``verify_checkpoint``; skipped when ``verify`` is False), every tensor
+    of ``model_state`` must be stored at its global shape, and no tensor the model lacks may be stored.
+    ``model_state`` maps FQNs to tensors, DTensors or meta tensors, so a meta-device model is checked before
+    any weights are touched. ``all_keys`` (names over all ranks) replaces its keys in the last check when
+    this rank holds one pipeline stage. With ``vocab_ids`` and ``model_config``, vocabulary rows that differ
+    only in padding are accepted and a refusal names the differing ``model.cfg`` key.
     """
     aliases = aliases or {}
     if verify:

@@ -1,16 +1,11 @@
 """The directory protocol: a checkpoint directory ``model_XXXXXXX/`` is either complete or absent.
 
-Replacing a checkpoint (`model_best`, `model_final`, a periodic one saved again) never leaves
-`last_checkpoint` naming a directory that is gone for good:
-  1. everything is written under `NAME.tmp/`, `manifest.json` last (``Checkpointer.save``);
-  2. an existing `NAME/` is renamed `NAME.old/`;
-  3. `NAME.tmp/` is renamed `NAME/`;
-  4. `last_checkpoint` (a one-line text file) is replaced, atomically;
-  5. `NAME.old/` is deleted.
-A crash at any point is repaired at the next start (`recover_interrupted`): a `NAME.tmp/` with
-its manifest is complete and is published, a `NAME.old/` whose `NAME/` is missing is put back,
-and only a `NAME.tmp/` without a manifest (never published) is deleted. ``resolve_resume`` finds
-the checkpoint to continue from, and ``prune`` keeps the newest ``max_to_keep`` periodic ones.
+A save writes everything under `NAME.tmp/` (`manifest.json` last), renames an existing `NAME/` to
+`NAME.old/`, renames `NAME.tmp/` to `NAME/`, atomically replaces `last_checkpoint`, then deletes
+`NAME.old/`. So `last_checkpoint` never names a directory that is gone for good. After a crash,
+``recover_interrupted`` publishes a `NAME.tmp/` that has its manifest, puts back a `NAME.old/` whose
+`NAME/` is missing, and deletes only a `NAME.tmp/` without a manifest. ``resolve_resume`` finds the
+checkpoint to continue from, and ``prune`` keeps the newest ``max_to_keep`` periodic ones.
 """
 from __future__ import annotations
 
@@ -76,7 +71,7 @@ def _interrupted(save_dir: str, name: str, marker: str | None) -> str | None:
     final, tmp, aside = (os.path.join(save_dir, name + suffix) for suffix in ("", ".tmp", _ASIDE))
     if is_complete(tmp) and (
         os.path.isfile(os.path.join(tmp, MANIFEST))
-        # Saved by a version without manifests, killed between deleting NAME and renaming NAME.tmp.
+        # A checkpoint without a manifest, killed between deleting NAME and renaming NAME.tmp.
         or (name == marker and not os.path.isdir(final) and not os.path.isdir(aside))
     ):
         return "publish"
@@ -92,14 +87,12 @@ def _current_location(save_dir: str, name: str) -> str:
 
 
 def recover_interrupted(save_dir: str, remove_partial: bool = True) -> None:
-    """Repair what a save killed part-way left in ``save_dir`` (rank 0, holding the directory's lock).
+    """Repair what an interrupted save left in ``save_dir`` (rank 0, holding the directory's lock).
 
-    A ``NAME.tmp/`` holding its manifest was completely written: it is published as the save would
-    have done. A ``NAME.old/`` whose ``NAME/`` is gone is put back; one beside a complete ``NAME/``
-    was replaced and is deleted. With ``remove_partial``, a ``NAME.tmp/`` without a manifest (never
-    published, so nothing names it) is deleted. ``last_checkpoint`` is left alone: it names a
-    complete checkpoint, or one this repair puts back, at every step of the save. Raises OSError
-    when the disk refuses a rename.
+    A ``NAME.tmp/`` with its manifest is published as the save would have. A ``NAME.old/`` whose ``NAME/`` is
+    gone is put back; one beside a complete ``NAME/`` is deleted. With ``remove_partial``, a ``NAME.tmp/``
+    without a manifest is deleted. ``last_checkpoint`` is left alone, since at every step of a save it names
+    a complete checkpoint or one this repair puts back. Raises OSError when the disk refuses a rename.
     """
     if not os.path.isdir(save_dir):
         return
@@ -181,10 +174,9 @@ def prune(save_dir: str, max_to_keep: int | None, keep: str) -> None:
 def _resume_verdict(save_dir: str) -> tuple[str | None, str | None]:
     """Rank 0: ``(checkpoint to resume from or None, error or None)``, reading only.
 
-    After a save killed part-way, the checkpoint ``last_checkpoint`` names may still be in
-    ``NAME.tmp/`` or ``NAME.old/``: that directory is loaded, and renamed to ``NAME/`` only once this
-    run holds the output directory (``Checkpointer.remove_partial``), so a run refused as a second
-    one in the directory changes nothing.
+    After an interrupted save the checkpoint ``last_checkpoint`` names may still be in ``NAME.tmp/`` or
+    ``NAME.old/``; it is loaded from there and renamed only once this run holds the output directory
+    (``Checkpointer.remove_partial``), so a run refused as a second one changes nothing.
     """
     name = _read_marker(save_dir)
     if name is None:

@@ -1,10 +1,8 @@
-"""The trainer's state in a checkpoint: ``trainer_state.json`` (iteration, consumed samples, scheduler and
-loss-scaler state, written by rank 0) and each rank's RNG streams (``rng_state_{rank}.pt``, tensors and
-ints only, loaded with ``weights_only``).
+"""The trainer's state in a checkpoint, as ``Stateful`` objects the ``Checkpointer`` is given.
 
-Both are ``Stateful`` objects the ``Checkpointer`` is given, as torchtitan passes ``states=``: ``RngState``
-and ``TrainerState`` (whose ``state_dict`` and ``load_state_dict`` are the trainer's), each with
-``save(directory)`` and ``load(directory)`` for its own file.
+``TrainerState`` writes ``trainer_state.json`` on rank 0 (iteration, consumed samples, scheduler and
+loss-scaler state); ``RngState`` writes each rank's RNG streams to ``rng_state_{rank}.pt``, tensors and
+ints only, loaded with ``weights_only``. Each has ``save(directory)`` and ``load(directory)``.
 """
 from __future__ import annotations
 

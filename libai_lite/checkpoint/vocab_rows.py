@@ -10,10 +10,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 def vocab_padding_differs(stored: Sequence[int], built: Sequence[int], vocab_ids: int | None,
                           vocab_rows: int | None) -> bool:
-    """Whether a tensor stored as ``stored`` differs from the ``built`` one only in padding rows of the
-    vocabulary: ``vocab_rows`` rows built (the tokenizer's ``vocab_ids`` padded), at least ``vocab_ids``
-    stored. A checkpoint of a run that padded otherwise (before the padding stopped depending on the
-    tensor-parallel size, 8192 rows at tp=2 where 8064 are built now) then loads with rows cut or added."""
+    """Whether a tensor stored as ``stored`` differs from the ``built`` one only in vocabulary padding rows.
+
+    ``vocab_rows`` rows are built (the tokenizer's ``vocab_ids`` padded) and at least ``vocab_ids`` are stored;
+    a checkpoint padded otherwise then loads with rows cut or added.
+    """
     stored, built = tuple(stored), tuple(built)
     return (vocab_ids is not None and vocab_rows is not None and len(stored) == len(built) >= 1
             and built[0] == vocab_rows and stored[0] != vocab_rows and stored[0] >= vocab_ids

@@ -1,10 +1,9 @@
 """Config files written for another framework, loaded unchanged through installed plugins.
 
 A package declares a dialect under the ``libai_lite.config_dialects`` entry-point group: a callable that
-makes one :class:`ConfigDialect` per config load. While the file runs, the absolute imports a dialect
-``handles`` are answered by its ``load`` instead of ``sys.modules``/``sys.path``; after the load, a dialect
-that was ``seen`` rewrites the namespace into this project's meaning (``translate``). The core names no
-framework: the dialects are whatever the installed packages declare (this repository's ``compat``).
+makes one :class:`ConfigDialect` per config load. While the file runs, the imports a dialect ``handles``
+are answered by its ``load``; afterwards a dialect that was ``seen`` translates the namespace into this
+project's meaning. The core names no framework itself.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Turn lazy configs (``_target_`` + keyword arguments) into live objects.
 
-A much smaller cousin of ``hydra.utils.instantiate`` in the detectron2 style: nested
-``_target_`` nodes are built bottom-up, plain mappings and sequences in a call's arguments
-arrive as ``dict``/``list`` (omegaconf nodes cannot hold arbitrary objects reliably), and a
-failure names the target and the key path that was being built.
+A small ``hydra.utils.instantiate`` in the detectron2 style: nested ``_target_`` nodes are built
+bottom-up, plain mappings and sequences in a call's arguments arrive as ``dict``/``list`` because
+omegaconf nodes cannot hold arbitrary objects, and a failure names the target and its key path.
 """
 import builtins
 import contextlib

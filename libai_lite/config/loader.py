@@ -1,13 +1,11 @@
 """Execute lazy config files afresh and resolve the imports written in them.
 
-Configs a config imports (relatively, or as ``configs.*`` / ``projects.<X>.configs.*``) run afresh
-for each load, so one config mutating a shared ``train`` never changes another load; those two
-packages resolve in the user's own tree (found from the config's path, ``__init__.py`` files or
-not) before the installed ones. Code a config reaches (``from ..modeling.gpt_model import GPT``)
-is imported once under a stable name (``MyLM.modeling.gpt_model`` for a project copied to
-``/elsewhere/MyLM``, ``projects.MyProj.modeling...`` in a LiBai-style tree), and its folder is
-listed under ``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere. A config
-written for another framework has its imports answered by the installed dialects (``dialects``).
+Configs a config imports (relatively, or as ``configs.*`` / ``projects.<X>.configs.*``) run afresh for
+each load, so one config mutating a shared ``train`` never changes another load; those packages resolve
+in the user's own tree before the installed ones. Code a config reaches is imported once under a stable
+name (``MyLM.modeling.gpt_model`` for a project at ``/elsewhere/MyLM``), and its folder is listed under
+``_import_roots_`` so a saved ``config.yaml`` rebuilds the same classes anywhere. Imports of a config
+written for another framework are answered by the installed ``dialects``.
 """
 import builtins
 import functools

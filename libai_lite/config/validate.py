@@ -1,9 +1,7 @@
 """The ranges of a run's numeric settings, checked in one place before anything is built.
 
-A value out of range is refused in one line naming the key, the value and the range, rather
-than crash later in a traceback or be quietly replaced (``tensor_parallel_size=0`` ran as 1).
-Keys a config does not have are skipped; ``*`` matches any run of characters in a key path
-(``model.cfg.*dropout*``), for settings every model of the toolbox names alike.
+A value out of range is refused in one line naming the key, the value and the range. Keys a config
+lacks are skipped; ``*`` in a key path matches any run of characters (``model.cfg.*dropout*``).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """From data prefixes to train/valid/test datasets and loaders, the way Megatron-LM does it.
 
-* ``data_prefix`` is one ``.bin/.idx`` prefix, or Megatron's blend list
-  ``[weight1, prefix1, weight2, prefix2, ...]``;
-* each prefix's documents are split into contiguous train/valid/test ranges by a splits string
-  such as ``"949,50,1"``;
-* blended splits draw each sample from the dataset whose share is furthest behind its weight.
+``data_prefix`` is one ``.bin/.idx`` prefix or Megatron's blend list ``[weight1, prefix1, ...]``. Each
+prefix's documents are split into contiguous ranges by a splits string such as ``"949,50,1"``, and a
+blend draws each sample from the dataset whose share is furthest behind its weight.
 """
 from __future__ import annotations
 
@@ -58,12 +56,10 @@ SPLIT_ROUNDINGS = ("core", "legacy")
 def get_train_valid_test_split(splits_string, size: int, rounding: str = "core") -> list:
     """Document boundaries ``[0, end_train, end_valid, size]`` of the three contiguous splits.
 
-    ``rounding="core"`` (the default) is Megatron core's: each boundary is the cumulative share
-    times ``size``, rounded (at 10,010 documents and "949,50,1" train is ``[0, 9499)``).
-    ``"legacy"`` is legacy Megatron's and LiBai's ``get_train_valid_test_split_``: round each
-    share of ``size``, then shift the boundaries so the last one is ``size`` (train ``[0, 9500)``
-    there); when that shift would give a split a negative length or documents to a zero-weight
-    split (possible only for a handful of documents), the cumulative rounding is used instead.
+    ``rounding="core"`` (default) is Megatron core's: each boundary is the cumulative share times ``size``,
+    rounded. ``"legacy"`` is legacy Megatron's and LiBai's: round each share of ``size``, then shift the
+    boundaries so the last is ``size``; when that would give a split a negative length or documents to a
+    zero-weight split, the cumulative rounding is used instead.
     """
     if rounding not in SPLIT_ROUNDINGS:
         raise UsageError(f"split_rounding must be one of {', '.join(SPLIT_ROUNDINGS)}, got {rounding!r}: "
@@ -119,18 +115,15 @@ def get_datasets_weights_and_num_samples(data_prefix, train_valid_test_num_sampl
 
 
 def build_blending_indices(weights, size: int) -> tuple:
-    """Megatron's build_blending_indices: for each blended sample, which dataset and which of its samples.
+    """Megatron's build_blending_indices: ``(dataset_index, dataset_sample_index)`` for each blended sample.
 
-    Sample ``n`` goes to the dataset whose count lags its weight the most
-    (``argmax_i weights[i] * max(n, 1) - count[i]``, lowest index on ties), so every prefix of the
-    blend is within one sample per dataset of the exact proportions. Returns
-    ``(dataset_index, dataset_sample_index)``.
+    Sample ``n`` goes to the dataset whose count lags its weight the most (lowest index on ties), so every
+    prefix of the blend is within one sample per dataset of the exact proportions.
     """
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 1 or weights.size == 0 or (weights < 0).any() or weights.sum() <= 0:
         raise UsageError(f"blend weights must be non-negative and not all zero, got {weights.tolist()}")
-    # A sequential greedy has no closed form; plain Python floats and an unrolled argmax keep it
-    # at ~0.3 s per million samples, which is the price of matching Megatron's order exactly.
+    # A sequential greedy has no closed form; plain Python floats and an unrolled argmax keep it fast.
     w, counts, others = (weights / weights.sum()).tolist(), [0] * weights.size, range(1, weights.size)
     chosen, taken = [0] * size, [0] * size
     progress = Progress("blending datasets", size)
@@ -298,14 +291,11 @@ def build_gpt_train_valid_test_loaders(data_prefix, splits_string="949,50,1", se
                                        eod_token_id: int | None = None) -> tuple:
     """``(train_loader, valid_loader, test_loader)`` yielding ``{"input_ids", "labels"}`` micro-batches.
 
-    The train loader starts after ``consumed_samples`` (resume) and drops the final incomplete
-    global batch. Valid/test loaders cover exactly their requested number of samples once,
-    padding the last global batch with ``labels == IGNORE_INDEX`` samples so all ranks stay in
-    step. A split asked for 0 samples gets None.
-
-    Megatron's packed-document options (``libai_lite.data.packing``), each needing ``eod_token_id``:
-    ``reset_position_ids`` adds ``position_ids``, ``reset_attention_mask`` adds ``document_ids`` and
-    ``eod_mask_loss`` ignores the labels whose input token is the end of a document, in every split.
+    The train loader starts after ``consumed_samples`` and drops the final incomplete global batch.
+    Valid/test loaders cover their requested samples exactly once, padding the last global batch with
+    ``labels == IGNORE_INDEX`` samples so all ranks stay in step; a split asked for 0 samples gets None.
+    The packed-document options (``libai_lite.data.packing``) apply to every split and need ``eod_token_id``;
+    ``reset_position_ids`` adds ``position_ids`` and ``reset_attention_mask`` adds ``document_ids`` to batches.
     """
     nums = check_num_samples(train_valid_test_num_samples)
     packing = dict(reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
@@ -360,10 +350,8 @@ def megatron_valid_samples(train_iter: int, eval_period: int, eval_iter: int, gl
 def megatron_consumed_valid_samples(evaluations_before: int, eval_iter: int, global_batch_size: int) -> int:
     """Where Megatron-LM's validation iterator stands after ``evaluations_before`` evaluations.
 
-    Megatron's iterator runs on from one evaluation to the next, each reading ``eval_iter`` global
-    batches, so its k-th evaluation (from 0) reads window k of the split: samples from
-    ``k * eval_iter * global_batch_size`` on. On a resume Megatron derives the same count from the
-    iteration (``iteration // eval_interval`` evaluations), so a resumed run reads the same windows.
+    Megatron's iterator runs on across evaluations, each reading ``eval_iter`` global batches, so evaluation
+    k reads samples from ``k * eval_iter * global_batch_size`` on; a resumed run thus reads the same windows.
     """
     return max(int(evaluations_before), 0) * int(eval_iter) * int(global_batch_size)
 
@@ -388,12 +376,10 @@ def valid_samples_per_epoch(data_prefix, splits_string: str, seq_length: int, sp
 
 
 def cap_eval_iter(loader_cfg, eval_iter: int, samples_per_batch: int) -> int:
-    """``eval_iter``, capped (one warning line) to the batches of one pass over the valid split.
+    """``eval_iter``, capped with one warning to the batches of one pass over the valid split.
 
-    ``loader_cfg`` is the train loader's LazyCall; its builder says how many samples one epoch of
-    its valid split holds (``valid_samples_per_epoch``; a builder without it is not capped). More
-    batches would read the same samples again, and size the valid and test indices by them: LiBai's
-    default ``eval_iter=1e5`` is millions of samples of the demo corpus.
+    ``loader_cfg`` is the train loader's LazyCall; its builder's ``valid_samples_per_epoch`` gives the cap (a
+    builder without it is not capped). More batches would reread samples and oversize the valid and test indices.
     """
     from ..config.instantiate import instantiate_target
 

@@ -1,15 +1,11 @@
-"""Corpora in the formats people bring, read as the JSON lines ``tools/preprocess_data.py`` tokenises.
+"""Corpora in common formats, read as the JSON lines ``tools/preprocess_data.py`` tokenises.
 
-Every reader yields chunks of JSON-line bytes, so any format gives the same ``.bin/.idx`` bytes as its
-JSON-lines equivalent:
-
-* JSON lines, plain or ``.gz``/``.zst`` (``zstandard``);
-* plain text: one document per line, or fairseq's blank-line-separated documents (``--text-docs``);
-* Parquet (``pyarrow``) and a ``datasets`` folder from ``save_to_disk``: the ``--json-keys`` columns;
-* a fairseq ``data-bin``: each item's ids mapped back through ``dict.txt`` to text, re-tokenised here.
-
-Formats are told apart by content (magic bytes), not names alone; a reader whose package is absent is
-refused in one line naming the install.
+Every reader yields chunks of JSON-line bytes, so any format gives the same ``.bin/.idx`` as its
+JSON-lines equivalent. Formats: JSON lines (plain, ``.gz`` or ``.zst``); plain text, one document per
+line or blank-line-separated (``--text-docs``); Parquet and a ``datasets`` ``save_to_disk`` folder
+(the ``--json-keys`` columns); a fairseq ``data-bin``, mapped back to text through ``dict.txt``.
+Formats are told apart by content (magic bytes); a reader whose package is absent is refused in one
+line naming the install.
 """
 from __future__ import annotations
 

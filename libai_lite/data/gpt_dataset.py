@@ -1,17 +1,14 @@
 """Megatron-LM's GPT pretraining dataset: fixed-length samples cut from a shuffled document stream.
 
-Three index arrays turn an indexed dataset plus a split's documents into samples:
+* ``doc_idx``: the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled;
+* ``sample_idx``: ``(position in doc_idx, token offset)`` rows; sample ``i`` is the ``seq_length + 1``
+  tokens from row ``i`` to row ``i + 1``, so consecutive samples share one token;
+* ``shuffle_idx``: a permutation of the samples; a last epoch used for under 80% of its samples is
+  shuffled apart so its partial coverage is not spread over the complete epochs.
 
-* ``doc_idx``     the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled
-                  (a separate last epoch shuffled on its own);
-* ``sample_idx``  ``(position in doc_idx, token offset)`` rows: sample ``i`` is the ``seq_length + 1``
-                  tokens from row ``i`` to row ``i + 1``, so consecutive samples share one token;
-* ``shuffle_idx`` a permutation of the samples; a last epoch used for under 80% of its samples is
-                  shuffled apart so its partial coverage is not smeared over the complete epochs.
-
-Every array equals Megatron-LM's for the same documents, seed, length and count, so a run moved from
-Megatron-LM or LiBai reads the same samples in the same order. Global rank 0 builds them under a file
-lock, saves them atomically as ``.npy`` with Megatron's names; every rank and worker memory-maps them.
+Every array equals Megatron-LM's for the same inputs, so a run moved from Megatron-LM or LiBai reads the
+same samples in the same order. Global rank 0 builds them under a file lock and saves them atomically as
+``.npy`` with Megatron's names; every rank and worker memory-maps them.
 """
 from __future__ import annotations
 
@@ -67,10 +64,8 @@ def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomS
                   separate_last_epoch: bool = False) -> np.ndarray:
     """Megatron's ``_build_doc_idx``: ``documents`` repeated ``num_epochs`` times and shuffled as one array.
 
-    With ``separate_last_epoch`` the first ``num_epochs - 1`` epochs are shuffled together and the
-    last epoch on its own, after them, from the same ``rng``. Shuffling the whole repeated list (not
-    each epoch apart) is what spends the random stream as Megatron does, so every later draw (the
-    shuffle index) agrees too.
+    With ``separate_last_epoch`` the last epoch is shuffled on its own, after the others, from the same
+    ``rng``. Shuffling the whole repeated list spends the random stream as Megatron does, so later draws agree.
     """
     documents = np.asarray(documents)
     if separate_last_epoch and num_epochs > 1:
@@ -96,7 +91,7 @@ def build_sample_idx(doc_sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int
     ends = np.cumsum(stream_sizes)
     starts = ends - stream_sizes
     out = np.zeros((num_samples + 1, 2), dtype=np.int32 if len(doc_idx) < np.iinfo(np.int32).max else np.int64)
-    # Chunked so a few hundred million samples need tens of MB of scratch, not tens of GB.
+    # Chunked so scratch memory stays small whatever the sample count.
     for lo in range(1, num_samples + 1, _SAMPLE_IDX_CHUNK):
         pos = np.arange(lo, min(lo + _SAMPLE_IDX_CHUNK, num_samples + 1), dtype=np.int64) * seq_length
         which = np.searchsorted(ends, pos, side="right")
@@ -124,13 +119,11 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 # ----------------------------------------------------------------------------------------------
 def token_id_range(indexed_dataset, data_prefix: str, cache_dir: str | None = None,
                    vocab_size: int | None = None) -> tuple:
-    """``(min_token_id, max_token_id)`` of the tokens checked at start-up: every token of a ``.bin`` of up
-    to ``SAMPLE_BYTES`` (16 MiB), else that many bytes in ``SAMPLE_RUNS`` runs spread evenly over it
-    (``MMapIndexedDataset.token_range``), so the cost does not grow with the corpus.
+    """``(min_token_id, max_token_id)`` of the tokens checked at start-up, at a cost bounded whatever the corpus
+    size (``MMapIndexedDataset.token_range``).
 
-    Values that are not integers (a float dtype byte) are refused; with ``vocab_size``, ids outside
-    ``[0, vocab_size)`` raise a UsageError. Nothing is written: ``cache_dir`` is accepted for the callers of
-    the earlier, cached full scan.
+    Non-integer values are refused; with ``vocab_size``, ids outside ``[0, vocab_size)`` raise a UsageError.
+    Nothing is written; ``cache_dir`` is accepted and unused.
     """
     if isinstance(indexed_dataset, MMapIndexedDataset):
         if indexed_dataset.dtype.kind not in "iu":
@@ -168,12 +161,10 @@ def _scan_token_range(ds) -> tuple:
 class GPTDataset(torch.utils.data.Dataset):
     """Megatron's GPT dataset over the ``documents`` of one split of an ``MMapIndexedDataset``.
 
-    ``dataset[i]`` is ``{"input_ids": LongTensor[seq_length], "labels": LongTensor[seq_length]}``:
-    the ``seq_length + 1`` tokens of sample ``shuffle_idx[i]`` split as ``tokens[:-1]`` and
-    ``tokens[1:]``. ``len(dataset)`` covers whole epochs, so it is at least ``num_samples``.
-    ``max_token_id`` / ``min_token_id`` describe the tokens of the indexed dataset checked at start-up
-    (``token_id_range``), so the caller can refuse ids beyond the vocabulary (see ``check_token_ids``).
-    A document made of several sequences (sentence-split corpora) is read as their concatenation.
+    ``dataset[i]`` is ``{"input_ids", "labels"}``, two ``LongTensor[seq_length]``: the ``seq_length + 1``
+    tokens of sample ``shuffle_idx[i]`` as ``tokens[:-1]`` and ``tokens[1:]``. ``len(dataset)`` covers whole
+    epochs, so it is at least ``num_samples``. ``min_token_id`` / ``max_token_id`` come from
+    ``token_id_range``, for ``check_token_ids``. A document of several sequences reads as their concatenation.
     """
 
     def __init__(self, name: str, indexed_dataset, documents, num_samples: int, seq_length: int,

@@ -1,10 +1,8 @@
 """What a split's index arrays will cost, computed before they are built, and progress while they are.
 
-A run asking for far more samples than its corpus holds (``train.train_iter=1e18``, or a 345M
-recipe on the demo corpus) would otherwise fail deep inside numpy ("array is too big") or fill memory
-and disk for minutes in silence. ``check_index_budget`` refuses, in one line, arrays the machine
-cannot hold, and warns once about a corpus repeated for very many epochs; ``Progress`` logs a long
-build's advance with an ETA.
+Without this, a run asking for far more samples than its corpus holds fails deep inside numpy or fills
+memory and disk in silence. ``check_index_budget`` refuses, in one line, arrays the machine cannot hold
+and warns once about a corpus repeated for very many epochs; ``Progress`` logs a long build's ETA.
 """
 from __future__ import annotations
 

@@ -38,8 +38,7 @@ def _load_json(path: str) -> dict | None:
 
 def _load_npy(path: str) -> np.ndarray:
     try:
-        # A plain ndarray view of the map (no copy): indexing a np.memmap builds a memmap object per
-        # row and element read, a third of the loader's time (bench/data_loader.py).
+        # A plain ndarray view (no copy): indexing a np.memmap builds a costly object per read.
         return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
     except ValueError:
         # An empty array cannot be memory-mapped; it is also too small to matter.
@@ -79,11 +78,10 @@ _warned_read_only: set = set()
 def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
     """Path stem for files cached about ``data_prefix``.
 
-    Next to the data it is the prefix itself (Megatron's names). In ``cache_dir`` the basename
-    gets a short hash of the prefix's absolute path, so ``en/text_document`` and
-    ``zh/text_document`` sharing one cache do not evict each other. When the data directory is
-    read-only and no ``cache_dir`` is given, ``$LIBAI_LITE_CACHE_DIR`` (default
-    ``~/.cache/libai_lite``) is used instead.
+    Next to the data it is the prefix itself (Megatron's names). In ``cache_dir`` the basename gets a short
+    hash of the prefix's absolute path, so same-named prefixes sharing one cache do not evict each other.
+    With a read-only data directory and no ``cache_dir``, ``$LIBAI_LITE_CACHE_DIR`` (default
+    ``~/.cache/libai_lite``) is used.
     """
     data_prefix = str(data_prefix)
     if cache_dir is None:
@@ -110,9 +108,8 @@ def index_stem(data_prefix: str, cache_dir: str | None, name: str, num_samples: 
 def _cache_lock(path: str, exclusive: bool):
     """An advisory ``flock`` on ``{path}.lock``: builders take it exclusively, readers shared.
 
-    Two jobs (or two ranks of jobs sharing a cache) then never read arrays another is still
-    writing or removing. Where locks cannot be taken (a read-only cache, a filesystem without
-    ``flock``) the atomic writes alone still keep every file whole.
+    So no job reads arrays another is still writing or removing. Where locks cannot be taken (a read-only
+    cache, no ``flock``), the atomic writes alone still keep every file whole.
     """
     try:
         f = open(f"{path}.lock", "a+b")
@@ -131,9 +128,8 @@ def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], wha
                     open_cache: Callable[[], None] | None = None, lock: bool = True) -> None:
     """Rank 0 builds when the cache is not valid; every rank then waits, checks and opens it.
 
-    With ``lock`` (caches of several files) the check and the build happen under one exclusive
-    lock, and every rank checks and opens the cache under a shared one, so another job rebuilding
-    the same files can never be caught half-way. A one-file cache written atomically needs none.
+    With ``lock``, rank 0 checks and builds under an exclusive lock and every rank opens under a shared one,
+    so another job rebuilding the same files is never caught half-way. A one-file atomic cache needs none.
     """
     guard = _cache_lock if lock else (lambda path, exclusive: contextlib.nullcontext())
     error = None

@@ -103,8 +103,8 @@ class MMapIndexedDataset:
         self._read_index(idx_path)
         actual = os.path.getsize(bin_path)
         self._check_index(idx_path, bin_path, actual)
-        # A plain ndarray view of the map: slicing a np.memmap builds a memmap subclass object per
-        # sample, which halves the loader's samples/s (bench/data_loader.py). An empty file cannot be mapped.
+        # A plain ndarray view: slicing a np.memmap builds a costly subclass object per sample.
+        # An empty file cannot be mapped.
         self._bin = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r")) if actual else np.zeros(0, self.dtype)
 
     def _read_index(self, idx_path: str) -> None:
@@ -136,12 +136,10 @@ class MMapIndexedDataset:
         self.sizes, self.pointers, self.doc_idx = _arrays(idx_path, n_seq, n_doc)
 
     def _check_index(self, idx_path: str, bin_path: str, bin_bytes: int) -> None:
-        """Refuse an index that does not describe its ``.bin`` exactly, at open and in O(sequences).
+        """Refuse, at open and in O(sequences), an index that does not describe its ``.bin`` exactly.
 
-        Megatron writes the sequences back to back, so the pointers must step by each size times the
-        dtype's width and the ``.bin`` hold exactly the tokens the index counts. Found here, a
-        corrupt or mismatched index costs one line; found by the loader, it trains on wrong tokens
-        or fails hours into a run.
+        The pointers must step by each size times the dtype's width and the ``.bin`` hold exactly the counted
+        tokens; otherwise the loader would train on wrong tokens or fail hours into a run.
         """
         n, item = len(self.sizes), self.dtype.itemsize
         tokens = 0
@@ -203,13 +201,11 @@ class MMapIndexedDataset:
             f"files are from different runs); {_RERUN}")
 
     def token_range(self, max_bytes: int | None = None, runs: int | None = None) -> tuple:
-        """``(min, max, exact)`` token id over a bounded part of the ``.bin``: all of it when it holds at
-        most ``max_bytes`` (default ``SAMPLE_BYTES``), else ``runs`` (``SAMPLE_RUNS``) evenly spaced runs of
-        it (the first and last tokens included) that together hold ``max_bytes``; ``exact`` says whether
-        every token was read. ``(None, None, True)`` when there are no tokens.
+        """``(min, max, exact)`` token id over at most ``max_bytes`` of the ``.bin``, or ``(None, None, True)``
+        without tokens.
 
-        The cost is bounded whatever the corpus size, and every region of a large corpus is represented:
-        another tokenizer's or a mis-typed corpus shows ids out of range in every run.
+        A larger ``.bin`` is read as ``runs`` evenly spaced runs, first and last tokens included, so the cost is
+        bounded and every region is represented; ``exact`` says whether every token was read.
         """
         max_bytes = int(SAMPLE_BYTES if max_bytes is None else max_bytes)
         runs = max(int(SAMPLE_RUNS if runs is None else runs), 1)
@@ -287,9 +283,8 @@ class MMapIndexedDataset:
 class MMapIndexedDatasetBuilder:
     """Writes Megatron's format under temporary names; `finalize` makes it visible.
 
-    The `.bin` is renamed first and the `.idx` last, so a reader (which needs both) never
-    sees a dataset whose writer was interrupted. The temporary names carry the process id and
-    a random part: two writers of one prefix never share (and steal) each other's files.
+    The `.bin` is renamed first and the `.idx` last, so a reader never sees an interrupted write. Temporary
+    names carry the pid and a random part, so two writers of one prefix never take each other's files.
     """
 
     def __init__(self, out_prefix: str, dtype=np.uint16):

@@ -1,18 +1,12 @@
 """Perplexity data: a JSON-lines file (or a `.bin/.idx` prefix) cut into fixed-length windows.
 
-The documents are tokenized with the run's tokenizer, each followed by the end-of-document id
-(as `tools/preprocess_data.py --append-eod` does) and preceded by BOS when the tokenizer adds one
-(Llama's `tokenizer.json`), concatenated into one token stream and cut into windows of
-`seq_length` input tokens. Every token after the first is predicted exactly
-once: in consecutive windows (the default, Megatron's evaluation samples), or, with
-`stride < seq_length`, in windows every `stride` tokens that score only their last `stride`
-predictions, so each sees at least `seq_length - stride` tokens of context (Hugging Face's
-"perplexity of fixed-length models"). Samples are the GPT loader's `{"input_ids", "labels"}`.
+Each document is tokenized, followed by the end-of-document id and preceded by BOS when the tokenizer
+adds one, and the stream is cut into windows of `seq_length` input tokens. Every token after the first
+is predicted exactly once: in consecutive windows by default, or, with `stride < seq_length`, in windows
+every `stride` tokens that score only their last `stride` predictions, so each keeps at least
+`seq_length - stride` tokens of context. Samples are the GPT loader's `{"input_ids", "labels"}`.
 
     dataloader.test = [LazyCall(build_ppl_eval_loader)(data_path="held_out.jsonl")]
-
-in a config adds the file to `--eval-only`; the trainer supplies the tokenizer, sequence length,
-batch size and data-parallel layout.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Megatron's packed-document options: samples cut from a document stream keep their documents apart.
-
-A GPT sample usually holds the tail of one document, some whole ones and the head of another. Megatron-LM's
-three options, decided on the sample's input tokens:
+"""Megatron's packed-document options, decided on a sample's input tokens, that keep its documents apart.
 
 * ``reset_position_ids``: positions restart at 0 after each ``eod``;
-* ``reset_attention_mask``: a token after an ``eod`` attends to nothing up to and including it; it travels
-  as ``document_ids`` (the count of ``eod`` tokens before each position), ``[seq]`` integers per sample
-  from which attention builds its mask;
-* ``eod_mask_loss``: no loss where the input token is ``eod`` (labels become ``IGNORE_INDEX``).
+* ``reset_attention_mask``: a token after an ``eod`` attends to nothing up to and including it; this
+  travels as ``document_ids`` (``[seq]`` counts of ``eod`` tokens before each position);
+* ``eod_mask_loss``: labels become ``IGNORE_INDEX`` where the input token is ``eod``.
 
 With both resets a document's logits are those it gets when run alone from position 0.
 """

@@ -1,10 +1,9 @@
 """Batch samplers that hand each data-parallel rank its slice of every global micro-batch.
 
-Both samplers walk the dataset in order (the dataset itself is already shuffled) in global
-micro-batches of ``micro_batch_size * data_parallel_size`` consecutive indices; rank ``r`` takes
-the ``r``-th contiguous ``micro_batch_size`` of each. Because the position is a pure function of
-``consumed_samples``, a run resumed at ``consumed_samples = k`` sees exactly what an uninterrupted
-run would have seen after ``k`` samples, whatever the data-parallel size was before.
+Both walk the already shuffled dataset in order, in global micro-batches of ``micro_batch_size *
+data_parallel_size`` consecutive indices; rank ``r`` takes the ``r``-th contiguous ``micro_batch_size``.
+The position depends only on ``consumed_samples``, so a resumed run sees what an uninterrupted one
+would have, whatever the earlier data-parallel size.
 """
 from __future__ import annotations
 
@@ -61,11 +60,10 @@ class MegatronPretrainingSampler(Sampler[List[int]]):
 class SequentialEvalSampler(MegatronPretrainingSampler):
     """In-order batches for validation and test that drop no sample and keep every rank in step.
 
-    Same layout and arguments as ``MegatronPretrainingSampler``. Without ``drop_last`` the final
-    incomplete global micro-batch is padded to full size with indices ``>= total_samples``, so
-    every rank yields the same number of equally shaped batches (FSDP and pipeline schedules need
-    that) and every real sample is seen exactly once. Wrap the dataset in ``PaddedEvalDataset``,
-    which turns padding indices into samples whose labels are all ``IGNORE_INDEX``.
+    Same layout and arguments as ``MegatronPretrainingSampler``. Without ``drop_last`` the last global
+    micro-batch is padded with indices ``>= total_samples``, so every rank yields equally many, equally
+    shaped batches, as FSDP and pipeline schedules need. Wrap the dataset in ``PaddedEvalDataset``, which
+    turns padding indices into samples whose labels are all ``IGNORE_INDEX``.
     """
 
     _pad_last = True

@@ -147,12 +147,10 @@ def inference_on_dataset(model, data_loader, evaluator: DatasetEvaluator, eval_i
                          context: EvalContext | None = None, pipeline=None) -> dict:
     """Run `model` over at most `eval_iter` batches of `data_loader` and return `evaluator.evaluate()`.
 
-    `context` gives the device, the precision and loss contexts and the data-parallel group the
-    evaluator combines over. With `pipeline` (a ``PipelineStepper``) its micro-batches per step
-    go through the schedule at once, so `eval_iter` is rounded up to whole steps. A progress line
-    (batches done, total, ETA) is logged every ``PROGRESS_EVERY_S``; a stop signal received during a
-    training run's evaluation (deferred by the trainer) ends it at the next batch on every rank with
-    ``EvaluationStopped``.
+    `context` gives the device, precision and loss contexts and the data-parallel group. With `pipeline`
+    (a ``PipelineStepper``), `eval_iter` is rounded up to whole schedule steps. Progress is logged every
+    ``PROGRESS_EVERY_S``; a stop signal deferred by the trainer ends evaluation at the next batch on every
+    rank with ``EvaluationStopped``.
     """
     context = context or EvalContext()
     group = pipeline.n_microbatches if pipeline is not None else 1

@@ -1,11 +1,9 @@
 """LAMBADA cloze evaluation: can the model produce the last word of a passage?
 
-JSON lines with a `text` field (the public `lambada_test.jsonl` format) whose last word is the
-target; the context is everything before it, and the target is tokenized with the space in front
-(`" word"`, the byte-level BPE convention). A passage is right when the greedy prediction at every target
-position is the target token. Reports `lambada_acc`, `lambada_ppl` (exp of the mean NLL over
-target tokens) and the counts behind them; used as `train.evaluation.evaluator` or through
-`tools/evaluate.py --task lambada`.
+Reads JSON lines with a `text` field whose last word is the target, tokenized with its leading space.
+A passage is right when the greedy prediction at every target position is the target token. Reports
+`lambada_acc`, `lambada_ppl` (exp of the mean NLL over target tokens) and their counts; used as
+`train.evaluation.evaluator` or through `tools/evaluate.py --task lambada`.
 """
 from __future__ import annotations
 
@@ -49,10 +47,9 @@ def load_lambada(path, json_key: str = "text") -> list[tuple[str, str]]:
 def tokenize_lambada(pairs, tokenizer, max_seq_length: int) -> tuple[list[ScoringExample], int]:
     """Tokenize `(context, word)` pairs as context + `" " + word`; returns the examples and how many were cut.
 
-    The context starts with the tokenizer's BOS when the tokenizer adds one (Llama's `tokenizer.json`), as
-    transformers' `tokenizer(context)` gives it. The model reads `ids[:-1]`, so an example fits when it has
-    at most `max_seq_length + 1` tokens; longer ones keep the BOS and their rightmost tokens (the target
-    and the nearest context).
+    The context starts with BOS when the tokenizer adds one, as transformers' `tokenizer(context)` does.
+    The model reads `ids[:-1]`, so an example fits in `max_seq_length + 1` tokens; longer ones keep the BOS
+    and their rightmost tokens.
     """
     bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token else []
     contexts = tokenizer.encode_batch([c for c, _ in pairs])
@@ -87,11 +84,10 @@ def check_decoder_only(model: nn.Module) -> None:
 
 
 class LambadaEvaluator(ModelEvaluator):
-    """LAMBADA accuracy and target perplexity over a JSON-lines file (see the module docstring).
+    """LAMBADA accuracy and target perplexity over a JSON-lines file.
 
-    `batch_size` defaults to the run's `train.test_micro_batch_size`, `max_seq_length` to the
-    model's. Passages are split over data-parallel ranks (each counted once) and the results
-    summed over them; tensor parallelism is supported, pipeline parallelism is not.
+    `batch_size` defaults to `train.test_micro_batch_size`, `max_seq_length` to the model's. Passages are
+    split over data-parallel ranks and results summed; tensor parallelism works, pipeline parallelism does not.
     """
 
     def __init__(self, data_path: str, json_key: str = "text", batch_size: int | None = None,

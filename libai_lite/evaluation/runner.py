@@ -26,9 +26,8 @@ def eval_context(cfg, layout, model, tokenizer, trainer) -> EvalContext:
 def build_test_loaders(nodes, model, context: EvalContext) -> list:
     """`(name, loader, None)` for each LazyCall in `dataloader.test` (LiBai's key), evaluated whole.
 
-    The builder gets whichever of the run's tokenizer, sequence length, batch size and
-    data-parallel layout it takes as arguments and the config leaves unset
-    (`libai_lite.data.jsonl_dataset.build_ppl_eval_loader` takes them all).
+    The builder gets those of the run's tokenizer, sequence length, batch size and data-parallel layout
+    that it accepts and the config leaves unset.
     """
     if not nodes:
         return []

@@ -1,10 +1,9 @@
 """Log-likelihood of target tokens under a model, the question LAMBADA and lm-evaluation-harness ask.
 
 A `ScoringExample` holds the tokens a model reads and how many at the end are the target; `score`
-returns, per example, the summed log-probability of the target tokens and whether greedy decoding
-would have produced every one of them. Probabilities are over the tokenizer's real vocabulary: the
-rows an embedding is padded with (to a multiple of 128 x tp) are never a token, so they take no mass,
-as in the Hugging Face model the checkpoint converts to.
+returns, per example, the summed log-probability of the target and whether greedy decoding produces it.
+Probabilities are over the tokenizer's real vocabulary: the embedding's padding rows take no mass, as in
+the Hugging Face model the checkpoint converts to.
 """
 from __future__ import annotations
 
@@ -91,11 +90,10 @@ def score(model, context: EvalContext, examples: list[ScoringExample], *, batch_
           vocab_size: int, pad_id: int = 0, decoder_start_id: int | None = None) -> list[tuple[float, bool]]:
     """`(log-probability of the target, greedy decoding gives the target)` for each example, in order.
 
-    Decoder-only examples must fit `max_seq_length + 1` tokens (cut them on the left first);
-    encoder-decoder examples (`encoder_ids` set) need `decoder_start_id`. Batches take the longest
-    examples first (less padding; memory trouble shows at once) and sequence lengths are rounded up
-    to a multiple of the tensor-parallel size, which sequence parallelism splits them by. Every
-    tensor-parallel rank must call it with the same examples.
+    Decoder-only examples must fit `max_seq_length + 1` tokens (cut them on the left first); encoder-decoder
+    examples (`encoder_ids` set) need `decoder_start_id`. Longest examples are batched first, so memory
+    trouble shows at once; lengths are rounded up to a multiple of the tensor-parallel size for sequence
+    parallelism. Every tensor-parallel rank must call it with the same examples.
     """
     if not examples:
         return []

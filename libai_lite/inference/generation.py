@@ -1,13 +1,9 @@
 """Autoregressive decoding shared by decoder-only and encoder-decoder models, and its logits processors.
 
-A model's ``generate`` supplies ``step(tokens) -> logits``: it feeds the tokens the model has not
-seen yet (the prompt, then the token each row just chose) and returns the next-token logits
-``[batch, vocab]``, keeping its own key/value cache or re-reading the sequence. ``decode`` owns the
-rest: the real vocabulary, the processors, greedy or seeded sampling, EOS and padding per row.
-
-The processors follow Hugging Face's ``LogitsProcessor`` semantics (``processor(input_ids, scores)
--> scores``, tested against transformers' classes), applied in the order repetition penalty,
-temperature, top-k, top-p, as LiBai's ``libai/inference`` does.
+A model's ``generate`` supplies ``step(tokens) -> logits [batch, vocab]``, fed first the prompt and then
+each row's new token, keeping its own cache or not. ``decode`` handles the rest: the real vocabulary,
+the processors, greedy or seeded sampling, EOS and padding per row. The processors follow Hugging
+Face's ``LogitsProcessor`` semantics and run in LiBai's order: repetition penalty, temperature, top-k, top-p.
 """
 from __future__ import annotations
 
@@ -160,14 +156,12 @@ def decode(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Extend ``input_ids`` ``[batch, len]`` by up to ``max_new_tokens`` tokens chosen from ``step``'s logits.
 
-    ``step`` is called with ``input_ids``, then with each chosen ``[batch, 1]`` column. Ids at or
-    above ``vocab_size`` (the embedding's padding) are never chosen. Sampling options are
-    ``build_logits_processors``'s; greedy unless ``do_sample``, drawing from ``generator``. A row
-    ends at an id of ``eos_token_id`` (an id or ids) and is then filled with ``pad_token_id`` (default
-    the first EOS id); decoding stops when every row has ended. ``ignore_mask`` (True at padding of
-    ``input_ids``) keeps padding out of the repetition penalty. Under tensor parallelism every rank
-    takes the choice of ``sync_group``'s first rank. Returns ``[batch, len + new]`` (prompt included)
-    and, with ``return_logits``, the raw logits of each step ``[batch, new, vocab_size]``.
+    ``step`` gets ``input_ids``, then each chosen ``[batch, 1]`` column. Ids at or above ``vocab_size``
+    (embedding padding) are never chosen. Greedy unless ``do_sample``, drawing from ``generator``. A row ends
+    at an ``eos_token_id`` and is then filled with ``pad_token_id`` (default the first EOS id); decoding
+    stops when every row has ended. ``ignore_mask`` keeps prompt padding out of the repetition penalty.
+    Under tensor parallelism every rank takes ``sync_group``'s first rank's choice. Returns
+    ``[batch, len + new]`` and, with ``return_logits``, the raw logits ``[batch, new, vocab_size]``.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise UsageError(f"max_new_tokens={max_new_tokens} must be a non-negative integer (--max-new-tokens)")

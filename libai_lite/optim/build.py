@@ -17,13 +17,11 @@ def _is_norm(module: nn.Module) -> bool:
 def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = None,
                                  weight_decay_norm: float | None = 0.0, weight_decay_bias: float | None = 0.0,
                                  clip_grad_max_norm: float | None = None, clip_grad_norm_type: float | None = None):
-    """Split `model`'s trainable parameters into groups by weight decay.
+    """Split `model`'s trainable parameters into groups by weight decay; a shared parameter appears once.
 
-    `weight_decay=None` keeps the optimizer's own `weight_decay` for ordinary weights. Biases and
-    normalisation weights get `weight_decay_bias` / `weight_decay_norm` (0 by default, as in
-    Megatron and LiBai). `clip_grad_max_norm` / `clip_grad_norm_type` live here for LiBai
-    compatibility of the config keys; the trainer reads them from the config and clips.
-    A parameter shared by several modules (a tied embedding) appears once.
+    `weight_decay=None` keeps the optimizer's own value for ordinary weights; biases and normalisation
+    weights get `weight_decay_bias` / `weight_decay_norm` (0 by default, as in Megatron and LiBai).
+    `clip_grad_max_norm` / `clip_grad_norm_type` are accepted only so LiBai configs load; the trainer clips.
     """
     del clip_grad_max_norm, clip_grad_norm_type
     decay, no_decay_norm, no_decay_bias = [], [], []

@@ -1,8 +1,7 @@
 """Warmup + decay schedules with LiBai's class names.
 
-Each is a pure function of the iteration, so its state is a handful of numbers (saved as JSON
-in checkpoints) and resuming at iteration k gives exactly the lr of an uninterrupted run.
-The trainer fills in `max_iter` and `warmup_iter` (from `train.train_iter` and `train.warmup_ratio`).
+Each is a pure function of the iteration, so its state is a few numbers and resuming at iteration k
+gives exactly the lr of an uninterrupted run. The trainer fills in `max_iter` and `warmup_iter`.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def _iterations(value: float) -> float:
 class WarmupDecayLR(LRScheduler):
     """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`.
 
-    The decay ends at `decay_end_iter` (None: `max_iter`, the end of the run) and the lr stays at the
-    floor after it, so a schedule may decay over a length of its own (Megatron-LM's --lr-decay-iters).
-    `warmup_iter` and `decay_end_iter` may be fractional (Megatron-LM counts its schedule in samples).
+    The decay ends at `decay_end_iter` (None: `max_iter`) and the lr stays at the floor after it.
+    `warmup_iter` and `decay_end_iter` may be fractional, since Megatron-LM counts its schedule in samples.
     """
 
     def __init__(self, optimizer, max_iter: int, warmup_iter: float = 0, warmup_factor: float = 0.001,
@@ -111,12 +109,12 @@ def WarmupConstantLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, wa
 
 def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=0.0, init_lr_ratio=0.0,
                decay_iters=None, warmup_iters=None, warmup_fraction=None):
-    """Megatron-LM's lr schedule, in iterations: linear warmup from `init_lr_ratio` x lr (--lr-warmup-init)
-    over `warmup_iters` (--lr-warmup-iters) or `warmup_fraction` of the decay length (--lr-warmup-fraction),
-    then `decay` (--lr-decay-style) to `min_lr_ratio` x lr (--min-lr) at `decay_iters` (--lr-decay-iters;
-    None: the end of the run), the floor after it. Sample counts (--lr-decay-samples, ...) are passed as
-    iterations: samples / global batch size. `warmup_iter` is the trainer's (from train.warmup_ratio): it
-    must be 0 when the schedule has a warmup of its own.
+    """Megatron-LM's lr schedule, in iterations.
+
+    Linear warmup from `init_lr_ratio` x lr over `warmup_iters`, or `warmup_fraction` of the decay length,
+    then `decay` to `min_lr_ratio` x lr at `decay_iters` (None: the end of the run), and that floor after.
+    Sample counts are passed as samples / global batch size. The trainer's `warmup_iter` must be 0 when
+    the schedule has a warmup of its own.
     """
     if warmup_iter and (warmup_iters is not None or warmup_fraction is not None):
         raise UsageError("train.warmup_ratio and the scheduler's own warmup (warmup_iters/warmup_fraction, "
@@ -130,19 +128,17 @@ def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=
                          decay_end_iter=decay_iters)
 
 
-# What a checkpoint's scheduler state gives a resumed run: its position in the schedule. Everything
-# else (base lr, length, warmup, decay) is this run's config, so `--resume optim.lr=...` or a longer
-# train.train_iter takes effect instead of being silently replaced by the checkpoint's values.
+# Only the position is resumed; the schedule itself comes from this run's config, so a changed lr or
+# train_iter takes effect on resume.
 _POSITION_KEYS = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
 
 
 def restore_scheduler(scheduler, state: dict) -> dict:
-    """Load a checkpoint's scheduler `state` into `scheduler`: the position from the checkpoint, the
-    schedule (base lr, length, warmup, decay) from `scheduler` as this run's config built it.
+    """Load a checkpoint's scheduler `state` into `scheduler`: the position from the checkpoint, the schedule
+    from this run's config.
 
-    A run resumed with another ``train.train_iter`` or ``optim.lr`` goes on along the schedule this
-    config describes: its lr at iteration k is the lr a fresh run of this config has at k. Returns
-    {key: (saved, now)} for the schedule settings that changed.
+    So the lr at iteration k is what a fresh run of this config has at k. Returns {key: (saved, now)} for
+    the schedule settings that changed.
     """
     own = {k: v for k, v in vars(scheduler).items() if k != "optimizer" and k not in _POSITION_KEYS}
     scheduler.load_state_dict(state)

@@ -8,11 +8,9 @@ from typing import Iterable, List, Optional, Sequence
 def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
     """Round ``orig_vocab_size`` up to a multiple of ``make_vocab_size_divisible_by``.
 
-    Megatron-LM multiplies the divisor by the tensor-parallel size, so the layout a run happens to
-    use changes the model (8064 rows at tp=1, 8192 at tp=2) and a checkpoint cannot resume on
-    another layout. Here the padding depends on the divisor alone: one config builds one model, and
-    a tensor-parallel size must divide the padded size (128 admits tp 1, 2, 4, ..., 128; the
-    tensor-parallel check refuses others, naming this key).
+    Unlike Megatron-LM, the divisor is not multiplied by the tensor-parallel size, so one config builds one
+    model and a checkpoint resumes under any layout. The tensor-parallel size must divide the padded size;
+    the tensor-parallel check refuses others, naming this key.
     """
     for name, value in (
         ("orig_vocab_size", orig_vocab_size),

@@ -12,11 +12,9 @@ REQUIRED_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 class BertTokenizer(TokenizersBackend):
     """WordPiece tokenizer matching Megatron-LM's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``.
 
-    ``encode`` returns the bare word pieces (no [CLS]/[SEP]), as Megatron's ``tokenize`` does.
-    Like Megatron, ``[BOS]`` and ``[EOS]`` are appended to the vocabulary when the file lacks
-    them, followed by ``vocab_extra_ids`` sentinels ``<extra_id_0>`` ...; text never produces
-    these (the pre-tokenizer splits at their brackets, so ``[SEP]`` in a text is ``[``, ``sep``,
-    ``]``, as in Megatron). ``eod_id`` is the ``[SEP]`` id: BERT has no end-of-document token.
+    ``encode`` returns the bare word pieces (no [CLS]/[SEP]). As in Megatron, ``[BOS]`` and ``[EOS]`` are
+    appended when the vocabulary lacks them, then ``vocab_extra_ids`` sentinels; text never produces these,
+    since the pre-tokenizer splits at brackets. ``eod_id`` is ``[SEP]``: BERT has no end-of-document token.
     """
 
     _word_split = (bert_split, BERT_SPLIT_ASCII)

@@ -44,18 +44,15 @@ def _added_token(value) -> Optional[AddedToken]:
 class HuggingFaceTokenizer(TokenizersBackend):
     """A Hugging Face fast tokenizer read from ``tokenizer.json``, with ids as ``transformers.AutoTokenizer``'s.
 
-    ``path`` is a directory holding ``tokenizer.json`` (or that file itself); ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` beside it name the bos/eos/pad/unk tokens as transformers reads them (a named
-    token missing from ``tokenizer.json`` is added after it, growing the vocabulary as transformers does), and
-    ``generation_config.json`` gives an id that neither file names (its first one when it lists several).
-    ``tokenizer_config`` is the ``tokenizer_config.json`` read (``{}`` when absent).
+    ``path`` is a directory holding ``tokenizer.json``, or that file. ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` beside it name the bos/eos/pad/unk tokens; one missing from ``tokenizer.json``
+    is appended, as transformers does. ``generation_config.json`` supplies an id neither file names (its
+    first when it lists several). ``tokenizer_config`` is ``tokenizer_config.json`` as read (``{}`` if absent).
 
-    ``encode(text)`` gives the bare ids (``add_special_tokens=False``); ``encode(text, add_special_tokens=True)``
-    adds what the ``tokenizer.json`` template adds, which is the family's convention: a BOS for Llama 2/3,
-    Mistral and TinyLlama, nothing for Qwen2 (``add_bos_token`` says which). As in transformers 5 the template
-    in ``tokenizer.json`` decides, not ``add_bos_token``/``add_eos_token`` in ``tokenizer_config.json``.
-    Special-token strings inside a text encode as their ids, as in transformers and Megatron-LM's
-    ``HuggingFaceTokenizer``. ``eod_id`` is the eos id. ``vocab_size`` is the highest id plus one.
+    ``encode(text)`` gives the bare ids; ``add_special_tokens=True`` adds what the ``tokenizer.json``
+    template adds (BOS for Llama and Mistral, nothing for Qwen2), as in transformers 5, whatever
+    ``add_bos_token`` says. Special-token strings in a text encode as their ids. ``eod_id`` is the eos id;
+    ``vocab_size`` is the highest id plus one.
     """
 
     def __init__(self, path):

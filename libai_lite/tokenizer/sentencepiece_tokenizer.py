@@ -14,17 +14,14 @@ STYLES = ("megatron", "t5")
 class SentencePieceTokenizer(BaseTokenizer):
     """A SentencePiece model plus special tokens, in one of two id conventions.
 
-    ``style="megatron"`` reproduces Megatron-LM's ``SentencePieceTokenizer`` (Aug 2023) id for id:
-    after the model's ``n`` pieces it appends, in this order and only when the piece is missing,
-    ``<CLS> <SEP> <EOD> <MASK>``, the pad, bos and eos pieces (``<PAD>``/``<BOS>``/``<EOS>`` when the
-    model has none), then ``<extra_id_0>`` ... in increasing order; ``eod_id`` is ``<EOD>``. (A T5-style
-    4,000-piece model gives CLS=4000 SEP=4001 EOD=4002 MASK=4003 BOS=4004, pad=0, eos=1, extra_id_i=4005+i.)
-    Text is split around all of those strings, leftmost first and on a tie the one added first.
+    ``style="megatron"`` matches Megatron-LM's ``SentencePieceTokenizer`` id for id. After the model's ``n``
+    pieces it appends, in this order and only when missing, ``<CLS> <SEP> <EOD> <MASK>``, the pad, bos and
+    eos pieces (``<PAD>``/``<BOS>``/``<EOS>`` when the model has none), then ``<extra_id_0>`` ... upwards;
+    ``eod_id`` is ``<EOD>``. Text is split around all of those strings, leftmost first, ties to the earlier.
 
     ``style="t5"`` follows Hugging Face's ``T5Tokenizer``: only ``extra_ids`` sentinels are added, numbered
-    from the top (``<extra_id_0>`` = n + extra_ids - 1, ...); pad/eos/unk/bos are the model's (bos None
-    when it has none) and ``eod_id`` is eos. Text is split around the sentinels and the model's
-    eos/pad/unk strings, longest match first.
+    from the top (``<extra_id_0>`` = n + extra_ids - 1); pad/eos/unk/bos are the model's (bos may be None)
+    and ``eod_id`` is eos. Text is split around the sentinels and eos/pad/unk, longest match first.
     """
 
     def __init__(self, model_file, extra_ids: int = 0, style: str = "megatron"):

@@ -1,17 +1,10 @@
 """Exact word-level caching for tokenizers that apply their model to each pre-token on its own.
 
-GPT-2 byte-level BPE and BERT WordPiece tokenise a text by normalising it, splitting it into
-pre-tokens (words, punctuation, whitespace runs) and running the model on every pre-token
-independently. A corpus repeats the same words endlessly, so encoding each distinct pre-token
-once and concatenating the cached ids gives the very same ids at a fraction of the cost: the
-split is one C regex call per text and the rest is dictionary look-ups, where the full pipeline
-builds an ``Encoding`` (token strings included) for every text.
-
-Exactness rests on our regex splitting a text exactly as the tokenizer's own pre-tokenizer does.
-The regex depends only on which class (letter, number, whitespace, punctuation, other) each
-character belongs to, and two Unicode tables can disagree on a character, so every character is
-checked once against the real pre-tokenizer before a text holding it takes the fast path; a
-text with a character whose split differs is encoded by the tokenizer itself.
+GPT-2 byte-level BPE and BERT WordPiece encode every pre-token independently, so encoding each distinct
+pre-token once and concatenating the cached ids gives the same ids as the full pipeline, far cheaper.
+This holds only if our regex splits a text exactly as the tokenizer's pre-tokenizer does. Two Unicode
+tables can disagree on a character's class, so each character is checked once against the real
+pre-tokenizer; a text holding a character whose split differs is encoded by the tokenizer itself.
 """
 from __future__ import annotations
 
@@ -21,11 +14,8 @@ import unicodedata
 from itertools import chain
 from typing import Dict, List, Optional, Sequence
 
-# tokenizers' ByteLevel(use_regex=True) split (GPT-2's) in the stdlib re: a letter is a word
-# character that is not a decimal digit or "_"; "other" is neither whitespace nor a word character.
-# Where Python's Unicode classes differ from the library's (numerals such as "½" count as letters
-# here), the character check below finds it. The contractions share their quote: the same
-# matches as GPT-2's "'s|'t|...", a fifth faster.
+# GPT-2's ByteLevel split in the stdlib re: a letter is a word character that is not a digit or "_".
+# Where Python's Unicode classes differ from the library's, the per-character check catches it.
 GPT2_SPLIT = r"'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"
 
 
@@ -64,9 +54,8 @@ class WordCache:
 
     ``split`` is a ``re`` pattern (or a function returning one) that must split a normalised text
     as ``tok.pre_tokenizer`` does, ``ascii_split`` one for ASCII-only texts (both are checked). At most
-    ``max_words`` pre-tokens are kept (about 225 bytes each: the default is ~60 MB per process);
-    past that the cache starts afresh, which bounds memory on corpora with unbounded
-    vocabularies and keeps the frequent words hot.
+    ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory on
+    corpora with unbounded vocabularies and keeps the frequent words hot.
     """
 
     def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 18):
@@ -95,10 +84,9 @@ class WordCache:
     def _ascii_normalizer(self, ascii_chars):
         """A str-method equivalent of the normaliser on ASCII texts, or None.
 
-        BERT's normaliser costs more than all the rest of the cached path; on ASCII it only
-        lowercases and drops or maps a few control characters, one character at a time, which
-        ``str.lower`` and ``str.translate`` do at memory speed. The table is read off the real
-        normaliser, character by character, then checked on whole strings.
+        BERT's normaliser dominates the cached path's cost; on ASCII it only lowercases and drops or maps a few
+        control characters, which ``str.lower`` and ``str.translate`` do far faster. The table is read off the
+        real normaliser per character, then checked on whole strings.
         """
         if self._normalizer is None:
             return None

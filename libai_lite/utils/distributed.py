@@ -19,10 +19,11 @@ from .parallel_dims import ParallelDims, layer_stages
 
 @dataclass
 class Layout:
-    """The parallel layout of a running rank: the sizes of its ``ParallelDims`` (``dims``) with this rank's place,
-    device and ("pp", "dp", "cp", "tp") mesh, built once by ``setup_dist`` and passed to whatever needs it.
-    ``place_layers`` fills ``stage_of_layer`` once the model says how many layers it has;
-    ``get_layer_placement(i)`` (LiBai's name) then reads it."""
+    """The parallel layout of a running rank: its ``ParallelDims`` sizes, its place, device and mesh.
+
+    Built once by ``setup_dist`` and passed to whatever needs it. ``place_layers`` fills ``stage_of_layer``
+    once the model's layer count is known; ``get_layer_placement(i)`` (LiBai's name) reads it.
+    """
 
     world_size: int
     rank: int
@@ -149,10 +150,8 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's static rendezvous (--master_addr/--master_port) hands a restarted job the
-            # same agent store, still holding the dead workers' gloo addresses under the same keys:
-            # a new worker can read a stale one and fail to connect. A prefix per restart keeps
-            # every attempt's keys apart.
+            # A restarted job under static rendezvous reuses the agent store, which still holds the
+            # dead workers' gloo addresses; a prefix per restart keeps each attempt's keys apart.
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                   is_master=False, timeout=timeout)
@@ -168,10 +167,11 @@ def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
 
 
 def check_backend_layout(pipeline_parallel_size: int) -> None:
-    """Refuse, before any work, a layout the process group's backend cannot carry on this device: gloo's
-    send/recv hands gloo the tensor's memory as it is, host memory only, so pipeline stages exchanging
-    CUDA activations over gloo would fail at their first send (its collectives stage CUDA tensors through
-    host memory and work: tensor and data parallelism, ZeRO 1-3)."""
+    """Refuse, before any work, a layout the backend cannot carry on this device.
+
+    gloo's send/recv takes host memory only, so pipeline stages exchanging CUDA activations over gloo
+    would fail at their first send; gloo's collectives stage CUDA tensors through host memory and work.
+    """
     if pipeline_parallel_size > 1 and torch.cuda.is_available() and dist.get_backend() == "gloo":
         raise UsageError(f"train.dist.backend='gloo' cannot carry the pipeline's send/recv of CUDA tensors "
                          f"(pipeline_parallel_size={pipeline_parallel_size}): use backend nccl (one GPU per rank), "

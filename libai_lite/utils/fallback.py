@@ -1,14 +1,13 @@
 """A fast path that falls back to a plain one when it fails at first use, instead of ending the run.
 
-GPU-only code (compiled kernels, Triton templates, vendor fused ops) mostly fails where it is first used.
-``FastPath(name, fast_fn, plain_fn)`` probes each new signature (``signature_of``: shapes, dtypes, grad
-mode) by running ``fast_fn`` forward and backward on detached inputs; ``compare=True`` also runs
-``plain_fn`` and refuses numbers that differ beyond rounding. A failed probe logs one warning and the
-plain function runs from then on, never retrying the fast one; a failure after a passed probe is raised
-(a bug, not a missing kernel). ``probe=None`` with ``first_call`` guards the first real call instead
-(``torch.compile`` builds its backward there); ``first_uses`` guards more calls (CUDA graphs record on a
-later one). Under ``torch.compile`` tracing or on fake tensors nothing is probed: the fast function is
-traced unless an eager call already fell back (the trainer's first step runs compiled modules eager).
+GPU-only code (compiled kernels, Triton, vendor fused ops) mostly fails where it is first used.
+``FastPath(name, fast_fn, plain_fn)`` probes each new ``signature_of`` by running ``fast_fn`` forward and
+backward on detached inputs; ``compare=True`` also checks it against ``plain_fn`` beyond rounding. A
+failed probe warns once and the plain function runs from then on; a failure after a passed probe is
+raised, as a bug. ``probe=None`` with ``first_call`` guards the first real call instead (``torch.compile``
+builds its backward there); ``first_uses`` guards more calls (CUDA graphs record later). Under
+``torch.compile`` tracing or on fake tensors nothing is probed: the fast function is traced unless an
+eager call already fell back.
 """
 from __future__ import annotations
 
@@ -86,10 +85,11 @@ def _seeded_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def comparing_probe(plain_fn: Callable, plain_name: str) -> Callable:
-    """A probe that runs the fast function and ``plain_fn`` forward and backward on the same detached
-    inputs and the same random output gradient, and raises ``MismatchError`` where an output or an input's
-    gradient differs by more than ``tolerance`` of the plain one's magnitude (or is not finite where the
-    plain one is). A plain path without the memory to run is not compared."""
+    """A probe that runs the fast function and ``plain_fn`` on the same detached inputs and output gradient.
+
+    Raises ``MismatchError`` where an output or input gradient differs by more than ``tolerance`` of the
+    plain one's magnitude, or is not finite where the plain one is. A plain path out of memory is not compared.
+    """
     def probe(fn: Callable, args: tuple, kwargs: dict) -> None:
         fast = _detached_run(fn, args, kwargs, _seeded_like)
         try:

@@ -7,12 +7,11 @@ from typing import Callable
 
 
 def atomic_write(path: str, write: Callable, mode: str = "wb", fsync: bool = True) -> None:
-    """Call ``write(f)`` on a temporary file beside ``path`` and rename it over ``path``.
+    """Call ``write(f)`` on a uniquely named temporary file beside ``path`` and rename it over ``path``.
 
-    Readers see the old file or the new one, never a part; the temporary's name is unique, so two
-    processes writing the same path do not clobber each other's half-written file; a failure (a full
-    disk) removes the temporary and leaves the previous file as it was. ``fsync`` makes the content
-    durable before the rename, for files a crash must not leave empty (caches, checkpoint markers).
+    Readers see the old file or the new one, never a part, and concurrent writers do not clobber each other.
+    A failure removes the temporary and leaves the previous file. ``fsync`` makes the content durable before
+    the rename, for files a crash must not leave empty.
     """
     tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:

@@ -5,12 +5,9 @@ import re
 
 import torch
 
-# Dense peaks (no 2:4 sparsity) in TFLOP/s per GPU from the vendors' datasheets, as
-# (pattern on torch.cuda.get_device_name, bf16/fp16 tensor core with fp32 accumulation, tf32 tensor core,
-# fp32 without tensor cores). The first pattern that matches wins, so a variant comes before its family
-# (H100 PCIe and NVL before the SXM part, whose names say "HBM3" and no form factor). GeForce cards
-# accumulate fp16/bf16 in fp32 at half their fp16-accumulate rate: the fp32-accumulate figure is listed,
-# as that is what training uses. V100 and T4 have no bf16 tensor cores: their fp16 figure, and no tf32.
+# Dense datasheet peaks in TFLOP/s per GPU: (device-name pattern, bf16/fp16 with fp32 accumulation, tf32,
+# plain fp32). The first match wins, so a variant precedes its family. fp32 accumulation is what training
+# uses; V100 and T4 list their fp16 figure and no tf32.
 _GPU_PEAKS: tuple[tuple[str, float, float, float], ...] = (
     (r"\bGH200\b", 989.4, 494.7, 67.0),
     (r"\bGB200\b", 2500.0, 1250.0, 80.0),

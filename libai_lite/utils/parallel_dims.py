@@ -58,14 +58,12 @@ class ParallelDims:
 
 
 def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
-    """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; raises UsageError if they
-    don't fit.
+    """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; UsageError if they don't fit.
 
-    The data-parallel size follows the launch: left null it is world / (pp x cp x tp), so one recipe runs on
-    1, 4 or 8 processes. A world smaller than the configured model parallelism caps the tensor size at the
-    world size and the pipeline size at what remains, as LiBai's ``_init_parallel_size`` does (context
-    parallelism is never capped) (``capped_sizes`` says what changed); ``train.dist.strict_layout=True`` refuses instead. A
-    data-parallel size set explicitly must fit the world.
+    Left null, the data-parallel size is world / (pp x cp x tp), so one recipe runs on any process count.
+    A world smaller than the model parallelism caps tensor size at the world and pipeline size at what
+    remains, as LiBai does (context parallelism is never capped; ``capped_sizes`` reports it);
+    ``train.dist.strict_layout=True`` refuses instead. An explicit data-parallel size must fit the world.
     """
     configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
     cp = int(dist_cfg.get("context_parallel_size", 1) or 1)

@@ -26,10 +26,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class _StopSignals:
     """SIGTERM/SIGINT/SIGHUP for the training process, installed once at start-up.
 
-    Until training runs (``defer``), a signal ends the process as usual (SystemExit, so ``finally``
-    blocks still run); while it runs, the signal is only recorded and the trainer saves and stops at
-    the next step boundary. A forked child (a DataLoader worker) inherits this handler: there it
-    ignores the signal, which is its trainer's to handle.
+    Before ``defer``, a signal raises SystemExit so ``finally`` blocks run; while training, it is only
+    recorded and the trainer saves and stops at the next step boundary. A forked child (a DataLoader
+    worker) inherits the handler and ignores the signal, which is its trainer's to handle.
     """
 
     def __init__(self):
@@ -77,12 +76,9 @@ def stop_requested() -> int | None:
 def leave_job_process_group(worker_id: int | None = None) -> None:
     """DataLoader ``worker_init_fn``: move the worker out of its trainer's process group.
 
-    torchrun (and a terminal) signal a worker's whole process group; torch's DataLoader worker
-    dies of a SIGTERM not sent by its trainer, which crashes the trainer before it can save. In a
-    group of its own the worker is out of reach of the job's stop signal, and torch still ends it
-    its own ways: the trainer's done event, a SIGTERM from the trainer (multiprocessing's exit),
-    or its watchdog once the trainer is gone. Ignoring the signal instead would make the trainer's
-    own SIGTERM at exit ineffective and hang it joining the worker.
+    A signal to the job's process group would kill the worker, and a worker dying of a SIGTERM not sent by
+    its trainer crashes the trainer before it can save. Out of the group, torch still ends the worker
+    its own ways. Ignoring SIGTERM instead would hang the trainer joining the worker at exit.
     """
     try:
         os.setpgid(0, 0)
@@ -144,13 +140,10 @@ _watching = False
 def die_with_parent(poll_s: float = 1.0) -> None:
     """End this process with SIGKILL as soon as the process that started it (torchrun) is gone.
 
-    torchrun starts each worker in a session of its own, so killing the launcher's process group
-    (kill -9, a dying agent) would otherwise leave the workers training on as orphans. Linux kills
-    us through PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` with the original
-    parent covers other systems. A parent that died before this call cannot be recognised by its
-    pid any more, so ``tools/train.sh`` also exports its own pid (``LIBAI_LITE_LAUNCHER_PID``): a
-    worker whose launcher is gone ends too, also when it was killed while the worker was still
-    starting. Calling it again is a no-op.
+    torchrun puts each worker in its own session, so killing the launcher's group would leave workers
+    training on as orphans. Linux uses PR_SET_PDEATHSIG; a watchdog thread comparing ``os.getppid()`` covers
+    other systems. A parent that died before this call cannot be recognised by pid, so ``tools/train.sh``
+    also exports ``LIBAI_LITE_LAUNCHER_PID``, and a worker whose launcher is gone ends too. Idempotent.
     """
     global _watching
     if _watching:
@@ -184,8 +177,8 @@ def die_with_parent(poll_s: float = 1.0) -> None:
 def die_with_launcher() -> None:
     """``die_with_parent`` for a worker of torchrun (a no-op otherwise); call it first thing in a tool.
 
-    Before this, the worker spends seconds importing torch: a job killed then would leave it
-    orphaned and waiting forever on the dead launcher's rendezvous.
+    A worker killed with its job while still importing torch would otherwise be left orphaned, waiting
+    forever on the dead launcher's rendezvous.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
@@ -208,11 +201,9 @@ def _pid_alive(pid: int) -> bool:
 class OutputDirLock:
     """One run per ``train.output_dir``: ``OUTPUT_DIR/.lock`` holds the owner's host and pid under flock.
 
-    The kernel drops the flock when its process dies however it dies, so a lock left by a killed
-    run is taken over (with a log line); a live owner gets the second run refused by name. Only the
-    owner holds it: the descriptor is closed on exec, and a forked child (a DataLoader worker, which
-    outlives a killed trainer by seconds) closes its copy at once (``_forget_locks_in_child``), since
-    an flock stays held while any descriptor of its open file is open.
+    The kernel drops the flock when its process dies, so a killed run's lock is taken over with a log line;
+    a live owner gets the second run refused by name. An flock stays held while any descriptor of its file
+    is open, so the descriptor is closed on exec and a forked child closes its copy at once.
     """
 
     def __init__(self, output_dir: str):
