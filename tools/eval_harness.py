@@ -8,7 +8,7 @@
     torchrun --nproc_per_node 2 tools/eval_harness.py --model libai_lite \\
         --model_args config=CONFIG,checkpoint=DIR,train.dist.tensor_parallel_size=2 --tasks TASKS
 
-Every option is the harness's (`lm_eval --help`); `libai_lite.integrations.lm_eval` lists the
+Every option is the harness's (`lm_eval --help`); `compat.lm_eval` lists the
 model_args. The harness has no plugin entry point for models, so its own `lm_eval` command cannot
 see ours: this script registers the model and then hands over. Under torchrun only rank 0 prints.
 The model's log and config go to `<train.output_dir>/lm_eval/`, the harness's results to `--output_path`.
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     from libai_lite.utils.distributed import destroy
 
     try:
-        import libai_lite.integrations.lm_eval  # noqa: F401 - registers the model
+        import compat.lm_eval  # noqa: F401 - registers the model
         from lm_eval.__main__ import cli_evaluate
     except Exception as e:  # noqa: BLE001 - a missing extra is one line
         return report_cli_error(e)

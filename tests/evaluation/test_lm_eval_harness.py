@@ -242,7 +242,7 @@ def test_seq2seq_loglikelihood_and_generation_equal_transformers_t5(tmp_path):
 
 def test_bad_model_args_are_refused_before_any_work():
     """In process: the model refuses its arguments before it sets up a run (nothing is written)."""
-    from libai_lite.integrations.lm_eval import LibaiLiteLM
+    from compat.lm_eval import LibaiLiteLM
     from libai_lite.utils.errors import UsageError
 
     with pytest.raises(UsageError) as e:
@@ -289,7 +289,7 @@ def test_tensor_parallel_harness_gives_the_one_process_log_likelihoods(gpt_run, 
 
 
 def test_add_bos_token_starts_each_decoder_request_with_bos_but_not_a_rolling_document():
-    from libai_lite.integrations.lm_eval import LibaiLiteLM
+    from compat.lm_eval import LibaiLiteLM
 
     class Tok:
         bos_token_id = 7

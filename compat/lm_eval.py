@@ -15,11 +15,11 @@ import logging
 
 import torch
 
-from ..engine.eval_only import build_eval_trainer
-from ..evaluation.scoring import ScoringExample, score
-from ..inference import pad_prompts
-from ..model import is_encoder_decoder, max_seq_length, special_token_ids, unwrap
-from ..utils.errors import UsageError
+from libai_lite.engine.eval_only import build_eval_trainer
+from libai_lite.evaluation.scoring import ScoringExample, score
+from libai_lite.inference import pad_prompts
+from libai_lite.model import is_encoder_decoder, max_seq_length, special_token_ids, unwrap
+from libai_lite.utils.errors import UsageError
 
 try:
     from lm_eval import utils as lm_eval_utils
