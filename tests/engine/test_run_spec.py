@@ -150,9 +150,11 @@ def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gi
     configs/common/train.py's values, but for the keys whose absence asks for nothing."""
     from dataclasses import asdict
 
-    from configs.common.optim import optim
-    from configs.common.train import train
     from libai_lite import run_sections as rs
+
+    # Loaded by path: another test's tree may have joined the ``configs`` package ahead of this repo's.
+    optim = LazyConfig.load(str(ROOT / "configs" / "common" / "optim.py")).optim
+    train = LazyConfig.load(str(ROOT / "configs" / "common" / "train.py")).train
 
     nothing = {"warmup_ratio": 0, "evaluation.enabled": False, "evaluation.eval_metric": None,
                "checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
