@@ -49,10 +49,96 @@ def train_cmd(args, config=CONFIG):
     return [sys.executable, "tools/train_net.py", "--config-file", config, *args]
 
 
+class _ForkServer:
+    """This test process's tests/forkserver.py: single-process tool runs forked from a warm interpreter."""
+
+    # Variables torch or its libraries read when they load: a run that sets them otherwise needs a fresh interpreter.
+    IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "CUDA", "NCCL", "TRITON", "PYTHON", "LD_")
+
+    def __init__(self):
+        self.env = env()
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py")], cwd=ROOT, env=self.env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.pending = b""
+
+    def serves(self, run_env: dict) -> bool:
+        keys = {k for k in {*run_env, *self.env} if k.startswith(self.IMPORT_TIME)}
+        return self.proc.poll() is None and all(run_env.get(k) == self.env.get(k) for k in keys)
+
+    def _reply(self, timeout):
+        """The server's next reply line, or None after ``timeout`` seconds; read unbuffered so select sees all."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"tests/forkserver.py exited with code {self.proc.wait()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cmd, argv, run_env, timeout, nproc=None):
+        import signal
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"argv": argv, "env": run_env, "cwd": str(ROOT), "stdout": out, "stderr": err, "nproc": nproc}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            pids = self._reply(300)["pids"]  # the first waits for the preload
+            done = self._reply(timeout)
+            if done is None:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                self._reply(60)
+            output = [open(path, encoding="utf-8", errors="replace").read() for path in (out, err)]
+        if done is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, *output)
+        return subprocess.CompletedProcess(cmd, done["code"], *output)
+
+
+_FORK_SERVER = None
+
+
+def _fork_server(run_env):
+    """This process's fork server if it can start ``run_env``'s run, else None (LIBAI_LITE_TEST_FORK=0: never)."""
+    global _FORK_SERVER
+    if os.environ.get("LIBAI_LITE_TEST_FORK", "1") == "0":
+        return None
+    if _FORK_SERVER is None or _FORK_SERVER.proc.poll() is not None:
+        _FORK_SERVER = _ForkServer()
+    return _FORK_SERVER if _FORK_SERVER.serves(run_env) else None
+
+
+def python_tool(cmd, timeout=300):
+    """Run ``[sys.executable, script, *args]`` from the repository root and wait for it, as subprocess.run with
+    captured text output would; forked from a warm interpreter unless LIBAI_LITE_TEST_FORK=0."""
+    run_env = env()
+    server = _fork_server(run_env)
+    if server is not None:
+        return server.run(cmd, cmd[1:], run_env, timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+
+
 def train_net(args, config=CONFIG, timeout=300):
     """Run tools/train_net.py in one process and wait for it."""
-    return subprocess.run(train_cmd(args, config), cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return python_tool(train_cmd(args, config), timeout=timeout)
+
+
+def train_ranks(nproc, args, config=CONFIG, timeout=300):
+    """tools/train_net.py on ``nproc`` ranks, forked as torchrun's agent would start them (one process: train_net).
+
+    For runs whose losses a test compares across layouts; tests of the launcher itself use ``train_sh``.
+    """
+    if nproc == 1:
+        return train_net(args, config=config, timeout=timeout)
+    return torchrun(nproc, "tools/train_net.py", "--config-file", config, *args, timeout=timeout, check=False)
 
 
 def train_sh(nproc, args, config=CONFIG, timeout=300, **env_extra):
@@ -65,9 +151,16 @@ def train_sh(nproc, args, config=CONFIG, timeout=300, **env_extra):
 def torchrun(nproc, script, *args, timeout=300, check=True):
     """Run ``script args`` (a path from the repository root) under torchrun with ``nproc`` processes
     on a free port, gloo on the CPU; with ``check``, a failure fails the test with the output's tail."""
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), *map(str, args)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+           "--master_port", str(port), str(script), *map(str, args)]
+    run_env = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The ranks forked as torchrun's agent would start them: these scripts test layouts, not the launcher.
+    server = _fork_server(run_env)
+    if server is not None:
+        r = server.run(cmd, [str(script), *map(str, args)], run_env, timeout, nproc=nproc)
+    else:
+        r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r

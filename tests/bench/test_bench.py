@@ -6,17 +6,15 @@ together (same model shape on both sides, same tokens from both preprocessing pa
 """
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
-from tests.launch import ROOT as REPO_ROOT
+from tests.launch import ROOT as REPO_ROOT, python_tool
 
 
 def run_bench(script: str, *args: str, timeout: int = 120) -> tuple:
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = python_tool([sys.executable, str(REPO_ROOT / "bench" / script), *args], timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     return json.loads(lines[-1]), proc.stdout
@@ -28,13 +26,13 @@ def positive(x) -> bool:
 
 @pytest.mark.parametrize("script", ["train_throughput.py", "preprocess.py", "data_loader.py"])
 def test_help(script):
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), "--help"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = python_tool([sys.executable, str(REPO_ROOT / "bench" / script), "--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--smoke" in proc.stdout
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+# Llama with -m slow: the script takes the same path for both models.
+@pytest.mark.parametrize("model", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_train_throughput_smoke(model):
     res, out = run_bench("train_throughput.py", "--smoke", "--profile", "1", "--model", model)
     assert res["benchmark"] == "train_throughput"

@@ -1,9 +1,8 @@
 """bench/kernel_count.py in its smoke mode: its JSON has the README table's numbers, and they hang together."""
-import subprocess
 import sys
 
 from tests.bench.test_bench import run_bench
-from tests.launch import ROOT
+from tests.launch import ROOT, python_tool
 
 
 def test_kernel_count_smoke():
@@ -20,7 +19,6 @@ def test_kernel_count_smoke():
 
 
 def test_kernel_count_refuses_an_unknown_model_in_one_line():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_count.py"), "--models", "gpt9"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = python_tool([sys.executable, str(ROOT / "bench" / "kernel_count.py"), "--models", "gpt9"], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown model 'gpt9'")

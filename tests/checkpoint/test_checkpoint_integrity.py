@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.launch import (CONFIG, ROOT, env, losses, mounted_tmpfs, one_error_line, tiny, train_cmd, train_net,
-                          train_sh, tree_snapshot)
+from tests.launch import (CONFIG, ROOT, env, losses, mounted_tmpfs, one_error_line, python_tool, tiny, train_cmd,
+                          train_net, train_sh, tree_snapshot)
 
 # tools/train_net.py holding one save (tests/checkpoint/paused_train_net.py says how).
 PAUSED_TRAIN_NET = str(Path(__file__).with_name("paused_train_net.py"))
@@ -108,10 +108,9 @@ def test_generate_refuses_a_checkpoint_with_more_layers(trained, generate):
 @pytest.mark.slow
 def test_evaluate_refuses_a_checkpoint_with_more_layers(trained, tmp_path):
     src, cache = trained
-    r = subprocess.run([sys.executable, "tools/evaluate.py", "--config-file", CONFIG, "--checkpoint",
-                        str(src / "model_final"), "--task", "ppl",
-                        *tiny(tmp_path / "ev", cache, *BASE, "model.cfg.hidden_layers=2")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = python_tool([sys.executable, "tools/evaluate.py", "--config-file", CONFIG, "--checkpoint",
+                     str(src / "model_final"), "--task", "ppl",
+                     *tiny(tmp_path / "ev", cache, *BASE, "model.cfg.hidden_layers=2")], timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "holds 'GPT_model.layers.2.input_layernorm.weight', which this config does not build" in one_error_line(r)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.launch import ROOT, env, train_sh
+from tests.launch import ROOT, env, python_tool, train_ranks
 from libai_lite.checkpoint import Checkpointer
 from libai_lite.checkpoint.hf import (
     checkpoint_vocab_size,
@@ -289,10 +289,10 @@ def test_import_fine_tune_under_a_layout_then_export_matches_our_one_process_mod
     assert main(["import", "--model", "gpt2", "--hf-dir", str(gpt2_dir), "--output", str(out),
                  "--tensor-parallel-size", str(tp)]) == 0
     run = tmp_path / "run"
-    r = train_sh(nproc, [f"train.output_dir={run}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
-                         "dataloader.train.num_workers=0", "train.train_iter=2", "train.global_batch_size=4",
-                         "train.log_period=1", "train.evaluation.enabled=False", "train.checkpointer.period=1000",
-                         "optim.lr=1e-2", *overrides], config=str(out / "config.py"))
+    r = train_ranks(nproc, [f"train.output_dir={run}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+                            "dataloader.train.num_workers=0", "train.train_iter=2", "train.global_batch_size=4",
+                            "train.log_period=1", "train.evaluation.enabled=False", "train.checkpointer.period=1000",
+                            "optim.lr=1e-2", *overrides], config=str(out / "config.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"Loaded weights from {out}" in (run / "log.txt").read_text()
     ckpt = run / "model_final"
@@ -369,9 +369,8 @@ def test_export_refuses_a_checkpoint_of_another_shape_and_writes_nothing(gpt2_di
 
 
 def test_command_line_error_is_one_line_and_exit_status_1(tmp_path):
-    r = subprocess.run([sys.executable, "tools/hf_convert.py", "import", "--model", "t5", "--hf-dir",
-                        str(tmp_path / "missing"), "--output", str(tmp_path / "out")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    r = python_tool([sys.executable, "tools/hf_convert.py", "import", "--model", "t5", "--hf-dir",
+                     str(tmp_path / "missing"), "--output", str(tmp_path / "out")], timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: ")
     assert "Traceback" not in r.stderr and "does not exist" in r.stderr
@@ -458,9 +457,8 @@ def test_a_copied_project_converts_through_its_own_registered_mapping(tmp_path):
 @pytest.mark.slow
 def test_export_refuses_a_corrupt_checkpoint_and_no_verify_exports_it(tmp_path):
     """Flipped bits in a shard stop the export in one line; --no-verify (the user's risk) exports it."""
-    import subprocess
 
-    from tests.launch import env, tiny, train_net
+    from tests.launch import tiny, train_net
 
     run = tmp_path / "run"
     r = train_net(tiny(run, tmp_path / "cache", "train.train_iter=2", "train.evaluation.enabled=False"))
@@ -473,10 +471,8 @@ def test_export_refuses_a_corrupt_checkpoint_and_no_verify_exports_it(tmp_path):
            "--checkpoint", str(run / "model_final")]
     small = [f"model.cfg.{k}" for k in ("hidden_layers=2", "hidden_size=64", "ffn_hidden_size=128",
                                          "num_attention_heads=2", "max_seq_length=32")]
-    r = subprocess.run(cmd + ["--output", str(tmp_path / "hf"), *small], cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=300)
+    r = python_tool(cmd + ["--output", str(tmp_path / "hf"), *small], timeout=300)
     assert r.returncode != 0 and "CRC-32 mismatch" in r.stderr and not (tmp_path / "hf").exists(), r.stderr[-2000:]
-    r = subprocess.run(cmd + ["--output", str(tmp_path / "hf2"), "--no-verify", *small], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=300)
+    r = python_tool(cmd + ["--output", str(tmp_path / "hf2"), "--no-verify", *small], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "hf2" / "config.json").exists()

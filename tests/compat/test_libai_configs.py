@@ -6,7 +6,6 @@ tests skip, saying so; tests/compat/test_libai_samples.py covers LiBai-format co
 """
 import json
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from libai_lite.config import ConfigLoadError, LazyConfig, instantiate
-from tests.launch import ROOT, env, one_error_line
+from tests.launch import ROOT, one_error_line, python_tool
 
 GPT = "configs/gpt2_pretrain.py"
 T5 = "configs/t5_large_pretrain.py"
@@ -75,8 +74,7 @@ def train(libai_tree, tmp_path, config):
     out = tmp_path / "out"
     args = [*data_overrides(tmp_path, KIND[config], test_set=config != MT5), *COMMON, *TINY[config],
             f"train.output_dir={out}"]
-    r = subprocess.run([sys.executable, "tools/train_net.py", "--config-file", str(libai_tree / config), *args],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    r = python_tool([sys.executable, "tools/train_net.py", "--config-file", str(libai_tree / config), *args], timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.json").read_text().splitlines()]
     losses = [row["total_loss"] for row in rows if "total_loss" in row]
@@ -174,7 +172,6 @@ def test_unknown_libai_name_is_refused_in_one_line(tmp_path):
 def test_do_bias_correction_false_is_refused_in_one_line(libai_tree, tmp_path):
     args = [*data_overrides(tmp_path, "gpt2"), *COMMON, *TINY[GPT], f"train.output_dir={tmp_path / 'o'}",
             "optim.do_bias_correction=False"]
-    r = subprocess.run([sys.executable, "tools/train_net.py", "--config-file", str(libai_tree / GPT), *args],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = python_tool([sys.executable, "tools/train_net.py", "--config-file", str(libai_tree / GPT), *args], timeout=300)
     assert r.returncode == 1
     assert "optim.do_bias_correction=False" in one_error_line(r)

@@ -18,7 +18,7 @@ from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_a
 from libai_lite.config import LazyConfig, instantiate
 from libai_lite.config.instantiate import instantiate_with
 from libai_lite.utils.errors import UsageError
-from tests.launch import ROOT, env, losses, one_error_line
+from tests.launch import ROOT, env, losses, one_error_line, python_tool
 
 GPT2 = "--vocab-file data_test/gpt2/vocab.json --merge-file data_test/gpt2/merges.txt"
 
@@ -238,9 +238,8 @@ def test_llama_refuses_dropout_after_the_embeddings():
 
 
 def train_net(flags: str, *overrides):
-    return subprocess.run([sys.executable, "tools/train_net.py", "--megatron-args", flags,
-                           "dataloader.train.num_workers=0", "train.log_memory_estimate=False", *overrides],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    return python_tool([sys.executable, "tools/train_net.py", "--megatron-args", flags,
+                        "dataloader.train.num_workers=0", "train.log_memory_estimate=False", *overrides], timeout=600)
 
 
 def no_effect_line(stderr: str) -> str:

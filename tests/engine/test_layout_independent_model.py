@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.launch import losses, tiny, train_net, train_sh
+from tests.launch import losses, tiny, train_net, train_ranks
 
 STEPS = 4
 # Overrides that shrink the run but not the vocabulary (tiny() changes no tokenization key).
@@ -38,7 +38,7 @@ def _resume_at(tmp_path, one_process, nproc, layout):
     with open(out / "metrics.json") as f:
         rows = [line for line in f if json.loads(line)["iteration"] <= 2]
     (out / "metrics.json").write_text("".join(rows))
-    r = train_sh(nproc, tiny(out, cache, *ARGS, *layout) + ["--resume"])
+    r = train_ranks(nproc, tiny(out, cache, *ARGS, *layout) + ["--resume"])
     assert r.returncode == 0, r.stderr[-4000:]
     log = (out / "log.txt").read_text()
     assert "vocabulary rows" not in log  # the same model: nothing cut or added
@@ -48,7 +48,7 @@ def _resume_at(tmp_path, one_process, nproc, layout):
 def test_fresh_tp2_starts_at_and_resume_at_tp2_continues_the_one_process_curve(tmp_path, one_process):
     _, cache, reference = one_process
     fresh = tmp_path / "fresh"
-    r = train_sh(2, tiny(fresh, cache, *ARGS, "train.train_iter=1", "train.dist.tensor_parallel_size=2"))
+    r = train_ranks(2, tiny(fresh, cache, *ARGS, "train.train_iter=1", "train.dist.tensor_parallel_size=2"))
     assert r.returncode == 0, r.stderr[-4000:]
     assert "vocab padded to 8064" in (fresh / "log.txt").read_text()
     assert losses(fresh)[1] == pytest.approx(reference[1], rel=REL)

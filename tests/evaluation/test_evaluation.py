@@ -7,7 +7,6 @@ Also runnable as a torchrun worker (`python tests/evaluation/test_evaluation.py 
 import json
 import logging
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from libai_lite.evaluation import EvalContext, LambadaEvaluator, PPLEvaluator, i
 from libai_lite.evaluation.lambada import load_lambada, split_last_word
 from libai_lite.tokenizer import GPT2Tokenizer
 from libai_lite.utils.errors import UsageError
-from tests.launch import kept_logger
+from tests.launch import kept_logger, python_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, MERGES = ROOT / "data_test/gpt2/vocab.json", ROOT / "data_test/gpt2/merges.txt"
@@ -398,13 +397,11 @@ def test_evaluate_results_match_transformers(trained, tokenizers):
 
 
 def test_evaluate_command_line_prints_and_writes_json(trained):
-    from tests.launch import env
-
     tmp, ckpt, results = trained
     out = tmp / "lambada.json"
     cmd = [sys.executable, "tools/evaluate.py", *_evaluate_argv(ckpt, tmp / "cli", tmp / "cache", *TASKS["lambada"]),
            "--output", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = python_tool(cmd, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith("lambada: ")]
     assert len(lines) == 1 and "lambada_acc: " in lines[0], r.stdout[-2000:]

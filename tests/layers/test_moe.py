@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from tests.workers import moe_worker
-from tests.launch import one_error_line, torchrun, train_net, train_sh
+from tests.launch import one_error_line, python_tool, torchrun, train_net, train_sh
 
 from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
 from libai_lite.layers.moe import expert_capacity, load_balancing_loss, route
@@ -533,8 +532,7 @@ def test_t5_moe_demo_trains_with_experts_over_two_ranks_fp16_and_zero2(tmp_path)
 
 
 def test_bench_moe_smoke_compares_equal_active_parameters():
-    proc = subprocess.run([sys.executable, "bench/moe.py", "--smoke"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = python_tool([sys.executable, "bench/moe.py", "--smoke"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["benchmark"] == "moe"

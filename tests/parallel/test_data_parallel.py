@@ -275,7 +275,9 @@ def _step_with_overflow_on_rank_1(rank: int, world: int, port: int, out: str, pl
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("plain", [False, True], ids=["build_loss_scaler", "plain-GradScaler"])
+# torch's own GradScaler with -m slow: the trainer builds its scaler with build_loss_scaler.
+@pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["build_loss_scaler", "plain-GradScaler"])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, plain):
     spawn_ranks(_step_with_overflow_on_rank_1, 2, (2, free_port(), str(tmp_path), plain))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]

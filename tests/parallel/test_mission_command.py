@@ -98,6 +98,8 @@ def test_mission_command_on_one_process(tmp_path):
     assert "tensor_parallel_size: 1" in (out / "config.yaml").read_text()
 
 
+# Eight processes on a 2-core machine with -m slow; four take the same launch-derived dp x tp path by default.
+@pytest.mark.slow
 def test_mission_command_on_eight_processes(tmp_path):
     out, log = run_recipe(tmp_path, 8)
     assert "layout pp=1 dp=4 tp=2" in log and "global batch 8 = micro 2 x dp 4 x accumulation 1" in log
@@ -105,7 +107,6 @@ def test_mission_command_on_eight_processes(tmp_path):
     assert_trains(out)
 
 
-@pytest.mark.slow
 def test_mission_command_on_four_processes_keeps_dp2_tp2(tmp_path):
     out, log = run_recipe(tmp_path, 4)
     assert "layout pp=1 dp=2 tp=2" in log and "train.dist:" not in log

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.launch import losses, one_error_line, tiny, train_net, train_sh
+from tests.launch import losses, one_error_line, tiny, train_net, train_ranks, train_sh
 
 STEPS = 10
 COMMON = [
@@ -76,7 +76,7 @@ SLOW_LAYOUTS = {"dp2_tp2_pp2_zero2", "tp2", "dp2", "dp2_zero2", "pp2_1f1b", "tp2
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS])
 def test_layout_matches_one_process(tmp_path, reference, name):
     nproc, extra = LAYOUTS[name]
-    r = train_sh(nproc, tiny(tmp_path / "out", tmp_path / "cache", *COMMON, *extra))
+    r = train_ranks(nproc, tiny(tmp_path / "out", tmp_path / "cache", *COMMON, *extra))
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "out")
     assert sorted(curve) == sorted(reference)
@@ -95,7 +95,9 @@ def test_layout_matches_one_process(tmp_path, reference, name):
         pytest.param(2, ["train.dist.tensor_parallel_size=2", "model.cfg.num_attention_heads=3",
                          "model.cfg.hidden_size=66"], "does not divide model.cfg.num_attention_heads=3",
                      marks=pytest.mark.slow),
-        (2, ["train.dist.pipeline_parallel_size=2", "model.cfg.hidden_layers=1"], "more stages than the model's 1 layers"),
+        # Refused in process too (tests/engine/test_run_spec.py); two processes with -m slow.
+        pytest.param(2, ["train.dist.pipeline_parallel_size=2", "model.cfg.hidden_layers=1"],
+                     "more stages than the model's 1 layers", marks=pytest.mark.slow),
         # The range table refuses it in process too (tests/engine/test_bad_input.py).
         pytest.param(2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=4"],
                      "train.zero_optimization.stage=4 is out of range", marks=pytest.mark.slow),
@@ -119,31 +121,32 @@ def test_invalid_layouts_fail_fast_with_one_line(tmp_path, nproc, extra, needle)
     assert not out.exists()
 
 
-def test_checkpoint_from_tp2_pp2_resumes_at_dp4_and_on_one_process(tmp_path, reference):
+# Resumed on four processes with -m slow (data parallel resharding: test_data_parallel's DCP test).
+@pytest.mark.parametrize("name,nproc", [("one", 1), pytest.param("dp4", 4, marks=pytest.mark.slow)])
+def test_checkpoint_from_tp2_pp2_resumes_under_another_layout(tmp_path, reference, name, nproc):
     """DCP reshards: a tp=2 x pp=2 checkpoint continues the same loss curve under other layouts."""
     import shutil
 
     args = [*COMMON, "train.checkpointer.period=5"]
     src = tmp_path / "tp2pp2"
-    r = train_sh(4, tiny(src, tmp_path / "cache", *args, "train.dist.pipeline_parallel_size=2",
-                         "train.dist.tensor_parallel_size=2"))
+    r = train_ranks(4, tiny(src, tmp_path / "cache", *args, "train.dist.pipeline_parallel_size=2",
+                            "train.dist.tensor_parallel_size=2"))
     assert r.returncode == 0, r.stderr[-4000:]
-    for name, nproc in (("dp4", 4), ("one", 1)):
-        out = tmp_path / name
-        shutil.copytree(src, out)
-        # Resume from the iteration-5 checkpoint, as if the run had stopped there.
-        (out / "last_checkpoint").write_text("model_0000004")
-        with open(out / "metrics.json") as f:
-            rows = [line for line in f if json.loads(line)["iteration"] <= 5]
-        (out / "metrics.json").write_text("".join(rows))
-        resumed = tiny(out, tmp_path / "cache", *args) + ["--resume"]
-        r = train_sh(nproc, resumed) if nproc > 1 else train_net(resumed)
-        assert r.returncode == 0, r.stderr[-4000:]
-        curve = losses(out)
-        for it in range(6, STEPS + 1):
-            assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
-        if name == "dp4":
-            assert "data_parallel_size changed from 1 to 4" in (out / "log.txt").read_text()
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    # Resume from the iteration-5 checkpoint, as if the run had stopped there.
+    (out / "last_checkpoint").write_text("model_0000004")
+    with open(out / "metrics.json") as f:
+        rows = [line for line in f if json.loads(line)["iteration"] <= 5]
+    (out / "metrics.json").write_text("".join(rows))
+    resumed = tiny(out, tmp_path / "cache", *args) + ["--resume"]
+    r = train_ranks(nproc, resumed)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(out)
+    for it in range(6, STEPS + 1):
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), (name, it)
+    if name == "dp4":
+        assert "data_parallel_size changed from 1 to 4" in (out / "log.txt").read_text()
 
 
 MT5_CONFIG = "projects/MT5/configs/mt5_pretrain.py"
@@ -186,8 +189,8 @@ def mt5_reference(tmp_path_factory):
 ])
 def test_mt5_layout_matches_one_process(tmp_path, mt5_reference, name, nproc, extra):
     out = tmp_path / "out"
-    r = train_sh(nproc, [f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
-                         *MT5_COMMON, *extra], config=MT5_CONFIG)
+    r = train_ranks(nproc, [f"train.output_dir={out}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
+                            *MT5_COMMON, *extra], config=MT5_CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     # Token accuracy too: under pipeline parallelism it comes from the last stage to every rank's log.
     for key, reference in mt5_reference.items():
@@ -207,7 +210,7 @@ def test_t5_tied_head_under_pp2_matches_one_process(tmp_path):
     for name, nproc, extra in (("one", 1, []), ("pp2", 2, ["train.dist.pipeline_parallel_size=2"])):
         args = [f"train.output_dir={tmp_path / name}", f"dataloader.train.cache_dir={tmp_path / 'cache'}",
                 *MT5_COMMON, "model.cfg.model_type=t5", *extra]
-        r = train_sh(nproc, args, config=MT5_CONFIG) if nproc > 1 else train_net(args, config=MT5_CONFIG)
+        r = train_ranks(nproc, args, config=MT5_CONFIG)
         assert r.returncode == 0, r.stderr[-4000:]
         curves[name] = losses(tmp_path / name)
     assert sorted(curves["pp2"]) == list(range(1, STEPS + 1))

@@ -20,7 +20,7 @@ from libai_lite.config import LazyConfig
 from libai_lite.parallel.tensor_parallel import check_declared_splits
 from libai_lite.utils.errors import UsageError
 from projects.Llama.modeling import LlamaForPreTraining
-from tests.launch import ROOT, losses, one_error_line, torchrun, train_net, train_sh
+from tests.launch import ROOT, losses, one_error_line, python_tool, torchrun, train_net, train_ranks, train_sh
 
 sys.path.insert(0, str(ROOT / "tools"))
 from hf_convert import main  # noqa: E402
@@ -205,7 +205,7 @@ SLOW_LAYOUTS = {
 @pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])
 def test_gqa_shape_trains_the_one_process_curve_under(name, reference, tmp_path):
     nproc, extra = (2, LAYOUTS[name]) if name in LAYOUTS else SLOW_LAYOUTS[name]
-    r = train_sh(nproc, _args(tmp_path, *extra), config=CONFIG)
+    r = train_ranks(nproc, _args(tmp_path, *extra), config=CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "out")
     assert sorted(curve) == sorted(reference)
@@ -223,7 +223,7 @@ def test_mixtral_shape_trains_the_one_process_curve_under_expert_parallel_2(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     reference = losses(tmp_path / "one" / "out")
     assert sorted(reference) == list(range(1, STEPS + 1))
-    r = train_sh(2, _args(tmp_path / "ep2", *MOE, "model.cfg.moe.ep_size=2"), config=CONFIG)
+    r = train_ranks(2, _args(tmp_path / "ep2", *MOE, "model.cfg.moe.ep_size=2"), config=CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "ep2" / "out")
     assert sorted(curve) == sorted(reference)
@@ -299,10 +299,8 @@ def test_import_takes_a_tokenizer_json_beside_the_weights(tmp_path):
 def test_evaluate_tool_on_an_imported_llama_gives_transformers_lambada_and_perplexity(tmp_path):
     """tools/evaluate.py on a Llama checkpoint (imported from transformers) equals transformers' own numbers."""
     import json
-    import subprocess
 
     from tests.evaluation.test_evaluation import SAMPLE, read_jsonl_texts, reference_lambada, reference_ppl
-    from tests.launch import env
     from transformers import GPT2TokenizerFast
 
     hf = _hf_model("llama")
@@ -319,10 +317,9 @@ def test_evaluate_tool_on_an_imported_llama_gives_transformers_lambada_and_perpl
     for task, args in {"lambada": ["--task", "lambada", "--data", str(SAMPLE)],
                        "ppl": ["--task", "ppl", "--data", str(SAMPLE), "--stride", "16", "--seq-length", "32"]}.items():
         record = tmp_path / f"{task}.json"
-        r = subprocess.run([sys.executable, "tools/evaluate.py", "--config-file", str(out / "config.py"),
-                            "--checkpoint", str(out), *args, "--output", str(record),
-                            f"train.output_dir={tmp_path / 'eval'}"],
-                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        r = python_tool([sys.executable, "tools/evaluate.py", "--config-file", str(out / "config.py"),
+                         "--checkpoint", str(out), *args, "--output", str(record),
+                         f"train.output_dir={tmp_path / 'eval'}"], timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         results[task] = json.loads(record.read_text())["results"]
     max_len = int(LazyConfig.load(out / "config.py").model.cfg.max_seq_length)
@@ -406,11 +403,9 @@ BOS_PROMPTS = ["The history of the", "It's what we'll do; they're done"]
 def test_generate_tool_puts_the_tokenizers_bos_first_as_transformers(tmp_path):
     """tools/generate.py --prompt on a Llama whose tokenizer.json adds BOS decodes transformers' tokens for
     tokenizer(prompt), BOS included (and these differ from those of the bare prompt)."""
-    import subprocess
 
     from transformers import AutoTokenizer
 
-    from tests.launch import env
 
     hf = _llama_with_tokenizer_json(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -423,9 +418,8 @@ def test_generate_tool_puts_the_tokenizers_bos_first_as_transformers(tmp_path):
             out.append(new)
     assert expected != bare  # the test can tell a missing BOS
     args = [a for p in BOS_PROMPTS for a in ("--prompt", p)]
-    r = subprocess.run([sys.executable, "tools/generate.py", "--hf-dir", str(tmp_path / "hf"), *args,
-                        "--max-new-tokens", "6", "--show-ids"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                       timeout=300)
+    r = python_tool([sys.executable, "tools/generate.py", "--hf-dir", str(tmp_path / "hf"), *args,
+                     "--max-new-tokens", "6", "--show-ids"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = [[int(t) for t in line.split(":")[1].split()] for line in r.stdout.splitlines() if line.startswith("ids ")]
     assert got == expected
@@ -507,8 +501,8 @@ def test_qwen2_shape_tied_head_trains_the_one_process_curve_under_pp2(tmp_path):
     r = train_net(_args(tmp_path / "one", *tied), config=CONFIG)
     assert r.returncode == 0, r.stderr[-3000:]
     reference = losses(tmp_path / "one" / "out")
-    r = train_sh(2, _args(tmp_path / "pp2", *tied, "train.dist.pipeline_parallel_size=2",
-                          "train.dist.pipeline_schedule=1f1b"), config=CONFIG)
+    r = train_ranks(2, _args(tmp_path / "pp2", *tied, "train.dist.pipeline_parallel_size=2",
+                             "train.dist.pipeline_schedule=1f1b"), config=CONFIG)
     assert r.returncode == 0, r.stderr[-4000:]
     curve = losses(tmp_path / "pp2" / "out")
     assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))

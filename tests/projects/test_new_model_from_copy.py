@@ -9,14 +9,13 @@ export finds each copy's mapping through its class. Every layout trains the one-
 import json
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT, env, losses, train_net, train_sh
+from tests.launch import ROOT, losses, python_tool, train_net, train_ranks
 
 STEPS = 6
 
@@ -212,8 +211,8 @@ LAYOUTS = {
                                     for n in LAYOUTS])
 def test_the_copy_trains_the_one_process_curve_under(copied, tmp_path, layout):
     spec, project, curve, _ = copied
-    r = train_sh(2, _train_args(spec, tmp_path / "out", tmp_path / "cache", *LAYOUTS[layout]),
-                 config=str(project / "configs" / "mine.py"))
+    r = train_ranks(2, _train_args(spec, tmp_path / "out", tmp_path / "cache", *LAYOUTS[layout]),
+                    config=str(project / "configs" / "mine.py"))
     assert r.returncode == 0, r.stderr[-4000:]
     got = losses(tmp_path / "out")
     assert sorted(got) == sorted(curve)
@@ -235,9 +234,8 @@ def test_export_goes_through_the_copys_mapping(copied, tmp_path):
 
     spec, _, _, out = copied
     hf_dir = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "tools/hf_convert.py", "export", "--config-file", str(out / "config.yaml"),
-                        "--checkpoint", str(out / "model_final"), "--output", str(hf_dir)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    r = python_tool([sys.executable, "tools/hf_convert.py", "export", "--config-file", str(out / "config.yaml"),
+                     "--checkpoint", str(out / "model_final"), "--output", str(hf_dir)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     tensors = load_file(hf_dir / "model.safetensors")
     gate, up = (tensors[k] for k in spec.gated_keys)

@@ -2,12 +2,11 @@
 overlaid, a resumed run's repeated iterations kept once (the later), bad input in one line."""
 import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.launch import ROOT, env, one_error_line, tiny, train_net
+from tests.launch import ROOT, one_error_line, python_tool, tiny, train_net
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install -e .[plot])")
 
@@ -67,8 +66,8 @@ def test_the_command_line_overlays_runs_and_keeps_a_resumed_runs_later_rows(run_
     resumed = rows + [dict(r, total_loss=r["total_loss"] + 1) for r in rows
                       if r["iteration"] >= 3 and "total_loss" in r]
     write_rows(tmp_path / "resumed", resumed)
-    r = subprocess.run([sys.executable, "tools/plot_metrics.py", str(run_dir), str(tmp_path / "resumed"), "-o",
-                        str(tmp_path / "both.png")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    r = python_tool([sys.executable, "tools/plot_metrics.py", str(run_dir), str(tmp_path / "resumed"), "-o",
+                     str(tmp_path / "both.png")], timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "both.png").stat().st_size > 0
 
@@ -102,8 +101,7 @@ def test_bad_input_is_one_line(tmp_path, content, expected):
     out.mkdir()
     if content is not None:
         (out / "metrics.json").write_text(content)
-    r = subprocess.run([sys.executable, "tools/plot_metrics.py", str(out)], cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=120)
+    r = python_tool([sys.executable, "tools/plot_metrics.py", str(out)], timeout=120)
     assert r.returncode == 1
     assert one_error_line(r).startswith(f"error: {out}/{expected}")
     assert not (out / "metrics.png").exists()
