@@ -1,31 +1,11 @@
 #!/usr/bin/env python
 """How long a checkpoint stops the training loop: synchronous saves against train.checkpointer.async_save.
 
-One process trains a GPT (``projects/GPT/configs/gpt2_117M.py`` by default: 124M parameters, so
-about 1.5 GB of weights and AdamW state per checkpoint) with random tokens, and runs windows of
-``--steps-per-save`` steps in three modes, rotating their order each round so background load on a
-shared machine hits all alike:
-
-- ``sync``:  ``Checkpointer.save`` after the window's first step (write, fsync, manifest, publish);
-- ``async``: the same save with ``async_save=True`` (DCP ``async_save``: the state staged to CPU
-  memory, written by a background thread), ``poll()`` after each step as the trainer's hook does, and
-  ``wait()`` at the window's end for a write still in flight;
-- ``none``:  the window without a save, the reference for the overhead.
-
-Per save it reports the **stall**, the seconds the loop spent inside checkpointer calls (save, polls,
-the final wait): the issue's target is an async stall at most 20% of the synchronous save's. Beside
-it, what saving costs the whole window against the ``none`` window of the same round: the extra
-**CPU** seconds of the process (all threads: a background write does the same work, off the loop's
-path, competing with training for the cores) and the extra **wall** seconds (the stall plus steps
-slowed by that competition; on a shared machine other jobs' load swamps it). Each number is the
-median over ``--rounds``; one untimed window per mode goes first.
-
     python bench/checkpoint_stall.py                 # 117M, micro-batch 1 x seq 128, 3 rounds
     python bench/checkpoint_stall.py --smoke         # a tiny model, for the test suite
 
-The sequence is short because a save's cost depends on the model's size, not on the batch: with
-seq 1024 a 117M step on a 2-core CPU takes tens of seconds. The last output line is a JSON object
-with every number.
+The last output line is a JSON object with every number.
+The modes and what the stall counts: bench/README.md, section "checkpoint_stall.py: how it measures".
 """
 from __future__ import annotations
 

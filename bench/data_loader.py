@@ -1,23 +1,11 @@
 #!/usr/bin/env python
 """Samples per second from the GPT dataset and loader, against raw reads of the same token spans.
 
-On a synthetic Megatron ``.bin/.idx`` corpus (``--tokens``, 100M by default, written with
-``MMapIndexedDatasetBuilder`` in a temporary directory) or an existing prefix
-(``--data-prefix data_test/gpt2/demo_gpt2_text_document``), it measures:
-
-* the first open: the token-id range scan and building the doc/sample/shuffle index files
-  (``build_gpt_train_valid_test_loaders`` with an empty ``cache_dir``);
-* the second open of the same split: the cache hit a resumed or restarted run pays;
-* samples/s and tokens/s of the train loader with 0, 1 and 2 workers (worker start-up is
-  reported apart, as the time to the first batch);
-* the same-job reference: the very token spans of the same samples, in the same order, read
-  straight from ``MMapIndexedDataset.get`` and stacked into the same int64 batches, with no
-  dataset, sampler or DataLoader in between.
-
     python bench/data_loader.py
     python bench/data_loader.py --data-prefix data_test/gpt2/demo_gpt2_text_document --seq-length 128
 
 The last line of the output is one JSON object with the numbers.
+What it times: bench/README.md, section "data_loader.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 #!/usr/bin/env python
 """Memory and time of the LM head + cross entropy: unfused, the one-buffer fused kernel, the compiled chunked one.
 
-Each kernel runs forward + backward of ``cross_entropy(hidden @ weight.T, target)`` (per-token loss,
-summed) in a process of its own, twice (the first compiles), and reports for the second:
-
-  - saved: bytes the forward leaves for the backward (every tensor autograd saves, counted through
-    ``torch.autograd.graph.saved_tensors_hooks``; the inputs themselves excluded);
-  - peak: the process's RSS high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS
-    before the step, glibc told to map large blocks apart so RSS follows live memory (CPU), or the
-    allocator's peak (CUDA);
-  - time: forward + backward, seconds.
-
     python bench/fused_loss.py                                 # 4096 tokens x 50304 vocab x 768 hidden, CPU fp32
-    python bench/fused_loss.py --tokens 8192                   # GPT-2 at 8 x 1024 tokens (~2.6 GB more peak)
+    python bench/fused_loss.py --tokens 8192                   # GPT-2 at 8 x 1024 tokens
     python bench/fused_loss.py --device cuda --dtype bf16      # on a GPU (Liger too when installed)
 
 The chunked kernel uses the GPU's chunk (``fused_linear_ce.chunk_rows`` for cuda) unless ``--rows``.
+What saved, peak and time count: bench/README.md, section "fused_loss.py: how it measures".
 """
 from __future__ import annotations
 

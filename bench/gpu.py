@@ -1,42 +1,13 @@
 #!/usr/bin/env python
-"""Check and measure the project on one CUDA GPU in one command.
+"""Check and measure the project on one CUDA GPU in one command: its GPU tests, recipes and benchmarks.
 
     bash bench/gpu.sh --out DIR                 # on a GPU machine
-    bash bench/gpu.sh --out DIR --dry-run       # the same steps on the CPU at tiny sizes (a minute or few)
+    bash bench/gpu.sh --out DIR --dry-run       # the same steps on the CPU at tiny sizes
     bash bench/gpu.sh --out DIR --only gpu_tests,resume_cpu    # some steps (--skip for the others)
 
-Steps, in order (each with its own time limit and log; a step that would start with less than 15 s
-of ``--budget`` left is reported as not run). The mission's command and the GPU suite come first, the
-measurements after them; a 600 s device call does not hold every step, so a session splits them with
-``--only`` / ``--skip`` (bench/README.md records which call ran which):
-
-  mission_mt5       LiBai's MT5 recipe as shipped, on one GPU (the mission's command), 20 steps
-  gpu_tests         pytest -m "gpu and not slow": the shipped recipes at their real shapes (tests/gpu/test_recipes.py)
-                    and the kernels' own tests
-  demo_gpu          the README demo on the GPU in bf16 (s/it, tokens/s)
-  resume_cpu        that checkpoint resumed on the CPU (CUDA_VISIBLE_DEVICES=)
-  trainer_345M      the trainer at GPT-2 345M, micro-batch 8 (s/it, MFU) and its final checkpoint save
-  fp8_345M          the same with train.fp8.enabled=True (needs torchao)
-  stall_345M        bench/checkpoint_stall.py at 345M: how long a periodic save stops the loop, sync and async
-  tput_gpt_345M     bench/train_throughput.py, ours vs transformers (tokens/s, MFU, ratio)
-  tput_gpt_1.3B     the same at 1.3B
-  tput_llama_1.1B   TinyLlama's shape vs transformers' Llama
-  compile_345M      train.compile vs eager at 345M (bench/train_throughput.py --compile)
-  mt5_1gpu          LiBai's MT5 recipe on one GPU (samples/s, MFU)
-  ranks_tp2         two ranks sharing the GPU over gloo (train.dist.backend=gloo), tensor parallel 2
-  ranks_zero3       that tp2 checkpoint resumed as data parallel 2 with ZeRO-3 (resharding, CUDA tensors)
-  gpu_tests_slow    pytest -m "gpu and slow": the cross-device and shared-GPU multi-rank runs, with what is left
-
-Files under --out (at most a device's 8 files come back): ``table.md`` (the table printed last: device,
-torch, each step's status, seconds and figure), ``results.json`` (the same, parsed), ``gpu.log`` (every
-step's command and output, one after the other) and ``logs.tar.gz`` (each step's log, metrics.json and
-config.yaml). Runs write under --work (a temporary folder by default, removed at the end unless
---keep-work): 345M checkpoints are GBs.
-
-It runs from a checkout with only the packages a lent device has: the checkout's root is put on
-PYTHONPATH, a PYTHONPATH given by the caller (``.gpu/site`` with omegaconf, hydra, antlr4) is kept,
-and ``$PYTHON`` (default: this interpreter) runs every step. pytest runs with ``-o addopts=`` (no
-pytest-xdist needed).
+Each step has its own time limit and log. The table printed last goes to table.md under --out,
+beside results.json, gpu.log and logs.tar.gz.
+The steps, the files and what the checkout needs: bench/README.md, section "gpu.py: how it measures".
 """
 from __future__ import annotations
 

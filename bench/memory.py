@@ -2,28 +2,13 @@
 """Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, activation checkpointing (full and
 selective), fused loss.
 
-One torchrun job (gloo on CPU, nccl on GPU; 4 processes by default) trains a GPT of a few tens
-of millions of parameters for three steps in each configuration, one after another, and every
-rank reports:
-
-  - param / grad / optimizer bytes, counted from what the rank holds: a DTensor's local shard
-    (`to_local()`), a ZeroRedundancyOptimizer's local state; `static` is their sum;
-  - activation bytes: memory the forward leaves alive for the backward (after forward minus
-    before forward; under ZeRO-2 this includes the parameters FSDP keeps gathered);
-  - peak fwd+bwd: the high-water mark during forward+backward above the memory before forward;
-  - peak step: the high-water mark during a whole step above the memory before the model existed;
-  - estimated: what ``tools/estimate_memory.py`` (``libai_lite.planning``) predicts for that
-    peak before anything runs, planned for this job's device, and est/meas its ratio to the measured one
-    (the planner's acceptance: within 15% on every row).
-
-Memory is the process RSS on CPU (the peak reset through /proc/self/clear_refs, and glibc told
-to return large frees at once so RSS follows live memory) and `torch.cuda` allocator statistics
-on GPU. The table shows each configuration next to no-ZeRO; the last line of the output is one
-JSON object with every number (the maximum over ranks).
-
-    python bench/memory.py                 # defaults: ~30M-parameter GPT, 4 ranks, a few minutes on 2 CPU cores
-    python bench/memory.py --smoke         # 3.7M-parameter GPT, about a minute (big enough for RSS to measure)
+    python bench/memory.py                 # a GPT of about 30M parameters, 4 ranks
+    python bench/memory.py --smoke         # a 3.7M-parameter GPT, big enough for RSS to measure
     python bench/memory.py --hidden 1024 --layers 12 --nproc 8
+
+The table shows each configuration next to no-ZeRO; the last line of the output is one JSON object
+with every number (the maximum over ranks).
+What each column counts: bench/README.md, section "memory.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 #!/usr/bin/env python
 """Dense GPT against MoE GPT at the same ACTIVE parameter count: training tokens/s and param+grad+optimizer memory.
 
-The MoE model is the dense model with every ``--every-n-layers``-th MLP replaced by ``--experts``
-copies of it and top-1 routing (Switch): each token runs exactly one MLP per layer, as in the dense
-model, so the active parameters differ only by the router (``hidden x experts`` per MoE layer)
-while the stored parameters grow with the number of experts. Both train with the same AdamW,
-clipping, tokens and micro batch, in alternating blocks of steps (dense, MoE, MoE, dense, ...) in
-one job, so background load hits both alike; the tokens/s ratio is the median of per-block ratios
-MoE/dense. Memory is counted from the tensors each rank holds (parameters, gradients, AdamW
-state; a DTensor's local shard), after a step.
-
-With ``--nproc N`` the job runs under torchrun (gloo on CPU, nccl on GPU): the dense model data
-parallel over N ranks (DDP), the MoE model with its experts spread over the N ranks
-(``ep_size=N``, expert parallelism), each rank on its own micro batch. Per-rank memory is the
-maximum over ranks; tokens/s counts all ranks.
-
-    python bench/moe.py                  # 1 process, demo-sized GPT, 8 experts; ~1-2 min on 2 CPU cores
+    python bench/moe.py                  # 1 process, demo-sized GPT, 8 experts
     python bench/moe.py --nproc 2        # experts over 2 ranks (ep=2)
-    python bench/moe.py --smoke          # tiny, seconds
+    python bench/moe.py --smoke          # tiny models, seconds
 
 The last line of the output is one JSON object with every number.
+The method: bench/README.md, section "moe.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,37 +1,12 @@
 #!/usr/bin/env python
 """Pipeline bubble per schedule: the idle fraction of pp ranks over one step, from per-stage timings.
 
-One torchrun job (gloo on CPU; ``--pp`` processes, 4 by default) runs each schedule of
-``libai_lite.parallel.pipeline`` through ``PipelineStepper`` on ``--microbatches`` micro-batches (8 by
-default). Every ``PipelineStage``'s ``forward_one_chunk``, ``backward_one_chunk`` and
-``backward_weight_one_chunk`` is timed; a rank's busy time is the sum over its stages, and
-
-    idle fraction = 1 - sum of the ranks' busy time / (step wall time x pp)
-
-(the median over ``--steps`` measured steps, after ``--warmup``). Whatever is not compute (waiting
-for a neighbour, sending, the schedule's bookkeeping) counts as idle. Next to it, ``ideal``: the
-same fraction with F = B_input = B_weight and free communication (``ideal_idle``).
-
-Stages (``--stage``):
-
-  sleep  (default) each layer's forward, input-gradient and weight-gradient each take ``--op-ms``
-         milliseconds of sleep (a device kernel as the host sees it) around a small matmul, so
-         F = B = W as zero-bubble theory assumes and the ranks do not compete for CPU cores: the
-         numbers are the schedules' own bubbles, even with more ranks than cores.
-  gpt    the GPT model (``--layers`` layers, ``--hidden``, ``--seq``, ``--micro-batch``) computing on
-         the CPU, one thread per rank. With fewer cores than ranks the ranks time-share cores, so a
-         rank's timed compute stretches while others run: the idle fraction is then distorted.
-
-Schedules run: gpipe, 1f1b (1 stage per rank), interleaved_1f1b and interleaved_zero_bubble (2 per
-rank, loop placement), zbv_zero_bubble and dualpipev (2 per rank on a V). Textbook bubbles for p
-ranks and m micro-batches: GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B with v stages per rank
-(p-1)/(v*m+p-1) (with F:B = 1:2).
-
-    python bench/pipeline_bubble.py                 # pp=4, 8 micro-batches, sleep stages; about a minute
-    python bench/pipeline_bubble.py --stage gpt     # real compute (distorted on < pp cores)
-    python bench/pipeline_bubble.py --smoke         # pp=2, 4 micro-batches, seconds
+    python bench/pipeline_bubble.py                 # pp=4, 8 micro-batches, sleep stages
+    python bench/pipeline_bubble.py --stage gpt     # real compute, distorted on fewer cores than ranks
+    python bench/pipeline_bubble.py --smoke         # pp=2, 4 micro-batches, tiny stages
 
 Prints a table; the last line is one JSON object with every number.
+The method, stages and schedules: bench/README.md, section "pipeline_bubble.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,35 +1,11 @@
 #!/usr/bin/env python
-"""Throughput of ``tools/preprocess_data.py``: documents, MB and tokens per second.
-
-A corpus of at least ``--corpus-mb`` MB is made in a temporary directory by repeating
-``data_test/corpus.jsonl``, then the tool is run on it as a user runs it (a subprocess, the
-real command line) with each tokenizer (GPT-2 BPE, BERT WordPiece and SentencePiece from
-``data_test/``) and each worker count. References beside each row:
-
-* same job, the floor: the tokenizer library's own batched encoder over the same texts, already
-  parsed and in memory, on all cores (``tokenizers``' ``Tokenizer.encode_batch_fast`` for GPT-2
-  and WordPiece, ``SentencePieceProcessor.encode`` of the list with ``num_threads`` = cores);
-  "vs encode_batch" is the tool's MB/s over that one's;
-* same job: a naive single-process loop over the same corpus with the same tokenizer
-  (``json.loads`` + ``tokenizer.encode`` per document + ``MMapIndexedDatasetBuilder``), the
-  code a user would write without the tool; every tool output is checked byte for byte
-  against this loop's ``.bin/.idx`` ("identical");
-* recorded figure (NOT measured in this job): Megatron-LM's own ``tools/preprocess_data.py``
-  did about 1.8 MB/s with GPT-2 BPE and 2 workers on the same kind of 2-core machine, on the
-  shared fixture corpus (``../shared/fixtures/README.md``).
-
-MB/s is reported twice: as the tool reports it (its clock starts when tokenising starts,
-like Megatron's own progress line, so this is the one compared with Megatron's figure) and
-end to end (process start to exit, including imports and tokenizer loading). On a machine
-shared with other work both depend on that load, so the CPU time is reported as well: "MB/CPU-s"
-is MB per CPU-second the tool and its workers used over the span of its own clock (as the tool
-reports it; per CPU-second of the encode calls, all threads, for encode_batch), and "CPU vs eb"
-is the ratio of the two.
+"""Throughput of ``tools/preprocess_data.py``: documents, MB and tokens per second, beside same-job references.
 
     python bench/preprocess.py                  # 50 MB, 1 and 2 workers, GPT-2 BPE, WordPiece, SentencePiece
     python bench/preprocess.py --corpus-mb 200 --workers 1 2 4
 
 The last line of the output is one JSON object with the numbers.
+The references and the MB/s columns: bench/README.md, section "preprocess.py: how it measures".
 """
 from __future__ import annotations
 

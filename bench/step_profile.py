@@ -1,26 +1,11 @@
 #!/usr/bin/env python
 """Host reads and ATen calls per training step of our model, the optimizer's own step counted apart.
 
-On the CPU, torch's fused AdamW reads each parameter's step counter inside its kernel
-(``aten::_local_scalar_dense`` under ``Optimizer.step``), which its CUDA kernel does on the device, so
-those are counted apart. This script profiles ``--steps`` steps of
-``Trainer.run_step`` (after ``--warmup`` untimed ones, the model a ``bench/throughput_models.py``
-family, as ``bench/train_throughput.py`` steps it) and reports per step:
-
-* ``host_reads``: ``aten::_local_scalar_dense`` (``float(t)``, ``.item()``, ``bool(t)``), ``aten::nonzero``
-  (boolean indexing) and ``aten::equal`` outside the optimizer's step, each a GPU stall;
-* ``optimizer_host_reads``: the same inside ``Optimizer.step`` (CPU kernels only);
-* ``aten_calls`` / ``top_level_aten_calls``: every ``aten::`` event, and those with no ``aten::``
-  caller (roughly the launches a GPU sees; a composite op is one however many kernels it runs).
-
-A profile, not ``bench/host_reads.py``'s ``HostReadCounter``: a dispatch mode does not see the ops a
-kernel runs inside it, so it would miss the optimizer's reads; the events counted are that module's
-``PROFILER_READS``.
-
     python bench/step_profile.py --model gpt --size demo
     python bench/step_profile.py --model mt5 --size demo
 
 ``--smoke``: one warm-up and one profiled step. The last line is one JSON object.
+What is counted and why through the profiler: bench/README.md, section "step_profile.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,37 +1,14 @@
 #!/usr/bin/env python
 """Training throughput of our GPT, Llama or MT5 against Hugging Face's model of the same shape, side by side.
 
-Our side is the real training step: ``GPTForPreTraining`` (``--model gpt``, the default) or
-``LlamaForPreTraining`` (``--model llama``) stepped by
-``libai_lite.engine.trainer.Trainer.run_step`` (autocast, loss dict, backward, gradient
-clipping, AdamW built from ``configs/common/optim.py`` through
-``get_default_optimizer_params``, lr schedule), fed by an in-memory loader, with the LM head
-fused into the loss as the configs have it (``--unfused-cross-entropy`` materialises the logits). The reference is
-``transformers.GPT2LMHeadModel`` (or ``LlamaForCausalLM``) of the same shape trained by a plain PyTorch loop
-(AdamW, the same clipping, the same autocast). Both see the same tokens, dtype, thread count and
-dropout 0, and run in alternating blocks of steps (ours, HF, HF, ours, ...) in one process so background
-load on a shared machine hits both alike; the ratio reported is the median of the per-block
-ratios ours/HF. The shapes and builders of each family live in ``bench/throughput_models.py``.
-
-``--compile`` instead puts our model compiled as ``train.compile`` does it (``torch.compile`` per
-transformer layer, ``libai_lite.parallel.compile``) beside the same model eager, in the same
-alternating blocks: the ratio is compiled/eager, and the one-off compile time (the compiled model's
-warm-up steps less the eager one's) is reported apart from the timed blocks.
-
-MFU is model FLOPs per token (6N + 12·L·H·T) x tokens/s over a peak: on CPU the best rate of a
-large matmul measured in this same job (fp32, and bf16 with ``--dtype bf16``), on GPU the
-datasheet peak (``libai_lite.utils.flops.device_peak_flops``).
-
     python bench/train_throughput.py --size demo
-    python bench/train_throughput.py --size 117M
     python bench/train_throughput.py --size 345M --device cuda --dtype bf16 --micro-batch 8
-    python bench/train_throughput.py --model llama --size demo
     python bench/train_throughput.py --model llama --size 100M
-    python bench/train_throughput.py --model mt5 --size demo
     python bench/train_throughput.py --model mt5 --size base --device cuda --dtype bf16
-    python bench/train_throughput.py --size demo --compile
+    python bench/train_throughput.py --size demo --compile      # ours compiled against ours eager
 
 The last line of the output is one JSON object with the numbers.
+The method and MFU: bench/README.md, section "train_throughput.py: how it measures".
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""SBP, LiBai's placement vocabulary, and what a layer declares with it.
-
-Layers say how their tensors lie across ranks in OneFlow/LiBai words; ``tensor_parallel`` turns them
-into DTensor placements:
+"""SBP, LiBai's placement vocabulary: what layers declare, and the DTensor placements ``tensor_parallel`` makes.
 
 =====================  ==================  ===============================================
 SBP                    DTensor             meaning on one mesh dimension

@@ -5,21 +5,8 @@
         [--iteration N] [--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt]
     bash tools/train.sh tools/train_net.py checkpoints/gpt_from_megatron/config.py 1 dataloader.train.data_prefix=...
 
-Reads both of Megatron-LM's layouts:
-
-* legacy: ``latest_checkpointed_iteration.txt`` and ``iter_0000N/mp_rank_XX[_YYY]/model_optim_rng.pt`` (one file
-  per tensor-parallel rank XX and pipeline stage YYY; ``checkpoint_version`` 1 to 3), whose shards are merged
-  (column-parallel weights along their rows, row-parallel along their columns, the vocabulary along its rows);
-* ``torch_dist`` (Megatron core's ``dist_checkpointing``: ``iter_0000N/`` holding a DCP ``.metadata``, ``*.distcp``,
-  ``common.pt`` and ``metadata.json``), read whole in one process.
-
-The model's sizes come from the checkpoint's saved ``args``. The weights go through the GPT-2 layout
-(``projects/GPT/modeling/hf_mapping.py``: head-major q/k/v rows, tied LM head) into a DCP checkpoint with a
-``config.py`` to train from (``tools/hf_convert.py import`` writes it), whose ``train.load_weight`` loads it
-under any tensor/pipeline/data-parallel layout. Megatron's optimizer state is not carried over (its fp16
-master copies and bucket layout have no counterpart here): training continues from the weights with a
-fresh optimizer. A LiBai (OneFlow) checkpoint is recognised and refused with the way in.
 Files are loaded with ``torch.load(weights_only=False)``: convert only checkpoints you trust.
+The layouts it reads and what it writes: docs/tools.md#convert_checkpoint.
 """
 from __future__ import annotations
 

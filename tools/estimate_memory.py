@@ -5,15 +5,11 @@
     python tools/estimate_memory.py projects/GPT/configs/gpt2_1.3B.py --nproc 2 --device-memory 16GiB \\
         train.dist.tensor_parallel_size=2 train.train_micro_batch_size=2
 
-Prints parameters, gradients, optimizer state, activations and the expected peak per rank (the fullest
-one) for the config's model, layout (data, tensor, pipeline, expert parallel; sequence parallel), ZeRO
-stage and offload, activation checkpointing, micro-batch, sequence length and mixed precision, from the
-model built on the meta device and one forward+backward traced on fake tensors
-(libai_lite/planning/). With --device-memory it answers "fits", or "does not fit" with the
-cheapest single change that fits (more ZeRO, activation checkpointing, a smaller micro-batch, more tensor
-or pipeline parallelism), re-estimated. Overrides are the training command's (key=value).
-
+Prints parameters, gradients, optimizer state, activations and the expected peak of the fullest rank.
+With --device-memory it answers "fits", or "does not fit" with the cheapest single change that fits.
+Overrides are the training command's (key=value).
 Exit status: 0 fits (or no --device-memory), 2 does not fit, 1 bad input (one `error:` line).
+What it models and how: docs/tools.md#estimate_memory.
 """
 import argparse
 import sys

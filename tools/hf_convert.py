@@ -4,22 +4,12 @@
     # a transformers directory (config.json + model.safetensors / pytorch_model.bin) -> a DCP checkpoint
     python tools/hf_convert.py import --model gpt2 --hf-dir gpt2/ --output checkpoints/gpt2_hf
     bash tools/train.sh tools/train_net.py checkpoints/gpt2_hf/config.py 1 dataloader.train.data_prefix=...
-
     # a checkpoint of any parallel layout -> a directory transformers' from_pretrained loads
     python tools/hf_convert.py export --config-file output/gpt2_pretrain/config.yaml \\
         --checkpoint output/gpt2_pretrain/model_final --output hf/gpt2_demo
 
-The built-in projects (GPT, MT5) register their mappings when imported; a project of your own
-(a copy of projects/GPT with its classes renamed, say) is converted through its own hf_mapping
-module, found from the model of the config you pass:
-
-    python tools/hf_convert.py import --config-file /elsewhere/MyLM/configs/mylm.py --hf-dir gpt2/ \\
-        --output checkpoints/mylm_hf
-    python tools/hf_convert.py export --config-file output/mylm/config.yaml \\
-        --checkpoint output/mylm/model_final --output hf/mylm
-
-Bad input ends with one `error: ...` line and exit status 1; nothing is left half-written (the
-output is assembled in OUTPUT.tmp and renamed at the end).
+Bad input ends with one `error: ...` line and exit status 1; nothing is left half-written.
+Your own project's models, and what each command writes: docs/tools.md#hf_convert.
 """
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 #!/usr/bin/env python
 """Regenerate ``data_test/``: a demo corpus, its tokenizers and preprocessed datasets.
 
-Everything comes from the running Python's standard library (docstrings read
-with ``inspect.getdoc``, plus the help topics of ``pydoc_data.topics``, which
-is what ``help("TOPIC")`` prints), so a machine with no network can rebuild it. The
-module list is fixed and walked in sorted order, so the same Python version
-gives the same corpus; another Python version documents its library
-differently and gives a slightly different one.
-
-Writes, under ``--output-dir`` (default ``data_test/`` in the repository):
-    corpus.jsonl                                   {"id", "src", "text"} per docstring
-    gpt2/vocab.json, gpt2/merges.txt               byte-level BPE, 8,000 entries incl. <|endoftext|>
-    bert/vocab.txt                                 lower-cased WordPiece, at most 8,000 entries
-    spm/spiece.model, spm/spiece.vocab             SentencePiece unigram, 4,000 pieces, pad=0 eos=1 unk=2, no bos
-    gpt2/demo_gpt2_text_document.{bin,idx}         GPT2BPETokenizer, --append-eod
-    bert/demo_bert_text_document.{bin,idx}         BertWordPieceLowerCase
-    spm/demo_spm_text_document.{bin,idx}           SentencePieceTokenizer, --append-eod
+Everything comes from the running Python's standard library, so a machine with no network can rebuild
+it; the same Python version gives the same corpus.
 
 Usage (from the repository root)::
 
     python tools/make_demo_data.py
+
+The files it writes: docs/tools.md#make_demo_data and data_test/README.md.
 """
 from __future__ import annotations
 

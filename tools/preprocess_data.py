@@ -1,27 +1,5 @@
 #!/usr/bin/env python
-"""Tokenise a corpus into Megatron-LM mmap ``.bin/.idx`` files.
-
-Takes Megatron-LM's ``tools/preprocess_data.py`` flags and writes the same bytes
-(checked against files made by Megatron-LM itself). For every key in
-``--json-keys`` it writes ``{output_prefix}_{key}_document.bin/.idx``: one
-document per input line, one sequence per document (or one per sentence when the
-value is a list of strings), ``--append-eod`` adding the end-of-document id to
-non-empty documents. A line whose text yields no tokens becomes an empty
-document (a repeated entry in the document index), as in Megatron.
-``--split-sentences`` splits every text into sentences with nltk's punkt model (the optional
-``libai_lite[sentences]`` extra; the model is never downloaded at run time) and writes
-``{output_prefix}_{key}_sentence.bin/.idx``, one sequence per sentence and the documents in
-the document index, as Megatron does; ``--keep-newlines`` keeps the whitespace (newlines
-included) that follows a sentence inside it, so the sentences concatenate back to the text.
-``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` reads DIR's
-``tokenizer.json`` (Llama 3, Mistral, Qwen2): as in Megatron, every sequence
-gets what the tokenizer's template adds (a BOS for Llama and Mistral, nothing
-for Qwen2) and ``--append-eod`` appends its eos.
-Besides JSON lines, ``--input`` takes ``.gz``/``.zst`` compressed JSON lines or text, plain text
-(``--text-docs line``: a document per line, the default for ``.txt``; ``blank-line``: fairseq's documents
-between blank lines), Parquet, a Hugging Face ``datasets`` folder (``save_to_disk``) and a fairseq
-``data-bin`` (``dict.txt`` + ``train.bin/.idx``): ``--json-keys`` names the columns (for text, the output
-name), and the output is the same as from the equivalent JSON lines (``libai_lite/data/corpus_readers.py``).
+"""Tokenise a corpus into Megatron-LM mmap ``.bin/.idx`` files, with Megatron-LM's flags and the same bytes.
 
 Example (from the repository root)::
 
@@ -29,6 +7,8 @@ Example (from the repository root)::
         --output-prefix /tmp/demo_gpt2 --tokenizer-type GPT2BPETokenizer \\
         --vocab-file data_test/gpt2/vocab.json --merge-file data_test/gpt2/merges.txt \\
         --append-eod --workers 2
+
+The output files, the input formats, sentence splitting and the tokenizers: docs/tools.md#preprocess_data.
 """
 from __future__ import annotations
 

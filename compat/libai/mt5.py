@@ -1,18 +1,13 @@
 """LiBai's T5 and MT5 model classes, as LiBai config files name them, built as this project's MT5.
 
-* ``libai.models.T5Model`` / ``T5ForPreTraining`` (LiBai's Megatron-style T5: learned absolute positions,
-  LayerNorm, GeLU) train here as T5 v1.0, ``model_type="t5"`` (relative position buckets, RMSNorm,
-  ReLU, tied and scaled head): ``max_position_embeddings`` has no effect, which the start-up warns.
-* ``projects.MT5.mt5_model.MT5Model`` / ``MT5ForPreTraining`` (LiBai's MT5 project) are this MT5, and so are
-  ``projects.T5.models.t5_model.T5Model`` / ``T5ForPreTraining`` (LiBai's T5 project, the same model).
-* ``projects.T5.datasets.dataset.UnsuperviseT5Dataset`` / ``collate_fn`` (LiBai's T5 project's data: Hugging Face
-  ``datasets`` folders of pre-tokenized windows, span-corrupted when batched) are ``UnsuperviseT5Dataset`` and
-  ``T5SpanCollator`` here.
+``libai.models.T5Model`` / ``T5ForPreTraining`` train as T5 v1.0 (``model_type="t5"``), LiBai's MT5 and T5
+projects' ``MT5Model`` / ``T5Model`` and their ``ForPreTraining`` classes as this MT5, and the T5 project's
+``UnsuperviseT5Dataset`` / ``collate_fn`` as ``UnsuperviseT5Dataset`` and ``T5SpanCollator``.
 
 LiBai's ``initializer_range`` is a standard deviation (every weight ``N(0, std)``, output projections
-``N(0, std / sqrt(2 * hidden_layers))``, Megatron's scaled init), here MT5's is T5's
-``initializer_factor``: these builders draw the weights LiBai's way instead, so
-``initializer_range=0.02`` means what it meant in LiBai. ``compat/libai/models.py`` lists them.
+``N(0, std / sqrt(2 * hidden_layers))``), while MT5's is T5's ``initializer_factor``: these builders draw
+the weights LiBai's way, so ``initializer_range=0.02`` means what it meant in LiBai.
+``compat/libai/models.py`` lists the classes; docs/migrating.md, section "LiBai (OneFlow)", says what differs.
 """
 from __future__ import annotations
 
