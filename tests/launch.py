@@ -53,7 +53,7 @@ class _ForkServer:
     """This test process's tests/forkserver.py: single-process tool runs forked from a warm interpreter."""
 
     # Variables torch or its libraries read when they load: a run that sets them otherwise needs a fresh interpreter.
-    IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "CUDA", "NCCL", "TRITON", "PYTHON", "LD_")
+    IMPORT_TIME = ("TORCH", "PYTORCH", "ATEN", "OMP_", "MKL", "CUDA", "NCCL", "TRITON", "PYTHON", "LD_")
 
     def __init__(self):
         self.env = env()
