@@ -276,11 +276,33 @@ class ModelState:
                                optim_state_dict={k: state["optim"][k] for k in own_optim}, options=strict)
 
 
+def local_bytes(tree) -> int:
+    """Bytes of this rank's own part of the tensors in a (nested) state dict: what staging copies."""
+    if isinstance(tree, dict):
+        return sum(local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(local_bytes(v) for v in tree)
+    if isinstance(tree, DTensor):
+        tree = tree.to_local()
+    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
+
+
+def staging_budget() -> int:
+    """Host memory one rank's staging copy may keep between saves: a quarter of the machine's, over its local ranks."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return total // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 class BackgroundWriter:
-    """Writes one checkpoint at a time into its ``NAME.tmp`` in a background thread (DCP's ``async_save``)."""
+    """Writes one checkpoint at a time into its ``NAME.tmp`` in a background thread (DCP's ``async_save``).
+
+    The CPU copy a save is staged into is kept for the next save while it fits ``staging_budget`` bytes,
+    and released once its write is done otherwise.
+    """
 
     def __init__(self, writer_threads: int):
         self.writer_threads = writer_threads
+        self.staging_budget = staging_budget()
         self._writer: ThreadPoolExecutor | None = None
         self._writer_group = None
         self._stager: DefaultStager | None = None
@@ -301,8 +323,8 @@ class BackgroundWriter:
         """
         group = self._background_group()
         if self._stager is None:
-            # Kept for the run: it caches its CPU copy of every tensor, so later saves copy into
-            # the same memory instead of allocating (and page-faulting in) a new copy each time.
+            # It caches its CPU copy of every tensor, so later saves copy into the same memory instead
+            # of allocating (and page-faulting in) a new copy each time; released after a write if too big.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
                                                         use_shared_memory=False, use_async_staging=False,
                                                         use_non_blocking_copy=False))
@@ -314,11 +336,18 @@ class BackgroundWriter:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
         needed = state_bytes(state)
+        keep = local_bytes(state) <= self.staging_budget
         future = self._writer.submit(self._finish_writing, upload, tmp, needed, group,
-                                     lambda: {**known, **storage.records})
+                                     lambda: {**known, **storage.records}, keep)
         return future, needed
 
-    def _finish_writing(self, upload: Future, tmp: str, needed: int, group, known: Callable[[], dict]) -> tuple:
+    @property
+    def keeps_staging(self) -> bool:
+        """Whether a staged CPU copy is held now (between saves only while it fits the budget)."""
+        return self._stager is not None
+
+    def _finish_writing(self, upload: Future, tmp: str, needed: int, group, known: Callable[[], dict],
+                        keep: bool) -> tuple:
         """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest
         (from ``known()``, the records of this rank's files checksummed as they were written).
 
@@ -338,4 +367,8 @@ class BackgroundWriter:
                 shutil.rmtree(tmp, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 - a collective that failed (a rank died) ends this save
             first, cause = first or describe(e), cause or e
+        if not keep:
+            # The next save waits for this one, so nothing stages into the copy while it is released.
+            stager, self._stager = self._stager, None
+            stager.close()
         return first, cause

@@ -152,6 +152,43 @@ def test_a_run_that_fails_waits_for_the_write_in_flight_and_publishes_it(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_0000001"]
 
 
+@pytest.mark.parametrize("budget,stagers,closed", [(None, 1, 0), (0, 2, 2)], ids=["fits", "over_budget"])
+def test_the_staged_copy_is_reused_while_it_fits_the_budget_and_released_after_each_write_beyond(
+        tmp_path, monkeypatch, budget, stagers, closed):
+    from libai_lite.checkpoint import Checkpointer
+    from libai_lite.checkpoint import dcp_io
+
+    made = []
+
+    class CountingStager(dcp_io.DefaultStager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.closed = False
+            made.append(self)
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    monkeypatch.setattr(dcp_io, "DefaultStager", CountingStager)
+    if budget is not None:
+        monkeypatch.setattr(dcp_io, "staging_budget", lambda: budget)
+    model, opt = _model_and_optimizer()
+    ck = Checkpointer(model, opt, str(tmp_path), async_save=True)
+    weights = {}
+    for step in (1, 3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights[step] = model.weight.detach().clone()
+        ck.save(f"model_000000{step}", {"iteration": step})
+        ck.wait()
+    assert (len(made), sum(m.closed for m in made)) == (stagers, closed)
+    for step, want in weights.items():
+        fresh, fresh_opt = _model_and_optimizer()
+        Checkpointer(fresh, fresh_opt).load(str(tmp_path / f"model_000000{step}"))
+        assert torch.equal(fresh.weight, want)
+
+
 def test_a_save_after_the_loop_blocks_so_model_best_after_model_final_is_published(tmp_path):
     """BestCheckpointer saves model_best in after_train, after the periodic hook's model_final: nothing
     would wait for a background write then, so the hook saves it in the foreground."""
