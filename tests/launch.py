@@ -1,5 +1,6 @@
-"""The one launcher of the test suite's processes: tools/train_net.py and tools/train.sh the way a user
-runs them, torchrun for the test workers and tools, and in-process rank workers (spawn_ranks)."""
+"""The one launcher of the test suite's processes: tools/train.sh the way a user runs it; tools/train_net.py,
+the other tools and the tests' rank workers forked from a warm interpreter (tests/forkserver.py), each
+still its own process; and in-process rank workers (spawn_ranks)."""
 import contextlib
 import json
 import os
