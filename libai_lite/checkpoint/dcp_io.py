@@ -77,12 +77,15 @@ def build_empty(build: Callable[[], nn.Module], device="cpu") -> nn.Module:
     return model
 
 
-def state_bytes(tree) -> int:
-    """Bytes of the tensors in a (nested) state dict at their global size: about what a save writes."""
+def state_bytes(tree, local: bool = False) -> int:
+    """Bytes of the tensors in a (nested) state dict at their global size, about what a save writes; with
+    ``local``, of this rank's own parts, what staging copies."""
     if isinstance(tree, dict):
-        return sum(state_bytes(v) for v in tree.values())
+        return sum(state_bytes(v, local) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(state_bytes(v) for v in tree)
+        return sum(state_bytes(v, local) for v in tree)
+    if local and isinstance(tree, DTensor):
+        tree = tree.to_local()
     return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
 
 
@@ -276,17 +279,6 @@ class ModelState:
                                optim_state_dict={k: state["optim"][k] for k in own_optim}, options=strict)
 
 
-def local_bytes(tree) -> int:
-    """Bytes of this rank's own part of the tensors in a (nested) state dict: what staging copies."""
-    if isinstance(tree, dict):
-        return sum(local_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(local_bytes(v) for v in tree)
-    if isinstance(tree, DTensor):
-        tree = tree.to_local()
-    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
-
-
 def staging_budget() -> int:
     """Host memory one rank's staging copy may keep between saves: a quarter of the machine's, over its local ranks."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -336,7 +328,7 @@ class BackgroundWriter:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="libai_lite_checkpoint")
         needed = state_bytes(state)
-        keep = local_bytes(state) <= self.staging_budget
+        keep = state_bytes(state, local=True) <= self.staging_budget
         future = self._writer.submit(self._finish_writing, upload, tmp, needed, group,
                                      lambda: {**known, **storage.records}, keep)
         return future, needed
