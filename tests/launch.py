@@ -4,9 +4,13 @@ still its own process; and in-process rank workers (spawn_ranks)."""
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +72,6 @@ class _ForkServer:
 
     def _reply(self, timeout):
         """The server's next reply line, or None after ``timeout`` seconds; read unbuffered so select sees all."""
-        import select
-        import time
-
         deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.pending:
@@ -84,9 +85,6 @@ class _ForkServer:
         return json.loads(line)
 
     def run(self, cmd, argv, run_env, timeout, nproc=None):
-        import signal
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             request = {"argv": argv, "env": run_env, "cwd": str(ROOT), "stdout": out, "stderr": err, "nproc": nproc}

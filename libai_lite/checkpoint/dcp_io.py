@@ -333,11 +333,6 @@ class BackgroundWriter:
                                      lambda: {**known, **storage.records}, keep)
         return future, needed
 
-    @property
-    def keeps_staging(self) -> bool:
-        """Whether a staged CPU copy is held now (between saves only while it fits the budget)."""
-        return self._stager is not None
-
     def _finish_writing(self, upload: Future, tmp: str, needed: int, group, known: Callable[[], dict],
                         keep: bool) -> tuple:
         """Background thread: wait for DCP's write, agree on its outcome over ``group``, write the manifest
