@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Samples per second from the GPT dataset and loader, against raw reads of the same token spans.
+"""Samples per second from the GPT dataset and loader, or T5's span corruption, against raw reads of the same
+token spans.
 
     python bench/data_loader.py
     python bench/data_loader.py --data-prefix data_test/gpt2/demo_gpt2_text_document --seq-length 128
+    python bench/data_loader.py --span-corruption --micro-batch 16     # the MT5 recipe's loader, encoder 512
 
 The last line of the output is one JSON object with the numbers.
 What it times: bench/README.md, section "data_loader.py: how it measures".
@@ -27,7 +29,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-prefix", default=None, help="an existing .bin/.idx prefix instead of synthetic data")
     p.add_argument("--tokens", type=float, default=100e6, help="synthetic corpus size in tokens (default 100M)")
-    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sample; with --span-corruption the "
+                   "encoder's (default 1024, 512 with --span-corruption)")
+    p.add_argument("--span-corruption", action="store_true",
+                   help="T5's loader (projects/MT5) with data_test's BERT vocabulary and 100 sentinels")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2,
                    help="train samples asked for, in epochs of the train split (raised to cover --samples)")
@@ -36,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tmpdir", default=None, help="where synthetic data and index caches go (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="200k tokens, seq 128, a few hundred samples")
     args = p.parse_args(argv)
+    if args.seq_length is None:
+        args.seq_length = 512 if args.span_corruption else 1024
     if args.smoke:
         args.tokens, args.seq_length, args.samples, args.workers = 2e5, 128, 256, [0, 1]
     if args.tokens < 1 or args.seq_length < 1 or args.micro_batch < 1 or args.samples < 1 or args.epochs < 1:
@@ -43,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def write_synthetic(prefix: str, num_tokens: int, seed: int = 0) -> dict:
-    """Documents of 16-2047 tokens (ids below GPT-2's 50257) up to ``num_tokens``, one sequence each."""
+def write_synthetic(prefix: str, num_tokens: int, seed: int = 0, vocab: int = 50257) -> dict:
+    """Documents of 16-2047 tokens (ids below ``vocab``, GPT-2's by default) up to ``num_tokens``, one sequence each."""
     from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder
 
     rng = np.random.default_rng(seed)
@@ -59,7 +66,7 @@ def write_synthetic(prefix: str, num_tokens: int, seed: int = 0) -> dict:
             rest = remaining - int(lengths.sum())
             if rest:
                 lengths = np.append(lengths, rest)
-        tokens = rng.integers(0, 50257, size=int(lengths.sum()), dtype=np.uint16)
+        tokens = rng.integers(0, vocab, size=int(lengths.sum()), dtype=np.uint16)
         pos = 0
         for n in lengths.tolist():
             builder.add_doc(tokens[pos:pos + n], [n])
@@ -70,10 +77,37 @@ def write_synthetic(prefix: str, num_tokens: int, seed: int = 0) -> dict:
     return {"tokens": written, "documents": docs}
 
 
+BERT_VOCAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data_test", "bert", "vocab.txt")
+
+
+def bert_tokenizer():
+    """projects/MT5/configs/t5_dataset.py's tokenizer: data_test's WordPiece vocabulary and 100 sentinels."""
+    from libai_lite.tokenizer import BertTokenizer
+
+    return BertTokenizer(BERT_VOCAB, do_lower_case=True, vocab_extra_ids=100)
+
+
+def window_length(args) -> int:
+    """Tokens one sample reads: the sequence, or for span corruption the raw window T5 corrupts."""
+    if not args.span_corruption:
+        return args.seq_length
+    from projects.MT5.data.t5_dataset import random_spans_helper
+
+    return random_spans_helper(args.seq_length)[0]
+
+
 def build_loaders(prefix: str, args, train_samples: int, cache_dir: str, workers: int):
     """The train loader exactly as the trainer builds it (no valid/test split asked for)."""
     from libai_lite.data import build_gpt_train_valid_test_loaders
 
+    if args.span_corruption:
+        from projects.MT5.data.t5_dataset import build_t5_train_valid_test_loaders
+
+        train, _, _ = build_t5_train_valid_test_loaders(
+            prefix, bert_tokenizer(), splits_string="949,50,1", max_seq_length=args.seq_length, seed=1234,
+            num_workers=workers, cache_dir=cache_dir, train_valid_test_num_samples=[train_samples, 0, 0],
+            micro_batch_size=args.micro_batch)
+        return train
     train, _, _ = build_gpt_train_valid_test_loaders(
         prefix, splits_string="949,50,1", seq_length=args.seq_length, seed=1234, num_workers=workers,
         cache_dir=cache_dir, train_valid_test_num_samples=[train_samples, 0, 0],
@@ -142,7 +176,9 @@ def main(argv=None) -> dict:
         if args.data_prefix is None:
             prefix = os.path.join(tmp, "synthetic_text_document")
             start = time.perf_counter()
-            info = write_synthetic(prefix, int(args.tokens))
+            # Span corruption: ids of data_test's BERT vocabulary, below its sentinels.
+            vocab = bert_tokenizer().vocab_size - 100 if args.span_corruption else 50257
+            info = write_synthetic(prefix, int(args.tokens), vocab=vocab)
             write_s = time.perf_counter() - start
             source = f"synthetic, {info['tokens'] / 1e6:.1f}M tokens in {info['documents']} documents"
             print(f"wrote {source} in {write_s:.1f}s")
@@ -153,7 +189,8 @@ def main(argv=None) -> dict:
         total_tokens = int(np.asarray(indexed.sizes, dtype=np.int64).sum())
         from libai_lite.data.build import train_samples_per_epoch
 
-        per_epoch = train_samples_per_epoch(prefix, "949,50,1", args.seq_length)
+        window = window_length(args)
+        per_epoch = train_samples_per_epoch(prefix, "949,50,1", window)
         train_samples = max(per_epoch * args.epochs, args.samples + 2 * args.micro_batch)
 
         start = time.perf_counter()
@@ -169,7 +206,8 @@ def main(argv=None) -> dict:
 
         samples = min(args.samples, len(loader.batch_sampler) * args.micro_batch - args.micro_batch)
         # The loader's first batch is not timed (worker start-up), so the reference starts one batch in too.
-        spans = sample_spans(loader.dataset, samples + args.micro_batch)[args.micro_batch:]
+        windows = loader.dataset.dataset if args.span_corruption else loader.dataset
+        spans = sample_spans(windows, samples + args.micro_batch)[args.micro_batch:]
         del loader
 
         rows = []
@@ -188,7 +226,9 @@ def main(argv=None) -> dict:
             r["ratio_vs_raw"] = r["samples_per_s"] / r["raw_samples_per_s"]
 
     raw_best = max(r["raw_samples_per_s"] for r in rows)
-    print(f"data: {source}; seq {args.seq_length}, micro batch {args.micro_batch}, {train_samples} train samples "
+    kind = f"span corruption, encoder {args.seq_length} from windows of {window}" if args.span_corruption else \
+        f"seq {args.seq_length}"
+    print(f"data: {source}; {kind}, micro batch {args.micro_batch}, {train_samples} train samples "
           f"({train_samples / per_epoch:.1f} epochs of the train split), {os.cpu_count()} CPUs")
     print(f"first open: token-id scan {scan_s:.2f}s + index build {build_s:.2f}s; second open (cache hit) "
           f"{open_s:.3f}s")
@@ -202,6 +242,8 @@ def main(argv=None) -> dict:
         "data": source,
         "tokens": total_tokens,
         "seq_length": args.seq_length,
+        "span_corruption": args.span_corruption,
+        "window": window,
         "micro_batch": args.micro_batch,
         "train_samples": train_samples,
         "train_samples_per_epoch": per_epoch,

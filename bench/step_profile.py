@@ -3,6 +3,7 @@
 
     python bench/step_profile.py --model gpt --size demo
     python bench/step_profile.py --model mt5 --size demo
+    python bench/step_profile.py --model mt5 --size base --micro-batch 1   # the recipe's shape, in seconds
 
 ``--smoke``: one warm-up and one profiled step. The last line is one JSON object.
 What is counted and why through the profiler: bench/README.md, section "step_profile.py: how it measures".
@@ -55,6 +56,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled ones")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (the counts are per step)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per step instead of the size's (the counts do not depend on it)")
     p.add_argument("--smoke", action="store_true", help="one warm-up and one profiled step (the test suite's run)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -63,14 +66,17 @@ def main(argv=None) -> dict:
     if args.size not in family.sizes:
         p.error(f"--size {args.size} is not a {args.model} size; {args.model} has {', '.join(family.sizes)}")
     args.family, args.shape = family, dict(family.sizes[args.size])
-    args.micro_batch = args.shape["micro_batch"]
+    if args.micro_batch is not None and args.micro_batch < 1:
+        p.error(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    args.micro_batch = args.micro_batch or args.shape["micro_batch"]
     device = torch.device("cpu")
     torch.manual_seed(args.seed)
     model = family.build_ours(args.shape, device)
     stepper = OursStepper(model, make_batches(args, device), device, None)
     for _ in range(args.warmup):
         stepper.step()
-    result = {"benchmark": "step_profile", "model": args.model, "size": args.size, **count_steps(stepper, args.steps),
+    result = {"benchmark": "step_profile", "model": args.model, "size": args.size, "micro_batch": args.micro_batch,
+              **count_steps(stepper, args.steps),
               "torch": torch.__version__}
     print(f"{family.label} {args.size}, per training step: {result['host_reads']:g} host reads "
           f"{result['host_reads_by_op']} (+{result['optimizer_host_reads']:g} inside the optimizer's CPU kernel), "

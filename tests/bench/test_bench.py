@@ -128,6 +128,15 @@ def test_data_loader_smoke():
         assert r["ratio_vs_raw"] == pytest.approx(r["samples_per_s"] / r["raw_samples_per_s"])
 
 
+def test_data_loader_span_corruption_smoke():
+    """The MT5 recipe's loader against raw reads of the windows it corrupts (raw_length tokens each)."""
+    res, out = run_bench("data_loader.py", "--smoke", "--span-corruption")
+    assert res["span_corruption"] and res["seq_length"] == 128 and res["window"] == 141  # T5's random_spans_helper
+    assert "span corruption, encoder 128 from windows of 141" in out
+    for row in res["loaders"]:
+        assert row["samples"] > 0 and positive(row["samples_per_s"]) and positive(row["raw_samples_per_s"])
+
+
 def test_checkpoint_stall_smoke():
     res, out = run_bench("checkpoint_stall.py", "--smoke")
     assert res["benchmark"] == "checkpoint_stall" and res["smoke"] is True

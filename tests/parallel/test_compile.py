@@ -232,6 +232,54 @@ def test_dense_models_compile_with_fullgraph_and_never_recompile(name, whole_mod
     assert curve == pytest.approx(reference, rel=RTOL, abs=0)
 
 
+def padded_seq2seq_step(model):
+    """MT5 as the span-corruption loader feeds it: the second sample's encoder and decoder padded at the end,
+    its padded labels ignored."""
+    dec = SEQ // 2
+    enc_mask = torch.ones(GLOBAL_BATCH, SEQ, dtype=torch.bool)
+    enc_mask[1, 11:] = False
+    dec_mask = torch.ones(GLOBAL_BATCH, dec, dtype=torch.bool)
+    dec_mask[1, 5:] = False
+
+    def step(x, y):
+        labels = y[:, :dec].masked_fill(~dec_mask, -100)
+        loss = model(x, x[:, :dec].contiguous(), labels, enc_mask, dec_mask, enc_mask)["lm_loss"]
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+# Torch warns that eager flex is unfused: the first step runs it eager on purpose (the fast paths probe there).
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("whole_model", [False, True], ids=["layers", "model"])
+def test_mt5_on_the_flex_path_a_gpu_takes_compiles_with_fullgraph_and_never_recompiles(monkeypatch, whole_model):
+    """MT5 on CUDA runs FlexAttention inside the compiled graph: padding block masks, the relative bias
+    as a score_mod, the 8-position decoder padded to the 128 tile. Dynamo's ``eager`` backend traces what
+    inductor would be given: torch's CPU reference for flex's backward drops the bias gradient from an AOT
+    graph's saved tensors, a CPU-only limit. One graph (or one per kind of layer), no break, no recompile."""
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as torch_flex
+
+    from libai_lite.layers.flex_attention import attention_backend
+
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)  # flex backward on the CPU
+    eager = build_mt5()
+    with attention_backend("dense"):
+        reference, _ = train(padded_seq2seq_step(eager), eager.parameters())
+    torch._dynamo.reset()
+    model = build_mt5()
+    apply_compile(model, CompileOptions(enabled=True, backend="eager", fullgraph=True), whole_model_ok=whole_model)
+    with attention_backend("flex"):
+        curve, counts = train(padded_seq2seq_step(model), model.parameters())
+    # The first step's eager flex calls compile torch's own wrapper; count what the model added from step 2.
+    graphs = [g - counts[0][0] for g, _ in counts[1:]]
+    # The whole model, or the encoder's and decoder's first layer (they hold the bias table) and the others.
+    assert graphs[0] == (1 if whole_model else 4), counts
+    assert len(set(graphs)) == 1, f"compiled again after step 2: {counts}"
+    # Flex against SDPA: the same math, summed in another order over SEQ keys.
+    assert curve == pytest.approx(reference, rel=RTOL, abs=0)
+
+
 @pytest.mark.parametrize("cfg,needle", [
     (dict(enabled=True, mode="max-autotune-cudagraphs"), "train.compile.mode='max-autotune-cudagraphs' is not"),
     (dict(enabled=True, scope="stages"), "train.compile.scope='stages' is not a scope; use one of auto, model"),
