@@ -262,7 +262,12 @@ def test_mt5_on_the_flex_path_a_gpu_takes_compiles_with_fullgraph_and_never_reco
 
     from libai_lite.layers.flex_attention import attention_backend
 
+    from libai_lite.layers import flex_attention as flex_module
+
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)  # flex backward on the CPU
+    # CUDA's branch calls flex through its own torch.compile (_compiled_flex), which dynamo must inline.
+    monkeypatch.setattr(flex_module, "flex_attention", torch.compile(flex_module.flex_attention, dynamic=False,
+                                                                     backend="eager"))
     eager = build_mt5()
     with attention_backend("dense"):
         reference, _ = train(padded_seq2seq_step(eager), eager.parameters())
