@@ -65,15 +65,15 @@ def main():
     enc_mask[1, 11:], dec_mask[1, 5:] = False, False
     for backend in ("dense", "flex"):
         with attention_backend(backend), torch.no_grad():  # the CPU has no flex backward
-            rows.append((f"MT5 whole model + fused loss, {backend} attention, forward",
-                         explain(lambda a, b: model(a, a[:, :8], b[:, :8], enc_mask, dec_mask, enc_mask)["lm_loss"], x, y)))
+            step = lambda a, b: model(a, a[:, :8], b[:, :8], enc_mask, dec_mask, enc_mask)["lm_loss"]  # noqa: E731
+            rows.append((f"MT5 whole model + fused loss, {backend} attention, forward", explain(step, x, y)))
     rows.append(("ParallelCrossEntropyLoss (logits)", explain(ParallelCrossEntropyLoss(), torch.randn(4, 16, 128), y)))
     rows.append(("linear_cross_entropy, CPU buffer kernel",
                  explain(linear_cross_entropy, torch.randn(4, 16, 32), torch.randn(128, 32), y)))
     rows.append(("linear_cross_entropy, chunked kernel",
                  explain(lambda a, b, t: linear_cross_entropy(a, b, t, kernel="chunked"), torch.randn(4, 16, 32),
                          torch.randn(128, 32), y)))
-    print(f"| what | graphs | graph breaks | ops traced |\n| --- | ---: | ---: | ---: |")
+    print("| what | graphs | graph breaks | ops traced |\n| --- | ---: | ---: | ---: |")
     for name, (graphs, breaks, ops, reasons) in rows:
         print(f"| {name} | {graphs} | {breaks} | {ops} |" + (f" {'; '.join(reasons)}" if reasons else ""))
 

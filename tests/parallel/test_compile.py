@@ -232,6 +232,21 @@ def test_dense_models_compile_with_fullgraph_and_never_recompile(name, whole_mod
     assert curve == pytest.approx(reference, rel=RTOL, abs=0)
 
 
+def _dense_eager_losses_and_compiled_mt5(step, options: CompileOptions, whole_model_ok: bool) -> tuple:
+    """MT5's losses under ``step`` eager on the dense attention path, and a fresh MT5 compiled with ``options``."""
+    import torch._dynamo
+
+    from libai_lite.layers.flex_attention import attention_backend
+
+    eager = build_mt5()
+    with attention_backend("dense"):
+        reference, _ = train(step(eager), eager.parameters())
+    torch._dynamo.reset()
+    model = build_mt5()
+    apply_compile(model, options, whole_model_ok=whole_model_ok)
+    return reference, model
+
+
 def padded_seq2seq_step(model):
     """MT5 as the span-corruption loader feeds it: the second sample's encoder and decoder padded at the end,
     its padded labels ignored."""
@@ -257,23 +272,17 @@ def test_mt5_on_the_flex_path_a_gpu_takes_compiles_with_fullgraph_and_never_reco
     as a score_mod, the 8-position decoder padded to the 128 tile. Dynamo's ``eager`` backend traces what
     inductor would be given: torch's CPU reference for flex's backward drops the bias gradient from an AOT
     graph's saved tensors, a CPU-only limit. One graph (or one per kind of layer), no break, no recompile."""
-    import torch._dynamo
     import torch.nn.attention.flex_attention as torch_flex
 
-    from libai_lite.layers.flex_attention import attention_backend
-
     from libai_lite.layers import flex_attention as flex_module
+    from libai_lite.layers.flex_attention import attention_backend
 
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)  # flex backward on the CPU
     # CUDA's branch calls flex through its own torch.compile (_compiled_flex), which dynamo must inline.
     monkeypatch.setattr(flex_module, "flex_attention", torch.compile(flex_module.flex_attention, dynamic=False,
                                                                      backend="eager"))
-    eager = build_mt5()
-    with attention_backend("dense"):
-        reference, _ = train(padded_seq2seq_step(eager), eager.parameters())
-    torch._dynamo.reset()
-    model = build_mt5()
-    apply_compile(model, CompileOptions(enabled=True, backend="eager", fullgraph=True), whole_model_ok=whole_model)
+    reference, model = _dense_eager_losses_and_compiled_mt5(
+        padded_seq2seq_step, CompileOptions(enabled=True, backend="eager", fullgraph=True), whole_model)
     with attention_backend("flex"):
         curve, counts = train(padded_seq2seq_step(model), model.parameters())
     # The first step's eager flex calls compile torch's own wrapper; count what the model added from step 2.
@@ -461,12 +470,8 @@ def test_a_compiled_mt5_falls_back_from_wrong_flex_gradients_at_its_eager_first_
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
     real_flex, far_off = flex_module.flex_attention, _identity_with_backward(lambda grad: grad * 1e16)
     monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **k: far_off(real_flex(*a, **k)))
-    eager = build_mt5()
-    with attention_backend("dense"):
-        reference, _ = train(seq2seq_step(eager), eager.parameters())
-    torch._dynamo.reset()
-    model = build_mt5()
-    apply_compile(model, CompileOptions(enabled=True, backend="aot_eager", scope=scope), whole_model_ok=True)
+    reference, model = _dense_eager_losses_and_compiled_mt5(
+        seq2seq_step, CompileOptions(enabled=True, backend="aot_eager", scope=scope), True)
     lines = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
