@@ -215,6 +215,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    from ..layers.flex_attention import attention_backend
     from ..model import output_metrics
     from ..parallel.activation_checkpoint import apply_activation_checkpointing, transformer_layers
     from ..parallel.pipeline_split import layer_index_of, pipeline_module, pipeline_pieces
@@ -286,7 +287,9 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
         for st in get_untyped_storages(t):
             live[st] = (0, None, None, weakref.finalize(st, lambda: None))
     autocast = torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None)
-    with fake, _AcceleratorKernels(device), tracker, _Record():
+    # Dense attention even where flex is forced: flex's operator has no rule under the recorder, and its
+    # failure there left the run's first real flex call failing too.
+    with fake, _AcceleratorKernels(device), tracker, _Record(), attention_backend("dense"):
         handles = [p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
                    for p in model.parameters() if p.requires_grad]
         handles += [m.register_forward_pre_hook(mark_inputs, with_kwargs=True) for m in blocks.values()]

@@ -234,6 +234,40 @@ def test_accelerator_kernels_hold_under_activation_checkpointing():
     assert kept(device="cuda") < kept(device="cpu")
 
 
+def test_with_flex_forced_the_trace_runs_dense_attention_and_flex_still_runs_after_it(monkeypatch):
+    """LIBAI_LITE_ATTENTION=flex: the start-up trace of MT5 once failed (flex's operator has no rule under
+    its recorder), and the run's first real flex call then failed too ("Attempt to trace generator") and fell
+    back to dense attention. Now the trace is the dense one and flex then trains (backward allowed on the CPU)."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    from libai_lite.layers import flex_attention as flex_module
+    from libai_lite.layers.flex_attention import attention_backend
+    from libai_lite.planning import trace_activations
+    from projects.MT5 import MT5ForPreTraining
+
+    cfg = dict(vocab_size=256, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
+               intermediate_size=64, embedding_dropout_prob=0.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 12:] = False
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"encoder_input_ids": ids[:, :16], "decoder_input_ids": ids[:, 16:24], "labels": ids[:, 24:],
+             "encoder_attn_mask": mask, "decoder_attn_mask": torch.ones(2, 8, dtype=torch.bool),
+             "encoder_decoder_attn_mask": mask}
+    with attention_backend("dense"):
+        dense = trace_activations(lambda: MT5ForPreTraining(cfg), batch, device="cuda")
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
+    flex_module._flex_or_dense.reset()
+    try:
+        with attention_backend("flex"):
+            forced = trace_activations(lambda: MT5ForPreTraining(cfg), batch, device="cuda")
+            MT5ForPreTraining(cfg)(**batch)["lm_loss"].backward()
+        assert not flex_module._flex_or_dense.fell_back, flex_module._flex_or_dense.fallback_reason
+    finally:
+        flex_module._flex_or_dense.reset()
+    assert forced.events == dense.events
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
 def test_tensor_parallel_activations_match_a_tp2_run(tmp_path, sequence_parallel):
