@@ -6,10 +6,11 @@ import torch.distributed as dist
 
 
 class SyncedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose "found inf" flags are summed over a process group.
+    """``torch.amp.GradScaler`` whose "found inf" flags agree over a process group: 1 where any rank overflowed.
 
-    torch's ``ShardedGradScaler`` keeps a ``[1]`` flag, which the fused AdamW kernel refuses after
-    ``unscale_``; this keeps GradScaler's ``[]`` flags.
+    The flags are reduced with MAX, never summed: fused Adam/AdamW/SGD skip a step only where ``found_inf`` is
+    exactly 1 and apply a step (with inf gradients) given 2. torch's ``ShardedGradScaler`` keeps a ``[1]``
+    flag, which the fused AdamW kernel refuses after ``unscale_``; this keeps GradScaler's ``[]`` flags.
     """
 
     def __init__(self, device: str, process_group=None, **kwargs):
@@ -18,7 +19,7 @@ class SyncedGradScaler(torch.amp.GradScaler):
 
     def _sync(self, found_inf_per_device: dict) -> dict:
         for found_inf in found_inf_per_device.values():
-            dist.all_reduce(found_inf, group=self.process_group)
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
         return found_inf_per_device
 
     def unscale_(self, optimizer) -> None:
