@@ -26,6 +26,7 @@ from .collectives import gather, world_size
 from .crc_writer import CrcFileSystemWriter
 from .dcp_io import (BackgroundWriter, InFlight, ModelState, default_writer_threads, first_error, state_bytes,
                      write_failure)
+from .finite import first_nonfinite_weight
 from .integrity import describe, write_manifest
 from .trainer_state import RngState, TrainerState, read_trainer_state
 
@@ -82,11 +83,13 @@ class Checkpointer:
         Collective. A write failure on any rank removes the partial files and raises a UsageError on every
         rank, leaving earlier checkpoints and ``last_checkpoint`` untouched. With ``async_save`` and not
         ``blocking``, returns once the state is in CPU memory; a later ``poll``, ``wait`` or ``save`` publishes
-        it or raises its failure. A save still in flight is finished first.
+        it or raises its failure. A save still in flight is finished first. Weights holding a NaN or inf are
+        never saved: a FloatingPointError names the last good checkpoint.
         """
         if self.async_save:
             self.wait()
         final = os.path.join(self.save_dir, name)
+        self._refuse_nonfinite(final)
         tmp = final + ".tmp"
         rank = get_rank()
         error = ""
@@ -121,6 +124,18 @@ class Checkpointer:
             error = self._publish(name)
         self._raise_if_failed(error, final, state)
         return final
+
+    def _refuse_nonfinite(self, final: str) -> None:
+        """Collective: raise on every rank when a weight is NaN or inf, before any file of ``final`` is made."""
+        bad = first_nonfinite_weight(self.parts)
+        if not bad:
+            return
+        previous = self.last_checkpoint()
+        kept, then = (f"the last good checkpoint is {previous}", "--resume from it") if previous else \
+            ("no earlier checkpoint was saved", "train again")
+        raise FloatingPointError(
+            f"weight {bad} is NaN or inf: training diverged, so checkpoint {final} was not saved and {kept}; lower "
+            f"optim.lr, raise train.warmup_ratio or enable clipping (optim.params.clip_grad_max_norm), then {then}")
 
     def _publish(self, name: str) -> str:
         """Rank 0: move the complete ``NAME.tmp`` into place (``protocol.publish``); returns an error or ""."""

@@ -34,6 +34,7 @@ class _StopSignals:
     def __init__(self):
         self.owner = None
         self.deferring = False
+        self.leaving = False
         self.received: int | None = None
 
     def install(self) -> None:
@@ -44,6 +45,10 @@ class _StopSignals:
     def _handler(self, signum, frame):
         if os.getpid() != self.owner:
             return
+        if self.leaving:
+            # Past the run's own clean-up (in interpreter teardown, as the launcher stops the other ranks of
+            # a failed job): an exception here would only print a traceback from an atexit callback.
+            os._exit(128 + signum)
         if not self.deferring:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -66,6 +71,11 @@ def defer_stop_signals(on: bool) -> None:
     _STOP.deferring = on
     if on:
         _STOP.received = None
+
+
+def stop_signals_end_process() -> None:
+    """After the run's clean-up: a stop signal ends the process at once with 128 + its number."""
+    _STOP.leaving = True
 
 
 def stop_requested() -> int | None:
