@@ -17,6 +17,8 @@ class LossScale:
 
     initial_scale: float = 65536.0
     growth_interval: int = 1000
+    # An overflow at this scale or below stops the run: its gradients are not finite at any scale.
+    min_loss_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
     eval_period = _needed(ev, "eval_period", "train.evaluation") if evaluates else ev.get("eval_period")
     return dict(
         loss_scale=LossScale(initial_scale=float(amp.get("initial_scale", LossScale.initial_scale)),
-                             growth_interval=int(amp.get("growth_interval", LossScale.growth_interval)))
+                             growth_interval=int(amp.get("growth_interval", LossScale.growth_interval)),
+                             min_loss_scale=float(amp.get("min_loss_scale", LossScale.min_loss_scale)))
         if fp16 else None,
         optim=OptimStep(clip_grad_max_norm=params.get("clip_grad_max_norm"),
                         clip_grad_norm_type=float(params.get("clip_grad_norm_type") or OptimStep.clip_grad_norm_type),

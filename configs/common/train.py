@@ -46,8 +46,9 @@ train = dict(
         eval_mode="min",
     ),
     scheduler=LazyCall(WarmupCosineLR)(warmup_factor=0.001, alpha=0.1, warmup_method="linear"),
-    # Mixed precision: dtype "bf16", or "fp16" with dynamic loss scaling.
-    amp=dict(enabled=False, dtype="bf16", initial_scale=65536.0, growth_interval=1000),
+    # Mixed precision: dtype "bf16", or "fp16" with dynamic loss scaling; an fp16 overflow with the scale
+    # already at min_loss_scale stops the run (as DeepSpeed's min_loss_scale does).
+    amp=dict(enabled=False, dtype="bf16", initial_scale=65536.0, growth_interval=1000, min_loss_scale=1.0),
     # A NaN/inf loss stops the run (0) or skips up to this many batches (fp32/bf16; fp16 relies on
     # the loss scaler, which skips overflowed steps on its own).
     max_skipped_nonfinite=0,

@@ -147,6 +147,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.evaluation.eval_iter": _COUNT,
     "train.amp.initial_scale": _POSITIVE,
     "train.amp.growth_interval": _COUNT,
+    "train.amp.min_loss_scale": _POSITIVE,
     "train.activation_checkpoint.every_n_layers": _COUNT_OR_NULL,
     "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
     "train.dist.data_parallel_size": _COUNT_OR_NULL,

@@ -297,6 +297,7 @@ class DefaultTrainer:
             num_accumulation_steps=self.spec.batch.num_accumulation_steps, device=self.layout.device,
             amp_dtype=self.spec.amp_dtype, grad_scaler=grad_scaler, clip_grad_max_norm=step.clip_grad_max_norm,
             clip_grad_norm_type=step.clip_grad_norm_type, max_skipped_nonfinite=step.max_skipped_nonfinite,
+            min_loss_scale=self.spec.loss_scale.min_loss_scale if self.spec.loss_scale is not None else None,
             loss_context=lambda: loss_parallel_context(tp),
             pipeline=model.pipeline,
             context_parallel=model.context_parallel,

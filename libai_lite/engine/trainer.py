@@ -130,7 +130,8 @@ class Trainer(TrainerBase):
     def __init__(self, model, data_loader, optimizer, scheduler, metrics, *, num_accumulation_steps: int = 1,
                  device: torch.device = torch.device("cpu"), amp_dtype: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad_max_norm: float | None = None,
-                 clip_grad_norm_type: float = 2.0, max_skipped_nonfinite: int = 0, loss_context=nullcontext,
+                 clip_grad_norm_type: float = 2.0, max_skipped_nonfinite: int = 0,
+                 min_loss_scale: float | None = None, loss_context=nullcontext,
                  pipeline=None, context_parallel=None, cuda_graphs: bool = False):
         super().__init__()
         self.cuda_graphs = cuda_graphs
@@ -144,6 +145,8 @@ class Trainer(TrainerBase):
         # fp32/bf16 runs may skip this many steps whose loss is NaN/inf before stopping.
         self.max_skipped_nonfinite = int(max_skipped_nonfinite or 0)
         self.skipped_nonfinite = 0
+        # fp16: an overflow at this loss scale or below is a divergence, not an overflow.
+        self.min_loss_scale = min_loss_scale
         # Steps whose skip was decided on the device and not yet read back: (iteration, tensors).
         self._pending: list[tuple[int, dict]] = []
         # Fused Adam/AdamW/SGD skip a step on the device when given `found_inf` (as GradScaler does).
@@ -225,6 +228,12 @@ class Trainer(TrainerBase):
             return
         for it, v in skipped:
             if "scale_before" in v:
+                if self.min_loss_scale is not None and v["scale_before"] <= self.min_loss_scale:
+                    raise FloatingPointError(
+                        f"fp16 overflow at iteration {it} with the loss scale at {v['scale_before']:g}, at or below "
+                        f"train.amp.min_loss_scale={self.min_loss_scale:g}: training diverged (its gradients are "
+                        f"NaN or inf at any scale); train in bf16 (train.amp.dtype=bf16), lower optim.lr or enable "
+                        f"clipping (optim.params.clip_grad_max_norm), then --resume from the last checkpoint")
                 logger.warning(f"fp16 overflow at iteration {it}: step skipped, loss scale "
                                f"{v['scale_before']:g} -> {v['loss_scale']:g}")
                 continue

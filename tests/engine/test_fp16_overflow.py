@@ -47,3 +47,20 @@ def test_fp16_overflow_skips_change_nothing_and_training_recovers(tmp_path, layo
     first_taken = next(i for i, s in enumerate(skips[0]) if not s)
     after = [v for it, v in sorted(logged.items()) if it > first_taken + 5]
     assert after and after[-1] < after[0] - 0.3, logged
+
+
+def test_fp16_overflowing_at_the_minimum_loss_scale_stops_the_run(tmp_path):
+    """Weights gone NaN overflow every step at any scale: the scaler halves towards 0 (where zero gradients would
+    train on) and every step counts as a skip, so the run must stop once the scale reaches its minimum."""
+    from tests.launch import one_error_line
+
+    run = tmp_path / "run"
+    args = tiny(run, tmp_path / "cache", "train.train_iter=30", "train.log_period=5",
+                "train.checkpointer.period=0", "train.evaluation.enabled=False", "train.amp.enabled=True",
+                "train.amp.dtype=fp16", "train.amp.initial_scale=8", "train.amp.min_loss_scale=1")
+    # NaN weights after iteration 3: iterations 4, 5, 6 overflow at scales 8, 4, 2, and 7 at 1.
+    r = torchrun(2, "tests/workers/nan_weight_worker.py", 3, 1, "nan", *args, check=False)
+    line = one_error_line(r)
+    assert r.returncode != 0 and "fp16 overflow at iteration 7 with the loss scale at 1" in line, line
+    assert "train.amp.min_loss_scale=1" in line and "train.amp.dtype=bf16" in line, line
+    assert not any(p.name.startswith("model_") for p in run.iterdir())

@@ -1,6 +1,7 @@
 """torchrun worker for tests/checkpoint/test_nonfinite_weights.py: trains the tiny demo GPT as
-``tools/train_net.py`` does (through ``launch``) and, right after iteration ITER's optimizer step, makes one weight of rank RANK NaN
-(or inf), as an optimizer step that overflows would: that step's loss was computed before it and is finite.
+``tools/train_net.py`` does (through ``launch``) and, right after iteration ITER's optimizer step, makes one
+weight of rank RANK NaN (or inf), as an optimizer step that overflows would: that step's loss was computed
+before it and is finite.
 
 Usage: ``torchrun --nproc_per_node N tests/workers/nan_weight_worker.py ITER RANK VALUE OVERRIDE...``; exits with
 the CLI's one ``error:`` line and status 1 when the run is refused.
