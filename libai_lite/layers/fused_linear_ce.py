@@ -165,7 +165,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(sums, group=group)
                 lse, row_max, target_logit = maxes[0] + sums[0].log(), maxes[1], sums[1]
             valid = target != ignore_index
-            loss = (lse - target_logit).masked_fill_(~valid, 0.0)
+            # Out of place: under torch 2.11's dynamo an output mutated in place gets all-zero gradients.
+            loss = (lse - target_logit).masked_fill(~valid, 0.0)
             is_top1 = (target_logit >= row_max) & valid if with_top1 else valid.new_zeros(())
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             ctx.save_for_backward(h, w, target, lse)

@@ -72,7 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(sums, group=group)
                 denominator, target_logit = sums[0], sums[1]
                 probs.div_(denominator[:, None].to(probs.dtype))
-            loss = (denominator.log() + row_max - target_logit).masked_fill_(~valid, 0.0)
+            # Out of place: under torch 2.11's dynamo an output mutated in place gets all-zero gradients.
+            loss = (denominator.log() + row_max - target_logit).masked_fill(~valid, 0.0)
             is_top1 = (target_logit >= row_max) & valid if with_top1 else valid.new_zeros(())
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:  # nothing to keep in evaluation
             ctx.save_for_backward(h, w, probs, safe_target, owned, valid)
