@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layers.loss import ParallelCrossEntropyLoss
 from ..utils.errors import UsageError
-from ..utils.fallback import FastPath, signature_of
+from ..utils.fallback import GUARD_CALL, FastPath, check_close, seeded_like, signature_of
 from .activation_checkpoint import is_checkpointed, transformer_layers
 from .pipeline import SPLIT_BACKWARD_SCHEDULES
 
@@ -123,14 +123,94 @@ def _call_eager(module, *args, **kwargs):
     return module._call_impl(*args, **kwargs)
 
 
+def _comparable(module: nn.Module) -> bool:
+    """Whether a probe may run ``module`` forward and backward beside the step: not where FSDP2's hooks would
+    reduce the probe's gradients into ``.grad``, nor where a layer's backward records the step's statistics."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..layers.moe import MoELayer
+
+    return not any(isinstance(m, (FSDPModule, MoELayer)) for m in module.modules())
+
+
+def _draws_random_numbers(module: nn.Module) -> bool:
+    # Compiled and eager dropout draw different numbers from the same seed: compared without it.
+    return module.training and any(
+        (isinstance(m, nn.Dropout) and m.p > 0) or any(
+            "dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items())
+        for m in module.modules())
+
+
+def _run_for_comparison(call, module: nn.Module, args: tuple, kwargs: dict, keep_on_host: bool):
+    """``call(*args, **kwargs)`` on detached inputs, then backward with seeded output gradients: (floating outputs,
+    gradients of the inputs and of ``module``'s parameters), none accumulated into ``.grad``."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    leaves = []
+
+    def detach(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = x.detach()
+        if x.requires_grad:
+            y.requires_grad_(True)
+            leaves.append(y)
+        return y
+
+    out = call(*tree_map(detach, args), **tree_map(detach, kwargs))
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    wanted = [t for t in outs if t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = []
+    if wanted and (leaves or params):
+        grads = list(torch.autograd.grad(wanted, leaves + params, [seeded_like(t) for t in wanted], allow_unused=True))
+    local = [(g.to_local() if isinstance(g, DTensor) else g) for g in grads]
+    outs = [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in outs]
+    if keep_on_host:  # a GPU holds one set of gradients beside the step's, not two
+        local, outs = [g if g is None else g.cpu() for g in local], [t.cpu() for t in outs]
+    return outs, local
+
+
+def _compare_with_eager(fn, args, kwargs):
+    """``FastPath`` probe of a compiled module (``args[0]``): its outputs and gradients against the eager module's
+    on the same inputs (``MismatchError`` beyond the compute dtype's rounding). False where ``_comparable`` says
+    it cannot run; ``GUARD_CALL`` where dropout was off for it, so the real first call is a graph of its own."""
+    module, inputs = args[0], args[1:]
+    if not torch.is_grad_enabled() or not _comparable(module):
+        return False
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    random = _draws_random_numbers(module)
+    with _first_call_builds_backward():
+        if random:
+            module.eval()
+        try:
+            fast = _run_for_comparison(lambda *a, **k: fn(module, *a, **k), module, inputs, kwargs,
+                                       keep_on_host=device.type == "cuda")
+            try:
+                plain = _run_for_comparison(lambda *a, **k: _call_eager(module, *a, **k), module, inputs, kwargs,
+                                            keep_on_host=False)
+            except torch.OutOfMemoryError:
+                return GUARD_CALL  # nothing to compare with: the compiled call stands
+        finally:
+            if random:
+                module.train()
+    names = [f"output {i}" for i in range(len(fast[0]))]
+    for what, got, want in zip(names, fast[0], plain[0]):
+        check_close(got, want, f"its {what}", "the eager module", dtype)
+    for i, (got, want) in enumerate(zip(fast[1], plain[1])):
+        check_close(got, want, f"its gradient {i}", "the eager module", dtype)
+    return GUARD_CALL if random else True
+
+
 def compile_paths(options: CompileOptions) -> FastPath:
     """The fast path every module compiled under ``options`` is called through: ``module`` first, then its
     arguments; torch.compile's code (CUDA graphs first where the mode has them), eager where it fails."""
     mode = CUDA_GRAPH_MODES.get(options.mode, options.mode)
     backend = options.backend if isinstance(options.backend, str) else type(options.backend).__name__
     path = FastPath(f"train.compile (backend {backend}{f', mode {mode}' if mode else ''})",
-                    _call_compiled("_libai_lite_compiled"), _call_eager, signature=_module_signature, probe=None,
-                    first_call=_first_call_builds_backward, plain_name="the eager module")
+                    _call_compiled("_libai_lite_compiled"), _call_eager, signature=_module_signature,
+                    probe=_compare_with_eager, first_call=_first_call_builds_backward, plain_name="the eager module")
     if options.mode not in CUDA_GRAPH_MODES:
         return path
     return FastPath(f"CUDA graphs (train.compile.mode={options.mode})", _call_compiled("_libai_lite_cuda_graphs"), path,

@@ -5,9 +5,10 @@ GPU-only code (compiled kernels, Triton, vendor fused ops) mostly fails where it
 backward on detached inputs; ``compare=True`` also checks it against ``plain_fn`` beyond rounding. A
 failed probe warns once and the plain function runs from then on; a failure after a passed probe is
 raised, as a bug. ``probe=None`` with ``first_call`` guards the first real call instead (``torch.compile``
-builds its backward there); ``first_uses`` guards more calls (CUDA graphs record later). Under
-``torch.compile`` tracing or on fake tensors nothing is probed: the fast function is traced unless an
-eager call already fell back.
+builds its backward there), as does a probe that returns False (it cannot run on these arguments) or
+``GUARD_CALL`` (it checked a variant of the call); ``first_uses`` guards more calls (CUDA graphs record later).
+Under ``torch.compile``
+tracing or on fake tensors nothing is probed: the fast function is traced unless an eager call already fell back.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 logger = logging.getLogger("libai_lite")
 
 _DEFAULT = object()
+# A probe's answer: it passed on a variant of the call (another mode), so the real first call is guarded as well.
+GUARD_CALL = object()
 
 
 def _meta(x: Any) -> Hashable:
@@ -79,7 +82,7 @@ def tolerance(dtype: torch.dtype) -> float:
     return 8 * (torch.finfo(dtype).eps if low else 2.0 ** -10)
 
 
-def _seeded_like(t: torch.Tensor) -> torch.Tensor:
+def seeded_like(t: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator(device=t.device).manual_seed(0)
     return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
 
@@ -91,25 +94,32 @@ def comparing_probe(plain_fn: Callable, plain_name: str) -> Callable:
     plain one's magnitude, or is not finite where the plain one is. A plain path out of memory is not compared.
     """
     def probe(fn: Callable, args: tuple, kwargs: dict) -> None:
-        fast = _detached_run(fn, args, kwargs, _seeded_like)
+        fast = _detached_run(fn, args, kwargs, seeded_like)
         try:
-            plain = _detached_run(plain_fn, args, kwargs, _seeded_like)
+            plain = _detached_run(plain_fn, args, kwargs, seeded_like)
         except torch.OutOfMemoryError:
             return
         for kind, got, want in (("output", fast[0], plain[0]), ("gradient", fast[1], plain[1])):
             for i, (a, b) in enumerate(zip(got, want)):
-                if a is None or b is None or a.shape != b.shape:
-                    continue
-                b32 = b.float()
-                if not bool(torch.isfinite(b32).all()):
-                    continue
-                scale = float(b32.abs().max())
-                diff = float((a.float() - b32).abs().nan_to_num(float("inf")).max())
-                tol = tolerance(b.dtype) * max(scale, torch.finfo(torch.float32).tiny)
-                if not diff <= tol:
-                    raise MismatchError(f"its {kind} {i} differs from {plain_name}'s by {diff:.3g} (largest value "
-                                        f"{scale:.3g}, rounding explains {tol:.3g})")
+                check_close(a, b, f"its {kind} {i}", plain_name)
     return probe
+
+
+def check_close(got: Optional[torch.Tensor], want: Optional[torch.Tensor], what: str, plain_name: str,
+                dtype: Optional[torch.dtype] = None) -> None:
+    """Raise ``MismatchError`` where ``got`` differs from ``want`` by more than ``tolerance`` (of ``dtype``, default
+    ``want``'s) of ``want``'s largest magnitude, or is not finite where ``want`` is; None or a shape change passes."""
+    if got is None or want is None or got.shape != want.shape:
+        return
+    b32 = want.float()
+    if not bool(torch.isfinite(b32).all()):
+        return
+    scale = float(b32.abs().max()) if b32.numel() else 0.0
+    diff = float((got.to(b32.device).float() - b32).abs().nan_to_num(float("inf")).max()) if b32.numel() else 0.0
+    tol = tolerance(dtype or want.dtype) * max(scale, torch.finfo(torch.float32).tiny)
+    if not diff <= tol:
+        raise MismatchError(f"{what} differs from {plain_name}'s by {diff:.3g} (largest value {scale:.3g}, "
+                            f"rounding explains {tol:.3g})")
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
@@ -175,13 +185,16 @@ class FastPath:
         if self.fallback_reason is not None:
             return self.plain_fn(*args, **kwargs)
         try:
-            if self.probe is None:
+            out, probed = None, False
+            if self.probe is not None:
+                with _outside_callers_hooks():
+                    # A probe returning False could not run here, or ran on another variant of the call
+                    # (GUARD_CALL): the real call is guarded too.
+                    result = self.probe(self.fast_fn, args, kwargs)
+                    probed = result is not False and result is not GUARD_CALL
+            if not probed:
                 with self.first_call():
                     out = self.fast_fn(*args, **kwargs)
-            else:
-                with _outside_callers_hooks():
-                    self.probe(self.fast_fn, args, kwargs)
-                out = None
         except Exception as exc:  # noqa: BLE001 - whatever the fast path raises at first use, the plain path runs
             if _is_memory_error(exc):
                 raise

@@ -5,6 +5,9 @@ import torch
 from libai_lite.layers import MultiheadAttention
 from libai_lite.layers.attention import KVCache, document_mask
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 # fp32: a document's rows run through another SDPA kernel and other matmul shapes than alone, which
 # reorders sums of at most head_size (16) or seq (10) terms: a few float32 eps, far under 1e-5.
 TOL = dict(rtol=1e-5, atol=1e-6)

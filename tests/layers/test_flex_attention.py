@@ -23,6 +23,9 @@ from projects.MT5 import MT5Model
 from projects.MT5.modeling.relative_position import RelativePositionBias
 from projects.MT5.modeling.relative_position import _cached_diagonals
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 OUT_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 

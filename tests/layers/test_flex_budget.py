@@ -52,6 +52,9 @@ from projects.MT5 import MT5Model
 from projects.MT5.data.t5_dataset import random_spans_helper
 from projects.MT5.modeling.relative_position import RelativePositionBias
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 ROOT = Path(__file__).resolve().parents[2]
 # cudaDevAttrMaxSharedMemoryPerBlockOptin: what Triton checks a kernel's shared memory against.
 GPUS = {"sm80": ((8, 0), 166_912), "sm90": ((9, 0), 232_448)}

@@ -23,6 +23,9 @@ from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_o
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 # A fresh inductor cache for each test run (a user's TORCHINDUCTOR_CACHE_DIR is kept): kernels cached
 # by earlier runs gave NaN losses when reused, first across ATEN_CPU_CAPABILITY (not part of inductor's
 # key), then once more in a cache kept per ISA. A cold compile of these tiny models takes seconds.
@@ -287,8 +290,9 @@ def test_mt5_on_the_flex_path_a_gpu_takes_compiles_with_fullgraph_and_never_reco
         curve, counts = train(padded_seq2seq_step(model), model.parameters())
     # The first step's eager flex calls compile torch's own wrapper; count what the model added from step 2.
     graphs = [g - counts[0][0] for g, _ in counts[1:]]
-    # The whole model, or the encoder's and decoder's first layer (they hold the bias table) and the others.
-    assert graphs[0] == (1 if whole_model else 4), counts
+    # The whole model, or the encoder's and decoder's first layer (they hold the bias table) and the others;
+    # and, MT5 training with dropout, the dropout-free graphs its first call is compared with eager through.
+    assert graphs[0] == (1 + 1 if whole_model else 4 + 2), counts
     assert len(set(graphs)) == 1, f"compiled again after step 2: {counts}"
     # Flex against SDPA: the same math, summed in another order over SEQ keys.
     assert curve == pytest.approx(reference, rel=RTOL, abs=0)

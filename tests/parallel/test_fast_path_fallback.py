@@ -18,6 +18,9 @@ from libai_lite.layers import fused_linear_ce as flce
 from libai_lite.parallel.compile import CompileOptions, apply_compile, compiled_modules_eager
 from tests.parallel.test_compile import CFG, batches, build_model, eager_step
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 N, H, V = 45, 32, 96  # as tests/layers/test_fused_linear_ce.py: 45 tokens in chunks of 16, a padded tail
 
 
@@ -215,6 +218,44 @@ def test_compiled_layers_fall_back_to_eager_at_the_first_call(warned, eager_curv
     assert calls == (["forward"] if fails_in == "forward" else ["forward", "backward"])
 
 
+def _zero_backward_backend(calls):
+    """A backend whose backward runs and returns zero gradients: what torch 2.11's dynamo gave an autograd.Function
+    whose output was masked in place. Nothing raises; only the numbers are wrong."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward(gm, example_inputs):
+        calls.append("backward")
+
+        def run(*args):
+            return [torch.zeros_like(o) if isinstance(o, torch.Tensor) else o for o in gm(*args)]
+        return run
+
+    return aot_autograd(fw_compiler=lambda gm, example_inputs: gm, bw_compiler=backward)
+
+
+@pytest.mark.parametrize("scope,dropout", [("layers", 0.0), ("model", 0.0), ("layers", 0.1)],
+                         ids=["layers", "model", "layers_with_dropout"])
+def test_a_compiled_module_whose_backward_is_wrong_falls_back_to_eager(warned, scope, dropout):
+    """Compiled, the module's first call is compared with the eager module on the same inputs, forward and
+    backward (with dropout off for the comparison, since compiled dropout draws other numbers): wrong gradients
+    end in one warning line and the eager losses, where they once trained on silently."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cfg = dict(attention_dropout_prob=dropout, output_dropout_prob=dropout)
+    reference = _curve(build_model(**cfg))  # the dropout draws follow build_model's seeding
+    calls = []
+    model = build_model(**cfg)
+    assert apply_compile(model, CompileOptions(enabled=True, backend=_zero_backward_backend(calls), scope=scope),
+                         whole_model_ok=scope == "model") == scope
+    curve = _curve(model)
+    assert torch.equal(curve, reference)
+    assert len(warned) == 1 and warned[0].startswith("train.compile (backend AotAutograd) failed at its first use "
+                                                     "(MismatchError: its gradient "), warned
+    assert "differs from the eager module's" in warned[0] and warned[0].endswith("the eager module runs from here on")
+    assert calls == ["backward"]
+
+
 def test_cuda_graphs_fall_back_to_the_same_compilation_without_them(monkeypatch, warned, eager_curve):
     """reduce-overhead records its CUDA graph on a later call than the first compiled one (the third step,
     after the eager first step): a recording that fails on the second compiled call falls back to the same compilation without CUDA graphs (here: the eager call, so the
@@ -259,7 +300,8 @@ def test_a_fast_path_that_worked_and_then_fails_is_an_error(warned):
     def backend(gm, example_inputs):
         def run(*args):
             calls.append(1)
-            if len(calls) > 1:
+            # The first compiled call is the probe's comparison with the eager module, the second the step's.
+            if len(calls) > 2:
                 raise RuntimeError("illegal memory access")
             return gm(*args)
         return run
@@ -275,7 +317,7 @@ def test_a_fast_path_that_worked_and_then_fails_is_an_error(warned):
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         model(x)
-    assert warned == [] and len(calls) == 2
+    assert warned == [] and len(calls) == 3
 
 
 # ------------------------------------------------------------------------------------ train.fp8

@@ -23,6 +23,9 @@ from libai_lite.parallel.float8 import (
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT, env, tiny, train_cmd, train_net, tree_snapshot
 
+# The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
+pytestmark = pytest.mark.gpu_path
+
 torchao = pytest.importorskip("torchao", reason="train.fp8 needs torchao: pip install -e .[fp8]")
 
 # The FP8 GEMM on a GPU when there is one: a CPU-built model on a GPU machine ran torch's CPU float8
