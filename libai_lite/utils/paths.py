@@ -46,8 +46,9 @@ def check_outputs(outputs: Iterable[str], inputs: Iterable[str | None] = (), *, 
     for out in map(os.fspath, outputs):
         for inp in inputs:
             if _same(out, inp):
+                where = "outside" if os.path.isdir(inp) else "other than"
                 raise UsageError(f"{option} would write {out}, which is the input {inp}; give {option} a path "
-                                 f"outside {inp}")
+                                 f"{where} {inp}")
         if os.path.isdir(out) and not directory:
             raise UsageError(f"{option} would write the file {out}, but that is a directory; give {option} the "
                              f"path of a file, not of a directory")
