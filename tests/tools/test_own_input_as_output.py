@@ -49,7 +49,7 @@ def test_preprocess_data_refuses_to_write_over_its_fairseq_input(tmp_path, capsy
 
 
 @pytest.mark.parametrize("where", ["the checkpoint", "the run holding it"])
-def test_hf_convert_export_refuses_its_checkpoint_or_the_folder_holding_it(run, in_process, capsys, where):  # noqa: F811
+def test_hf_convert_export_refuses_its_checkpoint_or_the_run_holding_it(run, in_process, capsys, where):  # noqa: F811
     out, _, _ = run
     before = hashes(out)
     ckpt = out / "model_final"
@@ -77,11 +77,11 @@ def test_plot_metrics_refuses_its_metrics_file_or_a_directory_as_the_png(run, tm
     out, _, _ = run
     before = hashes(out)
     target = out / "metrics.json" if where == "metrics.json" else tmp_path / "plots"
-    target.mkdir(exist_ok=True) if where == "a directory" else None
+    if where == "a directory":
+        target.mkdir()
     code = tool("plot_metrics").main([str(out), "-o", str(target)])
     refused(code, capsys, target)
     assert hashes(out) == before and not no_temporaries(out, tmp_path)
-    assert not list(tmp_path.parent.glob(f"{tmp_path.name}/plots*.tmp*"))
 
 
 def test_evaluate_without_output_writes_nothing_under_the_output_dir_or_the_cwd(run, in_process, tmp_path,  # noqa: F811
@@ -113,3 +113,16 @@ def test_evaluate_with_output_releases_its_log_folder_lock_after_a_traceback(run
                                str(tmp_path / "r.json"), *tiny(tmp_path / "ev", cache)])
     assert (tmp_path / "ev" / "evaluate" / "log.txt").is_file()
     assert not (tmp_path / "ev" / "evaluate" / ".lock").exists() and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "inside it"])
+def test_convert_checkpoint_refuses_its_megatron_checkpoint_or_a_folder_in_it(tmp_path, capsys, where):
+    from tests.tools.test_convert_checkpoint import _tool, _weights, write_megatron_legacy
+
+    src = tmp_path / "megatron"
+    write_megatron_legacy(src, _weights())
+    before = hashes(src)
+    target = src if where == "the checkpoint" else src / "converted"
+    code = _tool().main(["--from", "megatron", "--input", str(src), "--output", str(target), "--force"])
+    refused(code, capsys, src, target)
+    assert hashes(src) == before and not no_temporaries(tmp_path)
