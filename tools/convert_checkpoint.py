@@ -20,6 +20,7 @@ import torch
 
 from compat.checkpoints import checkpoint_format, megatron_iteration_dir
 from libai_lite.utils.errors import UsageError
+from libai_lite.utils.paths import check_outputs
 
 _LEGACY_FILE = "model_optim_rng.pt"
 # Megatron's (legacy) layer-local names -> how tensor-parallel shards join: 0 rows, 1 columns, None replicated.
@@ -229,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing --output")
     args = parser.parse_args(argv)
     try:
+        check_outputs([args.output], [args.input, args.vocab_file, args.merge_file], option="--output",
+                      directory=True)
         kind = checkpoint_format(args.input)
         if kind == "libai":
             raise UsageError(f"{args.input} is a LiBai (OneFlow) checkpoint: OneFlow's tensor folders cannot be read "

@@ -8,8 +8,9 @@
     torchrun --nproc_per_node 2 tools/evaluate.py ... train.dist.tensor_parallel_size=2
 
 The config gives the model, tokenizer and parallel layout (overrides work as for train_net.py);
-the checkpoint loads on any layout. Prints one result line; `--output FILE` also writes the
-results as JSON. The log goes to `<train.output_dir>/evaluate/`.
+the checkpoint loads on any layout. Prints one result line and writes nothing else, unless
+`--output FILE` is given: then the results go to FILE as JSON, and the log and config.yaml to
+`<train.output_dir>/evaluate/`.
 """
 import argparse
 import json
@@ -17,6 +18,7 @@ import os
 import sys
 
 from libai_lite.utils.errors import UsageError
+from libai_lite.utils.paths import check_outputs
 
 
 def ppl_loader_fn(data, json_key, stride, split, seq_length):
@@ -87,6 +89,11 @@ def evaluate(args) -> dict:
     from libai_lite.engine.eval_only import build_eval_trainer
     from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
 
+    if args.output:
+        data = [args.data] + ([args.data + ".bin", args.data + ".idx"] if args.data and not os.path.isfile(args.data)
+                              else [])
+        check_outputs([args.output], [*data, args.checkpoint, args.config_file], option="--output")
+    subdir = "evaluate" if args.output else None
     if args.task == "lambada" and not args.data:
         raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
     if args.data and args.task == "lambada" and not os.path.isfile(args.data):
@@ -94,37 +101,47 @@ def evaluate(args) -> dict:
     if args.data and os.path.isfile(args.data) and (args.task == "lambada" or is_jsonl_path(args.data)):
         check_utf8(args.data)
     if args.task == "lambada":
-        trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, verify=not args.no_verify)
+        trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, subdir=subdir,
+                                     verify=not args.no_verify)
         return trainer._inference(None, LambadaEvaluator(args.data, json_key=args.json_key), None)
-    trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, verify=not args.no_verify,
+    trainer = build_eval_trainer(args.config_file, args.checkpoint, args.opts, subdir=subdir, verify=not args.no_verify,
                                  data_loader_fn=ppl_loader_fn(args.data, args.json_key, args.stride, args.split,
                                                               args.seq_length))
     return trainer._inference(trainer.test_loader, PPLEvaluator(), None)
 
 
+def write_results(args, results: dict) -> None:
+    """`--output`'s JSON record, whole or not at all."""
+    from libai_lite.utils.files import atomic_write
+
+    record = {"task": args.task, "data": args.data, "checkpoint": args.checkpoint, "results": results}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        atomic_write(args.output, lambda f: f.write(json.dumps(record, indent=2) + "\n"), mode="w", fsync=False)
+    except OSError as e:
+        raise UsageError(f"cannot write --output {args.output}: {e.strerror or e}; make its folder writable or "
+                         f"give --output another path, then evaluate again") from e
+
+
 def main(argv=None) -> int:
     from libai_lite.engine.launch import report_cli_error
     from libai_lite.utils.distributed import destroy
+    from libai_lite.utils.process import release_locks
 
     args = build_parser().parse_intermixed_args(argv)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         results = evaluate(args)
+        if rank0:
+            print(f"{args.task}: " + "  ".join(f"{k}: {v:.6g}" for k, v in results.items()), flush=True)
+            if args.output:
+                write_results(args, results)
     except Exception as e:  # noqa: BLE001 - user errors arrive wrapped by instantiate; find them
         return report_cli_error(e)
     finally:
         destroy()
-    if rank0:
-        print(f"{args.task}: " + "  ".join(f"{k}: {v:.6g}" for k, v in results.items()), flush=True)
-        if args.output:
-            record = {"task": args.task, "data": args.data, "checkpoint": args.checkpoint, "results": results}
-            parent = os.path.dirname(os.path.abspath(args.output))
-            os.makedirs(parent, exist_ok=True)
-            tmp = args.output + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=2)
-                f.write("\n")
-            os.replace(tmp, args.output)
+        # The log folder's lock goes with any end, a traceback's too (a tool run in-process does not exit).
+        release_locks()
     return 0
 
 

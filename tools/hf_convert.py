@@ -20,6 +20,7 @@ import sys
 import warnings
 
 from libai_lite.utils.errors import UsageError
+from libai_lite.utils.paths import check_outputs
 
 
 def register_builtin_projects() -> None:
@@ -171,6 +172,7 @@ def cmd_import(args) -> int:
     from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
     from libai_lite.tokenizer import pad_vocab_size
 
+    check_outputs([args.output], [args.hf_dir, args.config_file], option="--output", directory=True)
     for name in ("tensor_parallel_size", "make_vocab_size_divisible_by"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
@@ -234,6 +236,7 @@ def cmd_export(args) -> int:
     from libai_lite.checkpoint.integrity import read_metadata
     from libai_lite.config import instantiate
 
+    check_outputs([args.output], [args.checkpoint, args.config_file], option="--output", directory=True)
     check_output_dir(args.output, args.force)
     read_metadata(args.checkpoint)  # a missing or corrupt checkpoint is refused before the config is read
     cfg, model_class = load_model_config(args.config_file, [o for o in args.opts if o != "--"])

@@ -18,6 +18,8 @@ import os
 import sys
 
 from libai_lite.utils.errors import UsageError
+from libai_lite.utils.files import atomic_write
+from libai_lite.utils.paths import check_outputs
 
 # (title, [(metrics.json key, unit)]: the first key any run logged is the panel's, log scale)
 PANELS = [
@@ -123,12 +125,15 @@ def plot(runs: dict[str, dict[int, dict]], output: str):
                 ax.legend(fontsize="small")
     fig.suptitle(", ".join(runs))
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    # Write-then-rename: a reader never sees half a PNG.
-    tmp = f"{output}.tmp.png"
-    fig.savefig(tmp, dpi=DPI)
-    os.replace(tmp, output)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        # Write-then-rename: a reader never sees half a PNG, and a failure leaves no temporary.
+        atomic_write(output, lambda f: fig.savefig(f, dpi=DPI, format="png"), fsync=False)
+    except OSError as e:
+        raise UsageError(f"cannot write {output}: {e.strerror or e}; make its folder writable or give -o another "
+                         f"path") from e
+    finally:
+        plt.close(fig)
     return fig
 
 
@@ -148,8 +153,9 @@ def main(argv=None) -> int:
         labels = run_labels(args.output_dirs)
         if len(set(labels)) != len(labels):
             raise UsageError("an OUTPUT_DIR is given twice; pass each run once")
-        runs = {label: read_metrics(d) for label, d in zip(labels, args.output_dirs)}
         output = args.output or os.path.join(args.output_dirs[0], "metrics.png")
+        check_outputs([output], [os.path.join(d, "metrics.json") for d in args.output_dirs], option="-o")
+        runs = {label: read_metrics(d) for label, d in zip(labels, args.output_dirs)}
         plot(runs, output)
     except UsageError as e:
         if os.environ.get("LIBAI_LITE_TRACEBACK"):

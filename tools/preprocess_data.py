@@ -37,6 +37,8 @@ except ImportError:
 from libai_lite.data.corpus_readers import CHUNK_LINES, TEXT_DOCS, CorpusError, open_corpus  # noqa: F401
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from libai_lite.utils.errors import UsageError
+from libai_lite.utils.paths import check_outputs
 
 # Lines handed to a worker at once (corpus_readers.CHUNK_LINES): large enough for the batched
 # encoders to pay off, small enough to keep every worker busy on modest corpora.
@@ -376,6 +378,19 @@ def _missing_dirs(path: str) -> list:
 def main(argv=None) -> int:
     """Run the preprocessing; returns the process exit code (0 ok, 1 bad input)."""
     args = get_args(argv)
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+    # A .bin/.idx input is read as a pair (a fairseq split): neither file may be written over.
+    base = args.input[:-4] if args.input.endswith((".bin", ".idx")) else None
+    # Tokenizer files, not a tokenizer's folder: outputs beside its tokenizer.json are fine.
+    inputs = [args.input] + [p for p in (args.vocab_file, args.merge_file, args.tokenizer_model)
+                             if p and os.path.isfile(p)]
+    inputs += [base + ".bin", base + ".idx"] if base is not None else []
+    try:
+        check_outputs([p + ext for p in prefixes.values() for ext in (".bin", ".idx")], inputs,
+                      option="--output-prefix")
+    except UsageError as e:
+        return _fail(str(e))
     tokenizer_kwargs = dict(
         tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file,
@@ -395,8 +410,6 @@ def main(argv=None) -> int:
     if args.append_eod and tokenizer.eod_id is None:
         return _fail(f"{args.tokenizer_type} has no end-of-document token; drop --append-eod")
     dtype = best_fitting_dtype(tokenizer.vocab_size)
-    level = "sentence" if args.split_sentences else "document"
-    prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
     created_dirs = _missing_dirs(os.path.dirname(os.path.abspath(args.output_prefix)))
     builders = {}

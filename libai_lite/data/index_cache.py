@@ -109,19 +109,51 @@ def _cache_lock(path: str, exclusive: bool):
     """An advisory ``flock`` on ``{path}.lock``: builders take it exclusively, readers shared.
 
     So no job reads arrays another is still writing or removing. Where locks cannot be taken (a read-only
-    cache, no ``flock``), the atomic writes alone still keep every file whole.
+    cache, no ``flock``), the atomic writes alone still keep every file whole. The last holder removes the
+    lock file, so none is left beside the data.
     """
-    try:
-        f = open(f"{path}.lock", "a+b")
-    except OSError:
-        yield
-        return
-    with f:
+    lock_path = f"{path}.lock"
+    while True:
+        try:
+            f = open(lock_path, "a+b")
+        except OSError:
+            yield
+            return
         try:
             fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         except OSError:
-            pass
-        yield  # closing the file releases the lock
+            with f:
+                yield
+            return
+        # A holder that finished may have removed the file we opened: lock the one now at the path instead.
+        try:
+            current = os.fstat(f.fileno()).st_ino == os.stat(lock_path).st_ino
+        except OSError:
+            current = False
+        if current:
+            break
+        f.close()
+    with f:
+        try:
+            yield
+        finally:
+            _remove_if_last(f, lock_path)
+
+
+def _remove_if_last(f, lock_path: str) -> None:
+    """Remove the lock file when no other process holds it: its exclusive lock is free only then.
+
+    Anyone who opened the file before the removal sees, once it gets the lock, that the path no longer names
+    its file and starts over on a new one (``_cache_lock``'s loop).
+    """
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another process holds it and removes it in turn
+    try:
+        os.unlink(lock_path)
+    except OSError:
+        pass
 
 
 def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], what: str,

@@ -16,9 +16,18 @@ class EvalOnlyTrainer(DefaultTrainer):
     evaluator that reads its own data); the training data of the config is never opened.
     """
 
-    def __init__(self, cfg, layout, data_loader_fn, verify: bool = True):
-        self._data_loader_fn = data_loader_fn
+    def __init__(self, cfg, layout, data_loader_fn, verify: bool = True, write_output: bool = True):
+        self._data_loader_fn, self._write_output = data_loader_fn, write_output
         super().__init__(cfg, layout, eval_only=True, verify=verify)
+
+    def precheck_output_dir(self, output_dir: str) -> None:
+        if self._write_output:
+            super().precheck_output_dir(output_dir)
+
+    def _setup_output(self) -> None:
+        # Without an output folder the log stays on the console: no log.txt, config.yaml or lock anywhere.
+        if self._write_output:
+            super()._setup_output()
 
     def resolve(self, cfg):
         """The config resolved for evaluation alone (no training data counted), the model's vocabulary as padded as
@@ -62,11 +71,12 @@ def checkpoint_vocab_rows(cfg, path: str) -> int | None:
     return None
 
 
-def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: str = "evaluate",
+def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: str | None = "evaluate",
                        data_loader_fn=lambda trainer: None, verify: bool = True) -> EvalOnlyTrainer:
     """The config's model loaded from `checkpoint` on the layout the config and `opts` give.
 
-    The log and config.yaml go to `<train.output_dir>/<subdir>`, beside the training run's. Training's
+    The log and config.yaml go to `<train.output_dir>/<subdir>`, beside the training run's; with `subdir`
+    None nothing is written anywhere (the log goes to the console only). Training's
     global batch need not fit this layout: evaluation batches are `train.test_micro_batch_size` per
     data-parallel rank.
     """
@@ -76,8 +86,9 @@ def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: st
     cfg = LazyConfig.load(config_file)
     cfg = LazyConfig.apply_overrides(cfg, list(opts or []))
     cfg.train.load_weight = checkpoint
-    cfg.train.output_dir = os.path.join(cfg.train.output_dir, subdir)
+    if subdir is not None:
+        cfg.train.output_dir = os.path.join(cfg.train.output_dir, subdir)
     cfg.train.evaluation.enabled = False
     cfg.train.global_batch_size = None
     layout = default_setup(cfg, argparse.Namespace(fast_dev_run=False))
-    return EvalOnlyTrainer(cfg, layout, data_loader_fn, verify=verify)
+    return EvalOnlyTrainer(cfg, layout, data_loader_fn, verify=verify, write_output=subdir is not None)

@@ -155,7 +155,7 @@ def test_hf_convert_refuses_a_run_folder_as_output(run, in_process, capsys):
     argv = ["export", "--config-file", str(out / "config.yaml"), "--checkpoint", str(out / "model_final"),
             "--output", str(out)]
     assert tool("hf_convert").main(argv) == 1
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert f"which holds the input {out / 'model_final'}" in capsys.readouterr().err
     check_untouched(run, before, None)
 
 
