@@ -52,6 +52,8 @@ train = dict(
     # A NaN/inf loss stops the run (0) or skips up to this many batches (fp32/bf16; fp16 relies on
     # the loss scaler, which skips overflowed steps on its own).
     max_skipped_nonfinite=0,
+    # model.cfg keys a --resume may change on purpose (a longer max_seq_length); any other change is refused.
+    resume_model_changes=[],
     # Recompute every N-th transformer layer's activations in backward instead of storing them:
     # mode "full" keeps only each layer's input, "selective" keeps the matmul and attention outputs
     # and recomputes the cheap ops between them (less memory than none, less recomputation than full).

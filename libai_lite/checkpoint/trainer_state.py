@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..utils.distributed import get_rank
@@ -67,6 +68,51 @@ def resume_position(path: str | None, train_iter: int | None = None) -> tuple[in
     if path is not None and train_iter is not None:
         check_resume_has_work(path, start, train_iter)
     return consumed, start
+
+
+# model.cfg keys that choose a layout or a kernel, not the model: a resume may change them.
+LAYOUT_KEYS = frozenset({"moe.ep_size", "fused_cross_entropy"})
+
+
+def plain_model_config(model_config) -> dict:
+    """``model.cfg`` as the JSON a checkpoint records: nested keys flattened with dots, values JSON's own types
+    (anything else by its text), so a recorded and a current config compare key by key."""
+    if model_config is None:
+        return {}
+    if OmegaConf.is_config(model_config):
+        model_config = OmegaConf.to_container(model_config, resolve=True)
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", dict(model_config))
+    return json.loads(json.dumps(flat, default=str))
+
+
+def check_model_unchanged(path: str, model_config, allowed=()) -> None:
+    """Refuse to resume checkpoint ``path`` with a ``model.cfg`` other than the one it records (in one line naming
+    the first key that changed), except keys in ``allowed`` (``train.resume_model_changes``); a checkpoint
+    recording none (written before the record) passes."""
+    recorded = read_trainer_state(path).get("model_config")
+    if not isinstance(recorded, dict):
+        return
+    current = plain_model_config(model_config)
+    allowed = {str(k).removeprefix("model.cfg.") for k in (allowed or ())} | LAYOUT_KEYS
+    changed = sorted(k for k in set(recorded) | set(current)
+                     if k not in allowed and recorded.get(k, "(not set)") != current.get(k, "(not set)"))
+    if changed:
+        key = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if len(changed) > 1 else ""
+        raise UsageError(
+            f"--resume: model.cfg.{key}={current.get(key, '(not set)')} differs from the "
+            f"{recorded.get(key, '(not set)')} checkpoint {path} was trained with{more}; resume with the run's model "
+            f"settings, or train.output_dir elsewhere for a new run, or allow a deliberate change with "
+            f"train.resume_model_changes=[{', '.join(changed)}]")
 
 
 def write_trainer_state(directory: str, trainer_state: dict) -> dict:

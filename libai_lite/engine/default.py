@@ -17,7 +17,8 @@ from omegaconf import OmegaConf, open_dict
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
 from ..checkpoint.integrity import check_checkpoint_shapes
-from ..checkpoint.trainer_state import RngState, TrainerState, resume_position
+from ..checkpoint.trainer_state import (RngState, TrainerState, check_model_unchanged, plain_model_config,
+                                        resume_position)
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_with
 from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
@@ -57,6 +58,7 @@ class DefaultTrainer:
         self.spec = self.resolve(cfg)
         cfg = self.cfg = self.spec.cfg
         self.output_dir = self.spec.checkpoint.output_dir
+        self._model_record = plain_model_config(cfg.model.get("cfg"))  # what a checkpoint says it trained
         # Refuse before writing anything; the loaders need the resumed data position.
         self.resume_path = self.check_start(cfg, resume, run_dir or self.output_dir)
         train_iter = None if eval_only else self.spec.train_iter
@@ -84,6 +86,8 @@ class DefaultTrainer:
         resume_path = resolve_resume(run_dir) if resume else None
         if resume and resume_path is None:
             logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
+        if resume_path is not None:
+            check_model_unchanged(resume_path, cfg.model.get("cfg"), cfg.train.get("resume_model_changes") or ())
         self.precheck_output_dir(self.output_dir)
         if resume_path or self.spec.checkpoint.load_weight:
             check_checkpoint_shapes(resume_path or self.spec.checkpoint.load_weight, meta_model.state_dict(),
@@ -343,6 +347,7 @@ class DefaultTrainer:
             "global_batch_size": self.spec.batch.global_batch_size,
             "data_parallel_size": self.layout.data_parallel_size,
             "scheduler": self.scheduler.state_dict(),
+            "model_config": self._model_record,
         }
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
