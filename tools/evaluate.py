@@ -37,7 +37,7 @@ def ppl_loader_fn(data, json_key, stride, split, seq_length):
             path, which = prefix, split or "test"
         if not is_jsonl_path(path) and os.path.isfile(path) and not path.endswith((".bin", ".idx")):
             raise UsageError(f"{path} is neither a .jsonl file nor a .bin/.idx prefix; name JSON-lines files *.jsonl")
-        seq = seq_length or cfg.model.cfg.get("max_seq_length") or cfg.dataloader.train.get("seq_length")
+        seq = seq_length if seq_length is not None else cfg.model.cfg.get("max_seq_length") or cfg.dataloader.train.get("seq_length")
         return build_ppl_eval_loader(
             path, seq_length=int(seq), json_key=json_key, stride=stride, split=which or "all",
             splits_string=cfg.dataloader.train.get("splits_string", "949,50,1"), tokenizer=trainer.tokenizer,
@@ -94,6 +94,9 @@ def evaluate(args) -> dict:
                               else [])
         check_outputs([args.output], [*data, args.checkpoint, args.config_file], option="--output")
     subdir = "evaluate" if args.output else None
+    if args.seq_length is not None and args.seq_length < 1:
+        raise UsageError(f"--seq-length {args.seq_length} must be at least 1 (the perplexity window, in tokens); "
+                         f"leave it out for model.cfg.max_seq_length")
     if args.task == "lambada" and not args.data:
         raise UsageError("--task lambada needs --data FILE.jsonl (LAMBADA format: one {\"text\": ...} per line)")
     if args.data and args.task == "lambada" and not os.path.isfile(args.data):

@@ -149,6 +149,10 @@ class EvalHook(HookBase):
         for k, v in results.items():
             self.trainer.storage.put_scalar(f"valid/{k}", v)
         value = results.get(self.metric)
+        if self.save_best is not None and self.metric not in results:
+            raise UsageError(f"train.evaluation.eval_metric={self.metric!r} is not a metric the evaluator gives "
+                             f"({', '.join(map(str, results)) or 'none'}), so model_best would never be saved; set it "
+                             f"to one of those, or null to save no model_best")
         if self.save_best is None or value is None or not math.isfinite(value):
             return
         if self.best is None or (value < self.best if self.mode == "min" else value > self.best):

@@ -2,10 +2,13 @@
 ``ParallelDims`` (torchtitan's name), LiBai's capping rule, the ZeRO settings and each layer's pipeline stage."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import UsageError
+
+logger = logging.getLogger("libai_lite")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,13 @@ class ParallelDims:
         virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
         if virtual < 1:
             raise UsageError(f"train.dist.virtual_pipeline_size={virtual} must be at least 1")
+        if virtual > 1 and int(dist_cfg.get("pipeline_parallel_size", 1) or 1) == 1:
+            raise UsageError(f"train.dist.virtual_pipeline_size={virtual} splits each pipeline rank's layers into "
+                             f"stages, but train.dist.pipeline_parallel_size=1 (no pipeline); set "
+                             f"train.dist.pipeline_parallel_size to 2 or more, or virtual_pipeline_size=1")
+        if virtual > 1 and pp == 1:
+            logger.warning(f"train.dist.virtual_pipeline_size={virtual} has no effect: the pipeline was capped to one "
+                           f"stage on {world_size} process(es)")
         custom = dist_cfg.get("custom_pipeline_stage_id", None)
         return cls(world_size, pp, dp, cp, tp, sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)),
                    zero_stage=int(zero_stage or 0), offload=bool(offload),
