@@ -138,7 +138,8 @@ def launch(args) -> int:
         layout = default_setup(cfg, args)
         run_dir = own_output_dir(cfg, args)
         trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
-                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir)
+                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir,
+                                 replace_run=getattr(args, "fast_dev_run", False))
         if args.eval_only:
             results = trainer.test()
             if layout.rank == 0:
