@@ -34,7 +34,7 @@ from ..utils.distributed import Layout, broadcast_object, get_rank
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
-from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
+from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, stop_requested
 from . import hooks
 from .amp import build_loss_scaler
 from .profiler import ProfilerHook
@@ -478,8 +478,10 @@ class DefaultTrainer:
         splits = [("valid", self.valid_loader, eval_iter), ("test", self.test_loader, eval_iter)]
         return evaluate_splits(self.cfg, self.model, splits, self.eval_context())
 
-    def train(self) -> None:
-        """Train from `start_iter` to `train.train_iter`."""
+    def train(self) -> int | None:
+        """Train from `start_iter` to `train.train_iter`; return the stop signal that ended it early (every rank
+        the same) or arrived during its last evaluation or save (that rank's), None for a run left alone."""
         max_iter = self.spec.train_iter
         logger.info(f"Starting training from iteration {self.start_iter} to {max_iter}")
         self.trainer.train(self.start_iter, max_iter)
+        return self.trainer.stop_signal or stop_requested()
