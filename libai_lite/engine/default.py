@@ -10,6 +10,7 @@ import copy
 import inspect
 import logging
 import os
+import re
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf, open_dict
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
 from ..checkpoint.integrity import check_checkpoint_shapes
+from ..checkpoint.protocol import LAST_CHECKPOINT, last_checkpoint
 from ..checkpoint.trainer_state import (RngState, TrainerState, check_model_unchanged, plain_model_config,
                                         resume_position)
 from ..config import LazyConfig, instantiate
@@ -29,11 +31,11 @@ from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
 from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
-from ..utils.distributed import Layout, broadcast_object
+from ..utils.distributed import Layout, broadcast_object, get_rank
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
-from ..utils.process import OutputDirLock, shield_workers_from_stop_signals
+from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, stop_requested
 from . import hooks
 from .amp import build_loss_scaler
 from .profiler import ProfilerHook
@@ -43,6 +45,40 @@ from .wandb_writer import build_wandb_writer
 logger = logging.getLogger("libai_lite")
 
 
+# A checkpoint directory of the protocol (libai_lite.checkpoint.protocol), published or left by a killed save.
+_CHECKPOINT_DIR = re.compile(r"^model_(\d{7}|final|best)(\.tmp|\.old)?$")
+
+
+def existing_run_refusal(output_dir: str) -> str | None:
+    """The one-line refusal of a new training in ``output_dir`` where it holds a run, else None; reads only.
+
+    A run is a ``last_checkpoint``, a checkpoint directory, or config.yaml with metrics.json; an empty folder or
+    one of unrelated files is trained into. A live run's lock is named first.
+    """
+    try:
+        entries = sorted(os.listdir(output_dir))
+    except OSError:  # not there yet, or unreadable: precheck_output_dir says which
+        return None
+    checkpoints = [e for e in entries if _CHECKPOINT_DIR.match(e) and os.path.isdir(os.path.join(output_dir, e))]
+    logged = [e for e in ("config.yaml", "metrics.json") if e in entries]
+    if LAST_CHECKPOINT not in entries and not checkpoints and len(logged) < 2:
+        return None
+    try:
+        OutputDirLock(output_dir).refuse_if_held()
+    except UsageError as e:
+        return str(e)
+    try:
+        name = os.path.basename(last_checkpoint(output_dir) or "")
+    except OSError:
+        name = ""
+    if name:
+        return (f"train.output_dir={output_dir} already holds a run (last checkpoint {name}); continue it with "
+                f"--resume, or give a new train.output_dir=...")
+    held = ", ".join(checkpoints[:3] + logged) or f"an empty {LAST_CHECKPOINT}"
+    return (f"train.output_dir={output_dir} already holds a run ({held}) with no last_checkpoint to continue from; "
+            f"give a new train.output_dir=..., or add --resume to train it again from iteration 0 there")
+
+
 class DefaultTrainer:
     """Builds tokenizer, data, model, optimizer, scheduler, checkpointer, trainer and hooks from ``cfg``, then trains.
 
@@ -50,10 +86,13 @@ class DefaultTrainer:
     """
 
     def __init__(self, cfg, layout: Layout, resume: bool = False, eval_only: bool = False, verify: bool = True,
-                 run_dir: str | None = None):
+                 run_dir: str | None = None, replace_run: bool = False):
         """``run_dir`` is the run whose ``last_checkpoint`` ``resume`` reads, by default ``train.output_dir``.
-        With ``verify`` False checkpoints load without checking their files against their manifest."""
+        With ``verify`` False checkpoints load without checking their files against their manifest. A training
+        that does not resume is refused where ``train.output_dir`` already holds a run, unless ``replace_run``
+        (``--fast-dev-run``'s folder of its own, which each check starts over)."""
         self.cfg, self.layout, self.eval_only, self.verify = cfg, layout, eval_only, verify
+        self.replace_run = replace_run
         self.tokenizer = self.build_tokenizer(cfg)
         self.spec = self.resolve(cfg)
         cfg = self.cfg = self.spec.cfg
@@ -81,6 +120,8 @@ class DefaultTrainer:
     def check_start(self, cfg, resume: bool, run_dir: str) -> str | None:
         """Refuse, before anything is written, a layout, output directory or checkpoint that cannot work;
         returns the checkpoint ``resume`` continues from, None to start from scratch."""
+        if not (resume or self.eval_only or self.replace_run):
+            self.refuse_existing_run(self.output_dir)
         meta_model = self.spec.meta_model if self.spec.meta_model is not None else self.build_meta_model(cfg)
         self.check_layout(cfg, meta_model)
         resume_path = resolve_resume(run_dir) if resume else None
@@ -95,6 +136,15 @@ class DefaultTrainer:
                                     model_config=cfg.model.get("cfg"), verify=self.verify,
                                     rebuild=self.model_shapes_with)
         return resume_path
+
+    @staticmethod
+    def refuse_existing_run(output_dir: str) -> None:
+        """Refuse a new training in a directory that holds a run (its checkpoints, or config.yaml and
+        metrics.json): it would start at iteration 0 and replace them. Rank 0 reads, every rank gets its verdict."""
+        refusal = existing_run_refusal(output_dir) if get_rank() == 0 else None
+        refusal = broadcast_object(refusal)
+        if refusal:
+            raise UsageError(refusal)
 
     @staticmethod
     def precheck_output_dir(output_dir: str) -> None:
@@ -434,8 +484,10 @@ class DefaultTrainer:
         splits = [("valid", self.valid_loader, eval_iter), ("test", self.test_loader, eval_iter)]
         return evaluate_splits(self.cfg, self.model, splits, self.eval_context())
 
-    def train(self) -> None:
-        """Train from `start_iter` to `train.train_iter`."""
+    def train(self) -> int | None:
+        """Train from `start_iter` to `train.train_iter`; return the stop signal that ended it early (every rank
+        the same) or arrived during its last evaluation or save (that rank's), None for a run left alone."""
         max_iter = self.spec.train_iter
         logger.info(f"Starting training from iteration {self.start_iter} to {max_iter}")
         self.trainer.train(self.start_iter, max_iter)
+        return self.trainer.stop_signal or stop_requested()

@@ -101,9 +101,9 @@ class SignalCheckpointer(HookBase):
 
     def after_step(self):
         received, failure = stop_requested(), pending_failure()
-        # One collective for both questions, so no rank enters the save's collectives alone.
-        # The lowest failing rank's error is reported.
-        signalled, failed = all_reduce_max([1.0 if received is not None else 0.0,
+        # One collective for both questions, so no rank enters the save's collectives alone; every rank
+        # learns the signal (the highest number if several). The lowest failing rank's error is reported.
+        signalled, failed = all_reduce_max([float(received or 0),
                                             -float(get_rank()) if failure is not None else -math.inf])
         if failed > -math.inf:
             src = int(-failed)
@@ -113,8 +113,8 @@ class SignalCheckpointer(HookBase):
             it = self.trainer.iter
             # Blocking: the job may be killed soon after the stop, and a failed write must stop it here.
             self.periodic.save(f"model_{it:07d}", blocking=True)
-            name = signal.Signals(received).name if received else "a signal on another rank"
-            raise StopTraining(f"Stopped by {name} after iteration {it}; resume with --resume")
+            name = signal.Signals(int(signalled)).name
+            raise StopTraining(f"Stopped by {name} after iteration {it}; resume with --resume", int(signalled))
 
     def after_train(self):
         # Runs last, after the final checkpoint: a signal during that save waited for it to finish.

@@ -122,8 +122,9 @@ def report_cli_error(exc: Exception) -> int:
 def launch(args) -> int:
     """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
 
-    Bad input ends the process with one `error:` line on stderr and exit status 1; a job restarted
-    by torchrun (MAX_RESTARTS) resumes from its last checkpoint on its own.
+    Bad input ends the process with one `error:` line on stderr and exit status 1; a run stopped by a signal
+    returns 128 + that signal once its checkpoint is saved; a job restarted by torchrun (MAX_RESTARTS) resumes
+    from its last checkpoint on its own.
     """
     from ..checkpoint.trainer_state import RunAlreadyFinished
     from .default import DefaultTrainer
@@ -138,7 +139,8 @@ def launch(args) -> int:
         layout = default_setup(cfg, args)
         run_dir = own_output_dir(cfg, args)
         trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
-                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir)
+                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir,
+                                 replace_run=getattr(args, "fast_dev_run", False))
         if args.eval_only:
             results = trainer.test()
             if layout.rank == 0:
@@ -146,7 +148,11 @@ def launch(args) -> int:
                                           trainer.resume_path or trainer.spec.checkpoint.load_weight)
                 logger.info(f"Evaluation results saved to {path}")
         else:
-            trainer.train()
+            signum = trainer.train()
+            if signum:
+                # Saved and stopped on request: the status of a process that signal ended, however it was
+                # started, so a scheduler (a Kubernetes Job, Slurm's requeue) does not take the run for finished.
+                return 128 + signum
         return 0
     except RunAlreadyFinished as e:
         if args.resume:

@@ -40,7 +40,11 @@ class HookBase:
 
 
 class StopTraining(Exception):
-    """Raised by a hook to end training cleanly after the current step (e.g. on SIGTERM)."""
+    """Raised by a hook to end training cleanly after the current step (e.g. on SIGTERM, its ``signum``)."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
 
 
 class TrainerBase:
@@ -51,6 +55,8 @@ class TrainerBase:
         self.iter = self.start_iter = self.max_iter = 0
         # The first iteration not yet done, where a checkpoint taken now resumes.
         self.next_iter = 0
+        # The signal a hook stopped training on (StopTraining.signum), None for a run that trained to the end.
+        self.stop_signal: int | None = None
         self.storage: EventStorage | None = None
 
     def register_hooks(self, hooks) -> None:
@@ -70,6 +76,7 @@ class TrainerBase:
         self.iter = self.start_iter = self.next_iter = start_iter
         self.max_iter = max_iter
         self.storage = EventStorage(start_iter)
+        self.stop_signal = None
         try:
             self._call_hooks("before_train")
             for self.iter in range(start_iter, max_iter):
@@ -82,6 +89,7 @@ class TrainerBase:
                     self._call_hooks("after_step")
                 except StopTraining as stop:
                     logger.info(str(stop))
+                    self.stop_signal = stop.signum
                     break
             else:
                 # After a full run `iter` equals max_iter, so after_train hooks see the end.

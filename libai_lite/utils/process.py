@@ -227,6 +227,29 @@ class OutputDirLock:
         except (OSError, ValueError):
             return {}
 
+    def _in_use(self, owner: dict) -> UsageError:
+        who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
+        since = f", running since {owner['started']}" if owner.get("started") else ""
+        return UsageError(f"train.output_dir={self.output_dir} is in use by another run ({who}{since}); "
+                          f"wait for it to end or stop it, or choose another train.output_dir")
+
+    def refuse_if_held(self) -> None:
+        """Raise ``acquire``'s ``UsageError`` if a live run holds the lock; reads only (no file is created)."""
+        if any(os.path.realpath(held.path) == os.path.realpath(self.path) for held in _HELD):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            # A shared lock is refused only while an owner holds its exclusive one; dropped at once.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise self._in_use(self._owner(fd)) from None
+        finally:
+            os.close(fd)
+
     def acquire(self) -> None:
         """Take the lock or raise ``UsageError`` naming the run that holds it.
 
@@ -245,10 +268,7 @@ class OutputDirLock:
                 os.close(fd)
                 if e.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-                who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
-                since = f", running since {owner['started']}" if owner.get("started") else ""
-                raise UsageError(f"train.output_dir={self.output_dir} is in use by another run ({who}{since}); "
-                                 f"wait for it to end or stop it, or choose another train.output_dir") from None
+                raise self._in_use(owner) from None
             # A run releasing the lock unlinks the file: if ours is no longer the one at the path, retry.
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino

@@ -1,5 +1,6 @@
-"""No command writes over another run: `--fast-dev-run`, `--eval-only` and the tools that read a trained run
-leave every file of it byte-identical and write only where they say (their own folder, or `--output`).
+"""No command writes over another run: a second training without --resume is refused, and `--fast-dev-run`,
+`--eval-only` and the tools that read a trained run leave every file of it byte-identical and write only where
+they say (their own folder, or `--output`).
 
 One tiny run is trained once for the module; each test hashes the run folder before and after its command.
 The harness (tools/eval_harness.py, `<output_dir>/lm_eval/`) is checked the same way in
@@ -9,10 +10,11 @@ import argparse
 import importlib.util
 import json
 import math
+import shutil
 
 import pytest
 
-from tests.launch import CONFIG, ROOT, kept_logger, losses, tiny, train_net
+from tests.launch import CONFIG, ROOT, kept_logger, losses, one_error_line, tiny, train_net, train_sh
 from tests.launch import tree_hashes as hashes
 
 # What each fixture run and check shares: the run trains 4 steps, checkpoints every 2 and keeps 1 periodic
@@ -65,6 +67,65 @@ def check_untouched(run, before: dict, own) -> dict:
     assert outside(after, own) == outside(before, own)
     assert {k: after.get(k) for k in trained} == trained
     return after
+
+
+def test_the_same_training_command_again_is_refused_and_changes_nothing(run):
+    """The command that trained the run, through tools/train.sh as the README gives it: it started at iteration 0
+    in the same folder and replaced the checkpoints, config.yaml, log.txt, metrics.json and last_checkpoint."""
+    out, cache, _ = run
+    before = hashes(out)
+    last = (out / "last_checkpoint").read_text().strip()
+    r = train_sh(1, tiny(out, cache, *RUN), timeout=180)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert one_error_line(r) == (f"error: train.output_dir={out} already holds a run (last checkpoint {last}); "
+                                 f"continue it with --resume, or give a new train.output_dir=...")
+    assert hashes(out) == before
+
+
+def test_a_training_from_the_runs_config_yaml_is_refused_and_changes_nothing(run):
+    out, _, _ = run
+    before = hashes(out)
+    r = train_net([], config=str(out / "config.yaml"))
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = one_error_line(r)
+    assert f"train.output_dir={out} already holds a run (last checkpoint " in line and "--resume" in line, line
+    assert hashes(out) == before
+
+
+def test_resume_continues_the_refused_run(run, tmp_path):
+    out, cache, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    r = train_net(tiny(copy, cache, *RUN, "train.train_iter=5") + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Starting training from iteration 4 to 5" in r.stdout
+    assert sorted(losses(copy)) == [1, 2, 3, 4, 5]
+
+
+def test_what_counts_as_a_run_in_the_output_dir(tmp_path):
+    """Checkpoints, last_checkpoint, or config.yaml with metrics.json refuse a new training; a missing or empty
+    folder, or one of unrelated files (a config.yaml alone included), is trained into."""
+    from libai_lite.engine.default import existing_run_refusal
+
+    out = tmp_path / "out"
+    assert existing_run_refusal(str(out)) is None
+    out.mkdir()
+    assert existing_run_refusal(str(out)) is None
+    (out / "notes.txt").write_text("mine")
+    (out / "config.yaml").write_text("train: {}\n")
+    (out / ".lock").write_text("{}")  # left by a killed run, held by no one
+    assert existing_run_refusal(str(out)) is None
+    (out / "metrics.json").write_text("{}\n")
+    assert existing_run_refusal(str(out)) == (
+        f"train.output_dir={out} already holds a run (config.yaml, metrics.json) with no last_checkpoint to "
+        f"continue from; give a new train.output_dir=..., or add --resume to train it again from iteration 0 there")
+    (out / "metrics.json").unlink()
+    (out / "model_0000003.tmp").mkdir()
+    assert "already holds a run (model_0000003.tmp, config.yaml) with no last_checkpoint" in \
+        existing_run_refusal(str(out))
+    (out / "last_checkpoint").write_text("model_0000003")
+    assert "already holds a run (last checkpoint model_0000003); continue it with --resume" in \
+        existing_run_refusal(str(out))
 
 
 def test_fast_dev_run_on_a_trained_run_writes_only_its_own_folder(run):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import (ROOT, free_port, job_pids, losses, one_error_line, start_torchrun_train, start_train_sh, tiny,
-                          train_net)
+from tests.launch import (ROOT, env, free_port, job_pids, losses, one_error_line, start_torchrun_train, start_train_sh,
+                          tiny, train_cmd, train_net)
 
 BASE = ["train.evaluation.enabled=False", "train.checkpointer.period=1000"]
 
@@ -115,6 +115,42 @@ def test_sigterm_to_train_sh_is_passed_on_and_no_process_remains(tmp_path):
     _check_saved_and_resume(out, r, expected, args, tmp_path)
 
 
+# (signals, the overrides, what the run has done when they are sent, what its log says it did after)
+STOPS = {
+    "sigterm": ([signal.SIGTERM], ["train.train_iter=100000"], lambda out: losses(out), "Stopped by SIGTERM after"),
+    "two_sigints": ([signal.SIGINT, signal.SIGINT], ["train.train_iter=100000"], lambda out: losses(out),
+                    "Stopped by SIGINT after"),
+    # The evaluation after the last step: the stop saves model_final and the run ends, stopped all the same.
+    "sigterm_in_the_last_evaluation": (
+        [signal.SIGTERM], ["train.train_iter=2", "train.evaluation.enabled=True", "train.evaluation.eval_iter=5000"],
+        lambda out: (out / "log.txt").exists() and "Evaluating valid window" in (out / "log.txt").read_text(),
+        "evaluation stopped by a stop signal after"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STOPS))
+def test_a_run_stopped_by_a_signal_saves_and_exits_with_the_signals_status_without_a_launcher(tmp_path, case):
+    """python tools/train_net.py, as a user or a scheduler starts it, exited 0 after the signal's checkpoint, so
+    the job looked finished; it now exits 128 + the signal (130 for Ctrl-C), as tools/train.sh does."""
+    sent, extra, started, said = STOPS[case]
+    out = tmp_path / "run"
+    p = subprocess.Popen(train_cmd(tiny(out, tmp_path / "cache", *BASE, *extra)), cwd=ROOT, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert _wait_for(lambda: started(out)), "the run did not get there"
+        for sig in sent:
+            os.killpg(p.pid, sig)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + sent[0], stdout[-2000:] + stderr[-3000:]
+    assert said in stdout and "Traceback" not in stderr, stdout[-2000:] + stderr[-3000:]
+    name = (out / "last_checkpoint").read_text().strip()
+    assert (out / name / "trainer_state.json").is_file()
+    assert (name == "model_final") == (case == "sigterm_in_the_last_evaluation"), name
+
+
 @pytest.mark.slow  # tests/engine/test_crash_resume.py checks no process outlives each kill by default
 def test_kill_9_of_the_launcher_group_leaves_no_worker_and_resume_on_the_same_port_works(tmp_path):
     """kill -9 of train.sh's process group (torchrun's workers live in sessions of their own): the
@@ -148,7 +184,7 @@ def test_kill_9_of_the_launcher_group_leaves_no_worker_and_resume_on_the_same_po
 def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(tmp_path):
     """While a run trains in train.output_dir, a second (here two ranks under train.sh) is refused
     with one line naming the first's host and pid, and leaves the first's files alone."""
-    from tests.launch import train_cmd, env, train_sh
+    from tests.launch import train_sh
 
     cache, out = tmp_path / "cache", tmp_path / "run"
     first = subprocess.Popen(train_cmd(tiny(out, cache, *BASE, "train.train_iter=100000")), cwd=ROOT, env=env(),

@@ -15,7 +15,7 @@ from libai_lite.engine import default as engine_default
 from libai_lite.engine.wandb_writer import WandbWriter, build_wandb_writer
 from libai_lite.run_sections import wandb_settings
 from libai_lite.utils.errors import UsageError
-from tests.launch import CONFIG, ROOT, tiny, train_net
+from tests.launch import CONFIG, ROOT, one_error_line, tiny, train_net
 
 wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install -e .[wandb])")
 
@@ -207,7 +207,12 @@ def test_a_resumed_training_continues_its_wandb_run(tmp_path):
         (log,) = run.glob("run-*.wandb")
         steps.append(sorted(r.history.step.num for r in wandb_records(log) if r.WhichOneof("record_type") == "history"))
     assert steps == [[1, 2], [3, 4]]
-    # A fresh run in the same directory (no --resume) starts a W&B run of its own.
+    # Training it again without --resume is refused, its W&B run untouched; where --resume finds no checkpoint
+    # the run starts again from iteration 0 with a W&B run of its own.
     r = train_net([*args, "train.train_iter=1"])
+    assert r.returncode == 1 and "already holds a run" in one_error_line(r)
+    assert (out / "wandb" / "run_id").read_text().strip() == run_id
+    (out / "last_checkpoint").unlink()
+    r = train_net([*args, "train.train_iter=1", "--resume"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "wandb" / "run_id").read_text().strip() != run_id
