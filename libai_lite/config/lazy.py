@@ -138,8 +138,9 @@ class LazyConfig:
         return pick(keys) if isinstance(keys, str) else tuple(pick(k) for k in keys)
 
     @staticmethod
-    def save(cfg: Any, filename: Union[str, os.PathLike]) -> None:
-        """Write ``cfg`` as YAML that :meth:`load` reads back to an equal config.
+    def save(cfg: Any, filename: Union[str, os.PathLike], header: str = "") -> None:
+        """Write ``cfg`` as YAML that :meth:`load` reads back to an equal config, ``header``'s lines first as
+        YAML comments.
 
         Callable ``_target_`` values become dotted import paths; interpolations stay unresolved. Values
         YAML cannot hold become placeholders, with a warning and a cloudpickle copy in ``<filename>.pkl``.
@@ -151,6 +152,7 @@ class LazyConfig:
         problems: List[str] = []
         data = _yaml_ready(data, "", problems)
         text = yaml.safe_dump(data, default_flow_style=None, allow_unicode=True, sort_keys=False, width=9999)
+        text = "".join(f"# {line}\n" for line in header.splitlines()) + text
 
         os.makedirs(os.path.dirname(os.path.abspath(filename)), exist_ok=True)
         # A crash or a full disk mid-save never leaves a truncated config.yaml or a temporary.

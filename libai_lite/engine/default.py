@@ -94,6 +94,8 @@ class DefaultTrainer:
         self.cfg, self.layout, self.eval_only, self.verify = cfg, layout, eval_only, verify
         self.replace_run = replace_run
         self.tokenizer = self.build_tokenizer(cfg)
+        # config.yaml keeps the layout asked for: a rerun on another process count derives its own.
+        self._asked_dist = copy.deepcopy(cfg.train.get("dist"))
         self.spec = self.resolve(cfg)
         cfg = self.cfg = self.spec.cfg
         self.output_dir = self.spec.checkpoint.output_dir
@@ -443,10 +445,25 @@ class DefaultTrainer:
                 # Interpolations are resolved so config.yaml shows the values this run used.
                 resolved = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True),
                                             flags={"allow_objects": True})
-                LazyConfig.save(resolved, path)
+                # What the launch decided is recorded, not required: the asked layout, and the global batch with
+                # its accumulation left to be derived on the rerun's data-parallel size.
+                with open_dict(resolved):
+                    resolved.train.dist = OmegaConf.to_container(self._asked_dist, resolve=True) \
+                        if OmegaConf.is_config(self._asked_dist) else self._asked_dist
+                    resolved.train.num_accumulation_steps = None
+                LazyConfig.save(resolved, path, header=self.launch_record())
                 logger.info(f"Full config saved to {path}")
         except OSError as e:
             raise write_error(path, e) from e
+
+    def launch_record(self) -> str:
+        """The layout and batch this launch resolved, as config.yaml's header says it."""
+        lay, b = self.layout, self.spec.batch
+        return (f"Launched on {lay.world_size} process(es): layout pp={lay.pipeline_parallel_size} "
+                f"dp={lay.data_parallel_size} tp={lay.tensor_parallel_size} cp={lay.context_parallel_size}, global batch "
+                f"{b.global_batch_size} = micro {b.micro_batch_size} x dp {lay.data_parallel_size} x accumulation "
+                f"{b.num_accumulation_steps}.\nA rerun from this file derives its own layout (train.dist keeps what was "
+                f"asked) and accumulation (the global batch is kept).")
 
     # ---------------------------------------------------------------- run
     def eval_context(self):
