@@ -25,7 +25,8 @@ def _number(x: float) -> str:
 class Range:
     """A number (``integer`` or not) in [low, high], with open ends where ``*_open``; ``null`` only if ``nullable``.
 
-    ``length`` makes the value a list of that many such numbers (``optim.betas``).
+    ``length`` makes the value a list of that many such numbers (``optim.betas``). Infinity only where
+    ``infinite`` (a norm type): an infinite learning rate passed the range and diverged at the first step.
     """
 
     low: float | None = None
@@ -35,9 +36,10 @@ class Range:
     low_open: bool = False
     high_open: bool = False
     length: int | None = None
+    infinite: bool = False
 
     def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
+        kind = "an integer" if self.integer else ("a number" if self.infinite else "a finite number")
         bounds = []
         if self.low is not None:
             bounds.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
@@ -45,11 +47,13 @@ class Range:
             bounds.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
         text = f"{kind} {' and '.join(bounds)}".strip()
         if self.length is not None:
-            text = f"a list of {self.length} numbers, each {text.split(' ', 2)[-1]}"
+            text = f"a list of {self.length} numbers, each {' and '.join(bounds)}"
         return text + (", or null" if self.nullable else "")
 
     def _number_ok(self, v: Any) -> bool:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return False
+        if math.isinf(v) and not self.infinite:
             return False
         if self.integer and (not float(v).is_integer() or math.isinf(v)):
             return False
@@ -172,7 +176,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "optim.momentum": _FRACTION,
     "optim.betas": Range(low=0, high=1, high_open=True, length=2),
     "optim.params.clip_grad_max_norm": Range(low=0, low_open=True, nullable=True),
-    "optim.params.clip_grad_norm_type": _POSITIVE,
+    "optim.params.clip_grad_norm_type": Range(low=0, low_open=True, infinite=True),
     "optim.params.weight_decay_norm": Range(low=0, nullable=True),
     "optim.params.weight_decay_bias": Range(low=0, nullable=True),
     "dataloader.*.num_workers": _NON_NEGATIVE_INT,

@@ -232,10 +232,12 @@ def test_the_documented_table_lists_every_case_with_the_message_this_test_checks
 # Values out of their range (libai_lite/config/validate.py's table) and overrides of the wrong shape:
 # override -> the part of the one-line message checked.
 BAD_VALUES = {
-    "optim.lr=-1": "optim.lr=-1.0 is out of range: it must be a number > 0",
+    "optim.lr=-1": "optim.lr=-1.0 is out of range: it must be a finite number > 0",
     "optim.lr=null": "optim.lr=null is out of range",
+    # Once passed the range and stopped as "training diverged ... --resume from the last checkpoint".
+    "optim.lr=inf": "optim.lr=inf is out of range: it must be a finite number > 0",
     "optim.eps=0": "optim.eps=0.0 is out of range",
-    "optim.weight_decay=-0.1": "optim.weight_decay=-0.1 is out of range: it must be a number >= 0",
+    "optim.weight_decay=-0.1": "optim.weight_decay=-0.1 is out of range: it must be a finite number >= 0",
     "optim.betas=[0.9]": "optim.betas=[0.9] is out of range: it must be a list of 2 numbers",
     "optim.betas=[0.9,1.5]": "each >= 0 and < 1",
     "train.dist.tensor_parallel_size=0":
@@ -244,7 +246,7 @@ BAD_VALUES = {
     "train.dist.timeout=0": "train.dist.timeout=0 is out of range",
     "train.log_period=0": "train.log_period=0 is out of range",
     "train.seed=-5": "train.seed=-5 is out of range",
-    "train.warmup_ratio=2": "train.warmup_ratio=2.0 is out of range: it must be a number >= 0 and <= 1",
+    "train.warmup_ratio=2": "train.warmup_ratio=2.0 is out of range: it must be a finite number >= 0 and <= 1",
     "train.train_iter=2.5": "train.train_iter=2.5 is out of range: it must be an integer",
     "train.test_micro_batch_size=0": "train.test_micro_batch_size=0 is out of range",
     "train.evaluation.eval_iter=0": "train.evaluation.eval_iter=0 is out of range",

@@ -95,7 +95,7 @@ def test_peak_tflops_override_and_range():
     assert device_peak_flops(torch.device("cpu"), True) is None
     assert device_peak_flops(torch.device("cpu"), True, 100) == 100e12
     assert _cfg("train.peak_tflops=400").train.peak_tflops == 400
-    with pytest.raises(UsageError, match=r"train.peak_tflops=0 is out of range: it must be a number > 0, or null"):
+    with pytest.raises(UsageError, match=r"train.peak_tflops=0 is out of range: it must be a finite number > 0, or null"):
         _cfg("train.peak_tflops=0")
 
 
