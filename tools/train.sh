@@ -3,7 +3,8 @@
 #   bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 [key=value ...]
 # or with a Megatron-LM pretrain_gpt.py command line in place of CONFIG (each rank translates it):
 #   bash tools/train.sh tools/train_net.py --megatron-args "--num-layers 24 ..." 8 [key=value ...]
-# Several machines: NODE (nodes), NODE_RANK (this node), ADDR and PORT (node 0's address).
+# Several machines: NODE (nodes), NODE_RANK (this node), ADDR and PORT (node 0's address); the nodes meet
+# there before torchrun starts, each saying whom it waits for, and give up after RDZV_TIMEOUT seconds (900).
 # MAX_RESTARTS=n lets torchrun restart failed workers; a restarted job resumes from its last checkpoint.
 set -euo pipefail
 if [ $# -lt 3 ] || { [ "$2" = "--megatron-args" ] && [ $# -lt 4 ]; }; then
@@ -26,6 +27,7 @@ NODE_RANK=${NODE_RANK:-0}
 ADDR=${ADDR:-127.0.0.1}
 PORT=${PORT:-12345}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,6 +54,8 @@ in_range PORT "$PORT" 1 65535 ||
   refuse "PORT=$PORT is not a port number: give an integer from 1 to 65535, a free port on node 0 (e.g. PORT=29500)"
 in_range MAX_RESTARTS "$MAX_RESTARTS" 0 ||
   refuse "MAX_RESTARTS=$MAX_RESTARTS is not a number of restarts: give an integer >= 0"
+in_range RDZV_TIMEOUT "$RDZV_TIMEOUT" 1 ||
+  refuse "RDZV_TIMEOUT=$RDZV_TIMEOUT is not a number of seconds: give a positive integer, how long the nodes wait for each other (900 by default)"
 
 if (( 10#$NODE_RANK == 0 )); then
   # torchrun's own message for a taken port is a long traceback; say it in one line first, with the
@@ -83,6 +87,13 @@ if e.errno == errno.EADDRNOTAVAIL:
              f"its own address (127.0.0.1 on one machine)")
 sys.exit(f"error: cannot listen on port {port} of {addr} ({e.strerror}); pick another with PORT=...")
 ' "$ADDR" "$PORT" || exit 1
+fi
+
+# torchrun's own rendezvous waits for missing nodes in silence and ends in a traceback: the nodes meet first,
+# saying whom they wait for, and a node missing after RDZV_TIMEOUT ends the wait in one line.
+if (( 10#$NODE > 1 )); then
+  "$PYTHON" -m libai_lite.engine.nodes "$((10#$NODE))" "$((10#$NODE_RANK))" "$ADDR" "$((10#$PORT))" "$((10#$RDZV_TIMEOUT))" ||
+    exit $?
 fi
 
 # A worker refusing bad input says why in one "error: ..." line; torchrun then adds a traceback

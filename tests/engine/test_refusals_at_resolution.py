@@ -8,7 +8,9 @@ exit status, no traceback, and nothing written.
 import importlib.util
 import json
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import types
 
@@ -110,6 +112,7 @@ LAUNCHER = {
     "NODE=0": "error: NODE=0 is not a number of nodes",
     "NODE_RANK=2": "error: NODE_RANK=2 is not a node of NODE=2: give an integer from 0 to 1",
     "MAX_RESTARTS=-1": "error: MAX_RESTARTS=-1 is not a number of restarts",
+    "RDZV_TIMEOUT=0": "error: RDZV_TIMEOUT=0 is not a number of seconds: give a positive integer",
     "ADDR=no.such.host.invalid": "error: ADDR=no.such.host.invalid cannot be resolved",
     "FILE=tools/nope.py": "error: tools/nope.py not found",
 }
@@ -130,6 +133,39 @@ def test_launcher_arguments_are_refused_in_one_line_before_torchrun_starts(tmp_p
     assert one_error_line(r).startswith(LAUNCHER[case]), r.stderr
     assert "torch.distributed" not in r.stderr and "already in use" not in r.stderr
     assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("node_rank, waits, gives_up", [
+    ("0", "node 0 of NODE=2: waiting for node 1 to join at 127.0.0.1:{port} (RDZV_TIMEOUT=3 s)",
+     "error: node 1 of NODE=2 did not join node 0 at 127.0.0.1:{port} within RDZV_TIMEOUT=3 s; start the same "
+     "command on each with NODE=2, its NODE_RANK"),
+    ("1", "node 1 of NODE=2: waiting for node 0 at 127.0.0.1:{port} and the other nodes (RDZV_TIMEOUT=3 s)",
+     "error: node 0 did not answer at 127.0.0.1:{port} within RDZV_TIMEOUT=3 s; start it (NODE_RANK=0)"),
+])
+def test_a_node_says_whom_it_waits_for_and_gives_up_in_one_line(tmp_path, node_rank, waits, gives_up):
+    """NODE=2 on one machine printed nothing and waited (torchrun's 15 minutes, then a traceback): the first
+    line says whom it waits for, where and how long; when RDZV_TIMEOUT passes, one error line, nothing written."""
+    from types import SimpleNamespace
+
+    from tests.launch import free_port
+
+    port = free_port()
+    p = subprocess.Popen(["bash", "tools/train.sh", "tools/train_net.py", CONFIG, "1",
+                          f"train.output_dir={tmp_path / 'out'}"], cwd=ROOT, start_new_session=True,
+                         env=env(NODE="2", NODE_RANK=node_rank, ADDR="127.0.0.1", PORT=str(port), RDZV_TIMEOUT="3"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = err.splitlines()
+    # The first line is written before the wait begins.
+    assert lines and lines[0] == waits.format(port=port), err
+    assert p.returncode == 1
+    assert one_error_line(SimpleNamespace(stderr=err)).startswith(gives_up.format(port=port)), err
+    assert len(lines) == 2 and "torch.distributed" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------- a finished run
