@@ -112,6 +112,9 @@ def serve() -> None:
     # Replies go to our own copy of stdout; fd 1 becomes stderr so nothing a preload prints mixes with them.
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
+    # The checkout's root, not tests/ (this script's folder), where tests/projects would stand for the real
+    # projects/ package, and an editable install's finder would fill it in from another checkout.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in PRELOAD:
         __import__(name)
     for line in sys.stdin:
