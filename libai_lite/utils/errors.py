@@ -14,5 +14,15 @@ def write_error(path, exc: OSError) -> UsageError:
         fix = "free space there or choose another train.output_dir"
     else:
         fix = "make it writable or choose another train.output_dir"
-    return UsageError(f"cannot write {os.fspath(path)}: {reason}; {fix}, then continue with --resume from the last "
-                      f"checkpoint")
+    return UsageError(f"cannot write {os.fspath(path)}: {reason}; {fix}, then {_how_to_go_on(path)}")
+
+
+def _how_to_go_on(path) -> str:
+    """How a run whose output ``path`` failed goes on: from its last checkpoint where its folder (``path`` or up
+    to two folders above) names one, else from the start."""
+    folder = os.path.abspath(os.fspath(path))
+    for _ in range(3):
+        if os.path.isfile(os.path.join(folder, "last_checkpoint")):
+            return "continue with --resume from the last checkpoint"
+        folder = os.path.dirname(folder)
+    return "run it again with --resume (no checkpoint was saved yet: it starts from iteration 0)"
