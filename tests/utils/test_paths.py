@@ -56,4 +56,3 @@ def test_paths_beside_or_apart_from_the_inputs_pass(tree):
     check_outputs([run / "metrics.png"], [run / "metrics.json"], option="-o")
     check_outputs([run / "hf"], [run / "model_final", run / "config.yaml"], option="--output", directory=True)
     check_outputs([tree / "new" / "deeper" / "out.json"], [tree / "data.jsonl", None], option="--output")
-
