@@ -153,18 +153,24 @@ class Checkpointer:
 
     def _save_failed(self, first: str, final: str, needed: int | None) -> UsageError:
         """The one-line error of a failed save of ``final`` whose partial files are already removed."""
-        space = ""
+        space, free = "", None
         try:
-            space = f"{format_bytes(shutil.disk_usage(self.save_dir).free)} are free there; "
+            free = shutil.disk_usage(self.save_dir).free
+            space = f"{format_bytes(free)} are free there; "
             if needed is not None:
                 space = f"it needs about {format_bytes(needed)} and {space}"
         except OSError:
             pass
         previous = self.last_checkpoint()
         kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+        # Space is the fix only where the disk is what failed: a rename refused with 63 GB free is not.
+        full = any(s in first for s in ("No space left", "Disk quota", "too large")) or (
+            needed is not None and free is not None and free < needed)
+        fix = f"free disk space in {self.save_dir}" if full else \
+            f"make {self.save_dir} writable (and its checkpoints movable)"
         return UsageError(
-            f"saving checkpoint {final} failed ({first}); {space}the partial files were removed and {kept}: "
-            f"free disk space in {self.save_dir} or point train.output_dir elsewhere, then --resume"
+            f"saving checkpoint {final} failed ({first}); {space if full else ''}the partial files were removed and "
+            f"{kept}: {fix} or point train.output_dir elsewhere, then --resume"
         )
 
     # ------------------------------------------------------------------ background saves

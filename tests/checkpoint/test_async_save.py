@@ -418,3 +418,31 @@ def test_sigterm_with_background_writes_in_flight_saves_waits_and_resumes_exactl
     assert not [d.name for d in out.iterdir() if d.name.endswith((".tmp", ".old"))]
     _run(1, run_args + ["--resume"])
     assert losses(out) == losses(reference)
+
+
+def test_a_checkpoint_that_cannot_be_moved_into_place_does_not_blame_the_disk(tmp_path, monkeypatch):
+    """A publish refused by the file system (a rename not permitted) with the disk nearly empty: the line names
+    the permission and the folder to fix, not free space (it said "free disk space" with 63 GB free)."""
+    import errno
+    import os
+
+    from libai_lite.checkpoint import Checkpointer, protocol
+    from libai_lite.utils.errors import UsageError
+
+    model, opt = _model_and_optimizer()
+    ck = Checkpointer(model, opt, str(tmp_path))
+    ck.save("model_0000001", {"iteration": 1})
+    real = os.replace
+
+    def refused(src, dst):
+        if str(src).endswith("model_0000002.tmp"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(protocol.os, "replace", refused)
+    with pytest.raises(UsageError) as e:
+        ck.save("model_0000002", {"iteration": 2})
+    line = str(e.value)
+    assert "Operation not permitted" in line and "free disk space" not in line and "are free there" not in line, line
+    assert f"make {tmp_path} writable (and its checkpoints movable) or point train.output_dir elsewhere" in line, line
+    assert (tmp_path / "last_checkpoint").read_text() == "model_0000001"
