@@ -38,7 +38,8 @@ def read_metrics(output_dir: str) -> dict[int, dict]:
     path = os.path.join(output_dir, "metrics.json")
     if not os.path.isfile(path):
         raise UsageError(f"{path} not found; pass a training run's train.output_dir")
-    with open(path) as f:
+    # Undecodable bytes become rows that are not JSON, reported as such.
+    with open(path, errors="replace") as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     rows: dict[int, dict] = {}
     for i, (n, line) in enumerate(lines):
@@ -46,7 +47,7 @@ def read_metrics(output_dir: str) -> dict[int, dict]:
             row = json.loads(line)
             it = int(row.pop("iteration"))
         except (ValueError, KeyError, TypeError, AttributeError):
-            if i == len(lines) - 1:  # a run killed mid-write leaves a truncated last line
+            if i == len(lines) - 1 and rows:  # a run killed mid-write leaves a truncated last line
                 break
             raise UsageError(f"{path} line {n} is not a metrics row (JSON with an iteration)") from None
         rows.setdefault(it, {}).update(row)

@@ -95,6 +95,9 @@ def test_a_model_without_tokens_is_plotted_against_samples(tmp_path):
     (None, "metrics.json not found; pass a training run's train.output_dir"),
     ("", "metrics.json has no rows yet; plot once the run has logged (train.log_period)"),
     ('{"iteration": 1, "total_loss": 1.0}\nnot json\n{"iteration": 2}\n', "metrics.json line 2 is not a metrics row"),
+    # A file of garbage once read as a run with "no rows yet": one bad line is no truncated tail.
+    ("garbage, not JSON\n", "metrics.json line 1 is not a metrics row"),
+    ("\x89PNG\r\n\x1a\n\xff\xfe binary", "metrics.json line 1 is not a metrics row"),
 ])
 def test_bad_input_is_one_line(tmp_path, content, expected):
     out = tmp_path / "run"
