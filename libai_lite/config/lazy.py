@@ -19,6 +19,7 @@ from .instantiate import join_key, locate, target_to_string
 from .loader import IMPORT_ROOTS_KEY, ConfigLoadError, add_import_root, cast_to_config, exec_config, one_line
 from .loader import restore_import_roots
 from .overrides import ConfigKeyError, ConfigTypeError, apply_overrides
+from ..utils.errors import UsageError
 from ..utils.files import atomic_write
 
 __all__ = ["LazyCall", "LazyConfig", "ConfigKeyError", "ConfigTypeError", "ConfigLoadError", "IMPORT_ROOTS_KEY",
@@ -100,6 +101,9 @@ class LazyConfig:
         (loading a ``.yaml`` puts those back on the import path). With ``keys``: that value, or a tuple.
         """
         path = Path(os.fspath(filename)).expanduser()
+        if path.is_dir():
+            raise UsageError(f"config file {os.fspath(filename)} is a directory; pass one of its .py or .yaml "
+                             f"config files")
         if not path.is_file():
             raise FileNotFoundError(errno.ENOENT, f"Config file not found (cwd: {os.getcwd()})", os.fspath(filename))
         path = path.resolve()

@@ -150,6 +150,8 @@ def apply_overrides(cfg: Any, overrides: Optional[Sequence[str]]) -> Any:
         except HydraException as e:
             raise ConfigTypeError(f"Cannot parse override {text!r}: {one_line(e)}") from e
         key = override.key_or_group
+        if not key:
+            raise ConfigKeyError(f"Override {text!r} names no key; write KEY=VALUE, e.g. train.train_iter=100")
         if override.package is not None:
             raise ConfigTypeError(f"Override {text!r}: '@package' is not supported in lazy configs")
         if override.is_sweep_override():

@@ -246,6 +246,10 @@ def check_paths(cfg) -> None:
             shown = "null" if value is None else repr(value)
             # A bare number on the command line is parsed as one.
             quote = f" (a name that looks like a number is quoted: {path}=\"'{value}'\")" if _is_number(value) else ""
+            weights = value[0::2] if isinstance(value, (list, tuple)) and len(value) >= 2 else []
+            if any(isinstance(w, (int, float)) and not isinstance(w, bool) and not math.isfinite(w) for w in weights):
+                raise UsageError(f"{path}={shown}: a blend weight is not a finite number; give each prefix a finite "
+                                 f"weight > 0, as [weight1, prefix1, weight2, prefix2, ...]")
             raise UsageError(f"{path}={shown} is not a path: it must be {kind.describe()}{quote}; set {path} to "
                              f"such a value")
 

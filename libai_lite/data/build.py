@@ -34,7 +34,9 @@ def parse_splits_string(splits_string) -> list:
     """``"949,50,1"``, ``"98/2/0"`` or ``[0.98, 0.02, 0]`` -> three weights summing to one."""
     usage = (f"bad splits string {splits_string!r}: expected up to three non-negative numbers "
              f"separated by ',' or '/' (train, valid, test), e.g. '949,50,1' or '0.98,0.02,0'")
-    if isinstance(splits_string, str):
+    if isinstance(splits_string, (int, float)) and not isinstance(splits_string, bool):
+        parts = [splits_string]  # a bare number on the command line, as its quoted form reads
+    elif isinstance(splits_string, str):
         parts = splits_string.strip().split("," if "," in splits_string else "/")
     elif isinstance(splits_string, Sequence):
         parts = list(splits_string)

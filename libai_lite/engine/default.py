@@ -129,14 +129,14 @@ class DefaultTrainer:
         resume_path = resolve_resume(run_dir) if resume else None
         if resume and resume_path is None:
             logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
-        if resume_path is not None:
-            check_model_unchanged(resume_path, cfg.model.get("cfg"), cfg.train.get("resume_model_changes") or ())
         self.precheck_output_dir(self.output_dir)
         if resume_path or self.spec.checkpoint.load_weight:
             check_checkpoint_shapes(resume_path or self.spec.checkpoint.load_weight, meta_model.state_dict(),
                                     vocab_ids=getattr(self.tokenizer, "vocab_size", None),
                                     model_config=cfg.model.get("cfg"), verify=self.verify,
                                     rebuild=self.model_shapes_with)
+        if resume_path is not None:  # after the shapes, whose refusal names the tensor that differs
+            check_model_unchanged(resume_path, cfg.model.get("cfg"), cfg.train.get("resume_model_changes") or ())
         return resume_path
 
     @staticmethod
