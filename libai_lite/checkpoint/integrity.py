@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import zlib
 from typing import Sequence
@@ -28,9 +29,13 @@ from .vocab_rows import shape_refusal, vocab_padding_differs
 logger = logging.getLogger("libai_lite")
 
 MANIFEST = "manifest.json"
+# The trainer's and each rank's RNG state files (``trainer_state``), which a load needs besides DCP's.
+TRAINER_STATE = "trainer_state.json"
+RNG_STATE = "rng_state_{rank}.pt"
+_RNG_FILE = re.compile(re.escape(RNG_STATE).replace(re.escape("{rank}"), r"\d+"))
 # Plugins naming other frameworks' checkpoints: each maps a path to its one-line refusal, or None.
 FORMATS_GROUP = "libai_lite.checkpoint_formats"
-# (real path, its files' sizes and mtimes) of the checkpoints verified in this process: the engine
+# (real path, its files' sizes and mtimes, its listing) of the checkpoints verified in this process: the engine
 # checks a checkpoint before building the model and loads it after, and the files are read once.
 _VERIFIED: set = set()
 CORRUPT_FIX = ("restore the directory from a copy, or resume from an earlier checkpoint (write its name into "
@@ -136,8 +141,30 @@ def foreign_checkpoint_error(path: str) -> str | None:
     return None
 
 
+def needed_files(path: str) -> list:
+    """The files checkpoint ``path`` cannot be loaded without, found from the checkpoint itself, not from its
+    manifest: ``.metadata``, every storage file its DCP metadata names, the trainer state and the RNG files there."""
+    try:
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+        shards = {info.relative_path for info in storage.values()}
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata means a corrupt checkpoint
+        raise UsageError(f"checkpoint {path} cannot be read ({describe(e)}); {CORRUPT_FIX}") from None
+    rng = {n for n in os.listdir(path) if _RNG_FILE.fullmatch(n)}
+    return sorted({".metadata", TRAINER_STATE, *shards, *rng})
+
+
+def _unlisted(path: str, name: str) -> str:
+    """The refusal of checkpoint ``path`` whose manifest does not list ``name``, a file it needs."""
+    full = os.path.join(path, name)
+    if not os.path.exists(full):
+        return f"checkpoint {path} is corrupt: {full} is missing, and its {MANIFEST} does not list it; {CORRUPT_FIX}"
+    return (f"checkpoint {path} is corrupt: {full} is not listed in its {MANIFEST} (the entry was lost), so its "
+            f"bytes cannot be checked against those saved; {CORRUPT_FIX}")
+
+
 def verify_checkpoint(path: str) -> None:
-    """Refuse, with a UsageError naming the file, a checkpoint whose files differ from its ``manifest.json``.
+    """Refuse, with a UsageError naming the file, a checkpoint whose files differ from its ``manifest.json``
+    or that needs a file (``needed_files``) its manifest does not list.
 
     Collective when distributed: each rank checks a share of the files and every rank raises the same first
     mismatch. A checkpoint without its manifest is refused, since a deleted manifest cannot be told from an
@@ -154,17 +181,30 @@ def verify_checkpoint(path: str) -> None:
     try:
         with open(manifest) as f:
             files = json.load(f)["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"its files are a {type(files).__name__}, not a mapping")
         names = sorted(files)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"checkpoint {path} is corrupt: {manifest} is unreadable ({type(e).__name__}: {e}); "
                          f"{CORRUPT_FIX}") from None
-    key = (os.path.realpath(path), tuple(_stat_key(os.path.join(path, n)) for n in [MANIFEST, *names]))
+    if not names:
+        raise UsageError(f"checkpoint {path} is corrupt: its {MANIFEST} lists none of its files, so they cannot be "
+                         f"checked against those saved; {CORRUPT_FIX}")
+    if ".metadata" not in files:  # refused before its unchecked bytes are unpickled for the files it names
+        raise UsageError(_unlisted(path, ".metadata"))
+    # The directory's listing too: a file that appears there may be one the checkpoint needs.
+    key = (os.path.realpath(path), tuple(_stat_key(os.path.join(path, n)) for n in [MANIFEST, *names]),
+           tuple(sorted(os.listdir(path))))
     if key in _VERIFIED:
         return
     t = time.perf_counter()
     problem = next((p for p in spread(lambda n: _file_problem(path, n, files[n]), names) if p), "")
     if problem:
         raise UsageError(problem)
+    # The listed files are as saved, .metadata among them: the files it names must all be listed.
+    unlisted = next((n for n in needed_files(path) if n not in files), None)
+    if unlisted is not None:
+        raise UsageError(_unlisted(path, unlisted))
     _VERIFIED.add(key)
     total = sum(int(files[n]["bytes"]) for n in names)
     logger.info(f"Checked the {len(names)} files ({format_bytes(total)}) of {path} against its {MANIFEST} "

@@ -22,11 +22,9 @@ from ..utils.distributed import get_rank
 from ..utils.errors import UsageError
 from ..utils.files import atomic_write
 from .crc_writer import record_of
-from .integrity import CORRUPT_FIX, describe
+from .integrity import CORRUPT_FIX, RNG_STATE, TRAINER_STATE, describe
 
 logger = logging.getLogger("libai_lite")
-
-TRAINER_STATE = "trainer_state.json"
 
 
 def read_trainer_state(path: str, fix: str = "resume from an earlier checkpoint") -> dict:
@@ -160,7 +158,7 @@ class RngState(Stateful):
     @staticmethod
     def file_name(rank: int) -> str:
         """The file rank ``rank`` keeps its streams in."""
-        return f"rng_state_{rank}.pt"
+        return RNG_STATE.format(rank=rank)
 
     def save(self, directory: str) -> dict:
         """Write this rank's file into ``directory``; returns ``{name: manifest record}``."""

@@ -166,6 +166,45 @@ def test_checkpoint_without_its_manifest_is_refused_unless_no_verify(run):
     assert max(losses(out)) == 6
 
 
+def _drop_from_manifest(checkpoint: Path, *names: str) -> None:
+    """Remove the entries of ``names`` (all of them when none is given) from ``checkpoint``'s manifest.json."""
+    manifest = checkpoint / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["files"] = {n: r for n, r in data["files"].items() if names and n not in names}
+    manifest.write_text(json.dumps(data))
+
+
+def test_a_shard_dropped_from_the_manifest_is_refused_naming_it(run):
+    """The manifest lost a shard's entry and the shard a bit: the files a checkpoint needs come from its
+    DCP metadata, not from the manifest, so the unlisted shard is refused instead of trained on."""
+    out, args = run
+    shard = out / "model_final" / "__0_0.distcp"
+    _drop_from_manifest(out / "model_final", "__0_0.distcp")
+    _flip_bits(shard)
+    before = tree_snapshot(out)
+    r = train_net([*args, "--resume"])
+    assert r.returncode == 1
+    line = one_error_line(r)
+    assert f"is corrupt: {shard} is not listed in its manifest.json" in line and "--no-verify" in line, line
+    assert tree_snapshot(out) == before
+
+
+@pytest.mark.parametrize("dropped, expected", [
+    ((), "is corrupt: its manifest.json lists none of its files"),
+    ((".metadata",), "is corrupt: {checkpoint}/.metadata is not listed in its manifest.json"),
+    (("trainer_state.json", "rng_state_0.pt"), "is corrupt: {checkpoint}/rng_state_0.pt is not listed in its"),
+])
+def test_a_manifest_missing_entries_is_refused(trained, tmp_path, generate, dropped, expected):
+    checkpoint = tmp_path / "model_final"
+    shutil.copytree(trained[0] / "model_final", checkpoint)
+    _drop_from_manifest(checkpoint, *dropped)
+    r = generate(checkpoint)
+    assert r.returncode == 1
+    line = one_error_line(r)
+    assert expected.format(checkpoint=checkpoint) in line and "--no-verify" in line, line
+    assert generate(checkpoint, "--no-verify").returncode == 0
+
+
 # ------------------------------------------------------------------ killed while replacing a checkpoint
 
 # Saves model_best twice (weights all 1.0, then all 2.0); the second save replaces the first.

@@ -351,6 +351,8 @@ DOC_CASES = {
                                 "train, nothing written; set train.train_iter above 2 to train on",
     # tests/checkpoint/test_checkpoint_integrity.py checks this one.
     "checkpoint_without_its_manifest": "has no manifest.json, so its files cannot be checked against what was saved",
+    "manifest_missing_entries": "is not listed in its manifest.json (the entry was lost), so its bytes cannot be "
+                                "checked against those saved",
     "blamed_on_the_key_that_differs": "model.cfg.max_seq_length=64 gives 64 where it has 32",
     "first_error_reported": "failed (OSError: [Errno 28] No space left on device)",
     "hf_config_value": "error: config.json: n_embd='sixty-four' is not the number it should be (ValueError: ",
