@@ -187,6 +187,10 @@ class BlendableDataset(torch.utils.data.Dataset):
 def open_indexed_dataset(data_prefix: str) -> MMapIndexedDataset:
     """Open ``{data_prefix}.bin/.idx``; a missing pair raises a one-line IndexedDatasetError."""
     data_prefix = os.fspath(data_prefix)
+    folders = [f"{data_prefix}{ext}" for ext in (".bin", ".idx") if os.path.isdir(f"{data_prefix}{ext}")]
+    if folders:
+        raise IndexedDatasetError(f"data prefix {data_prefix!r}: {folders[0]} is a directory, not the corpus file; "
+                                  f"point the prefix at a .bin/.idx pair made by tools/preprocess_data.py")
     if not MMapIndexedDataset.exists(data_prefix):
         hint = ""
         if data_prefix.endswith((".bin", ".idx")):

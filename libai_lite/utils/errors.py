@@ -21,8 +21,12 @@ def _how_to_go_on(path) -> str:
     """How a run whose output ``path`` failed goes on: from its last checkpoint where its folder (``path`` or up
     to two folders above) names one, else from the start."""
     folder = os.path.abspath(os.fspath(path))
+    started = False
     for _ in range(3):
         if os.path.isfile(os.path.join(folder, "last_checkpoint")):
             return "continue with --resume from the last checkpoint"
+        started = started or os.path.isfile(os.path.join(folder, "metrics.json"))
         folder = os.path.dirname(folder)
+    if not started:  # failed before its first logged step: nothing there to continue or to refuse a new run over
+        return "run it again"
     return "run it again with --resume (no checkpoint was saved yet: it starts from iteration 0)"

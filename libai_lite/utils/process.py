@@ -259,6 +259,10 @@ class OutputDirLock:
         if any(os.path.realpath(held.path) == os.path.realpath(self.path) for held in _HELD):
             return
         host = socket.gethostname()
+        if os.path.isdir(self.path):
+            # Not the folder's fault: something made a directory where the run keeps its lock file.
+            raise UsageError(f"{self.path} is a directory where the run's lock file goes; no run made it: remove it "
+                             f"(rmdir {self.path}) or choose another train.output_dir")
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:

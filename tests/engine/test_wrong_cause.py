@@ -43,3 +43,22 @@ def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     line = one_error_line(r)
     assert r.returncode != 0 and line == ("error: config file projects/GPT/configs is a directory; pass one of its .py "
                                           "or .yaml config files"), line
+
+
+def test_a_data_file_that_is_a_directory_says_so(tmp_path):
+    from libai_lite.data.build import open_indexed_dataset
+
+    (tmp_path / "x.bin").mkdir()
+    (tmp_path / "x.idx").write_bytes(b"")
+    with pytest.raises(Exception, match=r"x.bin is a directory, not the corpus file; point the prefix at a .bin/.idx"):
+        open_indexed_dataset(str(tmp_path / "x"))
+
+
+def test_a_lock_that_is_a_directory_names_the_lock(tmp_path):
+    from libai_lite.utils.errors import UsageError
+    from libai_lite.utils.process import OutputDirLock
+
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(UsageError, match=r"\.lock is a directory where the run's lock file goes; no run made it: "
+                                         r"remove it"):
+        OutputDirLock(str(tmp_path)).acquire()

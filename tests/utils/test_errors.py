@@ -8,6 +8,9 @@ def test_a_failed_write_says_resume_from_a_checkpoint_only_where_one_was_saved(t
     from libai_lite.utils.errors import write_error
 
     full = OSError(errno.ENOSPC, "No space left on device")
+    assert str(write_error(tmp_path / "log.txt", full)).endswith("; free space there or choose another "
+                                                                 "train.output_dir, then run it again")
+    (tmp_path / "metrics.json").write_text('{"iteration": 0}\n')
     fresh = str(write_error(tmp_path / "metrics.json", full))
     assert fresh.endswith("run it again with --resume (no checkpoint was saved yet: it starts from iteration 0)")
     (tmp_path / "last_checkpoint").write_text("model_0000009\n")
