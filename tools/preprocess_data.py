@@ -437,6 +437,7 @@ def main(argv=None) -> int:
     initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1,
                 splitter_args)
     n_docs = n_tokens = n_bytes = 0
+    key_tokens = dict.fromkeys(args.json_keys, 0)
     start, cpu_start = time.time(), _cpu_seconds()
     next_log = args.log_interval
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=None, file=sys.stderr)
@@ -446,6 +447,7 @@ def main(argv=None) -> int:
         for per_key, docs, nbytes, ntoks in results:
             for key, (flat, doc_lens) in zip(args.json_keys, per_key):
                 builder, pos = builders[key], 0
+                key_tokens[key] += flat.size
                 for lens in doc_lens:
                     end = pos + sum(lens)
                     builder.add_doc(flat[pos:end], lens)
@@ -465,6 +467,13 @@ def main(argv=None) -> int:
                 next_log = (n_docs // args.log_interval + 1) * args.log_interval
         if n_docs == 0:
             raise InputError(f"{args.input} ({corpus.kind}) has no documents; pass a corpus with at least one")
+        empty = [key for key, count in key_tokens.items() if count == 0]
+        if empty:
+            # Megatron writes a 0-token dataset here, which fails only when training starts.
+            raise InputError(
+                f"no documents with tokens in {args.input} under {' and '.join(map(repr, empty))} ({n_docs} "
+                f"documents, every one empty there); check --json-keys names the key that holds the text"
+            )
         for builder in builders.values():
             builder.finalize()
     except BaseException as e:

@@ -159,6 +159,33 @@ def test_missing_tokenizer_file(tmp_path, capsys):
     _assert_failed_cleanly(capsys, rc, out, "gone.model", "--tokenizer-model")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_corpus_of_empty_texts_is_refused(tmp_path, capsys, workers):
+    """Megatron writes a 0-token .bin for it and exits 0; the training that reads it fails far later."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "", "title": "A title"}] * 300)
+    out = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers), "--append-eod"]
+    rc = preprocess.main(argv + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "no documents with tokens in", str(src), "'text'", "--json-keys")
+    assert not out.exists()
+    # One key with text beside one without: still refused, naming the empty one.
+    rc = preprocess.main(argv + ["--json-keys", "title", "text"] + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "'text'", "--json-keys")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content", ["", "#version: 0.2\n"])
+def test_merges_file_without_merges_is_refused(tmp_path, capsys, content):
+    merges = tmp_path / "merges.txt"
+    merges.write_text(content)
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(out / "x"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(DEMO / "gpt2/vocab.json"), "--merge-file", str(merges)]
+    _assert_failed_cleanly(capsys, preprocess.main(argv), out, str(merges), "holds no merges")
+    assert not out.exists()
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(3 * preprocess.CHUNK_LINES)])
     real, calls = preprocess._encode_chunk, []
