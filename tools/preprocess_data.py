@@ -36,6 +36,7 @@ except ImportError:
 
 from libai_lite.data.corpus_readers import CHUNK_LINES, TEXT_DOCS, CorpusError, open_corpus  # noqa: F401
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from libai_lite.data.tokenizer_record import make_record, record_path
 from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.paths import check_outputs
@@ -387,8 +388,8 @@ def main(argv=None) -> int:
                              if p and os.path.isfile(p)]
     inputs += [base + ".bin", base + ".idx"] if base is not None else []
     try:
-        check_outputs([p + ext for p in prefixes.values() for ext in (".bin", ".idx")], inputs,
-                      option="--output-prefix")
+        check_outputs([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
+                      + [record_path(p) for p in prefixes.values()], inputs, option="--output-prefix")
     except UsageError as e:
         return _fail(str(e))
     tokenizer_kwargs = dict(
@@ -410,6 +411,8 @@ def main(argv=None) -> int:
     if args.append_eod and tokenizer.eod_id is None:
         return _fail(f"{args.tokenizer_type} has no end-of-document token; drop --append-eod")
     dtype = best_fitting_dtype(tokenizer.vocab_size)
+    # Beside the outputs, so training can tell a corpus made with another tokenizer (libai_lite.data.tokenizer_record).
+    record = make_record(tokenizer, args.tokenizer_type, args.append_eod, "libai_lite tools/preprocess_data.py")
 
     created_dirs = _missing_dirs(os.path.dirname(os.path.abspath(args.output_prefix)))
     builders = {}
@@ -426,7 +429,7 @@ def main(argv=None) -> int:
 
     try:
         for key, prefix in prefixes.items():
-            builders[key] = MMapIndexedDatasetBuilder(prefix, dtype=dtype)
+            builders[key] = MMapIndexedDatasetBuilder(prefix, dtype=dtype, record=record)
     except OSError as e:
         discard_outputs()
         return _fail(
@@ -504,7 +507,7 @@ def main(argv=None) -> int:
         f"{n_tokens / elapsed:.0f} tokens/s) with {args.workers} worker(s), {cpu:.2f} CPU-seconds"
     )
     for prefix in prefixes.values():
-        print(f"wrote {prefix}.bin and {prefix}.idx")
+        print(f"wrote {prefix}.bin, {prefix}.idx and {record_path(prefix)}")
     return 0
 
 

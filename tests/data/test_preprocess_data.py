@@ -74,6 +74,7 @@ def test_byte_identical_to_megatron(shared_fixtures, tmp_path, name, workers):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{name}_mmap_text_document.bin",
         f"{name}_mmap_text_document.idx",
+        f"{name}_mmap_text_document.tokenizer.json",
     ]
 
 
@@ -157,6 +158,28 @@ def test_missing_tokenizer_file(tmp_path, capsys):
     ]
     rc = preprocess.main(argv)
     _assert_failed_cleanly(capsys, rc, out, "gone.model", "--tokenizer-model")
+
+
+def test_tokenizer_record_beside_the_outputs(tmp_path):
+    """Each key's .bin/.idx gets PREFIX.tokenizer.json naming the tokenizer; a rewrite of the prefix replaces it."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "One.", "title": "A"}, {"text": "Two.", "title": "B"}])
+    out = tmp_path / "out" / "x"
+    argv = ["--input", str(src), "--output-prefix", str(out), "--json-keys", "text", "title", "--append-eod"]
+    assert preprocess.main(argv + GPT2_FLAGS) == 0
+    tok = GPT2Tokenizer(DEMO / "gpt2/vocab.json", DEMO / "gpt2/merges.txt")
+    for key in ("text", "title"):
+        record = json.loads((tmp_path / "out" / f"x_{key}_document.tokenizer.json").read_text())
+        assert record["tokenizer_type"] == "GPT2BPETokenizer" and record["class"] == "GPT2Tokenizer"
+        assert record["vocab_fingerprint"] == tok.vocab_fingerprint() and record["vocab_size"] == 8000
+        assert record["eod_id"] == tok.eod_id and record["append_eod"] is True
+        assert record["files"] == {"vocab_file": GPT2_FLAGS[3], "merges_file": GPT2_FLAGS[5]}
+        assert "preprocess_data.py" in record["tool"]
+    bert = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(DEMO / "bert/vocab.txt")]
+    assert preprocess.main(argv[:-1] + bert) == 0
+    record = json.loads((tmp_path / "out" / "x_text_document.tokenizer.json").read_text())
+    assert record["tokenizer_type"] == "BertWordPieceLowerCase" and record["append_eod"] is False
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        f"x_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx", "tokenizer.json"))
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -244,6 +267,13 @@ def test_demo_data_is_current(tmp_path, name, flags):
         assert ours == committed, f"data_test/{name} is stale: run python tools/make_demo_data.py"
     ds = MMapIndexedDataset(str(DEMO / f"{name}/demo_{name}_text_document"))
     assert ds.dtype == np.uint16 and len(ds) > 3000
+    # The committed tokenizer record says what the tool says (the paths it names are as each run gave them).
+    ours = json.loads((tmp_path / "d_text_document.tokenizer.json").read_text())
+    committed = json.loads((DEMO / f"{name}/demo_{name}_text_document.tokenizer.json").read_text())
+    same = ("tokenizer_type", "class", "vocab_fingerprint", "vocab_size", "eod_id", "append_eod")
+    assert {k: ours[k] for k in same} == {k: committed[k] for k in same}, \
+        f"data_test/{name} has a stale tokenizer record: run python tools/make_demo_data.py --datasets-only"
+    assert all(os.path.isfile(REPO_ROOT / f) for f in committed["files"].values()), committed["files"]
 
 
 @pytest.mark.parametrize("style,workers", [("llama3", 2), ("qwen2", 1)])
