@@ -7,6 +7,7 @@ it; the same Python version gives the same corpus.
 Usage (from the repository root)::
 
     python tools/make_demo_data.py
+    python tools/make_demo_data.py --datasets-only   # only re-run the preprocessing (same bytes, same records)
 
 The files it writes: docs/tools.md#make_demo_data and data_test/README.md.
 """
@@ -258,24 +259,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "data_test"))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--datasets-only", action="store_true",
+                        help="keep the corpus and tokenizers; only preprocess the corpus again")
     args = parser.parse_args(argv)
 
     preprocess_main = _load_preprocess_main()
-    out = args.output_dir
+    # Relative to where it runs (the repository root): the tokenizer records name these paths.
+    out = os.path.relpath(args.output_dir)
     for sub in ("gpt2", "bert", "spm"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
 
-    docs = gather_docstrings()
     corpus = os.path.join(out, "corpus.jsonl")
-    write_corpus(docs, corpus)
-    n_chars = sum(len(d["text"]) for d in docs)
-    print(f"corpus: {len(docs)} documents, {n_chars / 1e6:.2f} M characters -> {corpus}")
+    if not args.datasets_only:
+        docs = gather_docstrings()
+        write_corpus(docs, corpus)
+        n_chars = sum(len(d["text"]) for d in docs)
+        print(f"corpus: {len(docs)} documents, {n_chars / 1e6:.2f} M characters -> {corpus}")
 
-    folded = [d["text"].replace("\n", " ") for d in docs]
-    train_gpt2(folded, os.path.join(out, "gpt2"))
-    train_bert(folded, os.path.join(out, "bert"))
-    train_spm([d["text"] for d in docs], os.path.join(out, "spm"))
-    print("trained tokenizers: gpt2/vocab.json gpt2/merges.txt bert/vocab.txt spm/spiece.model")
+        folded = [d["text"].replace("\n", " ") for d in docs]
+        train_gpt2(folded, os.path.join(out, "gpt2"))
+        train_bert(folded, os.path.join(out, "bert"))
+        train_spm([d["text"] for d in docs], os.path.join(out, "spm"))
+        print("trained tokenizers: gpt2/vocab.json gpt2/merges.txt bert/vocab.txt spm/spiece.model")
 
     common = ["--input", corpus, "--json-keys", "text", "--workers", str(args.workers)]
     runs = [

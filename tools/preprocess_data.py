@@ -36,6 +36,7 @@ except ImportError:
 
 from libai_lite.data.corpus_readers import CHUNK_LINES, TEXT_DOCS, CorpusError, open_corpus  # noqa: F401
 from libai_lite.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from libai_lite.data.tokenizer_record import make_record, record_path
 from libai_lite.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.paths import check_outputs
@@ -387,8 +388,8 @@ def main(argv=None) -> int:
                              if p and os.path.isfile(p)]
     inputs += [base + ".bin", base + ".idx"] if base is not None else []
     try:
-        check_outputs([p + ext for p in prefixes.values() for ext in (".bin", ".idx")], inputs,
-                      option="--output-prefix")
+        check_outputs([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
+                      + [record_path(p) for p in prefixes.values()], inputs, option="--output-prefix")
     except UsageError as e:
         return _fail(str(e))
     tokenizer_kwargs = dict(
@@ -410,6 +411,8 @@ def main(argv=None) -> int:
     if args.append_eod and tokenizer.eod_id is None:
         return _fail(f"{args.tokenizer_type} has no end-of-document token; drop --append-eod")
     dtype = best_fitting_dtype(tokenizer.vocab_size)
+    # Beside the outputs, so training can tell a corpus made with another tokenizer (libai_lite.data.tokenizer_record).
+    record = make_record(tokenizer, args.tokenizer_type, args.append_eod, "libai_lite tools/preprocess_data.py")
 
     created_dirs = _missing_dirs(os.path.dirname(os.path.abspath(args.output_prefix)))
     builders = {}
@@ -426,7 +429,7 @@ def main(argv=None) -> int:
 
     try:
         for key, prefix in prefixes.items():
-            builders[key] = MMapIndexedDatasetBuilder(prefix, dtype=dtype)
+            builders[key] = MMapIndexedDatasetBuilder(prefix, dtype=dtype, record=record)
     except OSError as e:
         discard_outputs()
         return _fail(
@@ -437,6 +440,7 @@ def main(argv=None) -> int:
     initargs = (tokenizer_kwargs, list(args.json_keys), args.append_eod, dtype, args.input, args.workers == 1,
                 splitter_args)
     n_docs = n_tokens = n_bytes = 0
+    key_tokens = dict.fromkeys(args.json_keys, 0)
     start, cpu_start = time.time(), _cpu_seconds()
     next_log = args.log_interval
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=None, file=sys.stderr)
@@ -446,6 +450,7 @@ def main(argv=None) -> int:
         for per_key, docs, nbytes, ntoks in results:
             for key, (flat, doc_lens) in zip(args.json_keys, per_key):
                 builder, pos = builders[key], 0
+                key_tokens[key] += flat.size
                 for lens in doc_lens:
                     end = pos + sum(lens)
                     builder.add_doc(flat[pos:end], lens)
@@ -465,6 +470,13 @@ def main(argv=None) -> int:
                 next_log = (n_docs // args.log_interval + 1) * args.log_interval
         if n_docs == 0:
             raise InputError(f"{args.input} ({corpus.kind}) has no documents; pass a corpus with at least one")
+        empty = [key for key, count in key_tokens.items() if count == 0]
+        if empty:
+            # Megatron writes a 0-token dataset here, which fails only when training starts.
+            raise InputError(
+                f"no documents with tokens in {args.input} under {' and '.join(map(repr, empty))} ({n_docs} "
+                f"documents, every one empty there); check --json-keys names the key that holds the text"
+            )
         for builder in builders.values():
             builder.finalize()
     except BaseException as e:
@@ -495,7 +507,7 @@ def main(argv=None) -> int:
         f"{n_tokens / elapsed:.0f} tokens/s) with {args.workers} worker(s), {cpu:.2f} CPU-seconds"
     )
     for prefix in prefixes.values():
-        print(f"wrote {prefix}.bin and {prefix}.idx")
+        print(f"wrote {prefix}.bin, {prefix}.idx and {record_path(prefix)}")
     return 0
 
 

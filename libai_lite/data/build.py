@@ -20,6 +20,7 @@ from .index_budget import Progress, available_memory, check_index_budget
 from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from .packing import check_eod_token_id, check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
+from .tokenizer_record import RECORD_SUFFIX, check_record
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 
@@ -200,6 +201,19 @@ def open_indexed_dataset(data_prefix: str) -> MMapIndexedDataset:
             f"{hint}; relative paths start at the current directory {os.getcwd()}; create the files "
             f"with tools/preprocess_data.py")
     return MMapIndexedDataset(data_prefix)
+
+
+def check_data_tokenizer(data_prefix, tokenizer, eod_token_id=None) -> None:
+    """Refuse, in one line, a prefix of ``data_prefix`` (each one of a blend) whose tokenizer record names another
+    tokenizer than the run's (``tokenizer_record.check_record``); prefixes with no record (made by Megatron-LM's
+    tool, say) are named in one log line and train. Nothing to check without a tokenizer or a data prefix."""
+    if tokenizer is None or data_prefix is None:
+        return
+    prefixes, _ = parse_data_prefix(data_prefix)
+    unrecorded = [p for p in prefixes if not check_record(p, tokenizer, eod_token_id)]
+    if unrecorded:
+        logger.info(f"{', '.join(unrecorded)}: no tokenizer record ({RECORD_SUFFIX}; made by another tool?), so not "
+                    f"checked against this run's {type(tokenizer).__name__}; tools/preprocess_data.py writes one")
 
 
 def check_num_samples(train_valid_test_num_samples) -> list:

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..utils.errors import UsageError
+from .tokenizer_record import record_bytes, record_path
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -285,15 +286,19 @@ class MMapIndexedDatasetBuilder:
 
     The `.bin` is renamed first and the `.idx` last, so a reader never sees an interrupted write. Temporary
     names carry the pid and a random part, so two writers of one prefix never take each other's files.
+    A `record` (tokenizer_record.make_record) is written beside them as `PREFIX.tokenizer.json`, renamed
+    after the `.idx`; an older one at the prefix goes before the new `.bin` comes, so no crash leaves a record
+    beside data it does not describe.
     """
 
-    def __init__(self, out_prefix: str, dtype=np.uint16):
+    def __init__(self, out_prefix: str, dtype=np.uint16, record: dict | None = None):
         self.out_prefix = str(out_prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODES:
             raise ValueError(f"dtype {self.dtype} has no code in Megatron's indexed-dataset format")
         tag = f".tmp.{os.getpid()}.{secrets.token_hex(4)}"
         self._bin_tmp, self._idx_tmp = self.out_prefix + ".bin" + tag, self.out_prefix + ".idx" + tag
+        self._record, self._record_tmp = record, record_path(self.out_prefix) + tag
         os.makedirs(os.path.dirname(os.path.abspath(self.out_prefix)), exist_ok=True)
         # "x": a name that somehow exists is never overwritten.
         self._bin = open(self._bin_tmp, "xb")
@@ -333,6 +338,15 @@ class MMapIndexedDatasetBuilder:
                 f.write(array.tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
+        if self._record is not None:
+            with open(self._record_tmp, "xb") as f:
+                f.write(record_bytes(self._record))
+                f.flush()
+                os.fsync(f.fileno())
+        try:
+            os.remove(record_path(self.out_prefix))
+        except FileNotFoundError:
+            pass
         # An older dataset at this prefix loses its .idx first, so a crash between the two
         # renames can never pair the new .bin with the old index.
         try:
@@ -341,6 +355,8 @@ class MMapIndexedDatasetBuilder:
             pass
         os.replace(self._bin_tmp, self.out_prefix + ".bin")
         os.replace(self._idx_tmp, self.out_prefix + ".idx")
+        if self._record is not None:
+            os.replace(self._record_tmp, record_path(self.out_prefix))
 
     def abort(self) -> None:
         """Drop everything written so far (safe after a failed write or finalize, even on a full disk)."""
@@ -348,7 +364,7 @@ class MMapIndexedDatasetBuilder:
             self._bin.close()
         except OSError:  # the buffered tail cannot be flushed (disk full): the file goes anyway
             pass
-        for path in (self._bin_tmp, self._idx_tmp):
+        for path in (self._bin_tmp, self._idx_tmp, self._record_tmp):
             try:
                 os.remove(path)
             except FileNotFoundError:

@@ -23,7 +23,7 @@ from ..checkpoint.trainer_state import (RngState, TrainerState, check_model_unch
                                         resume_position)
 from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_with
-from ..data.build import megatron_consumed_valid_samples, megatron_valid_samples
+from ..data.build import check_data_tokenizer, megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.compile import check_compile, uses_cuda_graphs
@@ -245,6 +245,7 @@ class DefaultTrainer:
     def build_loaders(self, cfg):
         """Train/valid/test loaders sized for the run's iterations and evaluations (``self.spec``)."""
         spec, loader_cfg = self.spec, cfg.dataloader.train
+        check_data_tokenizer(loader_cfg.get("data_prefix"), self.tokenizer, loader_cfg.get("eod_token_id"))
         global_batch, micro, test_micro = (spec.batch.global_batch_size, spec.batch.micro_batch_size,
                                    spec.batch.test_micro_batch_size)
         valid_samples = test_samples = 0

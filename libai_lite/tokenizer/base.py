@@ -1,8 +1,10 @@
 """The tokenizer interface, file checks and Megatron's vocabulary padding rule."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 
 def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
@@ -88,6 +90,22 @@ class BaseTokenizer:
         """Text for ``ids``."""
         raise NotImplementedError
 
+    def base_vocab(self) -> Iterable[Tuple[str, int]]:
+        """``(token, id)`` of the vocabulary the tokenizer's files define, without the ids a wrapper appends
+        (sentinels, Megatron's [BOS]/[EOS] or <EOD>): two tokenizers with the same base vocabulary read a
+        corpus's text ids alike, whatever extra ids each adds on top."""
+        raise NotImplementedError
+
+    def vocab_fingerprint(self) -> str:
+        """``"sha256:<hex>"`` of :meth:`base_vocab` sorted by id: one string for one vocabulary, whatever
+        file format or folder it came from."""
+        cached = self.__dict__.get("_vocab_fingerprint")
+        if cached is None:
+            pairs = sorted(((int(i), str(t)) for t, i in self.base_vocab()))
+            data = json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            cached = self._vocab_fingerprint = "sha256:" + hashlib.sha256(data).hexdigest()
+        return cached
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod_id={self.eod_id})"
 
@@ -112,6 +130,9 @@ class TokenizersBackend(BaseTokenizer):
 
         self._word_cache = WordCache(self._tok, *self._word_split, max_words=max_words)
         return True
+
+    def base_vocab(self) -> Iterable[Tuple[str, int]]:
+        return self._tok.get_vocab(with_added_tokens=True).items()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

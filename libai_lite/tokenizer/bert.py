@@ -40,6 +40,8 @@ class BertTokenizer(TokenizersBackend):
                 "pass a BERT vocab.txt that lists [PAD] [UNK] [CLS] [SEP] [MASK]"
             )
         self.vocab_file = vocab_file
+        # vocab.txt's own entries: what a corpus's ids mean, whatever [BOS]/[EOS]/sentinels are added.
+        self._file_vocab = dict(vocab)
         self.do_lower_case = bool(do_lower_case)
         # Megatron appends ids after len(vocab), not after the highest line number.
         added = ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(int(vocab_extra_ids))]
@@ -60,3 +62,6 @@ class BertTokenizer(TokenizersBackend):
         )
         self._tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._tok.decoder = decoders.WordPiece(prefix="##")
+
+    def base_vocab(self):
+        return self._file_vocab.items()

@@ -9,6 +9,24 @@ from .word_cache import GPT2_SPLIT, GPT2_SPLIT_ASCII
 EOD_TOKEN = "<|endoftext|>"
 
 
+def check_merges(merges_file: str) -> None:
+    """Refuse a merges.txt with no merge in it (empty, or only its ``#version`` header) in one line.
+
+    ``tokenizers`` loads one as a BPE that merges nothing: every text becomes single bytes, and training
+    on those ids runs without a word of warning.
+    """
+    try:
+        with open(merges_file, encoding="utf-8") as f:
+            if any(line.strip() and not line.startswith("#version") for line in f):
+                return
+    except UnicodeDecodeError:
+        return  # not text: tokenizers' own error names it
+    raise ValueError(
+        f"GPT-2 merges file {merges_file} holds no merges (it is empty or has only its #version header); "
+        "pass the merges.txt written with this vocab.json"
+    )
+
+
 class GPT2Tokenizer(TokenizersBackend):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``.
 
@@ -30,6 +48,7 @@ class GPT2Tokenizer(TokenizersBackend):
             "set tokenization.tokenizer.merges_file (tools/preprocess_data.py: --merge-file) to the GPT-2 "
             "merges.txt, e.g. data_test/gpt2/merges.txt"
         )
+        check_merges(self.merges_file)
         try:
             self._tok = Tokenizer(models.BPE.from_file(self.vocab_file, self.merges_file))
         except Exception as e:  # tokenizers raises plain Exception on bad files

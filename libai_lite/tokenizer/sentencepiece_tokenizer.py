@@ -94,6 +94,10 @@ class SentencePieceTokenizer(BaseTokenizer):
         # Cheap pre-check: most texts contain none of the specials' first characters.
         self._first_chars = {t[0] for t in order}
 
+    def base_vocab(self):
+        """The model's pieces; the specials and sentinels either style appends are left out."""
+        return ((self.sp.id_to_piece(i), i) for i in range(self._n_pieces))
+
     def _split(self, text: str) -> List[str]:
         if self._split_re is None or not any(c in text for c in self._first_chars):
             return [text]

@@ -74,6 +74,7 @@ def test_byte_identical_to_megatron(shared_fixtures, tmp_path, name, workers):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{name}_mmap_text_document.bin",
         f"{name}_mmap_text_document.idx",
+        f"{name}_mmap_text_document.tokenizer.json",
     ]
 
 
@@ -159,6 +160,55 @@ def test_missing_tokenizer_file(tmp_path, capsys):
     _assert_failed_cleanly(capsys, rc, out, "gone.model", "--tokenizer-model")
 
 
+def test_tokenizer_record_beside_the_outputs(tmp_path):
+    """Each key's .bin/.idx gets PREFIX.tokenizer.json naming the tokenizer; a rewrite of the prefix replaces it."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "One.", "title": "A"}, {"text": "Two.", "title": "B"}])
+    out = tmp_path / "out" / "x"
+    argv = ["--input", str(src), "--output-prefix", str(out), "--json-keys", "text", "title", "--append-eod"]
+    assert preprocess.main(argv + GPT2_FLAGS) == 0
+    tok = GPT2Tokenizer(DEMO / "gpt2/vocab.json", DEMO / "gpt2/merges.txt")
+    for key in ("text", "title"):
+        record = json.loads((tmp_path / "out" / f"x_{key}_document.tokenizer.json").read_text())
+        assert record["tokenizer_type"] == "GPT2BPETokenizer" and record["class"] == "GPT2Tokenizer"
+        assert record["vocab_fingerprint"] == tok.vocab_fingerprint() and record["vocab_size"] == 8000
+        assert record["eod_id"] == tok.eod_id and record["append_eod"] is True
+        assert record["files"] == {"vocab_file": GPT2_FLAGS[3], "merges_file": GPT2_FLAGS[5]}
+        assert "preprocess_data.py" in record["tool"]
+    bert = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(DEMO / "bert/vocab.txt")]
+    assert preprocess.main(argv[:-1] + bert) == 0
+    record = json.loads((tmp_path / "out" / "x_text_document.tokenizer.json").read_text())
+    assert record["tokenizer_type"] == "BertWordPieceLowerCase" and record["append_eod"] is False
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        f"x_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx", "tokenizer.json"))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_corpus_of_empty_texts_is_refused(tmp_path, capsys, workers):
+    """Megatron writes a 0-token .bin for it and exits 0; the training that reads it fails far later."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "", "title": "A title"}] * 300)
+    out = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers), "--append-eod"]
+    rc = preprocess.main(argv + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "no documents with tokens in", str(src), "'text'", "--json-keys")
+    assert not out.exists()
+    # One key with text beside one without: still refused, naming the empty one.
+    rc = preprocess.main(argv + ["--json-keys", "title", "text"] + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "'text'", "--json-keys")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content", ["", "#version: 0.2\n"])
+def test_merges_file_without_merges_is_refused(tmp_path, capsys, content):
+    merges = tmp_path / "merges.txt"
+    merges.write_text(content)
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
+    out = tmp_path / "out"
+    argv = ["--input", str(src), "--output-prefix", str(out / "x"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(DEMO / "gpt2/vocab.json"), "--merge-file", str(merges)]
+    _assert_failed_cleanly(capsys, preprocess.main(argv), out, str(merges), "holds no merges")
+    assert not out.exists()
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(3 * preprocess.CHUNK_LINES)])
     real, calls = preprocess._encode_chunk, []
@@ -217,6 +267,13 @@ def test_demo_data_is_current(tmp_path, name, flags):
         assert ours == committed, f"data_test/{name} is stale: run python tools/make_demo_data.py"
     ds = MMapIndexedDataset(str(DEMO / f"{name}/demo_{name}_text_document"))
     assert ds.dtype == np.uint16 and len(ds) > 3000
+    # The committed tokenizer record says what the tool says (the paths it names are as each run gave them).
+    ours = json.loads((tmp_path / "d_text_document.tokenizer.json").read_text())
+    committed = json.loads((DEMO / f"{name}/demo_{name}_text_document.tokenizer.json").read_text())
+    same = ("tokenizer_type", "class", "vocab_fingerprint", "vocab_size", "eod_id", "append_eod")
+    assert {k: ours[k] for k in same} == {k: committed[k] for k in same}, \
+        f"data_test/{name} has a stale tokenizer record: run python tools/make_demo_data.py --datasets-only"
+    assert all(os.path.isfile(REPO_ROOT / f) for f in committed["files"].values()), committed["files"]
 
 
 @pytest.mark.parametrize("style,workers", [("llama3", 2), ("qwen2", 1)])

@@ -46,8 +46,9 @@ def test_two_concurrent_runs_on_one_prefix(tmp_path):
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     for rc, out, err in results:
         assert rc == 0 and "wrote" in out, err
-    assert sorted(os.listdir(prefix.parent)) == ["both_text_document.bin", "both_text_document.idx"]
-    for ext in ("bin", "idx"):
+    assert sorted(os.listdir(prefix.parent)) == ["both_text_document.bin", "both_text_document.idx",
+                                                 "both_text_document.tokenizer.json"]
+    for ext in ("bin", "idx", "tokenizer.json"):
         got = (prefix.parent / f"both_text_document.{ext}").read_bytes()
         assert got == (tmp_path / f"alone_text_document.{ext}").read_bytes()
 

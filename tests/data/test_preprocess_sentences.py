@@ -51,7 +51,8 @@ def test_split_sentences_writes_one_sequence_per_sentence(punkt, tmp_path, worke
     argv = ["--input", str(src), "--output-prefix", str(out), "--split-sentences", "--append-eod",
             "--workers", str(workers)]
     assert preprocess.main(argv + GPT2_FLAGS) == 0
-    assert sorted(p.name for p in out.parent.iterdir()) == ["ss_text_sentence.bin", "ss_text_sentence.idx"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "ss_text_sentence.bin", "ss_text_sentence.idx", "ss_text_sentence.tokenizer.json"]
     splitter = punkt.PunktTokenizer("english")
     sentences = [splitter.tokenize(d) for d in DOCS]
     # The abbreviation model is in use: "Dr." and "Mr." end no sentence.

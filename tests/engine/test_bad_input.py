@@ -117,6 +117,12 @@ def _case(tmp_path, case):
     elif case == "tokenizer_not_matching_config":
         # A BERT WordPiece vocab.txt handed to the GPT-2 BPE tokenizer the config names.
         extra = [f"tokenization.tokenizer.vocab_file={ROOT / 'data_test/bert/vocab.txt'}"]
+    elif case == "corpus_of_another_tokenizer":
+        # The BERT WordPiece demo corpus under the config's GPT-2 tokenizer: 8,000 ids each, so every id fits.
+        extra, nproc = [f"dataloader.train.data_prefix={ROOT / 'data_test/bert/demo_bert_text_document'}"], 2
+    elif case == "empty_merges_file":
+        (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+        extra = [f"tokenization.tokenizer.merges_file={tmp_path / 'merges.txt'}"]
     elif case == "batch_not_divisible":
         extra = ["train.global_batch_size=10"]
     elif case == "layout_not_fitting_world":
@@ -154,6 +160,8 @@ NEEDLES = {
     "ids_beyond_vocab": "9000",
     "missing_tokenizer_file": "vocab.json",
     "tokenizer_not_matching_config": "vocab.txt",
+    "corpus_of_another_tokenizer": "was tokenized with BertWordPieceLowerCase (data_test/bert/vocab.txt; 8002 ids",
+    "empty_merges_file": "merges.txt holds no merges (it is empty or has only its #version header)",
     "batch_not_divisible": "not divisible",
     "layout_not_fitting_world": "but 1 were launched",
     "layout_not_fitting_model": "does not divide model.cfg.num_attention_heads=3",
@@ -207,6 +215,7 @@ TESTED_ELSEWHERE = {
     "slurm_outside_a_job", "checkpoint_of_another_tokenizer", "tp_not_dividing_vocab", "index_beyond_memory",
     "eval_iter_beyond_valid_split", "optim_unknown_argument", "estimate_layout_capped", "libai_config_without_dialect",
     "tool_output_is_its_input",
+    "preprocess_empty_texts",
 }
 
 

@@ -450,3 +450,32 @@ def test_hf_tokenizer_errors(hf_dirs, tmp_path):
     assert "cannot read" in message(tmp_path) and "tokenizer_config.json" in message(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("[]")
     assert "not an object" in message(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", "#version: 0.2\n", "#version: 0.2\n\n  \n"])
+def test_merges_file_without_merges_is_refused(tmp_path, content):
+    """tokenizers loads a merges.txt with no merge as a BPE merging nothing: every text became single bytes."""
+    merges = tmp_path / "merges.txt"
+    merges.write_text(content)
+    for build in (lambda: GPT2Tokenizer(DEMO / "gpt2/vocab.json", merges),
+                  lambda: build_tokenizer("GPT2BPETokenizer", vocab_file=DEMO / "gpt2/vocab.json", merge_file=merges)):
+        with pytest.raises(ValueError) as e:
+            build()
+        assert str(merges) in _one_line(e) and "holds no merges" in str(e.value)
+
+
+def test_vocab_fingerprint_names_the_vocabulary(tmp_path, demo_gpt2, demo_bert, demo_spm):
+    """One vocabulary, one fingerprint, whatever its file format or the extra ids a wrapper appends; the
+    BERT and GPT-2 demo vocabularies (8,000 ids each) differ."""
+    assert demo_gpt2.vocab_fingerprint().startswith("sha256:")
+    assert demo_gpt2.vocab_fingerprint() != demo_bert.vocab_fingerprint()
+    assert demo_gpt2.vocab_size == 8000 and len(demo_bert._file_vocab) == 8000
+    demo_gpt2._tok.save(str(tmp_path / "tokenizer.json"))
+    assert HuggingFaceTokenizer(tmp_path).vocab_fingerprint() == demo_gpt2.vocab_fingerprint()
+    assert BertTokenizer(DEMO / "bert/vocab.txt", vocab_extra_ids=100).vocab_fingerprint() == \
+        demo_bert.vocab_fingerprint()
+    t5 = SentencePieceTokenizer(DEMO / "spm/spiece.model", extra_ids=100, style="t5")
+    assert t5.vocab_fingerprint() == demo_spm.vocab_fingerprint() and t5.vocab_size != demo_spm.vocab_size
+    other = tmp_path / "vocab.txt"
+    other.write_text((DEMO / "bert/vocab.txt").read_text().replace("[MASK]\n", "[MASK]\nzzz\n", 1))
+    assert BertTokenizer(other).vocab_fingerprint() != demo_bert.vocab_fingerprint()
