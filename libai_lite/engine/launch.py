@@ -15,7 +15,7 @@ from ..utils.distributed import Layout, describe_collective_timeout, destroy, is
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
-from ..utils.process import die_with_launcher, install_stop_signals, release_locks, stop_signals_end_process
+from ..utils.process import die_with_launcher, install_stop_signals, release_locks
 
 logger = logging.getLogger("libai_lite")
 
@@ -165,4 +165,3 @@ def launch(args) -> int:
     finally:
         release_locks()
         destroy()
-        stop_signals_end_process()

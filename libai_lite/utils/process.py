@@ -38,16 +38,23 @@ class _StopSignals:
         self.received: int | None = None
 
     def install(self) -> None:
+        if self.owner is None:
+            # Registered after torch's own exit callbacks, so it runs before them (last in, first out).
+            atexit.register(self._leave)
         self.owner = os.getpid()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+
+    def _leave(self) -> None:
+        if os.getpid() == self.owner:
+            self.leaving = True
 
     def _handler(self, signum, frame):
         if os.getpid() != self.owner:
             return
         if self.leaving:
-            # Past the run's own clean-up (in interpreter teardown, as the launcher stops the other ranks of
-            # a failed job): an exception here would only print a traceback from an atexit callback.
+            # In interpreter teardown (the launcher stopping the other ranks of a failed job): an exception
+            # here would only print a traceback from an atexit callback.
             os._exit(128 + signum)
         if not self.deferring:
             if signum == signal.SIGINT:
@@ -71,11 +78,6 @@ def defer_stop_signals(on: bool) -> None:
     _STOP.deferring = on
     if on:
         _STOP.received = None
-
-
-def stop_signals_end_process() -> None:
-    """After the run's clean-up: a stop signal ends the process at once with 128 + its number."""
-    _STOP.leaving = True
 
 
 def stop_requested() -> int | None:
