@@ -13,8 +13,9 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
+from .instantiate import TargetNotFoundError, join_key, locate
 
-__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths"]
+__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths", "check_targets"]
 
 
 def _number(x: float) -> str:
@@ -270,3 +271,37 @@ def check_ranges(cfg, ranges: dict | None = None) -> None:
             problem = "is out of range" if isinstance(rng, Range) else "is not allowed"
             raise UsageError(f"{path}={shown} {problem}: it must be {rng.describe()}; "
                              f"set {path} to such a value")
+
+
+def _targets(node: Any, prefix: str = "") -> Iterator[tuple]:
+    """``(key path, dotted target)`` of every ``_target_`` string in ``node`` (interpolations skipped)."""
+    if isinstance(node, DictConfig) and not node._is_none():
+        for key in node.keys():
+            child = node._get_node(key)
+            path = join_key(prefix, key)
+            if child._is_interpolation() or child._is_missing():
+                continue
+            if key == "_target_":
+                if isinstance(child._value(), str):
+                    yield path, child._value()
+            else:
+                yield from _targets(child, path)
+    elif isinstance(node, ListConfig) and not node._is_none():
+        for i in range(len(node)):
+            yield from _targets(node._get_node(i), join_key(prefix, i))
+
+
+def check_targets(cfg) -> None:
+    """Raise ``UsageError`` for the first ``_target_`` of ``cfg`` that names no class or function, before anything
+    is built: a typo found when its section is built (the optimizer after the data's index cache) wrote files
+    first. A module that is there but fails to import is left to the section that builds it."""
+    for path, target in _targets(cfg):
+        try:
+            locate(target)
+        except TargetNotFoundError as e:
+            reason = str(e).split(": ", 1)[-1]
+            # A missing module's message already says how to install it; a typo is corrected in the config.
+            fix = f"or correct {path}" if "no module named" in reason else f"correct {path}"
+            raise UsageError(f"{path}={target!r} cannot be imported: {reason}; {fix}") from e
+        except ImportError:
+            continue

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import InstantiationError, LazyConfig
-from ..config.validate import check_ranges
+from ..config.validate import check_ranges, check_targets
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
@@ -28,8 +28,10 @@ def default_setup(cfg, args) -> Layout:
         cfg = LazyConfig.apply_overrides(cfg, ["train.train_epoch=0", "train.train_iter=20", "train.log_period=1",
                                                "train.evaluation.eval_period=10", "train.evaluation.eval_iter=2",
                                                "train.checkpointer.period=10"])
-    # Every numeric setting against its range before any of them is used (or quietly replaced).
+    # Every numeric setting against its range before any of them is used (or quietly replaced), and every
+    # _target_ against what is installed.
     check_ranges(cfg)
+    check_targets(cfg)
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     capped = describe_capping(layout.world_size, cfg.train.dist)
     setup_logger(layout.rank)

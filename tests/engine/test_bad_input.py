@@ -131,6 +131,8 @@ def _case(tmp_path, case):
     elif case == "load_weight_other_shape":
         src = _checkpoint(tmp_path)
         extra = [f"train.load_weight={src / 'model_final'}", "model.cfg.hidden_size=32"]
+    elif case == "target_typo":
+        extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
         blocker = tmp_path / "a_file"
         blocker.write_text("x")
@@ -161,6 +163,8 @@ NEEDLES = {
     "resume_corrupt_checkpoint": "has 7 bytes but",
     "load_weight_other_shape": "another model shape; model.cfg.hidden_size=32 gives 32 where it has 64",
     "output_dir_not_writable": "not writable",
+    "target_typo": "optim._target_='torch.optim.Adamz' cannot be imported: 'torch.optim' has no attribute 'Adamz' "
+                   "(did you mean 'torch.optim.Adam'",
 }
 
 
