@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import InstantiationError, LazyConfig
-from ..config.validate import check_ranges, check_targets
+from ..config.validate import check_ranges, check_sections, check_targets
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
@@ -136,7 +136,9 @@ def launch(args) -> int:
     die_with_launcher()
     try:
         cfg = LazyConfig.load(args.config_file)
+        check_sections(cfg, args.config_file)
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
+        check_sections(cfg, args.config_file)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         layout = default_setup(cfg, args)
         run_dir = own_output_dir(cfg, args)

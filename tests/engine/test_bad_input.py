@@ -69,6 +69,12 @@ def _bad_config(tmp_path):
     return str(bad)
 
 
+def _config_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
 def _checkpoint(tmp_path, *extra):
     """A finished tiny run's output dir with its final checkpoint (made before the snapshot)."""
     src = tmp_path / "prev"
@@ -131,6 +137,12 @@ def _case(tmp_path, case):
     elif case == "load_weight_other_shape":
         src = _checkpoint(tmp_path)
         extra = [f"train.load_weight={src / 'model_final'}", "model.cfg.hidden_size=32"]
+    elif case == "section_null":
+        extra = ["model=null"]
+    elif case == "yaml_top_level_list":
+        extra, cfg = [], _config_file(tmp_path, "list.yaml", "- model\n- train\n")
+    elif case == "config_without_sections":
+        extra, cfg = [], _config_file(tmp_path, "no_model.py", "from configs.common.train import train\n")
     elif case == "target_typo":
         extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
@@ -165,6 +177,11 @@ NEEDLES = {
     "output_dir_not_writable": "not writable",
     "target_typo": "optim._target_='torch.optim.Adamz' cannot be imported: 'torch.optim' has no attribute 'Adamz' "
                    "(did you mean 'torch.optim.Adam'",
+    "section_null": "model=null is not a config section: it must hold the model to build, a LazyCall with _target_; "
+                    "remove the override that set it",
+    "yaml_top_level_list": "list.yaml holds a list at its top level, not a mapping of names to sections",
+    "config_without_sections": "no_model.py defines no model, optim, dataloader: a training config defines model, "
+                               "optim, dataloader and train at its top level",
 }
 
 
@@ -231,6 +248,46 @@ def test_the_documented_table_lists_every_case_with_the_message_this_test_checks
     assert set(rows) == tested, f"docs/bad_input.md rows {sorted(rows)} != tested cases {sorted(tested)}"
     for case, needle in NEEDLES.items():
         assert needle in rows[case][-2].replace("\\|", "|"), (case, needle)
+
+
+# Configs and overrides that leave out a section a training reads -> the part of the one-line message checked
+# (the file as the launcher loads it, checked before and after the overrides, in process).
+SECTIONS = {
+    "train.dist=null": "train.dist=null is not a config section: it must hold the parallel layout",
+    "~train.dist": "train.dist is missing from the config: it holds the parallel layout",
+    "~dataloader.train": "dataloader.train is missing from the config: it holds the training data",
+    "empty.yaml": "empty.yaml defines no model, optim, dataloader, train: a training config defines",
+    "no_model.py": "no_model.py defines no model, optim, dataloader:",
+    "hello.yaml": "hello.yaml defines no model, optim, dataloader, train:",
+}
+
+
+@pytest.mark.parametrize("case", list(SECTIONS))
+def test_a_config_without_a_section_a_training_reads_is_refused_before_and_after_the_overrides(tmp_path, case):
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_sections
+    from libai_lite.utils.errors import UsageError
+
+    texts = {"empty.yaml": "", "no_model.py": "from configs.common.train import train\n", "hello.yaml": "hello\n"}
+    config = _config_file(tmp_path, case, texts[case]) if case in texts else str(ROOT / CONFIG)
+    overrides = [] if case in texts else [case]
+    with pytest.raises(UsageError) as e:
+        cfg = LazyConfig.load(config)
+        check_sections(cfg, config)
+        LazyConfig.apply_overrides(cfg, overrides)
+        check_sections(cfg, config)
+    assert SECTIONS[case] in str(e.value), str(e.value)
+
+
+def test_every_shipped_config_has_the_sections_and_targets_a_training_reads():
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_sections, check_targets
+
+    for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
+        cfg = LazyConfig.load(str(path))
+        if "train" in cfg:  # not a part other configs import
+            check_sections(cfg, path)
+            check_targets(cfg)
 
 
 # Values out of their range (libai_lite/config/validate.py's table) and overrides of the wrong shape:
