@@ -32,6 +32,11 @@ def default_setup(cfg, args) -> Layout:
     # _target_ against what is installed.
     check_ranges(cfg)
     check_targets(cfg)
+    # The evaluator runs after the first eval_period of training, or at its end: checked before either.
+    if getattr(args, "eval_only", False) or (cfg.train.get("evaluation") or {}).get("enabled", False):
+        from ..evaluation.evaluator import check_evaluator
+
+        check_evaluator(cfg.train.evaluation.get("evaluator"))
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     capped = describe_capping(layout.world_size, cfg.train.dist)
     setup_logger(layout.rank)

@@ -143,6 +143,9 @@ def _case(tmp_path, case):
         extra, cfg = [], _config_file(tmp_path, "list.yaml", "- model\n- train\n")
     elif case == "config_without_sections":
         extra, cfg = [], _config_file(tmp_path, "no_model.py", "from configs.common.train import train\n")
+    elif case == "evaluator_not_an_evaluator":
+        # Its first use was the evaluation at the end of training, after the run had written its files.
+        extra = ["train.evaluation.enabled=True", "train.evaluation.evaluator._target_=torch.nn.Identity"]
     elif case == "target_typo":
         extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
@@ -177,6 +180,8 @@ NEEDLES = {
     "output_dir_not_writable": "not writable",
     "target_typo": "optim._target_='torch.optim.Adamz' cannot be imported: 'torch.optim' has no attribute 'Adamz' "
                    "(did you mean 'torch.optim.Adam'",
+    "evaluator_not_an_evaluator": "train.evaluation.evaluator._target_='torch.nn.Identity' is not an evaluator: "
+                                  "it has neither reset, process and evaluate",
     "section_null": "model=null is not a config section: it must hold the model to build, a LazyCall with _target_; "
                     "remove the override that set it",
     "yaml_top_level_list": "list.yaml holds a list at its top level, not a mapping of names to sections",
