@@ -146,6 +146,10 @@ def _case(tmp_path, case):
     elif case == "evaluator_not_an_evaluator":
         # Its first use was the evaluation at the end of training, after the run had written its files.
         extra = ["train.evaluation.enabled=True", "train.evaluation.evaluator._target_=torch.nn.Identity"]
+    elif case == "last_checkpoint_garbled":
+        out = _checkpoint(tmp_path)
+        (out / "last_checkpoint").write_bytes(b"\xff\xfe\x00\x01junk")
+        extra = ["--resume"]
     elif case == "target_typo":
         extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
@@ -182,6 +186,8 @@ NEEDLES = {
                    "(did you mean 'torch.optim.Adam'",
     "evaluator_not_an_evaluator": "train.evaluation.evaluator._target_='torch.nn.Identity' is not an evaluator: "
                                   "it has neither reset, process and evaluate",
+    "last_checkpoint_garbled": "last_checkpoint holds b'\\xff\\xfe\\x00\\x01junk', not the name of a checkpoint "
+                               "directory",
     "section_null": "model=null is not a config section: it must hold the model to build, a LazyCall with _target_; "
                     "remove the override that set it",
     "yaml_top_level_list": "list.yaml holds a list at its top level, not a mapping of names to sections",
