@@ -4,6 +4,7 @@ problem and the fix, a non-zero exit, and no file written, changed or deleted.
 The table in docs/bad_input.md is the contract: each row names a case here and quotes the part of
 the message this test checks, so the documentation cannot drift from what users see.
 """
+import contextlib
 import re
 import shutil
 import socket
@@ -150,6 +151,9 @@ def _case(tmp_path, case):
         out = _checkpoint(tmp_path)
         (out / "last_checkpoint").write_bytes(b"\xff\xfe\x00\x01junk")
         extra = ["--resume"]
+    elif case == "cache_dir_not_a_directory":
+        (tmp_path / "a_file").write_text("x")
+        extra = [f"dataloader.train.cache_dir={tmp_path / 'a_file' / 'cache'}"]
     elif case == "target_typo":
         extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
@@ -188,6 +192,7 @@ NEEDLES = {
                                   "it has neither reset, process and evaluate",
     "last_checkpoint_garbled": "last_checkpoint holds b'\\xff\\xfe\\x00\\x01junk', not the name of a checkpoint "
                                "directory",
+    "cache_dir_not_a_directory": "a_file is a file); set dataloader.train.cache_dir to a writable directory",
     "section_null": "model=null is not a config section: it must hold the model to build, a LazyCall with _target_; "
                     "remove the override that set it",
     "yaml_top_level_list": "list.yaml holds a list at its top level, not a mapping of names to sections",
@@ -207,6 +212,41 @@ def test_bad_input_is_one_line_nonzero_and_changes_nothing(tmp_path, case):
     assert NEEDLES[case] in line, line
     assert out.exists() == existed
     assert tree_snapshot(tmp_path) == before, "a refused run wrote, changed or deleted files"
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/cache", "read-only"])
+def test_a_cache_dir_that_cannot_hold_the_index_cache_is_one_line_and_changes_nothing(tmp_path, where):
+    """A regular file, a path under one, a read-only filesystem (a bind mount, where mounting is permitted)."""
+    (tmp_path / "a_file").write_text("x")
+    with contextlib.ExitStack() as stack:
+        cache = tmp_path / where
+        if where == "read-only":
+            cache = stack.enter_context(_read_only_dir(tmp_path / "ro"))
+        before = tree_snapshot(tmp_path)
+        r = train_net(tiny(tmp_path / "out", cache, "train.train_iter=2"), timeout=180)
+        assert r.returncode == 1
+        line = one_error_line(r)
+        reason = "Read-only file system" if where == "read-only" else f"{tmp_path / 'a_file'} is a file"
+        assert line == (f"error: cannot write the dataset's index cache at {cache} ({reason}); set "
+                        f"dataloader.train.cache_dir to a writable directory (null caches beside the data)"), line
+        assert tree_snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+@contextlib.contextmanager
+def _read_only_dir(path):
+    """``path`` as a read-only bind mount of an empty folder (skipped where mounting is not permitted)."""
+    src = path.with_name(path.name + "_src")
+    src.mkdir()
+    path.mkdir()
+    r = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a read-only bind mount needs root or CAP_SYS_ADMIN: {r.stderr.strip()}")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("remounting read-only is not permitted")
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 def test_port_in_use_is_one_line_and_changes_nothing(tmp_path):
