@@ -38,6 +38,14 @@ def ppl_loader_fn(data, json_key, stride, split, seq_length):
         if not is_jsonl_path(path) and os.path.isfile(path) and not path.endswith((".bin", ".idx")):
             raise UsageError(f"{path} is neither a .jsonl file nor a .bin/.idx prefix; name JSON-lines files *.jsonl")
         seq = seq_length if seq_length is not None else cfg.model.cfg.get("max_seq_length") or cfg.dataloader.train.get("seq_length")
+        if seq_length is not None:
+            from libai_lite.model import max_seq_length
+
+            # The model refused the first window in its forward, a traceback after the checkpoint had loaded.
+            positions = max_seq_length(trainer.spec.meta_model or trainer.build_meta_model(cfg))
+            if positions is not None and seq_length > positions:
+                raise UsageError(f"--seq-length {seq_length} is longer than the {positions} positions the model "
+                                 f"takes; give at most {positions}, or leave it out for the model's own")
         return build_ppl_eval_loader(
             path, seq_length=int(seq), json_key=json_key, stride=stride, split=which or "all",
             splits_string=cfg.dataloader.train.get("splits_string", "949,50,1"), tokenizer=trainer.tokenizer,

@@ -81,9 +81,17 @@ def read_prompts(args) -> list:
     if args.prompt_file:
         if not os.path.isfile(args.prompt_file):
             raise UsageError(f"--prompt-file {args.prompt_file} not found; give a text file with one prompt per line")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                line = line.rstrip("\n")
+        with open(args.prompt_file, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                # Decoded line by line, so a file that is not text is named with the line where it stops being so.
+                try:
+                    line = raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    line = None
+                if line is None or "\x00" in line:
+                    raise UsageError(f"--prompt-file {args.prompt_file} line {n} is not UTF-8 text (a binary file?); "
+                                     f"give a UTF-8 text file with one prompt per line, or JSON lines with a "
+                                     f"\"text\" field")
                 if not line.strip():
                     continue
                 if line.lstrip().startswith("{"):

@@ -55,8 +55,17 @@ def _read_marker(save_dir: str) -> str | None:
     marker = os.path.join(save_dir, LAST_CHECKPOINT)
     if not os.path.isfile(marker):
         return None
-    with open(marker) as f:
-        return f.read().strip()
+    with open(marker, "rb") as f:
+        raw = f.read()
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or any(c in name for c in "\x00\n/" + os.sep):
+        raise UsageError(f"{marker} holds {raw[:40]!r}, not the name of a checkpoint directory (it was overwritten); "
+                         f"write the name of a complete one (model_final, model_XXXXXXX) into it, or delete it to "
+                         f"start afresh")
+    return name
 
 
 def last_checkpoint(save_dir: str) -> str | None:
@@ -178,7 +187,10 @@ def _resume_verdict(save_dir: str) -> tuple[str | None, str | None]:
     ``NAME.old/``; it is loaded from there and renamed only once this run holds the output directory
     (``Checkpointer.remove_partial``), so a run refused as a second one changes nothing.
     """
-    name = _read_marker(save_dir)
+    try:
+        name = _read_marker(save_dir)
+    except UsageError as e:  # the verdict every rank gets, not rank 0's alone
+        return None, str(e)
     if name is None:
         return None, None
     marker, path = os.path.join(save_dir, LAST_CHECKPOINT), _current_location(save_dir, name)

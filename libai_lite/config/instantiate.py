@@ -7,6 +7,7 @@ omegaconf nodes cannot hold arbitrary objects, and a failure names the target an
 import builtins
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib
 from collections import abc
@@ -14,7 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
-__all__ = ["instantiate", "instantiate_target", "instantiate_with", "locate", "InstantiationError"]
+from ..utils.errors import UsageError
+
+__all__ = ["instantiate", "instantiate_target", "instantiate_with", "locate", "InstantiationError",
+           "TargetNotFoundError"]
 
 # Keys with a meaning to ``instantiate`` itself; they are never passed to the target.
 _RESERVED_KEYS = ("_target_", "_recursive_", "_partial_")
@@ -24,10 +28,23 @@ class InstantiationError(RuntimeError):
     """Building one ``_target_`` failed; the message names the target and the key path."""
 
 
+class TargetNotFoundError(ImportError, UsageError):
+    """A dotted path names no module or attribute (a typo in a ``_target_``): the user's to correct."""
+
+
+def _did_you_mean(obj: Any, attr: str, prefix: str) -> str:
+    names = [n for n in dir(obj) if not n.startswith("_")]
+    close = difflib.get_close_matches(attr, names, n=3, cutoff=0.6)
+    if not close:
+        return ""
+    quoted = [f"'{prefix}.{n}'" for n in close]
+    return f" (did you mean {quoted[0] if len(quoted) == 1 else ', '.join(quoted[:-1]) + ' or ' + quoted[-1]}?)"
+
+
 def locate(path: str) -> Any:
     """Import and return the object named by a dotted path such as ``torch.optim.AdamW``."""
     if not isinstance(path, str) or not path:
-        raise ImportError(f"Cannot locate {path!r}: expected a non-empty dotted path string")
+        raise TargetNotFoundError(f"Cannot locate {path!r}: expected a non-empty dotted path string")
     parts = path.split(".")
     missing = None
     for i in range(len(parts), 0, -1):
@@ -43,12 +60,14 @@ def locate(path: str) -> Any:
             raise
         for depth, attr in enumerate(parts[i:], start=i):
             if not hasattr(obj, attr):
-                raise ImportError(f"Cannot locate {path!r}: {'.'.join(parts[:depth])!r} has no attribute {attr!r}")
+                where = ".".join(parts[:depth])
+                raise TargetNotFoundError(f"Cannot locate {path!r}: {where!r} has no attribute {attr!r}"
+                                          f"{_did_you_mean(obj, attr, where)}")
             obj = getattr(obj, attr)
         return obj
     if len(parts) == 1 and hasattr(builtins, path):
         return getattr(builtins, path)
-    raise ImportError(
+    raise TargetNotFoundError(
         f"Cannot locate {path!r}: no module named {missing or parts[0]!r}; install the package that provides it "
         "or add the folder holding it to PYTHONPATH (a config.yaml saved by LazyConfig lists such folders "
         "under _import_roots_)"

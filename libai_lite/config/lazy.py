@@ -128,6 +128,11 @@ class LazyConfig:
                 namespace = OmegaConf.create(path.read_text(encoding="utf-8"), flags={"allow_objects": True})
             except Exception as e:
                 raise ConfigLoadError(f"Failed to load config file {path}: {type(e).__name__}: {one_line(e)}") from e
+            if not isinstance(namespace, DictConfig):
+                kind = "list" if isinstance(namespace, ListConfig) else type(namespace).__name__
+                raise ConfigLoadError(f"Config file {path} holds a {kind} at its top level, not a mapping of names to "
+                                      f"sections (model:, train:, ...) as the config.yaml a run writes does; give a "
+                                      f".py config or a run's config.yaml")
             restore_import_roots(namespace.get(IMPORT_ROOTS_KEY), path)
             if keys is None:
                 return namespace

@@ -13,8 +13,10 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
+from .instantiate import TargetNotFoundError, join_key, locate
 
-__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths"]
+__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths", "check_targets",
+           "SECTIONS", "check_sections"]
 
 
 def _number(x: float) -> str:
@@ -278,3 +280,75 @@ def check_ranges(cfg, ranges: dict | None = None) -> None:
             problem = "is out of range" if isinstance(rng, Range) else "is not allowed"
             raise UsageError(f"{path}={shown} {problem}: it must be {rng.describe()}; "
                              f"set {path} to such a value")
+
+
+def _targets(node: Any, prefix: str = "") -> Iterator[tuple]:
+    """``(key path, dotted target)`` of every ``_target_`` string in ``node`` (interpolations skipped)."""
+    if isinstance(node, DictConfig) and not node._is_none():
+        for key in node.keys():
+            child = node._get_node(key)
+            path = join_key(prefix, key)
+            if child._is_interpolation() or child._is_missing():
+                continue
+            if key == "_target_":
+                if isinstance(child._value(), str):
+                    yield path, child._value()
+            else:
+                yield from _targets(child, path)
+    elif isinstance(node, ListConfig) and not node._is_none():
+        for i in range(len(node)):
+            yield from _targets(node._get_node(i), join_key(prefix, i))
+
+
+def check_targets(cfg) -> None:
+    """Raise ``UsageError`` for the first ``_target_`` of ``cfg`` that names no class or function, before anything
+    is built: a typo found when its section is built (the optimizer after the data's index cache) wrote files
+    first. A module that is there but fails to import is left to the section that builds it."""
+    for path, target in _targets(cfg):
+        try:
+            locate(target)
+        except TargetNotFoundError as e:
+            reason = str(e).split(": ", 1)[-1]
+            # A missing module's message already says how to install it; a typo is corrected in the config.
+            fix = f"or correct {path}" if "no module named" in reason else f"correct {path}"
+            raise UsageError(f"{path}={target!r} cannot be imported: {reason}; {fix}") from e
+        except ImportError:
+            continue
+
+
+# The sections a training reads, each a dict of settings (or a LazyCall): what the run takes from it.
+SECTIONS: dict[str, str] = {
+    "model": "the model to build, a LazyCall with _target_",
+    "optim": "the optimizer, a LazyCall with _target_",
+    "dataloader": "the data loaders",
+    "dataloader.train": "the training data, a LazyCall with _target_",
+    "train": "the run's settings (configs/common/train.py has every key with its default)",
+    "train.dist": "the parallel layout: data_parallel_size, tensor_parallel_size, pipeline_parallel_size, ...",
+}
+
+
+def check_sections(cfg, config_file) -> None:
+    """Raise ``UsageError`` when ``cfg`` (loaded from ``config_file``) lacks a section a training reads, or holds
+    something else than a dict there (``model=null``); before the overrides, so that a file without ``model`` is
+    not blamed on the first override that names it, and after them."""
+    top = [key for key in SECTIONS if "." not in key]
+    missing = [key for key in top if key not in cfg]
+    if missing:
+        names = ", ".join(missing)
+        raise UsageError(f"config file {config_file} defines no {names}: a training config defines "
+                         f"{', '.join(top[:-1])} and {top[-1]} at its top level (as projects/GPT/configs/gpt2_pretrain.py does, importing most from "
+                         f"configs/common/); define or import {names} there")
+    for key, what in SECTIONS.items():
+        parent, _, name = key.rpartition(".")
+        holder = cfg if not parent else OmegaConf.select(cfg, parent)
+        node = holder._get_node(name, throw_on_missing_key=False) if isinstance(holder, DictConfig) else None
+        if node is None:
+            raise UsageError(f"{key} is missing from the config: it holds {what}; set it in {config_file}, or drop "
+                             f"the override that removed it")
+        if node._is_interpolation():
+            continue
+        if not isinstance(node, DictConfig) or node._is_none():
+            value = None if node._is_none() else node._value()
+            shown = "null" if value is None else repr(value)
+            raise UsageError(f"{key}={shown} is not a config section: it must hold {what}; remove the override that "
+                             f"set it, or set it in {config_file}")

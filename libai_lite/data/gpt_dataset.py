@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from .index_budget import Progress, check_index_budget
-from .index_cache import _atomic_write, _build_on_rank0, _load_json, _load_npy, array_checksum, files_state, index_stem
+from .index_cache import (_atomic_write, _build_on_rank0, _load_json, _load_npy, array_checksum, cache_write_error,
+                          files_state, index_stem)
 from .indexed_dataset import MMapIndexedDataset
 from ..utils.errors import UsageError
 
@@ -272,6 +273,12 @@ class GPTDataset(torch.utils.data.Dataset):
         return None
 
     def _build_indices(self) -> None:
+        try:
+            self._write_indices()
+        except OSError as e:  # a read-only or full cache directory; the atomic writes left no part behind
+            raise cache_write_error(os.path.dirname(self.index_paths["sample"]) or ".", e) from e
+
+    def _write_indices(self) -> None:
         paths = self.index_paths
         problem = self._cache_problem()
         if any(os.path.exists(path) for path in paths.values()):

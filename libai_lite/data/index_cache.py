@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from ..utils.distributed import barrier, get_rank
+from ..utils.errors import UsageError
 from ..utils.files import atomic_write
 
 logger = logging.getLogger("libai_lite.data.gpt_dataset")
@@ -93,9 +94,26 @@ def cache_stem(data_prefix: str, cache_dir: str | None) -> str:
             logger.warning(f"{os.path.dirname(data_prefix) or '.'} is not writable; caching dataset "
                            f"indices in {cache_dir} (set cache_dir to choose another place)")
     cache_dir = os.path.expanduser(str(cache_dir))
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise cache_write_error(cache_dir, e) from e
     digest = hashlib.md5(os.path.abspath(data_prefix).encode()).hexdigest()[:8]
     return os.path.join(cache_dir, f"{os.path.basename(data_prefix)}-{digest}")
+
+
+def cache_write_error(path: str, exc: OSError) -> UsageError:
+    """The one line for an index cache that cannot be created or written at ``path`` (a file in the way, a
+    read-only or full disk), naming the key that moves it."""
+    blocker = os.path.abspath(path)
+    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+        blocker = os.path.dirname(blocker)
+    if os.path.exists(blocker) and not os.path.isdir(blocker):
+        reason = f"{blocker} is a file"
+    else:
+        reason = exc.strerror or str(exc)
+    return UsageError(f"cannot write the dataset's index cache at {path} ({reason}); set dataloader.train.cache_dir "
+                      f"to a writable directory (null caches beside the data)")
 
 
 def index_stem(data_prefix: str, cache_dir: str | None, name: str, num_samples: int, seq_length: int,

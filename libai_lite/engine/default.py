@@ -69,7 +69,7 @@ def existing_run_refusal(output_dir: str) -> str | None:
         return str(e)
     try:
         name = os.path.basename(last_checkpoint(output_dir) or "")
-    except OSError:
+    except (OSError, UsageError):  # unreadable or garbled: the run is named by its files
         name = ""
     if name:
         return (f"train.output_dir={output_dir} already holds a run (last checkpoint {name}); continue it with "

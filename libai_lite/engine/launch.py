@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import InstantiationError, LazyConfig
-from ..config.validate import check_ranges
+from ..config.validate import check_ranges, check_sections, check_targets
 from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
@@ -28,8 +28,15 @@ def default_setup(cfg, args) -> Layout:
         cfg = LazyConfig.apply_overrides(cfg, ["train.train_epoch=0", "train.train_iter=20", "train.log_period=1",
                                                "train.evaluation.eval_period=10", "train.evaluation.eval_iter=2",
                                                "train.checkpointer.period=10"])
-    # Every numeric setting against its range before any of them is used (or quietly replaced).
+    # Every numeric setting against its range before any of them is used (or quietly replaced), and every
+    # _target_ against what is installed.
     check_ranges(cfg)
+    check_targets(cfg)
+    # The evaluator runs after the first eval_period of training, or at its end: checked before either.
+    if getattr(args, "eval_only", False) or (cfg.train.get("evaluation") or {}).get("enabled", False):
+        from ..evaluation.evaluator import check_evaluator
+
+        check_evaluator(cfg.train.evaluation.get("evaluator"))
     layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
     capped = describe_capping(layout.world_size, cfg.train.dist)
     setup_logger(layout.rank)
@@ -134,7 +141,9 @@ def launch(args) -> int:
     die_with_launcher()
     try:
         cfg = LazyConfig.load(args.config_file)
+        check_sections(cfg, args.config_file)
         cfg = LazyConfig.apply_overrides(cfg, args.opts)
+        check_sections(cfg, args.config_file)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         layout = default_setup(cfg, args)
         run_dir = own_output_dir(cfg, args)

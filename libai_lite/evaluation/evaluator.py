@@ -7,6 +7,7 @@ and an `EvalContext`, and logs the returned dict like any evaluation result.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -16,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..config.instantiate import instantiate_target
 from ..utils.distributed import all_reduce_max, all_reduce_sum
+from ..utils.errors import UsageError
 from ..utils.process import stop_requested
 
 logger = logging.getLogger("libai_lite")
@@ -55,6 +58,33 @@ class ModelEvaluator:
 def brings_own_data(evaluator) -> bool:
     """True when the trainer should call `evaluator.evaluate_model` instead of feeding it batches."""
     return callable(getattr(evaluator, "evaluate_model", None))
+
+
+def check_evaluator(node, key: str = "train.evaluation.evaluator") -> None:
+    """Refuse, before a run trains, an evaluator node it cannot evaluate with: none, a class that is neither a
+    ``DatasetEvaluator`` (``reset``, ``process``, ``evaluate``) nor brings its own data (``evaluate_model``), or
+    arguments its class does not take. A factory function is only called when the evaluation runs."""
+    fix = "or set train.evaluation.enabled=False"
+    if node is None or "_target_" not in node:
+        raise UsageError(f"{key} is not set: the run evaluates with it; set it to a LazyCall of an evaluator "
+                         f"(libai_lite.evaluation.PPLEvaluator), {fix}")
+    target = instantiate_target(node)
+    if not inspect.isclass(target):
+        return
+    name = node._target_ if isinstance(node._target_, str) else f"{target.__module__}.{target.__qualname__}"
+    if not (brings_own_data(target) or all(callable(getattr(target, m, None)) for m in ("reset", "process",
+                                                                                          "evaluate"))):
+        raise UsageError(f"{key}._target_={name!r} is not an evaluator: it has neither reset, process and evaluate "
+                         f"(a DatasetEvaluator, fed the valid batches) nor evaluate_model (one that reads its own "
+                         f"data); set {key}._target_ to such a class (libai_lite.evaluation.PPLEvaluator), {fix}")
+    kwargs = {k: None for k in node if k not in ("_target_", "_recursive_", "_partial_")}
+    try:
+        inspect.signature(target).bind(**kwargs)
+    except TypeError as e:
+        raise UsageError(f"{key}: {name} cannot be built from {sorted(kwargs)} ({e}); correct the arguments of {key}"
+                         ) from None
+    except ValueError:  # no signature to read (a builtin): the evaluation will say
+        pass
 
 
 class DatasetEvaluator:

@@ -4,6 +4,7 @@ problem and the fix, a non-zero exit, and no file written, changed or deleted.
 The table in docs/bad_input.md is the contract: each row names a case here and quotes the part of
 the message this test checks, so the documentation cannot drift from what users see.
 """
+import contextlib
 import re
 import shutil
 import socket
@@ -67,6 +68,12 @@ def _bad_config(tmp_path):
     bad = tmp_path / "bad_config.py"
     bad.write_text("from configs.common.train import train\nraise RuntimeError('boom in config')\n")
     return str(bad)
+
+
+def _config_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
 
 
 def _checkpoint(tmp_path, *extra):
@@ -137,6 +144,24 @@ def _case(tmp_path, case):
     elif case == "load_weight_other_shape":
         src = _checkpoint(tmp_path)
         extra = [f"train.load_weight={src / 'model_final'}", "model.cfg.hidden_size=32"]
+    elif case == "section_null":
+        extra = ["model=null"]
+    elif case == "yaml_top_level_list":
+        extra, cfg = [], _config_file(tmp_path, "list.yaml", "- model\n- train\n")
+    elif case == "config_without_sections":
+        extra, cfg = [], _config_file(tmp_path, "no_model.py", "from configs.common.train import train\n")
+    elif case == "evaluator_not_an_evaluator":
+        # Its first use was the evaluation at the end of training, after the run had written its files.
+        extra = ["train.evaluation.enabled=True", "train.evaluation.evaluator._target_=torch.nn.Identity"]
+    elif case == "last_checkpoint_garbled":
+        out = _checkpoint(tmp_path)
+        (out / "last_checkpoint").write_bytes(b"\xff\xfe\x00\x01junk")
+        extra = ["--resume"]
+    elif case == "cache_dir_not_a_directory":
+        (tmp_path / "a_file").write_text("x")
+        extra = [f"dataloader.train.cache_dir={tmp_path / 'a_file' / 'cache'}"]
+    elif case == "target_typo":
+        extra = ["optim._target_=torch.optim.Adamz"]
     elif case == "output_dir_not_writable":
         blocker = tmp_path / "a_file"
         blocker.write_text("x")
@@ -169,6 +194,18 @@ NEEDLES = {
     "resume_corrupt_checkpoint": "has 7 bytes but",
     "load_weight_other_shape": "another model shape; model.cfg.hidden_size=32 gives 32 where it has 64",
     "output_dir_not_writable": "not writable",
+    "target_typo": "optim._target_='torch.optim.Adamz' cannot be imported: 'torch.optim' has no attribute 'Adamz' "
+                   "(did you mean 'torch.optim.Adam'",
+    "evaluator_not_an_evaluator": "train.evaluation.evaluator._target_='torch.nn.Identity' is not an evaluator: "
+                                  "it has neither reset, process and evaluate",
+    "last_checkpoint_garbled": "last_checkpoint holds b'\\xff\\xfe\\x00\\x01junk', not the name of a checkpoint "
+                               "directory",
+    "cache_dir_not_a_directory": "a_file is a file); set dataloader.train.cache_dir to a writable directory",
+    "section_null": "model=null is not a config section: it must hold the model to build, a LazyCall with _target_; "
+                    "remove the override that set it",
+    "yaml_top_level_list": "list.yaml holds a list at its top level, not a mapping of names to sections",
+    "config_without_sections": "no_model.py defines no model, optim, dataloader: a training config defines model, "
+                               "optim, dataloader and train at its top level",
 }
 
 
@@ -183,6 +220,41 @@ def test_bad_input_is_one_line_nonzero_and_changes_nothing(tmp_path, case):
     assert NEEDLES[case] in line, line
     assert out.exists() == existed
     assert tree_snapshot(tmp_path) == before, "a refused run wrote, changed or deleted files"
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/cache", "read-only"])
+def test_a_cache_dir_that_cannot_hold_the_index_cache_is_one_line_and_changes_nothing(tmp_path, where):
+    """A regular file, a path under one, a read-only filesystem (a bind mount, where mounting is permitted)."""
+    (tmp_path / "a_file").write_text("x")
+    with contextlib.ExitStack() as stack:
+        cache = tmp_path / where
+        if where == "read-only":
+            cache = stack.enter_context(_read_only_dir(tmp_path / "ro"))
+        before = tree_snapshot(tmp_path)
+        r = train_net(tiny(tmp_path / "out", cache, "train.train_iter=2"), timeout=180)
+        assert r.returncode == 1
+        line = one_error_line(r)
+        reason = "Read-only file system" if where == "read-only" else f"{tmp_path / 'a_file'} is a file"
+        assert line == (f"error: cannot write the dataset's index cache at {cache} ({reason}); set "
+                        f"dataloader.train.cache_dir to a writable directory (null caches beside the data)"), line
+        assert tree_snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+@contextlib.contextmanager
+def _read_only_dir(path):
+    """``path`` as a read-only bind mount of an empty folder (skipped where mounting is not permitted)."""
+    src = path.with_name(path.name + "_src")
+    src.mkdir()
+    path.mkdir()
+    r = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a read-only bind mount needs root or CAP_SYS_ADMIN: {r.stderr.strip()}")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("remounting read-only is not permitted")
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 def test_port_in_use_is_one_line_and_changes_nothing(tmp_path):
@@ -236,6 +308,46 @@ def test_the_documented_table_lists_every_case_with_the_message_this_test_checks
     assert set(rows) == tested, f"docs/bad_input.md rows {sorted(rows)} != tested cases {sorted(tested)}"
     for case, needle in NEEDLES.items():
         assert needle in rows[case][-2].replace("\\|", "|"), (case, needle)
+
+
+# Configs and overrides that leave out a section a training reads -> the part of the one-line message checked
+# (the file as the launcher loads it, checked before and after the overrides, in process).
+SECTIONS = {
+    "train.dist=null": "train.dist=null is not a config section: it must hold the parallel layout",
+    "~train.dist": "train.dist is missing from the config: it holds the parallel layout",
+    "~dataloader.train": "dataloader.train is missing from the config: it holds the training data",
+    "empty.yaml": "empty.yaml defines no model, optim, dataloader, train: a training config defines",
+    "no_model.py": "no_model.py defines no model, optim, dataloader:",
+    "hello.yaml": "hello.yaml defines no model, optim, dataloader, train:",
+}
+
+
+@pytest.mark.parametrize("case", list(SECTIONS))
+def test_a_config_without_a_section_a_training_reads_is_refused_before_and_after_the_overrides(tmp_path, case):
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_sections
+    from libai_lite.utils.errors import UsageError
+
+    texts = {"empty.yaml": "", "no_model.py": "from configs.common.train import train\n", "hello.yaml": "hello\n"}
+    config = _config_file(tmp_path, case, texts[case]) if case in texts else str(ROOT / CONFIG)
+    overrides = [] if case in texts else [case]
+    with pytest.raises(UsageError) as e:
+        cfg = LazyConfig.load(config)
+        check_sections(cfg, config)
+        LazyConfig.apply_overrides(cfg, overrides)
+        check_sections(cfg, config)
+    assert SECTIONS[case] in str(e.value), str(e.value)
+
+
+def test_every_shipped_config_has_the_sections_and_targets_a_training_reads():
+    from libai_lite.config import LazyConfig
+    from libai_lite.config.validate import check_sections, check_targets
+
+    for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
+        cfg = LazyConfig.load(str(path))
+        if "train" in cfg:  # not a part other configs import
+            check_sections(cfg, path)
+            check_targets(cfg)
 
 
 # Values out of their range (libai_lite/config/validate.py's table) and overrides of the wrong shape:

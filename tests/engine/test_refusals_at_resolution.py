@@ -275,6 +275,40 @@ def test_evaluating_a_file_that_is_not_utf8_is_one_line_like_preprocessing(tmp_p
     assert tree_snapshot(tmp_path) == before
 
 
+def test_a_prompt_file_that_is_not_text_is_one_line_before_any_model_loads(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"a first prompt\n\xd6\x8f\xff\x00\x01binary\n")
+    before = tree_snapshot(tmp_path)
+    rc = _tool("generate").main(["--config-file", str(ROOT / CONFIG), "--checkpoint", str(tmp_path / "ckpt"),
+                                 "--prompt-file", str(prompts), "--max-new-tokens", "2"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --prompt-file {prompts} {DOC_CASES['prompt_file_not_text']}\n", err
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_a_memory_estimate_of_values_out_of_range_is_the_training_commands_one_line(tmp_path, capsys):
+    """train.train_micro_batch_size=0 was a ZeroDivisionError traceback."""
+    rc = _tool("estimate_memory").main([str(ROOT / CONFIG), "train.train_micro_batch_size=0"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {DOC_CASES['estimate_out_of_range']}\n", err
+
+
+def test_an_evaluation_window_longer_than_the_model_is_one_line(finished, tmp_path, capsys):
+    """The model refused the first window in its forward, a traceback."""
+    src, cache = finished
+    before = tree_snapshot(tmp_path)
+    rc = _tool("evaluate").main(["--config-file", str(ROOT / CONFIG), "--checkpoint", str(src / "model_final"),
+                                 "--task", "ppl", "--seq-length", "100000",
+                                 *tiny(tmp_path / "out", cache, *BASE)])
+    assert rc == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error: ")] == [
+        f"error: {DOC_CASES['eval_window_longer_than_the_model']}"], err
+    assert "Traceback" not in "\n".join(err) and tree_snapshot(tmp_path) == before
+
+
 # ------------------------------------------------------------------------------- the first error
 
 def test_an_error_on_the_way_out_does_not_replace_the_one_that_stopped_the_run():
@@ -358,6 +392,12 @@ DOC_CASES = {
     "hf_config_value": "error: config.json: n_embd='sixty-four' is not the number it should be (ValueError: ",
     "megatron_tracker": "latest_checkpointed_iteration.txt holds 'garbage', not an iteration number",
     "not_utf8": "line 2 is not UTF-8 text; re-encode the file as UTF-8",
+    "prompt_file_not_text": "line 2 is not UTF-8 text (a binary file?); give a UTF-8 text file with one prompt per "
+                            "line, or JSON lines with a \"text\" field",
+    "estimate_out_of_range": "train.train_micro_batch_size=0 is out of range: it must be an integer >= 1, or null; "
+                             "set train.train_micro_batch_size to such a value",
+    "eval_window_longer_than_the_model": "--seq-length 100000 is longer than the 32 positions the model takes; give "
+                                         "at most 32, or leave it out for the model's own",
 }
 
 
