@@ -106,9 +106,10 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     whatever ``train.evaluation.enabled`` says.
     """
     check_paths(cfg)
-    if data:
-        _check_splits(cfg.dataloader.train)
     train = cfg.train
+    ev = train.get("evaluation") or {}
+    if data:
+        _check_splits(cfg.dataloader.train, evaluates_valid=bool(ev.get("enabled", False)) and not eval_only)
     micro, global_batch, acc = batch_sizes(train, dims.data_parallel_size)
     batch = BatchSizes(micro, global_batch, acc, int(train.get("test_micro_batch_size") or micro))
     vocab = None
@@ -118,7 +119,6 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
         vocab = vocab_rows
     train_iter = int(train.get("train_iter") or 0)
-    ev = train.get("evaluation") or {}
     eval_iter = int(ev.get("eval_iter", 0) or 0)
     # The config's loaders feed evaluations: the valid split is read (and eval_period needed).
     evaluates = data and bool(ev.get("enabled", False) or eval_only)
@@ -187,8 +187,10 @@ def _meta_model(cfg) -> torch.nn.Module:
         return instantiate(cfg.model)
 
 
-def _check_splits(loader_cfg) -> None:
-    """Splits that give no split a share (``0,0,0``) are refused as such; other bad strings are the data builder's."""
+def _check_splits(loader_cfg, evaluates_valid: bool) -> None:
+    """Splits that give no split a share (``0,0,0``) are refused as such, and so is a valid split given no share
+    while training evaluates on it (``1,0,0``: it is never built, so no evaluation would run); other bad strings
+    are the data builder's."""
     text = loader_cfg.get("splits_string")
     parts = text.replace("/", ",").split(",") if isinstance(text, str) else text
     try:
@@ -198,6 +200,10 @@ def _check_splits(loader_cfg) -> None:
     if shares and all(share == 0 for share in shares):
         raise UsageError(f"dataloader.train.splits_string={text!r} gives every split a share of 0, so there are no "
                          f"documents to train on; give the train split a positive share, e.g. '949,50,1'")
+    if evaluates_valid and 1 <= len(shares) <= 3 and (shares + [0.0])[1] == 0:
+        raise UsageError(f"dataloader.train.splits_string={text!r} gives the valid split a share of 0, so "
+                         f"train.evaluation.enabled=True would never evaluate; give the valid split a share, e.g. "
+                         f"'949,50,1', or set train.evaluation.enabled=False")
 
 
 def _check_sequence_length(cfg, model: torch.nn.Module) -> None:
