@@ -112,12 +112,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         _check_splits(cfg.dataloader.train, evaluates_valid=bool(ev.get("enabled", False)) and not eval_only)
     micro, global_batch, acc = batch_sizes(train, dims.data_parallel_size)
     batch = BatchSizes(micro, global_batch, acc, int(train.get("test_micro_batch_size") or micro))
-    vocab = None
-    if tokenizer is not None:
-        vocab = pad_vocab_size(tokenizer.vocab_size, cfg.tokenization.get("make_vocab_size_divisible_by", 128))
-    if vocab_rows is not None and vocab_rows != vocab:
-        logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
-        vocab = vocab_rows
+    vocab = _vocab_size(cfg, tokenizer, vocab_rows)
     train_iter = int(train.get("train_iter") or 0)
     eval_iter = int(ev.get("eval_iter", 0) or 0)
     # The config's loaders feed evaluations: the valid split is read (and eval_period needed).
@@ -161,6 +156,32 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0,
         activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), **sections, cfg=resolved,
         meta_model=model)
+
+
+def _vocab_size(cfg, tokenizer, vocab_rows: int | None) -> int | None:
+    """The model's vocabulary rows: a checkpoint's ``vocab_rows``, else the tokenizer's ids padded to
+    ``tokenization.make_vocab_size_divisible_by`` (as Megatron-LM and LiBai size it), replacing
+    ``model.cfg.vocab_size`` with one line where that differs. A ``model.cfg.vocab_size`` smaller than the
+    tokenizer is refused: its ids would not fit the model."""
+    vocab = given = None
+    if tokenizer is not None:
+        multiple = cfg.tokenization.get("make_vocab_size_divisible_by", 128)
+        vocab = pad_vocab_size(tokenizer.vocab_size, multiple)
+        given = (cfg.model.get("cfg") or {}).get("vocab_size")
+        if not isinstance(given, int) or isinstance(given, bool):
+            given = None
+        if given is not None and given < tokenizer.vocab_size:
+            raise UsageError(f"model.cfg.vocab_size={given} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                             f"ids, which would not fit the model's vocabulary; drop model.cfg.vocab_size={given} "
+                             f"(the run sizes the vocabulary from the tokenizer: {vocab} rows) or set "
+                             f"tokenization.tokenizer to one of at most {given} ids")
+    if vocab_rows is not None and vocab_rows != vocab:
+        logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
+        return vocab_rows
+    if given is not None and given != vocab:
+        logger.info(f"model.cfg.vocab_size={given} replaced by {vocab}: the tokenizer's {tokenizer.vocab_size} ids "
+                    f"padded to a multiple of tokenization.make_vocab_size_divisible_by={multiple}")
+    return vocab
 
 
 def _iterations(loader_cfg, train, global_batch: int) -> int:
