@@ -207,7 +207,7 @@ TESTED_ELSEWHERE = {
     "slurm_outside_a_job", "checkpoint_of_another_tokenizer", "tp_not_dividing_vocab", "index_beyond_memory",
     "eval_iter_beyond_valid_split", "optim_unknown_argument", "estimate_layout_capped", "libai_config_without_dialect",
     "tool_output_is_its_input", "valid_split_without_documents",
-    "vocab_size_below_tokenizer",
+    "vocab_size_below_tokenizer", "hf_import_tp_not_dividing_model",
 }
 
 
