@@ -106,19 +106,14 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     whatever ``train.evaluation.enabled`` says.
     """
     check_paths(cfg)
-    if data:
-        _check_splits(cfg.dataloader.train)
     train = cfg.train
+    ev = train.get("evaluation") or {}
+    if data:
+        _check_splits(cfg.dataloader.train, evaluates_valid=bool(ev.get("enabled", False)) and not eval_only)
     micro, global_batch, acc = batch_sizes(train, dims.data_parallel_size)
     batch = BatchSizes(micro, global_batch, acc, int(train.get("test_micro_batch_size") or micro))
-    vocab = None
-    if tokenizer is not None:
-        vocab = pad_vocab_size(tokenizer.vocab_size, cfg.tokenization.get("make_vocab_size_divisible_by", 128))
-    if vocab_rows is not None and vocab_rows != vocab:
-        logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
-        vocab = vocab_rows
+    vocab = _vocab_size(cfg, tokenizer, vocab_rows)
     train_iter = int(train.get("train_iter") or 0)
-    ev = train.get("evaluation") or {}
     eval_iter = int(ev.get("eval_iter", 0) or 0)
     # The config's loaders feed evaluations: the valid split is read (and eval_period needed).
     evaluates = data and bool(ev.get("enabled", False) or eval_only)
@@ -163,6 +158,32 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         meta_model=model)
 
 
+def _vocab_size(cfg, tokenizer, vocab_rows: int | None) -> int | None:
+    """The model's vocabulary rows: a checkpoint's ``vocab_rows``, else the tokenizer's ids padded to
+    ``tokenization.make_vocab_size_divisible_by`` (as Megatron-LM and LiBai size it), replacing
+    ``model.cfg.vocab_size`` with one line where that differs. A ``model.cfg.vocab_size`` smaller than the
+    tokenizer is refused: its ids would not fit the model."""
+    vocab = given = None
+    if tokenizer is not None:
+        multiple = cfg.tokenization.get("make_vocab_size_divisible_by", 128)
+        vocab = pad_vocab_size(tokenizer.vocab_size, multiple)
+        given = (cfg.model.get("cfg") or {}).get("vocab_size")
+        if not isinstance(given, int) or isinstance(given, bool):
+            given = None
+        if given is not None and given < tokenizer.vocab_size:
+            raise UsageError(f"model.cfg.vocab_size={given} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                             f"ids, which would not fit the model's vocabulary; drop model.cfg.vocab_size={given} "
+                             f"(the run sizes the vocabulary from the tokenizer: {vocab} rows) or set "
+                             f"tokenization.tokenizer to one of at most {given} ids")
+    if vocab_rows is not None and vocab_rows != vocab:
+        logger.info(f"Model vocabulary set to the checkpoint's {vocab_rows} rows")
+        return vocab_rows
+    if given is not None and given != vocab:
+        logger.info(f"model.cfg.vocab_size={given} replaced by {vocab}: the tokenizer's {tokenizer.vocab_size} ids "
+                    f"padded to a multiple of tokenization.make_vocab_size_divisible_by={multiple}")
+    return vocab
+
+
 def _iterations(loader_cfg, train, global_batch: int) -> int:
     """``train.train_iter``, or the iterations ``train.train_epoch`` epochs take when that is more."""
     train_iter = int(train.get("train_iter") or 0)
@@ -187,8 +208,10 @@ def _meta_model(cfg) -> torch.nn.Module:
         return instantiate(cfg.model)
 
 
-def _check_splits(loader_cfg) -> None:
-    """Splits that give no split a share (``0,0,0``) are refused as such; other bad strings are the data builder's."""
+def _check_splits(loader_cfg, evaluates_valid: bool) -> None:
+    """Splits that give no split a share (``0,0,0``) are refused as such, and so is a valid split given no share
+    while training evaluates on it (``1,0,0``: it is never built, so no evaluation would run); other bad strings
+    are the data builder's."""
     text = loader_cfg.get("splits_string")
     parts = text.replace("/", ",").split(",") if isinstance(text, str) else text
     try:
@@ -198,6 +221,10 @@ def _check_splits(loader_cfg) -> None:
     if shares and all(share == 0 for share in shares):
         raise UsageError(f"dataloader.train.splits_string={text!r} gives every split a share of 0, so there are no "
                          f"documents to train on; give the train split a positive share, e.g. '949,50,1'")
+    if evaluates_valid and 1 <= len(shares) <= 3 and (shares + [0.0])[1] == 0:
+        raise UsageError(f"dataloader.train.splits_string={text!r} gives the valid split a share of 0, so "
+                         f"train.evaluation.enabled=True would never evaluate; give the valid split a share, e.g. "
+                         f"'949,50,1', or set train.evaluation.enabled=False")
 
 
 def _check_sequence_length(cfg, model: torch.nn.Module) -> None:

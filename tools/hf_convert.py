@@ -157,6 +157,28 @@ def _finetune_config(mapping, cfg: dict, tokenizer, args, output: str) -> str:
     return "\n".join(lines)
 
 
+def check_tensor_parallel(model_class, cfg: dict, padded: int, args) -> None:
+    """Refuse a --tensor-parallel-size the fine-tuning run would refuse: it must divide every dimension the model's
+    layers split (heads, key/value heads, feed-forward rows) and the padded vocabulary. Built on ``meta``."""
+    import torch
+
+    from libai_lite.parallel.tensor_parallel import check_declared_splits
+
+    tp, divisible_by = args.tensor_parallel_size, args.make_vocab_size_divisible_by
+    # The vocabulary is checked apart, to name this tool's option: here it is a size every tp divides.
+    with torch.device("meta"):
+        model = model_class({**cfg, "vocab_size": padded * tp})
+    try:
+        check_declared_splits(model, tp, cfg)
+    except UsageError as e:
+        raise UsageError(f"--tensor-parallel-size {tp} would write a config that cannot train: {e}") from None
+    if padded % tp:
+        raise UsageError(f"--tensor-parallel-size {tp} does not divide the {padded} vocabulary rows (padded to a "
+                         f"multiple of --make-vocab-size-divisible-by {divisible_by}); give a "
+                         f"--make-vocab-size-divisible-by that is a multiple of {tp}, or a --tensor-parallel-size "
+                         f"that divides {padded}")
+
+
 def cmd_import(args) -> int:
     """Hugging Face directory -> DCP checkpoint + config.py."""
     import shutil
@@ -199,6 +221,7 @@ def cmd_import(args) -> int:
     tok_vocab = tokenizer.tokenizer.vocab_size if tokenizer is not None else 0
     # What the trainer will build: the tokenizer's size padded (never fewer rows than the weights).
     padded = pad_vocab_size(max(hf_vocab, tok_vocab), args.make_vocab_size_divisible_by)
+    check_tensor_parallel(model_class or mapping.model_class, mapping.config_from_hf(hf_config), padded, args)
     model_type, cfg, module = load_hf_model(args.hf_dir, model_type, vocab_size=padded,
                                             model_class=model_class or mapping.model_class)
 

@@ -231,6 +231,15 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
     if num_docs == 0:
         raise IndexedDatasetError(f"{data_prefix}.idx holds no documents: re-run tools/preprocess_data.py")
     bounds = get_train_valid_test_split(splits_string, num_docs, split_rounding)
+    shares = parse_splits_string(splits_string)
+    for i, name in enumerate(SPLIT_NAMES):
+        # Before any split's index is cached: a refused split must leave nothing behind.
+        if nums[i] and (i == 0 or shares[i] > 0) and bounds[i + 1] == bounds[i]:
+            raise UsageError(
+                f"the {name} split of {data_prefix} has 0 of its {num_docs} documents (splits_string "
+                f"{splits_string!r}) but {nums[i]} {name} samples were asked for: give {name} a larger share of "
+                f"the splits string, e.g. '949,50,1', or ask for 0 {name} samples"
+                + (" (when training: train.evaluation.enabled=False)" if i else ""))
     sizes = indexed.document_sizes()
     for i, name in enumerate(SPLIT_NAMES):
         tokens = int(sizes[bounds[i]:bounds[i + 1]].sum(dtype=np.int64))
@@ -243,18 +252,12 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
         # Before any index is cached: refused data must leave nothing behind.
         token_id_range(indexed, data_prefix, vocab_size=vocab_size)
     out = []
-    shares = parse_splits_string(splits_string)
     for i, name in enumerate(SPLIT_NAMES):
         documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
         # A valid or test split given no share ("99,1,0") is not built, as in Megatron-LM and LiBai:
-        # its evaluation is skipped.
+        # its evaluation is skipped (a training run that evaluates is refused that when resolved).
         if nums[i] == 0 or (i > 0 and shares[i] == 0):
             out.append(None)
-        elif documents.size == 0:
-            raise UsageError(
-                f"the {name} split of {data_prefix} has 0 of its {num_docs} documents (splits "
-                f"{splits_string!r}) but {nums[i]} {name} samples were asked for: give {name} a larger "
-                f"share of the splits string or ask for 0 {name} samples")
         else:
             out.append(GPTDataset(name, indexed, documents, nums[i], seq_length, seed, data_prefix, cache_dir))
     return out

@@ -286,7 +286,8 @@ TESTED_ELSEWHERE = {
     "cp_encoder_decoder", "cp_sequence_not_divisible", "t5_dataset_not_sentence_split",
     "slurm_outside_a_job", "checkpoint_of_another_tokenizer", "tp_not_dividing_vocab", "index_beyond_memory",
     "eval_iter_beyond_valid_split", "optim_unknown_argument", "estimate_layout_capped", "libai_config_without_dialect",
-    "tool_output_is_its_input",
+    "tool_output_is_its_input", "valid_split_without_documents",
+    "vocab_size_below_tokenizer", "hf_import_tp_not_dividing_model",
     "preprocess_empty_texts",
 }
 
