@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(GPT2LMHeadModel, T5ForConditionalGeneration, MT5ForConditionalGeneration, LlamaForCausalLM, "
                     "Qwen2ForCausalLM, MixtralForCausalLM). The vocabulary size comes from the checkpoint; when the "
                     "config names a tokenizer, the padded rows are cut to its real vocabulary and its files are "
-                    "copied (a tokenizer.json with a tokenizer_config.json that AutoTokenizer loads).",
+                    "copied (a tokenizer.json with a tokenizer_config.json that AutoTokenizer loads). Before the "
+                    "directory is kept, transformers (when installed) loads it, and its logits on a probe batch must "
+                    "be the checkpoint model's: an export transformers would run as another model is refused.",
     )
     exp.add_argument("--config-file", required=True,
                      help="the run's config (its output config.yaml, or the .py); its model class's registered "
@@ -254,7 +256,13 @@ def cmd_export(args) -> int:
 
     from libai_lite.checkpoint import Checkpointer
     from libai_lite.checkpoint.dcp_io import build_empty
-    from libai_lite.checkpoint.hf import checkpoint_vocab_size, mapping_for_model, save_hf_model
+    from libai_lite.checkpoint.hf import (
+        check_hf_export,
+        checkpoint_vocab_size,
+        export_probe,
+        mapping_for_model,
+        save_hf_model,
+    )
     from libai_lite.checkpoint.hf_io import check_output_dir, staged_output_dir
     from libai_lite.checkpoint.integrity import read_metadata
     from libai_lite.config import instantiate
@@ -287,6 +295,9 @@ def cmd_export(args) -> int:
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     with staged_output_dir(args.output, args.force) as tmp:
         hf_config, notes = save_hf_model(module, model_cfg, tmp, vocab_size=vocab, tokenizer=tokenizer)
+        probe = export_probe(module, hf_config)
+        del module  # transformers loads the export next: one model in memory at a time
+        notes.append(check_hf_export(tmp, hf_config, probe, model_class))
     print(f"Exported {args.checkpoint} ({model_class.__name__}) to {os.path.abspath(args.output)} as "
           f"{hf_config['architectures'][0]} (model_type {hf_config['model_type']})")
     kept = "cut to the tokenizer's" if vocab is not None else "kept as in the checkpoint (no tokenizer in the config):"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 from typing import Callable, Mapping
 
@@ -272,3 +273,62 @@ def save_hf_model(module: nn.Module, model_cfg: Mapping, output_dir: str, vocab_
     notes = write_hf_dir(output_dir, hf_config, mapping.state_dict_to_hf(sd, cfg), tokenizer,
                          mapping.sentencepiece_config(tokenizer) if tokenizer is not None else None)
     return hf_config, notes
+
+
+def export_probe(module: nn.Module, hf_config: Mapping) -> tuple[dict, torch.Tensor]:
+    """A small fixed batch and ``module``'s logits on it, cut to the exported vocabulary: what ``check_hf_export``
+    compares the written directory with. ``module`` is a pretraining module (``forward`` gives ``{"logits"}``)."""
+    import inspect
+
+    vocab = int(hf_config["vocab_size"])
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, vocab, (2, 8), generator=g)}
+    if "decoder_input_ids" in inspect.signature(module.forward).parameters:
+        batch["decoder_input_ids"] = torch.randint(0, vocab, (2, 6), generator=g)
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        if "decoder_input_ids" in batch:
+            logits = module(batch["input_ids"], batch["decoder_input_ids"])["logits"]
+        else:
+            logits = module(batch["input_ids"])["logits"]
+    module.train(was_training)
+    return batch, logits[..., :vocab].float()
+
+
+def check_hf_export(hf_dir: str, hf_config: Mapping, probe: tuple[dict, torch.Tensor], model_class: type) -> str:
+    """Refuse an export that transformers runs as another model than ``model_class``: its logits on the probe batch
+    (``export_probe``) must be those of the written directory loaded with transformers. A mapping registered for a
+    copied project still writes the original's ``model_type``, whatever the copy's code computes. Returns the note
+    that says what was checked (or why it was not)."""
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    try:
+        import transformers
+    except ImportError:
+        return (f"the export was not checked against transformers (not installed): pip install transformers to "
+                f"check that {arch} computes what {model_class.__name__} computes")
+    batch, ours = probe
+    try:
+        config = transformers.AutoConfig.from_pretrained(hf_dir)
+        auto = (transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder
+                else transformers.AutoModelForCausalLM)
+        hf = auto.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 - an architecture this transformers version lacks is said, not fatal
+        return (f"the export was not checked against transformers {transformers.__version__}: it could not load "
+                f"{arch} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+    with torch.no_grad():
+        theirs = hf(**batch).logits.float()
+    del hf
+    scale = float(theirs.abs().max())
+    diff = float((ours - theirs).abs().max()) if ours.shape == theirs.shape else float("inf")
+    if not diff <= 1e-3 * (1.0 + scale):
+        mapping = mapping_for_model(model_class)
+        raise UsageError(
+            f"{model_class.__name__} does not compute what the exported {arch} (model_type "
+            f"{hf_config.get('model_type')!r}, written by the mapping of {mapping.state_dict_to_hf.__module__}) "
+            f"computes: their logits on a probe batch differ by up to {diff:.3g} (largest logit {scale:.3g}), so "
+            f"transformers would generate other tokens; give {model_class.__name__}'s project a Hugging Face mapping "
+            f"of its own (register_hf_model with a model_type and converters that run its code), or export with the "
+            f"original project; nothing was written")
+    return (f"checked: transformers' {arch} gives {model_class.__name__}'s logits on a probe batch "
+            f"(largest difference {diff:.2g})")

@@ -69,3 +69,83 @@ def test_import_takes_a_tensor_parallel_size_that_divides_everything(tmp_path):
     assert main(["import", "--hf-dir", str(hf_dir), "--output", str(tmp_path / "out"),
                  "--tensor-parallel-size", "2"]) == 0
     assert "tensor_parallel_size=2" in (tmp_path / "out" / "config.py").read_text()
+
+
+# ------------------------------------------------------------------- export of a copy that computes otherwise
+
+_COPY_SCRIPT = """
+import sys
+sys.path.insert(0, "tools")
+from hf_convert import main
+
+config, hf_dir, imported, exported = sys.argv[1:]
+assert main(["import", "--config-file", config, "--hf-dir", hf_dir, "--output", imported]) == 0
+sys.exit(main(["export", "--config-file", imported + "/config.py", "--checkpoint", imported, "--output", exported]))
+"""
+
+_COPY_CONFIG = """\
+from configs.common.data.gpt_dataset import dataloader, tokenization
+from configs.common.optim import optim
+from configs.common.train import train
+from libai_lite.config import LazyCall
+from {name}.modeling.gpt_model import {name}ForPreTraining
+
+model = LazyCall({name}ForPreTraining)(cfg=dict(hidden_layers=1, vocab_size=128, hidden_size=32, ffn_hidden_size=64,
+                                               num_attention_heads=2, max_seq_length=32))
+"""
+
+
+def _export_a_copy(tmp_path, name, edit=None):
+    """projects/GPT copied to ``name`` with its classes renamed (README steps 1 and 2, and not step 4: its mapping
+    keeps GPT-2's model_type), ``edit`` applied to its gpt_model.py; a tiny GPT-2 imported and exported through it."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from tests.launch import env
+
+    shutil.copytree(ROOT / "projects" / "GPT", tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (tmp_path / name / "modeling").glob("*.py"):
+        path.write_text(re.sub(r"\bGPT(Model|ForPreTraining|Embedding|Loss)\b", name + r"\1", path.read_text()))
+    if edit is not None:
+        model_file = tmp_path / name / "modeling" / "gpt_model.py"
+        model_file.write_text(edit(model_file.read_text()))
+    _gpt2_dir(tmp_path / "hf", heads=2, width=32)
+    config = tmp_path / "my_copy_config.py"  # not copy.py: the folder is on the path, before the standard library
+    config.write_text(_COPY_CONFIG.format(name=name))
+    return subprocess.run([sys.executable, "-c", _COPY_SCRIPT, str(config), str(tmp_path / "hf"),
+                           str(tmp_path / "imported"), str(tmp_path / "exported")], cwd=ROOT,
+                          env=env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _without_positions(source: str) -> str:
+    """The copy's own change: no learned positions (the weights stay, so GPT-2's mapping still writes them)."""
+    old = "return self.dropout(self.token_embeddings(input_ids) + self.position_embeddings(position_ids))"
+    assert source.count(old) == 1
+    return source.replace(old, "return self.dropout(self.token_embeddings(input_ids))")
+
+
+def test_export_refuses_a_copy_that_computes_otherwise_than_the_model_type_it_writes(tmp_path):
+    """It was written as GPT2LMHeadModel (model_type gpt2), which generates other tokens than the copy."""
+    r = _export_a_copy(tmp_path, "NoPosLM", _without_positions)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith("error: NoPosLMForPreTraining does not compute what the exported GPT2LMHeadModel "
+                                "(model_type 'gpt2', written by the mapping of NoPosLM.modeling.hf_mapping) "
+                                "computes: their logits on a probe batch differ by up to "), errors[0]
+    assert errors[0].endswith(
+        "so transformers would generate other tokens; give NoPosLMForPreTraining's project a Hugging Face mapping of "
+        "its own (register_hf_model with a model_type and converters that run its code), or export with the "
+        "original project; nothing was written"), errors[0]
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "exported.tmp").exists()
+
+
+def test_export_of_a_copy_that_computes_gpt2_is_checked_and_says_so(tmp_path):
+    r = _export_a_copy(tmp_path, "SameLM")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "note: checked: transformers' GPT2LMHeadModel gives SameLMForPreTraining's logits on a probe batch" \
+           in r.stdout, r.stdout[-2000:]
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
