@@ -10,7 +10,6 @@ import copy
 import inspect
 import logging
 import os
-import re
 
 import torch
 from omegaconf import OmegaConf, open_dict
@@ -18,7 +17,6 @@ from omegaconf import OmegaConf, open_dict
 from ..checkpoint import Checkpointer, resolve_resume
 from ..checkpoint.dcp_io import resolve_async_save
 from ..checkpoint.integrity import check_checkpoint_shapes
-from ..checkpoint.protocol import LAST_CHECKPOINT, last_checkpoint
 from ..checkpoint.trainer_state import (RngState, TrainerState, check_model_unchanged, plain_model_config,
                                         resume_position)
 from ..config import LazyConfig, instantiate
@@ -39,44 +37,11 @@ from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, sto
 from . import hooks
 from .amp import build_loss_scaler
 from .profiler import ProfilerHook
+from .run_folder import existing_run_refusal
 from .trainer import Trainer
 from .wandb_writer import build_wandb_writer
 
 logger = logging.getLogger("libai_lite")
-
-
-# A checkpoint directory of the protocol (libai_lite.checkpoint.protocol), published or left by a killed save.
-_CHECKPOINT_DIR = re.compile(r"^model_(\d{7}|final|best)(\.tmp|\.old)?$")
-
-
-def existing_run_refusal(output_dir: str) -> str | None:
-    """The one-line refusal of a new training in ``output_dir`` where it holds a run, else None; reads only.
-
-    A run is a ``last_checkpoint``, a checkpoint directory, or config.yaml with metrics.json; an empty folder or
-    one of unrelated files is trained into. A live run's lock is named first.
-    """
-    try:
-        entries = sorted(os.listdir(output_dir))
-    except OSError:  # not there yet, or unreadable: precheck_output_dir says which
-        return None
-    checkpoints = [e for e in entries if _CHECKPOINT_DIR.match(e) and os.path.isdir(os.path.join(output_dir, e))]
-    logged = [e for e in ("config.yaml", "metrics.json") if e in entries]
-    if LAST_CHECKPOINT not in entries and not checkpoints and len(logged) < 2:
-        return None
-    try:
-        OutputDirLock(output_dir).refuse_if_held()
-    except UsageError as e:
-        return str(e)
-    try:
-        name = os.path.basename(last_checkpoint(output_dir) or "")
-    except (OSError, UsageError):  # unreadable or garbled: the run is named by its files
-        name = ""
-    if name:
-        return (f"train.output_dir={output_dir} already holds a run (last checkpoint {name}); continue it with "
-                f"--resume, or give a new train.output_dir=...")
-    held = ", ".join(checkpoints[:3] + logged) or f"an empty {LAST_CHECKPOINT}"
-    return (f"train.output_dir={output_dir} already holds a run ({held}) with no last_checkpoint to continue from; "
-            f"give a new train.output_dir=..., or add --resume to train it again from iteration 0 there")
 
 
 class DefaultTrainer:

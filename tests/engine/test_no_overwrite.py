@@ -105,7 +105,7 @@ def test_resume_continues_the_refused_run(run, tmp_path):
 def test_what_counts_as_a_run_in_the_output_dir(tmp_path):
     """Checkpoints, last_checkpoint, or config.yaml with metrics.json refuse a new training; a missing or empty
     folder, or one of unrelated files (a config.yaml alone included), is trained into."""
-    from libai_lite.engine.default import existing_run_refusal
+    from libai_lite.engine.run_folder import existing_run_refusal
 
     out = tmp_path / "out"
     assert existing_run_refusal(str(out)) is None
