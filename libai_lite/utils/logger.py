@@ -14,6 +14,22 @@ _FORMAT = logging.Formatter("[%(asctime)s %(name)s]: %(message)s", datefmt="%m/%
 _buffer: logging.handlers.MemoryHandler | None = None
 
 
+class _Console(logging.StreamHandler):
+    """A console that writes to whatever sys.stdout is at each record: a stream captured or replaced
+    since setup (a redirect, a test's capture, later closed) never turns records into 'Logging error'."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logger(rank: int = 0) -> logging.Logger:
     """The `libai_lite` logger: console on rank 0, plus an in-memory buffer for log.txt."""
     global _buffer
@@ -24,7 +40,7 @@ def setup_logger(rank: int = 0) -> logging.Logger:
         logger.removeHandler(h)
         h.close()
     if rank == 0:
-        console = logging.StreamHandler(sys.stdout)
+        console = _Console()
         console.setFormatter(_FORMAT)
         logger.addHandler(console)
     # flushLevel above CRITICAL: nothing leaves the buffer until a file target is attached.
