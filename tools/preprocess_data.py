@@ -214,6 +214,16 @@ def _loads(line: bytes):
     return json.loads(line)
 
 
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (a list says what it holds that is not a string)."""
+    names = {bool: "a boolean", int: "a number", float: "a number", dict: "an object", type(None): "null",
+             str: "a string", list: "a list"}
+    if isinstance(value, list):
+        other = [v for v in value if not isinstance(v, str)]
+        return f"a list with {names.get(type(other[0]), 'a value')} in it" if other else "a list of strings"
+    return names.get(type(value), type(value).__name__)
+
+
 def _parse_line(line: bytes, lineno: int):
     """The per-key list of sentences in one JSON line (None for a blank line)."""
     if not line.strip():
@@ -234,7 +244,7 @@ def _parse_line(line: bytes, lineno: int):
         ) from None
     if not isinstance(data, dict):
         raise InputError(
-            f"{name} line {lineno} holds a JSON {type(data).__name__}, not an object; "
+            f"{name} line {lineno} holds {_json_kind(data)}, not an object; "
             'write one object per line, e.g. {"text": "..."}'
         )
     out = []
@@ -248,15 +258,12 @@ def _parse_line(line: bytes, lineno: int):
         if isinstance(value, str):
             value = [value]
         elif not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            value = None
-        if value is not None:
-            # A list's strings are split one by one (Megatron splits only plain strings).
-            out.append([s for v in value for s in _split_sentences(v)] if _WORKER["splitter"] else value)
-        else:
             raise InputError(
-                f"{name} line {lineno}: key {key!r} holds a JSON {type(value).__name__}; "
-                "it must be a string or a list of strings"
+                f"{name} line {lineno}: key {key!r} holds {_json_kind(value)}; it must be a string or a list of "
+                "strings; fix or remove that line"
             )
+        # A list's strings are split one by one (Megatron splits only plain strings).
+        out.append([s for v in value for s in _split_sentences(v)] if _WORKER["splitter"] else value)
     return out
 
 

@@ -85,6 +85,26 @@ def _binary_stream(path: str, magic: bytes):
     return open(path, "rb")
 
 
+def _lines(stream, path: str, magic: bytes) -> Iterator[bytes]:
+    """The lines of ``_binary_stream``; a truncated or damaged compressed file ends in one CorpusError."""
+    if not magic.startswith((_GZIP, _ZSTD)):
+        yield from stream
+        return
+    lines, number = iter(stream), 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - gzip, zlib and zstandard each raise their own types
+            what = "gzip" if magic.startswith(_GZIP) else "zstd"
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise CorpusError(f"{path} is a damaged {what} file: decompressing stopped after line {number} "
+                              f"({reason}); download or compress it again") from None
+        number += 1
+        yield line
+
+
 def _text_documents(stream, name: str, mode: str) -> Iterator[str]:
     doc: List[str] = []
     for number, raw in enumerate(stream, start=1):
@@ -106,7 +126,7 @@ def _text_documents(stream, name: str, mode: str) -> Iterator[str]:
 
 def _looks_like_json_lines(path: str, magic: bytes) -> bool:
     with _binary_stream(path, magic) as f:
-        for raw in f:
+        for raw in _lines(f, path, magic):
             if raw.strip():
                 return raw.lstrip().startswith(b"{")
     return True
@@ -263,10 +283,11 @@ def open_corpus(path: str, keys: Sequence[str], text_docs: Optional[str] = None,
 
     def chunks():
         with _binary_stream(path, magic) as stream:
+            lines = _lines(stream, path, magic)
             if mode is None:
-                yield from _chunked(iter(stream))
+                yield from _chunked(lines)
             else:
-                yield from _chunked(_record(keys[0], doc) for doc in _text_documents(stream, path, mode))
+                yield from _chunked(_record(keys[0], doc) for doc in _text_documents(lines, path, mode))
 
     _binary_stream(path, magic).close()  # a missing decompressor is refused before any output is opened
     return Corpus(kind, chunks, size if not compressed and mode is None else None)

@@ -149,6 +149,34 @@ def test_missing_key(tmp_path, capsys):
     _assert_failed_cleanly(capsys, rc, out, "line 2", "'text'", "--json-keys")
 
 
+@pytest.mark.parametrize("row, needle", [({"text": 123}, "key 'text' holds a number"),
+                                         ({"text": None}, "key 'text' holds null"),
+                                         ({"text": ["a", 7]}, "key 'text' holds a list with a number in it"),
+                                         ([1, 2], "line 2 holds a list with a number in it, not an object")])
+def test_a_text_that_is_not_a_string_is_named_by_its_json_kind(tmp_path, capsys, row, needle):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}, row])
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x")] + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "in.jsonl line 2", needle)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not gzip inside"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_damaged_gzip_corpus_is_one_line_and_leaves_nothing(tmp_path, capsys, damage, workers):
+    """A download cut short (EOFError) or a file that is gzip by its magic only (BadGzipFile) was a traceback."""
+    import gzip
+
+    data = gzip.compress(b"".join(b'{"text": "document %d is here"}\n' % i for i in range(5000)))
+    data = data[: len(data) // 2] if damage == "truncated" else data[:2] + bytes(range(256)) * 2
+    src = tmp_path / "corpus.jsonl.gz"
+    src.write_bytes(data)
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers)]
+                         + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "corpus.jsonl.gz is a damaged gzip file", "compress it again")
+    assert not out.exists()
+
+
 def test_missing_tokenizer_file(tmp_path, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}])
     out = tmp_path / "out"

@@ -288,7 +288,7 @@ TESTED_ELSEWHERE = {
     "eval_iter_beyond_valid_split", "optim_unknown_argument", "estimate_layout_capped", "libai_config_without_dialect",
     "tool_output_is_its_input", "valid_split_without_documents",
     "vocab_size_below_tokenizer", "hf_import_tp_not_dividing_model",
-    "preprocess_empty_texts", "hf_export_computes_otherwise",
+    "preprocess_empty_texts", "hf_export_computes_otherwise", "preprocess_damaged_gzip", "preprocess_text_not_a_string",
 }
 
 
