@@ -22,9 +22,26 @@ from libai_lite.planning import format_estimate, gib, parse_bytes, planner_from_
 DOES_NOT_FIT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage errors as one ``error:`` line and exit 1: its exit 2 is this tool's "does not fit"."""
+
+    def error(self, message):
+        self.exit(1, f"error: {message}; see {self.prog} --help\n")
+
+
+def _value_after(argv, option):
+    """``option -5GiB`` as ``option=-5GiB``: argparse takes a value that starts with '-' for an option."""
+    out = list(argv)
+    for i in range(len(out) - 2, -1, -1):
+        if out[i] == option and out[i + 1].startswith("-") and out[i + 1][1:2].isdigit():
+            out[i:i + 2] = [f"{option}={out[i + 1]}"]
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options; see ``--help``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    argv = _value_after(sys.argv[1:] if argv is None else list(argv), "--device-memory")
+    p = _Parser(prog="tools/estimate_memory.py", description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", metavar="CONFIG", help="lazy config file (.py) or a run's config.yaml")
     p.add_argument("opts", nargs="*", metavar="key=value", help="config overrides, as for tools/train_net.py")

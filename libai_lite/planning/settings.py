@@ -83,6 +83,8 @@ class MemoryEstimate:
 def parse_bytes(text: str) -> int:
     """``"80GiB"``, ``"16 GB"``, ``"512MiB"``, ``"1e9"`` -> bytes (GB/MB are decimal, GiB/MiB binary)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
+    if re.fullmatch(r"\s*-.*", str(text)) or (m and float(m.group(1)) == 0):
+        raise UsageError(f"device memory {text!r} is not positive; give one device's memory, like 80GiB or 16GB")
     if not m:
         raise UsageError(f"device memory {text!r} is not a size; write it like 80GiB, 16GB or 512MiB")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B") or "B"

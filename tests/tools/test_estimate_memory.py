@@ -108,6 +108,23 @@ def test_device_memory_that_is_not_a_size_is_one_line(capsys):
     assert err.strip() == "error: device memory 'lots' is not a size; write it like 80GiB, 16GB or 512MiB"
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--device-memory", "-5GiB"], "error: device memory '-5GiB' is not positive; give one device's memory, like "
+                                   "80GiB or 16GB"),
+    (["--device-memory=0"], "error: device memory '0' is not positive; give one device's memory, like 80GiB or 16GB"),
+    (["--nproc", "x"], "error: argument --nproc: invalid int value: 'x'; see tools/estimate_memory.py --help"),
+    (["--device-memory"], "error: argument --device-memory: expected one argument; see tools/estimate_memory.py "
+                          "--help")])
+def test_a_bad_option_is_one_line_and_exit_1_not_the_does_not_fit_status(capsys, argv, line):
+    """argparse's usage and exit 2 ('-5GiB' read as an option) were this tool's 'does not fit' status."""
+    try:
+        rc, out, err = run_tool(capsys, GPT_1_3B, *argv)
+    except SystemExit as e:  # argparse's own errors leave through exit
+        captured = capsys.readouterr()
+        rc, out, err = e.code, captured.out, captured.err
+    assert (rc, out, err.strip()) == (1, "", line)
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("16 GB") == 16 * 10**9
