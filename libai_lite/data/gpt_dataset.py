@@ -266,6 +266,17 @@ class GPTDataset(torch.utils.data.Dataset):
                         f"split")
         if arrays["sample"][0].tolist() != [0, 0]:
             return f"{paths['sample']} does not start at the first token of the split's stream"
+        if checksums is None:
+            # Files from elsewhere: a doc_idx of another seed beside this sample_idx keeps every range and
+            # would fail only inside a DataLoader worker, at the first sample that straddles documents.
+            sizes = np.asarray(self.indexed_dataset.document_sizes(), dtype=np.int64)[arrays["doc"]]
+            starts = np.concatenate(([0], np.cumsum(sizes[:-1])))
+            steps = np.diff(starts[arrays["sample"][:, 0]] + arrays["sample"][:, 1])
+            wrong = np.flatnonzero(steps != self.seq_length)
+            if wrong.size:
+                return (f"{paths['sample']} does not fit {paths['doc']}: sample {int(wrong[0])} spans "
+                        f"{int(steps[wrong[0]])} tokens of its documents, not {self.seq_length} (files of "
+                        f"another seed or split)")
         if checksums is not None:
             for kind, array in arrays.items():
                 if not isinstance(checksums, dict) or checksums.get(kind) != array_checksum(array):

@@ -278,6 +278,27 @@ def test_a_cache_without_a_description_is_checked_by_shape_and_range(tmp_path, c
     assert len(warnings) == 1 and "holds sample 1000" in warnings[0].message
 
 
+def test_a_cache_without_a_description_whose_doc_idx_is_another_seeds_is_rebuilt_at_start_up(tmp_path, caplog):
+    """Each array keeps its shape and ranges, so only the sample index stepping through the documents tells;
+    it failed inside a DataLoader worker, at the first sample that straddles two documents."""
+    prefix = corpus(tmp_path, num_docs=60)
+    other = build_gpt_train_valid_test_datasets(prefix, "8,1,1", [40, 8, 8], 8, 99, str(tmp_path / "other"),
+                                                vocab_size=1000)[0]
+    train = build(prefix, tmp_path / "cache")[0]
+    want = {k: np.array(getattr(train, f"{k}_idx")) for k in ("doc", "sample", "shuffle")}
+    assert not np.array_equal(np.load(other.index_paths["doc"]), want["doc"])
+    shutil.copy(other.index_paths["doc"], train.index_paths["doc"])
+    os.remove(train.index_paths["desc"])
+    with caplog.at_level(logging.INFO, logger="libai_lite"):
+        again = build(prefix, tmp_path / "cache")[0]
+    warnings = _rebuild_warnings(caplog)
+    assert len(warnings) == 1 and f"{train.index_paths['sample']} does not fit {train.index_paths['doc']}: sample " \
+        in warnings[0].message and "(files of another seed or split)" in warnings[0].message, warnings
+    for k, array in want.items():
+        np.testing.assert_array_equal(getattr(again, f"{k}_idx"), array)
+    assert all(len(again[i]["input_ids"]) == 8 for i in range(len(again)))
+
+
 @pytest.mark.skipif(not (FIXTURES / "gpt2_megatron_indices.npz").exists(), reason="Megatron fixtures not present")
 def test_index_files_written_by_megatron_lm_are_accepted_as_they_are(tmp_path, monkeypatch, caplog):
     prefix = str(FIXTURES / "gpt2_mmap_text_document")
