@@ -11,7 +11,8 @@ import torch
 
 from ..config import InstantiationError, LazyConfig
 from ..config.validate import check_ranges, check_sections, check_targets
-from ..utils.distributed import Layout, describe_collective_timeout, destroy, is_collective_timeout, setup_dist
+from ..utils.distributed import (Layout, describe_collective_timeout, describe_worker_death, destroy,
+                                 is_collective_timeout, setup_dist)
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
@@ -111,6 +112,11 @@ def report_cli_error(exc: Exception) -> int:
     if os.environ.get("LIBAI_LITE_TRACEBACK"):
         raise exc
     e = _find_user_error(exc)
+    # Both rank-local: the rank it happened on says it. A dead worker's error can carry a timeout in its chain.
+    death = describe_worker_death(exc) if e is None else None
+    if death is not None:
+        print(f"error: {death}", file=sys.stderr, flush=True)
+        return 1
     if e is None and is_collective_timeout(exc):
         print(f"error: {describe_collective_timeout(exc)}", file=sys.stderr, flush=True)
         os._exit(1)

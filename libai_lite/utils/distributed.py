@@ -240,6 +240,21 @@ def _collective_name(exc: BaseException) -> str:
     return "a gradient reduction inside backward" if "backward" in _ACTIVITY["what"] else "a collective"
 
 
+def describe_worker_death(exc: BaseException) -> str | None:
+    """torch's report of a DataLoader worker that died (a kill, the out-of-memory killer, a crash in native
+    code) as one line naming where the run was; None for any other error. torch raises it from its SIGCHLD
+    handler, so it can leave from any point of a step."""
+    while exc is not None and not (isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker")):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None:
+        return None
+    it = _ACTIVITY["iteration"]
+    where = _ACTIVITY["what"] + (f" at iteration {it}" if it is not None else "")
+    return (f"{' '.join(str(exc).split()).rstrip('. ')} during {where}: a kill or the kernel's out-of-memory killer "
+            f"ends workers so (dmesg says which); free host memory or lower dataloader.train.num_workers, then "
+            f"--resume from the last checkpoint")
+
+
 def _missing_ranks() -> list[int] | None:
     """On rank 0: the ranks that do not answer a monitored barrier on the side group (None if unknown)."""
     group = _MONITOR["group"]

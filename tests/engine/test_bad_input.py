@@ -289,7 +289,7 @@ TESTED_ELSEWHERE = {
     "tool_output_is_its_input", "valid_split_without_documents",
     "vocab_size_below_tokenizer", "hf_import_tp_not_dividing_model",
     "preprocess_empty_texts", "hf_export_computes_otherwise", "preprocess_damaged_gzip", "preprocess_text_not_a_string",
-    "estimate_device_memory_not_positive",
+    "estimate_device_memory_not_positive", "dataloader_worker_killed",
 }
 
 

@@ -270,3 +270,37 @@ def test_stuck_rank_becomes_an_error_naming_the_rank_and_the_operation(tmp_path)
     assert line.startswith("error: rank 0 timed out after 5 s in "), line
     assert " during " in line and " at iteration " in line, line
     assert "rank(s) [1] did not arrive" in line, line
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc (Linux)")
+def test_a_killed_dataloader_worker_is_one_line_naming_where_and_a_failed_exit(tmp_path):
+    """kill -9 of one DataLoader worker (what the out-of-memory killer does) was torch's traceback, raised from
+    its SIGCHLD handler wherever the step was."""
+    from tests.launch import job_pids, start_train_sh
+
+    out = tmp_path / "run"
+    p = start_train_sh(1, tiny(out, tmp_path / "cache", *BASE, "dataloader.train.num_workers=2",
+                               "train.train_iter=100000", "train.checkpointer.period=100000"))
+    try:
+        assert _wait_for(lambda: len(losses(out)) >= 2, timeout=180), p.stderr.read() if p.poll() else ""
+        pids = job_pids(out)
+        parent = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids}
+        cmdline = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids}
+        # A DataLoader worker is a fork of a rank process (train_net.py itself, not torchrun or train.sh).
+        ranks = [pid for pid in pids if b"train_net.py\0--config-file" in cmdline[pid]
+                 and b"torch.distributed.run" not in cmdline[pid]]
+        loaders = [pid for pid in ranks if parent[pid] in ranks]
+        assert len(loaders) == 2, loaders
+        os.kill(loaders[0], signal.SIGKILL)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    line = one_error_line(r)
+    assert p.returncode != 0
+    # torch words it by where it notices: its SIGCHLD handler, or the queue read that finds the worker gone.
+    assert line.startswith((f"error: DataLoader worker (pid {loaders[0]}) is killed by signal: Killed during ",
+                            f"error: DataLoader worker (pid(s) {loaders[0]}) exited unexpectedly during ")), line
+    assert " at iteration " in line and "lower dataloader.train.num_workers" in line and "--resume" in line, line
+    assert _wait_for(lambda: not job_pids(out), timeout=30), job_pids(out)
