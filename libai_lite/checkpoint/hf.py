@@ -225,7 +225,12 @@ def load_hf_model(hf_dir: str, model_type: str | None = None, vocab_size: int | 
     chosen = mapping_for_model(model_class) if model_class is not None else None
     model_type, mapping = detect_model_type(hf_config, model_type, hf_dir, chosen)
     cfg = mapping.config_from_hf(hf_config)
-    sd = mapping.state_dict_from_hf(read_hf_state_dict(hf_dir), cfg)
+    try:
+        sd = mapping.state_dict_from_hf(read_hf_state_dict(hf_dir), cfg)
+    except RuntimeError as e:  # a mapping's reshape of weights of another size than config.json gives
+        raise UsageError(f"the weights in {hf_dir} do not fit its config.json: converting them failed "
+                         f"({' '.join(str(e).split())}); they are of another model size than config.json describes; "
+                         f"use the config.json saved with these weights") from e
     if vocab_size is not None and vocab_size != cfg["vocab_size"]:
         if vocab_size < cfg["vocab_size"]:
             raise UsageError(f"vocabulary size {vocab_size} is smaller than the model's {cfg['vocab_size']}")

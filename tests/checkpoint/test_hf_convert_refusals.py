@@ -149,3 +149,25 @@ def test_export_of_a_copy_that_computes_gpt2_is_checked_and_says_so(tmp_path):
     assert "note: checked: transformers' GPT2LMHeadModel gives SameLMForPreTraining's logits on a probe batch" \
            in r.stdout, r.stdout[-2000:]
     assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("other", ["wider", "deeper"])
+def test_import_of_weights_of_another_size_than_config_json_is_one_line_and_writes_nothing(other, tmp_path, capsys):
+    """A model.safetensors copied from another size: a wider GPT-2's fused qkv failed a reshape (a traceback)."""
+    import shutil
+
+    hf = _gpt2_dir(tmp_path / "hf", heads=2, width=32)
+    donor = _gpt2_dir(tmp_path / "donor", heads=3, width=48) if other == "wider" else None
+    if donor is None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        donor = tmp_path / "donor"
+        GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                   bos_token_id=99, eos_token_id=99)).save_pretrained(donor)
+    shutil.copy(donor / "model.safetensors", hf / "model.safetensors")
+    capsys.readouterr()  # transformers' own progress bars while saving
+    line = _error(capsys, ["import", "--hf-dir", str(hf), "--output", str(tmp_path / "out")])
+    want = (f"error: the weights in {hf} do not fit its config.json: converting them failed (" if other == "wider"
+            else "error: the GPT-2 weights has the unexpected key 'h.1.attn.c_attn.bias' (12 in all)")
+    assert line.startswith(want), line
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["donor", "hf"]
