@@ -214,15 +214,16 @@ def tree_hashes(path) -> dict:
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(path, size: str):
-    """A real small filesystem: a tmpfs of ``size`` (mount's syntax, "2m") mounted at ``path`` for the
-    block and always unmounted after; the test is skipped where mounting is not permitted."""
+def mounted_tmpfs(path, size: str, readonly: bool = False):
+    """A real small filesystem: a tmpfs of ``size`` (mount's syntax, "2m"; read-only with ``readonly``) mounted
+    at ``path`` for the block and always unmounted after; the test is skipped where mounting is not permitted."""
     import pytest
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if readonly else ""), "tmpfs",
+                            str(path)],
                            capture_output=True, text=True)
     except FileNotFoundError:
         pytest.skip("no mount command: a small real filesystem cannot be made here")

@@ -231,7 +231,7 @@ def cmd_import(args) -> int:
     with staged_output_dir(output, args.force, promote="checkpoint") as tmp:
         state = {"iteration": -1, "consumed_samples": 0, "imported_from": os.path.abspath(args.hf_dir),
                  "hf_model_type": model_type}
-        ckpt = Checkpointer(module, save_dir=tmp).save("checkpoint", state)
+        ckpt = Checkpointer(module, save_dir=tmp, retry="give --output another path").save("checkpoint", state)
         for name, src in (tokenizer.files.items() if tokenizer is not None else ()):
             shutil.copyfile(src, os.path.join(ckpt, name))
         with open(os.path.join(ckpt, "config.py"), "w", encoding="utf-8") as f:

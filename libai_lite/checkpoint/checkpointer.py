@@ -46,7 +46,10 @@ class Checkpointer:
     def __init__(self, model, optimizer=None, save_dir: str = "", *, max_to_keep: int | None = None,
                  aliases: dict | None = None, async_save: bool = False, tied_copies: dict | None = None,
                  vocab_ids: int | None = None, model_config=None, writer_threads: int | None = None,
-                 states: dict | None = None, verify: bool = True):
+                 states: dict | None = None, verify: bool = True,
+                 retry: str = "point train.output_dir elsewhere, then --resume"):
+        # How a failed save's line ends: a training run's fix by default, a tool's own (its --output) otherwise.
+        self.retry = retry
         self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.save_dir = save_dir
@@ -170,7 +173,7 @@ class Checkpointer:
             f"make {self.save_dir} writable (and its checkpoints movable)"
         return UsageError(
             f"saving checkpoint {final} failed ({first}); {space if full else ''}the partial files were removed and "
-            f"{kept}: {fix} or point train.output_dir elsewhere, then --resume"
+            f"{kept}: {fix} or {self.retry}"
         )
 
     # ------------------------------------------------------------------ background saves

@@ -6,6 +6,7 @@ so no pickled code runs), either one sharded by its index; output is staged and 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -268,10 +269,10 @@ def staged_output_dir(output: str, force: bool = False, promote: str | None = No
     check_output_dir(output, force)
     output = os.path.abspath(output)
     tmp = output + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
     try:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
         yield tmp
         source = os.path.join(tmp, promote) if promote else tmp
         if os.path.isdir(output) and not os.path.islink(output):
@@ -279,6 +280,13 @@ def staged_output_dir(output: str, force: bool = False, promote: str | None = No
         elif os.path.lexists(output):
             os.remove(output)
         os.replace(source, output)
+    except OSError as e:
+        # A write of the output (a read-only or full filesystem), not a read of an input, is the output's fault.
+        if e.filename is not None and not os.path.abspath(os.fspath(e.filename)).startswith(output):
+            raise
+        fix = "free space there" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make its folder writable"
+        raise UsageError(f"cannot write {output}: {e.strerror or e}; {fix} or give --output another path "
+                         f"(nothing was kept)") from e
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ writes nothing at all, and its log folder's lock goes even with a traceback.
 The trained run is tests/engine/test_no_overwrite.py's fixture; each tool runs in this process from the
 repository root, as there.
 """
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from tests.data.test_corpus_formats import _write_fairseq_data_bin
 from tests.data.test_preprocess_data import GPT2_FLAGS
 from tests.engine.test_no_overwrite import in_process, run, tool  # noqa: F401 - fixtures
-from tests.launch import CONFIG, ROOT, one_error_line, tiny
+from tests.launch import CONFIG, ROOT, mounted_tmpfs, one_error_line, tiny
 from tests.launch import tree_hashes as hashes
 
 
@@ -126,3 +127,34 @@ def test_convert_checkpoint_refuses_its_megatron_checkpoint_or_a_folder_in_it(tm
     code = _tool().main(["--from", "megatron", "--input", str(src), "--output", str(target), "--force"])
     refused(code, capsys, src, target)
     assert hashes(src) == before and not no_temporaries(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["evaluate", "plot_metrics", "hf_convert"])
+@pytest.mark.parametrize("where", ["under a regular file", "on a read-only filesystem"])
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(run, in_process, tmp_path, capsys,  # noqa: F811
+                                                                         name, where):
+    """hf_convert's staging folder on a read-only filesystem was an OSError traceback."""
+    out, cache, _ = run
+    before = hashes(out)
+    with contextlib.ExitStack() as stack:
+        if where == "under a regular file":
+            base = tmp_path / "a_file"
+            base.write_text("not a folder")
+        else:
+            base = stack.enter_context(mounted_tmpfs(tmp_path / "ro", "1m", readonly=True))
+        target = base / {"evaluate": "results.json", "plot_metrics": "curves.png", "hf_convert": "hf"}[name]
+        argv = {
+            "evaluate": ["--config-file", CONFIG, "--checkpoint", str(out / "model_final"), "--task", "lambada",
+                         "--data", "data_test/lambada_sample.jsonl", "--output", str(target),
+                         *tiny(tmp_path / "ev", cache)],
+            "plot_metrics": [str(out), "-o", str(target)],
+            "hf_convert": ["export", "--config-file", str(out / "config.yaml"), "--checkpoint",
+                           str(out / "model_final"), "--output", str(target)],
+        }[name]
+        code = tool(name).main(argv)
+        assert code == 1
+        line = one_error_line(SimpleNamespace(stderr=capsys.readouterr().err))
+        assert str(base) in line and " give " in line, line
+        assert ("is a file, not a directory" if where == "under a regular file" else "Read-only file system") \
+            in line, line
+        assert hashes(out) == before and not no_temporaries(tmp_path) and not target.exists()
