@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..utils.distributed import barrier, get_rank
+from ..utils.distributed import broadcast_object, get_rank
 from ..utils.errors import UsageError
 from ..utils.files import atomic_write
 
@@ -188,11 +188,15 @@ def _build_on_rank0(is_valid: Callable[[], bool], build: Callable[[], None], wha
             with guard(what, exclusive=True):
                 if not is_valid():
                     build()
-        except Exception as e:  # reach the barrier anyway, or the other ranks hang until timeout
+        except Exception as e:  # reach the collective anyway, or the other ranks hang until timeout
             error = e
-    barrier()
+    # Rank 0 says why in its one line; the other ranks stop on a user error, which they do not print, rather
+    # than each finding the cache missing and printing a traceback of their own.
+    failed = broadcast_object(None if error is None else " ".join(str(error).split()) or type(error).__name__)
     if error is not None:
         raise error
+    if failed is not None:
+        raise UsageError(f"rank 0 could not build {what}: {failed}")
     with guard(what, exclusive=False):
         if not is_valid():
             raise RuntimeError(

@@ -58,3 +58,37 @@ def test_the_lock_file_goes_with_its_last_holder_and_a_waiter_locks_the_new_one(
     t.join()
     assert seen == [True] and not lock.exists()
     assert not os.listdir(tmp_path)
+
+
+def _failing_rank0_worker(rank, world_size, init_file, prefix, out_dir):
+    import torch.distributed as dist
+
+    from libai_lite.data.build import build_gpt_train_valid_test_datasets
+    from libai_lite.data.gpt_dataset import GPTDataset
+    from libai_lite.utils.errors import UsageError
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        def failing(self):
+            raise UsageError("the cache filesystem refused the write; set dataloader.train.cache_dir")
+
+        GPTDataset._build_indices = failing
+        try:
+            build_gpt_train_valid_test_datasets(prefix, "9,1,0", [64, 8, 0], 8, 42)
+            said = "built"
+        except Exception as e:  # noqa: BLE001 - what each rank stops on is the test's subject
+            said = f"{type(e).__name__}: {e}"
+        Path(out_dir, f"said{rank}.txt").write_text(said)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_build_on_rank_0_stops_the_other_ranks_on_a_user_error_not_a_traceback(tmp_path):
+    """The other ranks found the cache missing after the barrier and raised a RuntimeError of their own."""
+    prefix, _ = make_corpus(tmp_path, num_docs=50)
+    spawn_ranks(_failing_rank0_worker, 2, (2, str(tmp_path / "init"), prefix, str(tmp_path)), start_method="fork")
+    assert (tmp_path / "said0.txt").read_text() == \
+        "UsageError: the cache filesystem refused the write; set dataloader.train.cache_dir"
+    said = (tmp_path / "said1.txt").read_text()
+    assert said.startswith("UsageError: rank 0 could not build ") and said.endswith(
+        ": the cache filesystem refused the write; set dataloader.train.cache_dir"), said
