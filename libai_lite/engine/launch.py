@@ -11,8 +11,8 @@ import torch
 
 from ..config import InstantiationError, LazyConfig
 from ..config.validate import check_ranges, check_sections, check_targets
-from ..utils.distributed import (Layout, describe_collective_timeout, describe_worker_death, destroy,
-                                 is_collective_timeout, setup_dist)
+from ..utils.distributed import (Layout, describe_collective_timeout, describe_out_of_memory, describe_worker_death,
+                                 destroy, is_collective_timeout, setup_dist)
 from ..utils.parallel_dims import describe_capping
 from ..utils.errors import UsageError
 from ..utils.logger import setup_logger
@@ -113,7 +113,7 @@ def report_cli_error(exc: Exception) -> int:
         raise exc
     e = _find_user_error(exc)
     # Both rank-local: the rank it happened on says it. A dead worker's error can carry a timeout in its chain.
-    death = describe_worker_death(exc) if e is None else None
+    death = (describe_worker_death(exc) or describe_out_of_memory(exc)) if e is None else None
     if death is not None:
         print(f"error: {death}", file=sys.stderr, flush=True)
         return 1

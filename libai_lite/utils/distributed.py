@@ -255,6 +255,26 @@ def describe_worker_death(exc: BaseException) -> str | None:
             f"--resume from the last checkpoint")
 
 
+def describe_out_of_memory(exc: BaseException) -> str | None:
+    """An allocation that failed (torch's OutOfMemoryError on an accelerator, the CPU allocator's RuntimeError)
+    as one line naming where the run was and what to lower; None for any other error."""
+    while exc is not None and not (isinstance(exc, torch.OutOfMemoryError) or (
+            isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None:
+        return None
+    text = str(exc)
+    cpu = re.search(r"you tried to allocate (\d+) bytes", text)
+    accel = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", text)
+    size = f"{int(cpu.group(1)) / 2**30:.2f} GiB" if cpu else (accel.group(1) if accel else "an allocation")
+    it = _ACTIVITY["iteration"]
+    where = _ACTIVITY["what"] + (f" at iteration {it}" if it is not None else "")
+    return (f"out of {'host' if cpu else 'device'} memory during {where} (asking for {size}): lower "
+            f"train.train_micro_batch_size or the sequence length, or turn on activation checkpointing or ZeRO "
+            f"(tools/estimate_memory.py CONFIG estimates the peak of a setting), then run again (--resume continues "
+            f"from a checkpoint if one was saved)")
+
+
 def _missing_ranks() -> list[int] | None:
     """On rank 0: the ranks that do not answer a monitored barrier on the side group (None if unknown)."""
     group = _MONITOR["group"]

@@ -290,7 +290,7 @@ TESTED_ELSEWHERE = {
     "vocab_size_below_tokenizer", "hf_import_tp_not_dividing_model",
     "preprocess_empty_texts", "hf_export_computes_otherwise", "preprocess_damaged_gzip", "preprocess_text_not_a_string",
     "estimate_device_memory_not_positive", "dataloader_worker_killed",
-    "hf_import_weights_of_another_size", "tool_output_not_writable",
+    "hf_import_weights_of_another_size", "tool_output_not_writable", "out_of_memory",
 }
 
 

@@ -416,3 +416,32 @@ def test_the_documented_rows_are_these_cases_with_the_messages_they_check():
     assert set(rows) == set(DOC_CASES)
     for case, needle in DOC_CASES.items():
         assert needle in rows[case], (case, needle)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_an_allocation_that_fails_is_one_line_naming_the_step_and_what_to_lower(where, capsys, monkeypatch):
+    """model.cfg.max_seq_length=100000 on the demo asked the CPU allocator for 24 GiB at the first step: a
+    traceback; CUDA's OutOfMemoryError alike."""
+    from libai_lite.engine.launch import report_cli_error
+    from libai_lite.utils.distributed import set_activity
+
+    monkeypatch.setenv("RANK", "0")
+    set_activity("forward/backward (gradient reduction)", 0)
+    try:
+        if where == "host":
+            torch.empty(2**50, dtype=torch.uint8)  # a real failed allocation: 1 PiB
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.06 GiB is free.")
+    except RuntimeError as e:
+        try:
+            raise RuntimeError("wrapped on the way out") from e
+        except RuntimeError as outer:
+            assert report_cli_error(outer) == 1
+    finally:
+        set_activity("setup")
+    err = capsys.readouterr().err.strip().splitlines()
+    size = "1048576.00 GiB" if where == "host" else "2.00 GiB"
+    assert err == [f"error: out of {where} memory during forward/backward (gradient reduction) at iteration 0 "
+                   f"(asking for {size}): lower train.train_micro_batch_size or the sequence length, or turn on "
+                   f"activation checkpointing or ZeRO (tools/estimate_memory.py CONFIG estimates the peak of a "
+                   f"setting), then run again (--resume continues from a checkpoint if one was saved)"], err
