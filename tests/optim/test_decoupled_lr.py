@@ -8,7 +8,7 @@ from torch import nn
 from libai_lite.optim import get_default_optimizer_params
 from libai_lite.scheduler import MegatronLR, WarmupCosineLR, WarmupExponentialLR, WarmupLinearLR
 from libai_lite.utils.errors import UsageError
-from tests.launch import losses, tiny, train_net
+from tests.launch import losses, tiny, train_net, train_sh
 
 
 class _TinyLM(nn.Module):
@@ -124,3 +124,35 @@ def test_a_run_trains_the_embedding_and_head_at_decoupled_lr_and_resume_keeps_it
     resumed = losses(part, "decoupled_lr")
     assert [resumed[it] for it in (4, 5, 6)] == pytest.approx([decoupled[it] for it in (4, 5, 6)])
 
+
+
+def test_zero1_over_two_ranks_keeps_the_decoupled_groups_through_a_resume(tmp_path):
+    """ZeRO-1 rebuilds the optimizer from the groups and compares them on resume."""
+    cache, zero = tmp_path / "cache", ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=1"]
+    r = train_sh(2, tiny(tmp_path / "a", cache, "train.train_iter=3", *DECOUPLED, *zero))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_sh(2, tiny(tmp_path / "a", cache, "train.train_iter=6", *DECOUPLED, *zero) + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lr, decoupled = losses(tmp_path / "a", "lr"), losses(tmp_path / "a", "decoupled_lr")
+    assert lr[4] == pytest.approx(1e-3) and decoupled[4] == pytest.approx(4e-3)
+    assert decoupled[6] == pytest.approx(2e-4 + (4e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * 2 / 3)))
+
+
+def test_the_projects_name_their_word_embedding_and_output_layer():
+    from projects.GPT.modeling import GPTForPreTraining
+    from projects.Llama.modeling import LlamaForPreTraining
+    from projects.MT5.modeling import MT5ForPreTraining
+
+    tiny = dict(hidden_layers=2, vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                max_seq_length=16)
+    gpt = GPTForPreTraining(tiny)
+    # Tied: the head is the token embedding; the position embeddings are not among them (as in Megatron).
+    assert [id(p) for p in gpt.embedding_parameters()] == [id(gpt.GPT_model.embeddings.token_embeddings.weight)]
+    llama = LlamaForPreTraining(tiny).llama
+    assert [id(p) for p in llama.embedding_parameters()] == [id(llama.embeddings.weight), id(llama.lm_head.weight)]
+    mt5 = MT5ForPreTraining(dict(vocab_size=64, hidden_size=32, hidden_layers=2, num_attention_heads=4, head_size=8,
+                                 intermediate_size=48, tie_word_embeddings=False))
+    inner = mt5.inner
+    assert [id(p) for p in mt5.embedding_parameters()] == [id(inner.embedding.weight), id(inner.lm_head.weight)]
+    groups = get_default_optimizer_params(mt5, decoupled_lr=1e-3)
+    assert [len(g["params"]) for g in groups if g.get("decoupled")] == [2]
