@@ -133,6 +133,15 @@ def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=
                          decay_end_iter=decay_iters)
 
 
+def check_group_floors(scheduler):
+    """``scheduler``, refused when its optimizer has a group with a floor of its own (``min_lr``) that it
+    would not read: only ``WarmupDecayLR`` does."""
+    if not isinstance(scheduler, WarmupDecayLR) and any("min_lr" in g for g in scheduler.optimizer.param_groups):
+        raise UsageError(f"optim.params.decoupled_min_lr needs a libai_lite.scheduler schedule, not "
+                         f"{type(scheduler).__name__}: use one (WarmupCosineLR, MegatronLR, ...) or drop it")
+    return scheduler
+
+
 # Only the position is resumed; the schedule itself comes from this run's config, so a changed lr or
 # train_iter takes effect on resume.
 _POSITION_KEYS = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")

@@ -156,3 +156,13 @@ def test_the_projects_name_their_word_embedding_and_output_layer():
     assert [id(p) for p in mt5.embedding_parameters()] == [id(inner.embedding.weight), id(inner.lm_head.weight)]
     groups = get_default_optimizer_params(mt5, decoupled_lr=1e-3)
     assert [len(g["params"]) for g in groups if g.get("decoupled")] == [2]
+
+
+def test_a_schedule_that_ignores_a_groups_floor_is_refused():
+    from libai_lite.scheduler.lr_scheduler import check_group_floors
+
+    _, groups = _groups(decoupled_lr=0.5, decoupled_min_lr=0.02)
+    opt = torch.optim.SGD(groups, lr=1.0)
+    with pytest.raises(UsageError, match="decoupled_min_lr needs a libai_lite.scheduler schedule, not StepLR"):
+        check_group_floors(torch.optim.lr_scheduler.StepLR(opt, 10))
+    check_group_floors(WarmupCosineLR(torch.optim.SGD(_groups(decoupled_lr=0.5)[1], lr=1.0), 10))
