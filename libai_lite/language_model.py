@@ -24,6 +24,12 @@ class LanguageModel(nn.Module):
         stage with the head, and the head plain or split on the vocabulary over the tensor-parallel ranks."""
         return self.fused_cross_entropy and self.lm_head is not None and fusable_head_weight(self.lm_head.weight)
 
+    def embedding_parameters(self) -> list:
+        """The input word embedding's and the LM head's weights on this stage, a tied one once: what
+        ``optim.params.decoupled_lr`` trains. A subclass gives ``word_embedding()``, the token lookup module."""
+        weights = [m.weight for m in (self.word_embedding(), self.lm_head) if m is not None]
+        return list({id(w): w for w in weights}.values())
+
 
 class LMForPreTraining(nn.Module):
     """A ``LanguageModel`` with its pretraining loss: the protocol methods that only delegate to it.
@@ -66,6 +72,10 @@ class LMForPreTraining(nn.Module):
     def pipeline_loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean token loss (labels of -100 ignored) of the last stage's output: the schedule's loss_fn."""
         return self.last_stage_outputs(output, labels)["lm_loss"]
+
+    def embedding_parameters(self) -> list:
+        """See the network's ``embedding_parameters``."""
+        return self.inner.embedding_parameters()
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """See the network's ``num_parameters``."""

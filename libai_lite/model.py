@@ -72,6 +72,14 @@ def sample_throughput(model: nn.Module, sample: Mapping) -> tuple[int | None, fl
     return (int(tokens) if tokens is not None else None), (float(flops) if flops is not None else None)
 
 
+def embedding_parameters(model: nn.Module) -> list | None:
+    """The input word embedding's and output layer's weights on this model part (Megatron's embedding and
+    output parameters, trained at ``optim.params.decoupled_lr``), from its ``embedding_parameters()``; None
+    when it has none. Read after parallelizing, so they are the tensors the optimizer is given."""
+    fn = getattr(unwrap(model), "embedding_parameters", None)
+    return list(fn()) if callable(fn) else None
+
+
 def max_seq_length(model: nn.Module) -> int | None:
     """The model's longest sequence (its ``max_seq_length``: evaluators, generation), if it has one."""
     value = getattr(unwrap(model), "max_seq_length", None)

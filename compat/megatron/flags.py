@@ -199,15 +199,11 @@ _NO_EFFECT: Dict[str, str] = {
     "--wandb-save-dir": "Weights & Biases writes under output_dir/wandb",
 }
 _MOE = "a mixture of experts: write a config with model.cfg.moe (README 'Mixture of experts')"
-_DECOUPLED = ("the embedding and output layer cannot take an lr schedule of their own here (one schedule for "
-              "every parameter): drop it")
 _RAMPUP = "the global batch size is fixed for a run here: drop it (the run uses --global-batch-size from the start)"
 _WEIGHTS_ONLY = ("a resume restores model, optimizer and data position together here; for the weights only, "
                  "--load a directory other than --save")
 # Flags refused with the reason (and what to do instead).
 _REFUSED: Dict[str, str] = {
-    "--decoupled-lr": _DECOUPLED,
-    "--decoupled-min-lr": _DECOUPLED,
     "--rampup-batch-size": _RAMPUP,
     "--step-batch-size-schedule": _RAMPUP,
     "--mock-data": "no synthetic data here: preprocess a corpus with tools/preprocess_data.py and pass --data-path",
@@ -222,7 +218,8 @@ _REFUSED: Dict[str, str] = {
 }
 # Flags with a rule of their own (handled in translate_megatron_args).
 _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "--lr-decay-samples",
-          "--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--train-samples",
+          "--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--decoupled-lr",
+          "--decoupled-min-lr", "--train-samples",
           "--load", "--data-path", "--split", "--adam-beta1", "--adam-beta2", "--clip-grad", "--loss-scale",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--zero-stage",
           "--cpu-optimizer", "--eval-iters", "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file",

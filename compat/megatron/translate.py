@@ -191,6 +191,7 @@ def _schedule(run: MegatronRun, read: _Reader) -> None:
         problems.add("--min-lr", f"{min_lr} is not between 0 and --lr {lr}")
     if lr and not 0 <= init_lr <= lr:
         problems.add("--lr-warmup-init", f"{init_lr} is not between 0 and --lr {lr}")
+    _decoupled(run, read, min_lr)
     schedule: Dict[str, Any] = {"decay": style, "min_lr_ratio": min_lr / lr if lr else 0.0,
                                 "init_lr_ratio": init_lr / lr if lr else 0.0}
     per = 1
@@ -215,6 +216,21 @@ def _schedule(run: MegatronRun, read: _Reader) -> None:
             problems.add(f"--lr-decay-{unit}", f"the decay must be longer than the warmup ({warmup:g} iterations)")
     run.scheduler = {k: v for k, v in schedule.items() if v is not None}
     a["train.warmup_ratio"] = 0.0
+
+
+def _decoupled(run: MegatronRun, read: _Reader, min_lr: float) -> None:
+    """--decoupled-lr / --decoupled-min-lr: the embedding and output layer's own peak and floor lr; the floor
+    defaults to --min-lr, as in Megatron (optim.params.decoupled_min_lr=None would mean the schedule's ratio)."""
+    peak, floor = read.one("--decoupled-lr", _num), read.one("--decoupled-min-lr", _num)
+    if peak is None:
+        if floor is not None:
+            run.no_effect.append("--decoupled-min-lr (without --decoupled-lr, as in Megatron)")
+        return
+    floor = min_lr if floor is None else floor
+    if not 0 <= floor <= peak:
+        read.problems.add("--decoupled-min-lr", f"{floor} is not between 0 and --decoupled-lr {peak}")
+    run.assignments["optim.params.decoupled_lr"] = peak
+    run.assignments["optim.params.decoupled_min_lr"] = floor
 
 
 def _precision_and_parallel(run: MegatronRun, read: _Reader) -> None:

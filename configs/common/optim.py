@@ -11,6 +11,10 @@ optim = LazyCall(torch.optim.AdamW)(
         clip_grad_norm_type=2.0,
         weight_decay_norm=0.0,
         weight_decay_bias=0.0,
+        # Megatron's --decoupled-lr / --decoupled-min-lr: the input word embedding and output layer's own
+        # peak and floor lr on the run's schedule (None: the optimizer's lr and the schedule's floor).
+        decoupled_lr=None,
+        decoupled_min_lr=None,
     ),
     lr=1e-4,
     weight_decay=0.01,

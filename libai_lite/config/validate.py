@@ -181,6 +181,8 @@ RANGES: dict[str, "Range | OneOf"] = {
     "optim.params.clip_grad_norm_type": Range(low=0, low_open=True, infinite=True),
     "optim.params.weight_decay_norm": Range(low=0, nullable=True),
     "optim.params.weight_decay_bias": Range(low=0, nullable=True),
+    "optim.params.decoupled_lr": Range(low=0, low_open=True, nullable=True),
+    "optim.params.decoupled_min_lr": Range(low=0, nullable=True),
     "dataloader.*.num_workers": _NON_NEGATIVE_INT,
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
     "dataloader.*.seq_length": _COUNT,

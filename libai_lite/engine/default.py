@@ -275,8 +275,10 @@ class DefaultTrainer:
 
     def build_lr_scheduler(self, cfg, optimizer):
         """Instantiate ``train.scheduler`` with the spec's ``max_iter`` and ``warmup_iter`` filled in."""
-        return instantiate_with(cfg.train.scheduler, optimizer=optimizer, max_iter=self.spec.train_iter,
-                                warmup_iter=self.spec.warmup_iter)
+        from ..scheduler.lr_scheduler import check_group_floors
+
+        return check_group_floors(instantiate_with(cfg.train.scheduler, optimizer=optimizer,
+                                                   max_iter=self.spec.train_iter, warmup_iter=self.spec.warmup_iter))
 
     def build_grad_scaler(self, cfg):
         """fp16's loss scaler (None for fp32 and bf16)."""

@@ -283,7 +283,11 @@ class Trainer(TrainerBase):
 
     def run_step(self) -> None:
         start = time.perf_counter()
-        scalars = {"lr": self.optimizer.param_groups[0]["lr"]}
+        groups = self.optimizer.param_groups
+        scalars = {"lr": groups[0]["lr"]}
+        decoupled = next((g["lr"] for g in groups if g.get("decoupled")), None)
+        if decoupled is not None:  # optim.params.decoupled_lr: the embedding and output layer's own
+            scalars["decoupled_lr"] = decoupled
         self.model.train()
         set_activity("data loading", self.iter)
         batches = [self._next_batch() for _ in range(self.num_accumulation_steps)]

@@ -16,35 +16,58 @@ def _is_norm(module: nn.Module) -> bool:
 
 def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = None,
                                  weight_decay_norm: float | None = 0.0, weight_decay_bias: float | None = 0.0,
-                                 clip_grad_max_norm: float | None = None, clip_grad_norm_type: float | None = None):
+                                 clip_grad_max_norm: float | None = None, clip_grad_norm_type: float | None = None,
+                                 decoupled_lr: float | None = None, decoupled_min_lr: float | None = None):
     """Split `model`'s trainable parameters into groups by weight decay; a shared parameter appears once.
 
     `weight_decay=None` keeps the optimizer's own value for ordinary weights; biases and normalisation
     weights get `weight_decay_bias` / `weight_decay_norm` (0 by default, as in Megatron and LiBai).
-    `clip_grad_max_norm` / `clip_grad_norm_type` are accepted only so LiBai configs load; the trainer clips.
+    `decoupled_lr` (Megatron's --decoupled-lr) gives the input word embedding and the output layer
+    (the model's `embedding_parameters()`) groups of their own with that peak lr, decayed by the same
+    schedule to `decoupled_min_lr` (None: the schedule's floor ratio of `decoupled_lr`); those groups
+    come after the others and carry `decoupled=True`. `clip_grad_max_norm` / `clip_grad_norm_type` are
+    accepted only so LiBai configs load; the trainer clips.
     """
     del clip_grad_max_norm, clip_grad_norm_type
-    decay, no_decay_norm, no_decay_bias = [], [], []
+    special = _decoupled_parameters(model, decoupled_lr, decoupled_min_lr)
+    buckets: dict[tuple[str, bool], list] = {}
     seen: set[int] = set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            if _is_norm(module):
-                no_decay_norm.append(p)
-            elif name == "bias":
-                no_decay_bias.append(p)
-            else:
-                decay.append(p)
-    groups = []
-    if decay:
-        groups.append({"params": decay} if weight_decay is None else {"params": decay, "weight_decay": weight_decay})
-    if no_decay_norm:
-        groups.append({"params": no_decay_norm, "weight_decay": weight_decay_norm or 0.0})
-    if no_decay_bias:
-        groups.append({"params": no_decay_bias, "weight_decay": weight_decay_bias or 0.0})
-    return groups
+            kind = "norm" if _is_norm(module) else "bias" if name == "bias" else "decay"
+            buckets.setdefault((kind, id(p) in special), []).append(p)
+    decays = {"decay": {} if weight_decay is None else {"weight_decay": weight_decay},
+              "norm": {"weight_decay": weight_decay_norm or 0.0}, "bias": {"weight_decay": weight_decay_bias or 0.0}}
+    extra = {"lr": decoupled_lr, "decoupled": True}
+    if decoupled_min_lr is not None:
+        extra["min_lr"] = decoupled_min_lr
+    # Decoupled groups last: group 0 (the lr the trainer logs) stays the run's own lr.
+    return [{"params": buckets[(kind, decoupled)], **decays[kind], **(extra if decoupled else {})}
+            for decoupled in (False, True) for kind in decays if (kind, decoupled) in buckets]
+
+
+def _decoupled_parameters(model: nn.Module, lr: float | None, min_lr: float | None) -> set[int]:
+    """Ids of the parameters `decoupled_lr` applies to (none when it is off); bad settings refused."""
+    from ..model import embedding_parameters
+    from ..utils.errors import UsageError
+
+    if lr is None:
+        if min_lr is not None:
+            raise UsageError(f"optim.params.decoupled_min_lr={min_lr} is set without optim.params.decoupled_lr: "
+                             f"set decoupled_lr too (the embedding and output layer's peak lr) or drop it")
+        return set()
+    if min_lr is not None and min_lr > lr:
+        raise UsageError(f"optim.params.decoupled_min_lr={min_lr} is above optim.params.decoupled_lr={lr}: the "
+                         f"floor must not exceed the peak; lower decoupled_min_lr")
+    params = embedding_parameters(model)
+    if params is None:
+        raise UsageError(f"optim.params.decoupled_lr is set but {type(model).__name__} does not name its embedding "
+                         f"and output layer: give it embedding_parameters() (see libai_lite/model.py) or drop "
+                         f"decoupled_lr")
+    return {id(p) for p in params}
 
 
 # LiBai's (OneFlow's) Adam/AdamW argument: True is what torch's optimizers always do.

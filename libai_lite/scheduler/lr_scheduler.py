@@ -24,6 +24,8 @@ class WarmupDecayLR(LRScheduler):
     """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`.
 
     The decay ends at `decay_end_iter` (None: `max_iter`) and the lr stays at the floor after it.
+    A param group with a `min_lr` (optim.params.decoupled_min_lr) has its own floor, `min_lr / its lr`,
+    on the same shape.
     `warmup_iter` and `decay_end_iter` may be fractional, since Megatron-LM counts its schedule in samples.
     """
 
@@ -46,10 +48,13 @@ class WarmupDecayLR(LRScheduler):
         self.min_lr_ratio = float(min_lr_ratio)
         self.power = float(power)
         self.gamma = float(gamma)
+        # Held here, not read from the groups, so a resume takes this run's floors (restore_scheduler).
+        self.min_lrs = [g.get("min_lr") for g in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
-    def factor(self, it: int) -> float:
-        """Multiplier of the base lr at iteration `it` (0-based)."""
+    def factor(self, it: int, min_lr_ratio: float | None = None) -> float:
+        """Multiplier of the base lr at iteration `it` (0-based), decaying to `min_lr_ratio` (None: the
+        schedule's own)."""
         if it < self.warmup_iter:
             if self.warmup_method == "constant":
                 return self.warmup_factor
@@ -60,7 +65,7 @@ class WarmupDecayLR(LRScheduler):
         else:
             span = self.decay_end_iter - self.warmup_iter
         progress = min(max(it - self.warmup_iter, 0) / span, 1.0) if span > 0 else 1.0
-        floor = self.min_lr_ratio
+        floor = self.min_lr_ratio if min_lr_ratio is None else min_lr_ratio
         if self.decay == "constant":
             return 1.0
         if self.decay == "cosine":
@@ -72,8 +77,8 @@ class WarmupDecayLR(LRScheduler):
         return max(self.gamma ** (it - self.warmup_iter), floor)
 
     def get_lr(self):
-        f = self.factor(self.last_epoch)
-        return [base * f for base in self.base_lrs]
+        return [base * self.factor(self.last_epoch, None if low is None or not base else low / base)
+                for base, low in zip(self.base_lrs, self.min_lrs)]
 
 
 def WarmupCosineLR(optimizer, max_iter, warmup_factor=0.001, warmup_iter=0, alpha=0.0, warmup_method="linear"):
@@ -126,6 +131,15 @@ def MegatronLR(optimizer, max_iter, warmup_iter=0, decay="linear", min_lr_ratio=
         warmup = warmup_iter if warmup_iters is None else warmup_iters
     return WarmupDecayLR(optimizer, max_iter, warmup, init_lr_ratio, "linear", decay, min_lr_ratio,
                          decay_end_iter=decay_iters)
+
+
+def check_group_floors(scheduler):
+    """``scheduler``, refused when its optimizer has a group with a floor of its own (``min_lr``) that it
+    would not read: only ``WarmupDecayLR`` does."""
+    if not isinstance(scheduler, WarmupDecayLR) and any("min_lr" in g for g in scheduler.optimizer.param_groups):
+        raise UsageError(f"optim.params.decoupled_min_lr needs a libai_lite.scheduler schedule, not "
+                         f"{type(scheduler).__name__}: use one (WarmupCosineLR, MegatronLR, ...) or drop it")
+    return scheduler
 
 
 # Only the position is resumed; the schedule itself comes from this run's config, so a changed lr or

@@ -200,14 +200,31 @@ def test_every_flag_not_taken_is_reported_in_one_error_with_its_reason():
     with pytest.raises(UsageError) as e:
         translate(flags)
     message = str(e.value)
-    assert message.startswith("6 problems with the Megatron flags, each with its reason: ")
+    assert message.startswith("4 problems with the Megatron flags, each with its reason: ")
     # In the order given; a suggestion only for a near miss.
-    assert message.index("--decoupled-lr (") < message.index("--decoupled-min-lr (") < message.index("--num-layer (")
+    assert message.index("--num-layer (") < message.index("--context-paralel-size (")
+    assert "--decoupled-lr" not in message
     assert "--num-layer (not known here; did you mean --num-layers?)" in message
     assert "--context-paralel-size (not known here; did you mean --context-parallel-size?)" in message
     assert "--step-batch-size-schedule (the global batch size is fixed" in message
     assert "--moe-router-topk (a mixture of experts" in message
     assert "did you mean" not in translate_error("--frobnicate 1")
+
+
+def test_decoupled_lr_flags_map_to_the_embedding_and_output_layers_own_lr(tmp_path):
+    flags = llama3_8b()
+    run = translate(flags)
+    assert run.assignments["optim.params.decoupled_lr"] == 5e-4
+    assert run.assignments["optim.params.decoupled_min_lr"] == 4.5e-5
+    cfg = load(run, flags, tmp_path)
+    assert (cfg.optim.params.decoupled_lr, cfg.optim.params.decoupled_min_lr) == (5e-4, 4.5e-5)
+    # Megatron's floor without --decoupled-min-lr is --min-lr; without --decoupled-lr the floor does nothing.
+    only_peak = translate(llama3_8b(decoupled=False) + " --decoupled-lr 5e-4").assignments
+    assert only_peak["optim.params.decoupled_min_lr"] == 1e-5
+    only_floor = translate(llama3_8b(decoupled=False) + " --decoupled-min-lr 1e-5")
+    assert "optim.params.decoupled_lr" not in only_floor.assignments
+    assert any(n.startswith("--decoupled-min-lr") for n in only_floor.no_effect)
+    assert "--decoupled-min-lr (" in translate_error("--decoupled-lr 1e-5 --decoupled-min-lr 1e-4")
 
 
 def translate_error(extra: str) -> str:
@@ -270,10 +287,10 @@ def test_gpt3_175b_script_shrunk_trains_with_its_decay_shorter_than_the_run(tmp_
 
 def test_llama3_8b_script_shrunk_trains_the_llama_project(tmp_path):
     out = tmp_path / "ckpt"
-    # The script's DTYPE=bf16 branch (FP8 needs an H100); no --decoupled-lr (refused: one schedule here). The data
+    # The script's DTYPE=bf16 branch (FP8 needs an H100); with its --decoupled-lr. The data
     # are data_test's SentencePiece corpus, read with Megatron's SentencePieceTokenizer.
     spm = "--tokenizer-type SentencePieceTokenizer --tokenizer-model data_test/spm/spiece.model"
-    flags = llama3_8b(fp8=False, decoupled=False, tokenizer=spm, layers=2, hidden=64, ffn=128, heads=4, groups=2,
+    flags = llama3_8b(fp8=False, tokenizer=spm, layers=2, hidden=64, ffn=128, heads=4, groups=2,
                       kv=16, seq=32, mbs=2, gbs=8, samples=48, decay=40, warmup=12, data=
                       "data_test/spm/demo_spm_text_document", cache=tmp_path / "cache", eval_iters=2, interval=3,
                       save=out, tb=tmp_path / "tb")

@@ -212,6 +212,10 @@ class GPTModel(DecoderLM):
             hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, **extra)
         return self.norm_and_head(hidden_states, logits_to_keep, lm_labels)
 
+    def word_embedding(self):
+        """The token embedding (None on a pipeline stage without it): ``embedding_parameters`` reads it."""
+        return None if self.embeddings is None else self.embeddings.token_embeddings
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Count parameters present on this module (the tied embedding/head once).
 

@@ -144,6 +144,10 @@ class LlamaModel(DecoderLM):
             hidden_states = layer(hidden_states, attention_mask, kv_cache=cache, position_ids=position_ids, **extra)
         return self.norm_and_head(hidden_states, logits_to_keep, lm_labels)
 
+    def word_embedding(self):
+        """The token embedding (None on a pipeline stage without it): ``embedding_parameters`` reads it."""
+        return self.embeddings
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module (a tied head once); ``non_embedding`` drops an untied token
         embedding, a lookup that costs no matmul (a tied one stays: it is also the head's weight)."""

@@ -301,6 +301,10 @@ class MT5Model(Seq2SeqLM):
         hidden = self.hidden_dropout(self.decoder_final_layernorm(decoder_hidden))
         return hidden * self.hidden_size**-0.5 if self.tie_word_embeddings else hidden
 
+    def word_embedding(self):
+        """The token embedding (None on a pipeline stage without it): ``embedding_parameters`` reads it."""
+        return self.embedding
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters present on this module, a tied matrix once; global sizes even when sharded.
 
