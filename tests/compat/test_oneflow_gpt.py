@@ -60,6 +60,19 @@ def test_oneflow_345m_line_is_read_as_megatron_flags():
     assert "--vocab-size (the tokenizer is the one gpt_sample_dataset_text_document was made with" in named
 
 
+def test_oneflow_readme_line_resumes_its_checkpoint_directory():
+    """The README's own line: --seq-length, --load and --save the same directory, no --num-accumulation-steps."""
+    flags = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --micro-batch-size 4 --global-batch-size 8 "
+             "--num-gpus-per-node 1 --train-iters 500000 --learning-rate 0.00015 --dataset gpt_sample_dataset_text_"
+             "document --seq-length 1024 --split 949,50,1 --min-lr 1.0e-5 --lr-decay-style cosine --lr-decay-iters "
+             "320000 --lr-warmup-fraction 0.01 --weight-decay 1e-2 --optimizer adamw --clip-grad 1.0 --vocab-size "
+             "50257 --load checkpoint --save checkpoint --save-interval 10000 --log-interval 100 "
+             "--checkpoint-activations --multihead-attention-fusion --fp16")
+    run = translate(flags)
+    assert run.resume and run.assignments["train.num_accumulation_steps"] is None  # derived from the launch
+    assert run.assignments["optim.lr"] == 1.5e-4 and run.assignments["model.cfg.max_seq_length"] == 1024
+
+
 def test_megatron_optimizer_adam_is_adamw(tmp_path):
     """Megatron-LM's --optimizer adam decays weights decoupled (apex FusedAdam's AdamW mode): the base AdamW."""
     flags = gpt3_175b() + " --optimizer adam"
