@@ -212,10 +212,12 @@ def _recorded_tokenizer(run: MegatronRun, read: _Reader, record: Optional[dict],
     if vocab is not None and size is not None and vocab != size:
         read.problems.add("--vocab-size", f"{vocab}, but the corpus {prefix} was made with a tokenizer of {size} "
                           f"tokens ({kind}, {prefix}.tokenizer.json): give {size} or drop it")
-    else:
+    elif vocab is not None:
         run.no_effect.append(f"--vocab-size (the tokenizer is the one {prefix} was made with, {kind} of "
-                             f"{size} tokens, padded by --make-vocab-size-divisible-by)" if vocab is not None else
-                             f"--data-path (no tokenizer flag: the tokenizer is the one {prefix} was made with, {kind})")
+                             f"{size} tokens, padded by --make-vocab-size-divisible-by)")
+    else:
+        run.no_effect.append(f"--data-path (no tokenizer flag: the tokenizer is the one {prefix} was made "
+                             f"with, {kind})")
     return True
 
 
