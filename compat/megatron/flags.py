@@ -3,8 +3,9 @@ and the reader of a command line.
 
 OneFlow-GPT's names for Megatron's flags are read as those (``_ALIASES``). Each flag is taken one to one
 (``_DIRECT``, ``_SWITCHES``; ``_ARCH``, ``_ARCH_SWITCHES`` for the model's arguments), by a rule of its own
-(``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``, named at start-up) or refused with what to do instead (``_REFUSED``). A problem found while reading is
-collected (``_Problems``), so every flag not taken is reported together in one error.
+(``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``, named at start-up) or refused with
+what to do instead (``_REFUSED``). A problem found while reading is collected (``_Problems``), so every flag
+not taken is reported together in one error.
 """
 from __future__ import annotations
 
