@@ -23,6 +23,7 @@ import tempfile
 
 from compat.checkpoints import checkpoint_format
 from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
+from libai_lite.data.tokenizer_record import read_record
 from libai_lite.utils.errors import UsageError
 
 
@@ -34,7 +35,7 @@ def checkpoint_kind(path: str) -> str:
 
 def prepare(flags: str):
     """(config text, extra train_net arguments, no-effect notes, parallel sizes) for Megatron ``flags``."""
-    run = translate_megatron_args(flags, MEGATRON_MODELS, checkpoint_kind)
+    run = translate_megatron_args(flags, MEGATRON_MODELS, checkpoint_kind, read_record)
     extra = ["--resume"] if run.resume else []
     return render_config(run, flags), extra, run.no_effect, run.parallel_sizes
 

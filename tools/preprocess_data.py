@@ -69,7 +69,9 @@ def get_args(argv=None) -> argparse.Namespace:
     )
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 vocab.json or BERT vocab.txt")
+    # --vocab: OneFlow-GPT's README spelling, which argparse would otherwise read as an ambiguous prefix.
+    group.add_argument("--vocab-file", "--vocab", dest="vocab_file", type=str, default=None,
+                       help="GPT-2 vocab.json or BERT vocab.txt")
     group.add_argument("--merge-file", type=str, default=None, help="GPT-2 merges.txt")
     group.add_argument(
         "--tokenizer-model",
@@ -99,7 +101,6 @@ def get_args(argv=None) -> argparse.Namespace:
         "--dataset-impl",
         type=str,
         default="mmap",
-        choices=["mmap"],
         help="accepted for Megatron compatibility; only mmap is written",
     )
     group = parser.add_argument_group("runtime")
@@ -117,6 +118,9 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error("--log-interval must be >= 1")
     if args.vocab_extra_ids < 0:
         parser.error("--vocab-extra-ids must be >= 0")
+    if args.dataset_impl != "mmap":
+        parser.error(f"--dataset-impl {args.dataset_impl} is not written here: only mmap (Megatron's memory-mapped "
+                     f".bin/.idx, the format the trainer reads); give --dataset-impl mmap or drop it")
     if args.keep_newlines and not args.split_sentences:
         parser.error("--keep-newlines only applies with --split-sentences; add --split-sentences or drop it")
     return args

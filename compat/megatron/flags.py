@@ -1,9 +1,11 @@
-"""Megatron-LM ``pretrain_gpt.py`` flags: what each means here, and the reader of a command line.
+"""Megatron-LM ``pretrain_gpt.py`` flags (and OneFlow-GPT's ``oneflow_gpt.training``'s): what each means here,
+and the reader of a command line.
 
-Each flag is taken one to one (``_DIRECT``, ``_SWITCHES``; ``_ARCH``, ``_ARCH_SWITCHES`` for the model's
-arguments), by a rule of its own (``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``,
-named at start-up) or refused with what to do instead (``_REFUSED``). A problem found while reading is
-collected (``_Problems``), so every flag not taken is reported together in one error.
+OneFlow-GPT's names for Megatron's flags are read as those (``_ALIASES``). Each flag is taken one to one
+(``_DIRECT``, ``_SWITCHES``; ``_ARCH``, ``_ARCH_SWITCHES`` for the model's arguments), by a rule of its own
+(``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``, named at start-up) or refused with
+what to do instead (``_REFUSED``). A problem found while reading is collected (``_Problems``), so every flag
+not taken is reported together in one error.
 """
 from __future__ import annotations
 
@@ -168,7 +170,6 @@ _NO_EFFECT: Dict[str, str] = {
     "--no-mmap-bin-files": ".bin files are always memory-mapped here",
     "--num-dataset-builder-threads": "one process builds the dataset indices and caches them",
     "--no-create-attention-mask-in-dataloader": "causal masks are made inside attention here",
-    "--vocab-size": "the vocabulary is the tokenizer's, padded by --make-vocab-size-divisible-by",
     "--tiktoken-pattern": "only Megatron-LM's TikTokenizer reads it",
     "--ckpt-format": "checkpoints are torch.distributed.checkpoint (DCP) directories here, any format asked",
     "--use-dist-ckpt": "checkpoints are torch.distributed.checkpoint (DCP) directories here",
@@ -197,6 +198,19 @@ _NO_EFFECT: Dict[str, str] = {
     "--profile-ranks": "every rank writes its own trace",
     "--memory-snapshot-path": "memory snapshots go to output_dir/profile/",
     "--wandb-save-dir": "Weights & Biases writes under output_dir/wandb",
+    # OneFlow-GPT's own flags.
+    "--num-gpus-per-node": "the launcher takes it: NPROC of bash tools/train.sh FILE --megatron-args FLAGS NPROC",
+    "--num-nodes": "the launcher takes it: NODE=n for bash tools/train.sh",
+    "--node-ips": "the launcher takes it: ADDR (node 0's address) and NODE_RANK for bash tools/train.sh",
+    "--ctrl-port": "the launcher takes it: PORT for bash tools/train.sh",
+    "--use-rdma": "NCCL uses InfiniBand/RDMA by itself where the nodes have it",
+    "--multihead-attention-fusion": "attention is fused by default here (SDPA)",
+    "--no-scale-tril-softmax-dropout-fusion": _FUSION,
+    "--log": "the log goes to --save (train.output_dir/log.txt)",
+    "--metric-print-format": _LOGGED,
+    "--profile-transformer-layer": "--profile traces whole steps with torch.profiler here",
+    "--use-external-dataset": "the data are Megatron's .bin/.idx here either way",
+    "--save-last": "the end of a run is always saved here (model_final)",
 }
 _MOE = "a mixture of experts: write a config with model.cfg.moe (README 'Mixture of experts')"
 _RAMPUP = "the global batch size is fixed for a run here: drop it (the run uses --global-batch-size from the start)"
@@ -215,7 +229,11 @@ _REFUSED: Dict[str, str] = {
     "--train-data-path": "one --data-path is split by --split here; write a config for data per split",
     "--valid-data-path": "one --data-path is split by --split here; write a config for data per split",
     "--test-data-path": "one --data-path is split by --split here; write a config for data per split",
+    "--save-init": "no checkpoint of the initial weights is written here: drop it",
 }
+# OneFlow-GPT's flag -> Megatron's flag of the same meaning (--max-seq-length: another name of OneFlow-GPT's
+# --seq-length some of its command lines use).
+_ALIASES: Dict[str, str] = {"--learning-rate": "--lr", "--dataset": "--data-path", "--max-seq-length": "--seq-length"}
 # Flags with a rule of their own (handled in translate_megatron_args).
 _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "--lr-decay-samples",
           "--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--decoupled-lr",
@@ -226,12 +244,13 @@ _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "-
           "--fp8-format", "--fp8-recipe", "--profile", "--profile-step-start", "--profile-step-end",
           "--record-memory-history", "--calculate-per-token-loss", "--distributed-timeout-minutes",
           "--virtual-pipeline-model-parallel-size", "--expert-model-parallel-size", "--use-megatron-fsdp",
-          "--data-parallel-sharding-strategy", "--wandb-project", "--wandb-exp-name")
+          "--data-parallel-sharding-strategy", "--wandb-project", "--wandb-exp-name", "--optimizer",
+          "--num-accumulation-steps", "--vocab-size")
 # Switches among the rules.
 _RULE_SWITCHES = ("--cpu-optimizer", "--profile", "--record-memory-history", "--calculate-per-token-loss",
                   "--use-megatron-fsdp")
 KNOWN_FLAGS = sorted(set(_DIRECT) | set(_ARCH) | set(_SWITCHES) | set(_ARCH_SWITCHES) | set(_NO_EFFECT)
-                     | set(_RULES) | set(_REFUSED))
+                     | set(_RULES) | set(_REFUSED) | set(_ALIASES))
 _DECAYS = ("cosine", "linear", "constant")
 _TOKENIZERS = {
     "GPT2BPETokenizer": "libai_lite.tokenizer:GPT2Tokenizer",
@@ -286,6 +305,7 @@ def _parse(text: str, problems: _Problems) -> Dict[str, List[str]]:
     except ValueError as e:
         raise UsageError(f"Megatron arguments cannot be split into words ({e}): check their quotes") from None
     given: Dict[str, List[str]] = {}
+    spelled: Dict[str, str] = {}  # flag -> how it was first written (itself or its OneFlow-GPT alias)
     current: Optional[List[str]] = None
     for token in tokens:
         if token.startswith("--"):
@@ -295,6 +315,12 @@ def _parse(text: str, problems: _Problems) -> Dict[str, List[str]]:
                 _unknown(name, problems)
                 current = []  # its values are skipped with it
                 continue
+            canonical = _ALIASES.get(name, name)
+            first = spelled.setdefault(canonical, name)
+            if first != name:
+                problems.add(name, f"means the same as {first}, given too: give one")
+            problems.position.setdefault(canonical, problems.position[name])
+            name = canonical
             current = given[name] = [value] if eq else []
         elif current is None:
             problems.add(repr(token), "Megatron arguments must start with a --flag")

@@ -37,12 +37,14 @@ class MegatronRun:
 
 
 def translate_megatron_args(text: str, models: Sequence[MegatronModel],
-                            checkpoint_exists: Callable[[str], str] = lambda path: "") -> MegatronRun:
+                            checkpoint_exists: Callable[[str], str] = lambda path: "",
+                            corpus_record: Callable[[str], Optional[dict]] = lambda prefix: None) -> MegatronRun:
     """This project's run for the Megatron flags ``text``, on the family of ``models`` that builds its model.
 
     ``checkpoint_exists(path)`` names what ``--load path`` holds: ``"ours"``, ``"megatron"`` or ``""``
-    (nothing there): a Megatron checkpoint is refused with the converting command. Every flag not taken
-    is reported together in one ``UsageError``.
+    (nothing there): a Megatron checkpoint is refused with the converting command. ``corpus_record(prefix)``
+    is the tokenizer record beside ``--data-path prefix`` (or None): it names the tokenizer when no flag does,
+    as OneFlow-GPT's command lines give none. Every flag not taken is reported together in one ``UsageError``.
     """
     problems = _Problems()
     given = _parse(text, problems)
@@ -75,7 +77,7 @@ def translate_megatron_args(text: str, models: Sequence[MegatronModel],
     if len(mlp_flags) > 1:
         problems.add(mlp_flags[1], f"excludes {mlp_flags[0]} (one activation)")
     _batch_and_length(run, read)
-    _data(run, read)
+    _data(run, read, corpus_record)
     _schedule(run, read)
     _precision_and_parallel(run, read)
     _logging(run, read)
@@ -95,10 +97,23 @@ def _batch_and_length(run: MegatronRun, read: _Reader) -> None:
     a = run.assignments
     if _require(read, "--micro-batch-size") and "train.train_micro_batch_size" in a:
         a["train.test_micro_batch_size"] = a["train.train_micro_batch_size"]
+    # OneFlow-GPT's --num-accumulation-steps: with --global-batch-size too, the run checks the three agree with
+    # its data-parallel size (the launcher's, not --num-gpus-per-node's).
+    acc = read.one("--num-accumulation-steps", _int)
+    if acc is not None and acc < 1:
+        read.problems.add("--num-accumulation-steps", f"{acc} is not a positive number of micro-batches")
+        acc = None
     if "--global-batch-size" in read.given:
-        a["train.num_accumulation_steps"] = None
-    else:  # Megatron's global batch: micro x data-parallel size
-        a.update({"train.global_batch_size": None, "train.num_accumulation_steps": 1})
+        a["train.num_accumulation_steps"] = acc
+    else:  # Megatron's global batch: micro x data-parallel size (x OneFlow-GPT's accumulation)
+        a.update({"train.global_batch_size": None, "train.num_accumulation_steps": acc or 1})
+    optimizer = read.one("--optimizer", default="adam")
+    if optimizer == "sgd":
+        read.problems.add("--optimizer sgd", "the optimizer these flags build is AdamW; for SGD write a config with "
+                          "optim = LazyCall(torch.optim.SGD)(...) (configs/common/optim.py's layout)")
+    elif optimizer not in ("adam", "adamw"):
+        read.problems.add(f"--optimizer {optimizer}", "use adam or adamw (both AdamW: Megatron's adam decays "
+                          "weights decoupled, as AdamW)")
     samples = read.one("--train-samples", _int)
     if "--train-iters" in read.given and "--train-samples" in read.given:
         read.problems.add("--train-samples", "give --train-iters or --train-samples, not both")
@@ -122,7 +137,7 @@ def _batch_and_length(run: MegatronRun, read: _Reader) -> None:
         a["train.evaluation.eval_period"] = a["train.train_iter"]
 
 
-def _data(run: MegatronRun, read: _Reader) -> None:
+def _data(run: MegatronRun, read: _Reader, corpus_record: Callable[[str], Optional[dict]]) -> None:
     a, problems = run.assignments, read.problems
     if _require(read, "--data-path"):
         paths = read.given["--data-path"]
@@ -140,8 +155,18 @@ def _data(run: MegatronRun, read: _Reader) -> None:
     kind = read.one("--tokenizer-type")
     if kind is None and "--vocab-file" in read.given and "--merge-file" in read.given:
         kind = "GPT2BPETokenizer"
+    vocab = read.one("--vocab-size", _int)
+    if kind is None and not any(f in read.given for f in ("--vocab-file", "--merge-file", "--tokenizer-model")):
+        prefix = a.get("dataloader.train.data_prefix")
+        if isinstance(prefix, str) and _recorded_tokenizer(run, read, corpus_record(prefix), prefix, vocab):
+            return
+    if vocab is not None:
+        run.no_effect.append("--vocab-size (the vocabulary is the tokenizer's, padded by "
+                             "--make-vocab-size-divisible-by)")
     if kind is None:
-        _require(read, "--tokenizer-type")
+        problems.add("--tokenizer-type", "missing: pretrain_gpt.py needs it too, and no tokenizer record beside "
+                     "--data-path names one; for GPT-2's BPE (OneFlow-GPT's corpora) give --vocab-file "
+                     "gpt2-vocab.json --merge-file gpt2-merges.txt")
         return
     if kind not in _TOKENIZERS:
         fix = ("no synthetic data here: preprocess a corpus with tools/preprocess_data.py and pass --data-path"
@@ -167,6 +192,33 @@ def _data(run: MegatronRun, read: _Reader) -> None:
     if kind.startswith("Bert"):
         kwargs["do_lower_case"] = kind == "BertWordPieceLowerCase"
     a["tokenization.tokenizer"] = Call(_TOKENIZERS[kind], kwargs)
+
+
+# A tokenizer record's file attributes -> the tokenizer's arguments, where they differ.
+_RECORD_ARGS = {"tokenizer_file": "path"}
+
+
+def _recorded_tokenizer(run: MegatronRun, read: _Reader, record: Optional[dict], prefix: str,
+                        vocab: Optional[int]) -> bool:
+    """Whether the tokenizer the corpus at ``prefix`` was made with (its ``record``) is this run's."""
+    kind = (record or {}).get("tokenizer_type")
+    if kind not in _TOKENIZERS:
+        return False
+    kwargs: Dict[str, Any] = {_RECORD_ARGS.get(k, k): v for k, v in (record.get("files") or {}).items()}
+    if kind.startswith("Bert"):
+        kwargs["do_lower_case"] = kind == "BertWordPieceLowerCase"
+    run.assignments["tokenization.tokenizer"] = Call(_TOKENIZERS[kind], kwargs)
+    size = record.get("vocab_size")
+    if vocab is not None and size is not None and vocab != size:
+        read.problems.add("--vocab-size", f"{vocab}, but the corpus {prefix} was made with a tokenizer of {size} "
+                          f"tokens ({kind}, {prefix}.tokenizer.json): give {size} or drop it")
+    elif vocab is not None:
+        run.no_effect.append(f"--vocab-size (the tokenizer is the one {prefix} was made with, {kind} of "
+                             f"{size} tokens, padded by --make-vocab-size-divisible-by)")
+    else:
+        run.no_effect.append(f"--data-path (no tokenizer flag: the tokenizer is the one {prefix} was made "
+                             f"with, {kind})")
+    return True
 
 
 def _schedule(run: MegatronRun, read: _Reader) -> None:
