@@ -157,8 +157,12 @@ class _Reader:
         self.refuse(where, "not a DeepSpeed key known here" + (f"; did you mean {prefix}{near[0]}?" if near else ""))
 
 
-def read_ds_config(source: Union[str, Path, Mapping], name: Optional[str] = None) -> DeepSpeedRun:
+def read_ds_config(source: Union[str, Path, Mapping], name: Optional[str] = None,
+                   engine_defaults: bool = True) -> DeepSpeedRun:
     """This project's assignments and notes for a ds_config (a path to its JSON, or the dict itself).
+
+    ``engine_defaults``: also assign DeepSpeed's defaults for the sections the file leaves out (fp32, no
+    ZeRO, no clipping); a caller whose own settings give those (Megatron flags) passes False.
 
     Every key that is unknown or not taken is reported together in one ``UsageError``, each with its reason.
     """
@@ -190,15 +194,17 @@ def read_ds_config(source: Union[str, Path, Mapping], name: Optional[str] = None
         elif key not in _SECTIONS:
             r.unknown(key, key, KNOWN_KEYS)
     _batch(r, ds)
-    _precision(r, ds)
-    _zero(r, ds)
+    if engine_defaults or "fp16" in ds or "bf16" in ds or "bfloat16" in ds:
+        _precision(r, ds)
+    if engine_defaults or "zero_optimization" in ds:
+        _zero(r, ds)
     _optimizer(r, ds)
     _scheduler(r, ds)
     if "gradient_clipping" in ds:
         clip = r.number("gradient_clipping", ds["gradient_clipping"], low=0)
         if clip not in (None, "auto"):
             r.set("optim.params.clip_grad_max_norm", clip if clip > 0 else None)
-    else:  # DeepSpeed's default: no clipping
+    elif engine_defaults:  # DeepSpeed's default: no clipping
         r.set("optim.params.clip_grad_max_norm", None)
     if "steps_per_print" in ds:
         period = r.number("steps_per_print", ds["steps_per_print"], int, low=1)
