@@ -365,6 +365,9 @@ def _deepspeed(run: MegatronRun, read: _Reader) -> None:
         elif key == "train.log_period" and key in a:
             continue
         else:
+            if key in a and a[key] != value:
+                run.no_effect.append(f"the flags' {key}={a[key]} ({flag} {path} gives {value}: DeepSpeed's engine "
+                                     f"does what its file says)")
             a[key] = value
     if optimizer:
         run.no_effect.append(f"{flag} optimizer (the optimizer is Megatron's, from --lr and --adam-*, as "
