@@ -245,3 +245,11 @@ def test_megatron_deepspeed_reads_its_deepspeed_config(tmp_path):
     conflicting = ds_file(tmp_path, dict(ds_dict, train_batch_size=64), "other.json")
     with pytest.raises(UsageError, match=r"train.global_batch_size 64 differs from --global-batch-size 1536"):
         translate_megatron_args(gpt3_175b() + f" --deepspeed_config {conflicting}", MEGATRON_MODELS)
+
+
+def test_the_reader_stands_alone():
+    import subprocess
+    import sys
+
+    code = "import sys, compat.deepspeed; sys.exit('compat.megatron' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
