@@ -3,6 +3,7 @@
 #   bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 [key=value ...]
 # or with a Megatron-LM pretrain_gpt.py command line in place of CONFIG (each rank translates it):
 #   bash tools/train.sh tools/train_net.py --megatron-args "--num-layers 24 ..." 8 [key=value ...]
+# A DeepSpeed ds_config.json goes after NPROC: ... CONFIG 8 --deepspeed_config ds_config.json [key=value ...]
 # Several machines: NODE (nodes), NODE_RANK (this node), ADDR and PORT (node 0's address); the nodes meet
 # there before torchrun starts, each saying whom it waits for, and give up after RDZV_TIMEOUT seconds (900).
 # MAX_RESTARTS=n lets torchrun restart failed workers; a restarted job resumes from its last checkpoint.

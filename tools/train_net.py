@@ -4,9 +4,12 @@
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 train.train_iter=100
     python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py train.train_iter=100
     python tools/train_net.py --megatron-args "--num-layers 24 --hidden-size 1024 ..." [overrides]
+    python tools/train_net.py --config-file CONFIG --deepspeed --deepspeed_config ds_config.json [overrides]
 
 ``--megatron-args`` takes a Megatron-LM pretrain_gpt.py command line (tools/from_megatron.py prints the
-config file it amounts to) in place of ``--config-file``.
+config file it amounts to) in place of ``--config-file``. ``--deepspeed_config`` applies a DeepSpeed
+ds_config.json on top of the config, before the ``key=value`` overrides (which win); ``--deepspeed``
+is accepted and does nothing (docs/migrating.md, "DeepSpeed").
 """
 import os
 import sys
@@ -44,15 +47,46 @@ def _megatron_argv(argv: list) -> list:
     return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:]
 
 
+def _deepspeed_argv(argv: list):
+    """(``argv`` with ``--deepspeed_config FILE`` as overrides ahead of the user's, its no-effect notes)."""
+    argv = [a for a in argv if a != "--deepspeed"]  # DeepSpeed's switch: the file says what to do
+    path, rest = None, []
+    it = iter(argv)
+    for a in it:
+        if a in ("--deepspeed_config", "--deepspeed-config"):
+            path = next(it, None)
+            if path is None:
+                raise SystemExit("error: --deepspeed_config needs the path of a ds_config.json")
+        elif a.startswith(("--deepspeed_config=", "--deepspeed-config=")):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if path is None:
+        return rest, []
+    from compat.deepspeed import read_ds_config, to_overrides
+    from libai_lite.utils.errors import UsageError
+
+    try:
+        run = read_ds_config(path)
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    # Positional overrides keep their order when parsed: the file's first, so the command line's win.
+    notes = [f"DeepSpeed config {path}: {note}" for note in run.notes]
+    return to_overrides(run) + rest, notes
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config = None
     if "--megatron-args" in argv:
         argv = _megatron_argv(argv)
         config = argv[argv.index("--config-file") + 1]
+    argv, notes = _deepspeed_argv(argv)
     try:
         args = default_argument_parser().parse_args(argv)
-        return launch(args)
+        return launch(args, notes=notes)
     finally:
         if config is not None:  # the config was read at start-up; config.yaml in the output keeps it
             os.remove(config)

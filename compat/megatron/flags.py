@@ -176,8 +176,7 @@ _NO_EFFECT: Dict[str, str] = {
     "--auto-detect-ckpt-format": "checkpoints are torch.distributed.checkpoint (DCP) directories here",
     "--ckpt-fully-parallel-save": "every rank writes its own shards here",
     "--ckpt-fully-parallel-load": "every rank reads its own shards here",
-    "--deepspeed": "ZeRO is train.zero_optimization here",
-    "--deepspeed_config": "ZeRO is train.zero_optimization here",
+    "--deepspeed": "the --deepspeed_config file says what DeepSpeed does",
     "--deepspeed-activation-checkpointing": "activation checkpointing follows --checkpoint-activations",
     "--partition-activations": "checkpointed activations stay on their rank",
     "--checkpoint-num-layers": "train.activation_checkpoint.every_n_layers chooses the layers",
@@ -245,7 +244,7 @@ _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "-
           "--record-memory-history", "--calculate-per-token-loss", "--distributed-timeout-minutes",
           "--virtual-pipeline-model-parallel-size", "--expert-model-parallel-size", "--use-megatron-fsdp",
           "--data-parallel-sharding-strategy", "--wandb-project", "--wandb-exp-name", "--optimizer",
-          "--num-accumulation-steps", "--vocab-size")
+          "--num-accumulation-steps", "--vocab-size", "--deepspeed_config", "--deepspeed-config")
 # Switches among the rules.
 _RULE_SWITCHES = ("--cpu-optimizer", "--profile", "--record-memory-history", "--calculate-per-token-loss",
                   "--use-megatron-fsdp")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from compat.deepspeed import read_ds_config
 from libai_lite.utils.errors import UsageError
 
 from .flags import (_ARCH, _ARCH_SWITCHES, _DECAYS, _DEFAULTS, _DIRECT, _MOE, _NO_EFFECT, _REFUSED, _SHARDING,
@@ -83,6 +84,7 @@ def translate_megatron_args(text: str, models: Sequence[MegatronModel],
     _logging(run, read)
     run.model = choose_model(read, raw, models, a, run.no_effect)
     _load(run, read, checkpoint_exists)
+    _deepspeed(run, read)
     for key, value in _DEFAULTS.items():
         a.setdefault(key, value)
     if problems:
@@ -401,6 +403,44 @@ def _logging(run: MegatronRun, read: _Reader) -> None:
             a["train.wandb.name"] = name
     elif "--wandb-exp-name" in given:
         run.no_effect.append("--wandb-exp-name (no effect without --wandb-project)")
+
+
+_DS_BATCH = {"train.global_batch_size": "--global-batch-size", "train.train_micro_batch_size": "--micro-batch-size"}
+
+
+def _deepspeed(run: MegatronRun, read: _Reader) -> None:
+    """Megatron-DeepSpeed's ``--deepspeed_config FILE``: the engine does what the file says (precision, loss
+    scale, ZeRO, clipping, batch, and its lr schedule over Megatron's), the optimizer is Megatron's (the
+    client's, as DeepSpeed takes it), the log follows --log-interval."""
+    flag = "--deepspeed_config" if "--deepspeed_config" in read.given else "--deepspeed-config"
+    path = read.one(flag)
+    if path is None:
+        return
+    try:
+        ds = read_ds_config(path, engine_defaults=False)
+    except UsageError as e:
+        read.problems.add(f"{flag} {path}", str(e))
+        return
+    a, optimizer = run.assignments, False
+    for key, value in ds.assignments.items():
+        if key in _DS_BATCH and _DS_BATCH[key] in read.given and a.get(key) != value:
+            read.problems.add(f"{flag} {path}", f"its {key} {value} differs from {_DS_BATCH[key]} {a.get(key)}; "
+                              f"DeepSpeed needs them equal: fix one")
+        elif key == "train.scheduler":
+            run.scheduler = {k: v for k, v in value.items() if k != "_target_"}
+        elif key.startswith("optim.") and not key.startswith("optim.params."):
+            optimizer = True
+        elif key == "train.log_period" and key in a:
+            continue
+        else:
+            if key in a and a[key] != value:
+                run.no_effect.append(f"the flags' {key}={a[key]} ({flag} {path} gives {value}: DeepSpeed's engine "
+                                     f"does what its file says)")
+            a[key] = value
+    if optimizer:
+        run.no_effect.append(f"{flag} optimizer (the optimizer is Megatron's, from --lr and --adam-*, as "
+                             f"DeepSpeed takes the client's)")
+    run.no_effect.extend(f"{flag} {note}" for note in ds.notes)
 
 
 def _load(run: MegatronRun, read: _Reader, checkpoint_exists: Callable[[str], str]) -> None:

@@ -132,8 +132,9 @@ def report_cli_error(exc: Exception) -> int:
     return 1
 
 
-def launch(args) -> int:
-    """What `tools/train_net.py` runs: load, override, set up, then train or evaluate.
+def launch(args, notes=()) -> int:
+    """What `tools/train_net.py` runs: load, override, set up, then train or evaluate; `notes` are logged
+    once the logger is set up (what a tool translating another framework's settings has to say).
 
     Bad input ends the process with one `error:` line on stderr and exit status 1; a run stopped by a signal
     returns 128 + that signal once its checkpoint is saved; a job restarted by torchrun (MAX_RESTARTS) resumes
@@ -152,6 +153,8 @@ def launch(args) -> int:
         check_sections(cfg, args.config_file)
         resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         layout = default_setup(cfg, args)
+        for note in notes:
+            logger.warning(note)
         run_dir = own_output_dir(cfg, args)
         trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
                                  verify=not getattr(args, "no_verify", False), run_dir=run_dir,

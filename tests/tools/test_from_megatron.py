@@ -5,6 +5,7 @@ Megatron-LM's example scripts train in tests/compat/test_megatron_scripts.py; he
 without a one-to-one key.
 """
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -132,8 +133,15 @@ def test_rules_of_the_flags_without_a_one_to_one_key():
         translate(base + "--hidden-size 8 --seq-length 8 --lr 1 --train-iters 1 --load ckpt", lambda path: "megatron")
 
 
-def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate():
-    # Megatron-DeepSpeed's examples/run_deepspeed_example.sh and OneFlow-GPT's pretrain script flags.
+def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate(tmp_path):
+    # Megatron-DeepSpeed's examples/run_deepspeed_example.sh and OneFlow-GPT's pretrain script flags, with the
+    # ds_config.json the script writes (the DeepSpeed engine's loss scale and ZeRO stage are the file's).
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1,
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "prescale_gradients": True,
+        "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
+                 "initial_scale_power": 12}, "wall_clock_breakdown": True}))
     ds = translate(
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024 "
         "--num-attention-heads 16 --micro-batch-size 4 --global-batch-size 64 --seq-length 1024 "
@@ -142,9 +150,10 @@ def test_megatron_deepspeed_and_oneflow_gpt_seed_lines_translate():
         "--lr 1.5e-4 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 "
         "--lr-warmup-fraction .01 --checkpoint-activations --log-interval 10 --save-interval 1000 "
         "--eval-interval 1000 --eval-iters 10 --fp16 --loss-scale 12 --hysteresis 2 --deepspeed "
-        "--deepspeed_config ds.json --zero-stage 1 --deepspeed-activation-checkpointing --partition-activations "
+        f"--deepspeed_config {config} --zero-stage 1 --deepspeed-activation-checkpointing --partition-activations "
         "--checkpoint-num-layers 1")
     a = ds.assignments
     assert a["train.dist.pipeline_parallel_size"] == 2 and a["train.zero_optimization.stage"] == 1
-    assert a["train.amp.initial_scale"] == 12.0 and ds.parallel_sizes == {"tp": 2, "pp": 2, "cp": 1}
+    assert a["train.amp.initial_scale"] == 4096.0 and ds.parallel_sizes == {"tp": 2, "pp": 2, "cp": 1}
+    assert a["train.amp.growth_interval"] == 500 and a["train.log_period"] == 10
     assert any(n.startswith("--partition-activations") for n in ds.no_effect)
