@@ -239,7 +239,7 @@ def test_merges_file_without_merges_is_refused(tmp_path, capsys, content):
 
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(3 * preprocess.CHUNK_LINES)])
-    real, calls = preprocess._encode_chunk, []
+    real, calls = preprocess.encode_chunk, []
 
     def interrupted(task):
         calls.append(task[0])
@@ -247,7 +247,7 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         return real(task)
 
-    monkeypatch.setattr(preprocess, "_encode_chunk", interrupted)
+    monkeypatch.setattr(preprocess, "encode_chunk", interrupted)
     out = tmp_path / "out"
     rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--workers", "1"] + GPT2_FLAGS)
     assert rc == 130
