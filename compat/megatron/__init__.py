@@ -3,7 +3,7 @@
 :func:`translate_megatron_args` is the one door (``tools/from_megatron.py`` and ``tools/train_net.py
 --megatron-args`` use it, with :func:`render_config`): ``flags`` reads the command line, ``models`` chooses
 the project that builds the model it describes (``MEGATRON_MODELS``), ``translate`` turns the rest into
-config assignments. Megatron-LM checkpoints are ``compat.checkpoints``'.
+config assignments (``data_flags`` the corpus and tokenizer flags) on a ``run.MegatronRun``. Megatron-LM checkpoints are ``compat.checkpoints``'.
 """
 from .flags import KNOWN_FLAGS
 from .models import MEGATRON_MODELS, MegatronModel
