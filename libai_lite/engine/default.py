@@ -26,10 +26,10 @@ from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..model import max_seq_length, sample_throughput
 from ..parallel.compile import check_compile, uses_cuda_graphs
 from ..parallel.float8 import check_float8, float8_after_optimizer_step
-from ..parallel.parallelize import ParallelModel, check_model_layout, parallelize_model
+from ..parallel.parallelize import ParallelModel, check_model_layout, check_sample_layout, parallelize_model
 from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
-from ..utils.distributed import Layout, broadcast_object, get_rank
+from ..utils.distributed import Layout, broadcast_object
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
@@ -37,7 +37,7 @@ from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, sto
 from . import hooks
 from .amp import build_loss_scaler
 from .profiler import ProfilerHook
-from .run_folder import existing_run_refusal
+from .run_folder import check_output_dir_writable, refuse_existing_run
 from .trainer import Trainer
 from .wandb_writer import build_wandb_writer
 
@@ -104,26 +104,9 @@ class DefaultTrainer:
             check_model_unchanged(resume_path, cfg.model.get("cfg"), cfg.train.get("resume_model_changes") or ())
         return resume_path
 
-    @staticmethod
-    def refuse_existing_run(output_dir: str) -> None:
-        """Refuse a new training in a directory that holds a run (its checkpoints, or config.yaml and
-        metrics.json): it would start at iteration 0 and replace them. Rank 0 reads, every rank gets its verdict."""
-        refusal = existing_run_refusal(output_dir) if get_rank() == 0 else None
-        refusal = broadcast_object(refusal)
-        if refusal:
-            raise UsageError(refusal)
-
-    @staticmethod
-    def precheck_output_dir(output_dir: str) -> None:
-        """Refuse an output directory that cannot be created or written, before anything is written anywhere."""
-        if not output_dir or not str(output_dir).strip():
-            raise UsageError("train.output_dir is empty; set it to the directory for this run's checkpoints and logs")
-        path = os.path.abspath(output_dir)
-        while not os.path.exists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)
-        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-            what = "is a file" if os.path.exists(path) and not os.path.isdir(path) else "is not writable"
-            raise UsageError(f"train.output_dir={output_dir} is not writable ({path} {what}); choose another directory")
+    # The output folder's checks (run_folder): static, so tools and tests call them without a trainer.
+    refuse_existing_run = staticmethod(refuse_existing_run)
+    precheck_output_dir = staticmethod(check_output_dir_writable)
 
     def check_layout(self, cfg, model: torch.nn.Module) -> None:
         """Refuse, before any work, parallel settings the model (built on ``meta``) or the world cannot take."""
@@ -158,25 +141,8 @@ class DefaultTrainer:
             logger.info(startup_estimate(self.spec, self.layout.device.type, dataset[0]))
 
     def check_sample_splits(self, dataset) -> None:
-        """Under sequence parallelism every sequence of a sample must split evenly over the tp ranks; under context
-        parallelism cut into 2 x cp equal chunks (and, with sequence parallelism, each rank's part split evenly)."""
-        from ..parallel.context_parallel import check_context_parallel_chunks
-        from ..parallel.tensor_parallel import check_sequence_parallel_split
-
-        tp, cp, sp = self.layout.tensor_parallel_size, self.layout.context_parallel_size, self.layout.sequence_parallel
-        if not (sp and tp > 1) and cp == 1:
-            return
-        sequences = [(name, value.shape[0]) for name, value in dataset[0].items()
-                     if len(getattr(value, "shape", ())) == 1]
-        if sp and tp > 1:
-            for name, length in sequences:
-                check_sequence_parallel_split(length, tp, f"the samples' {name}")
-        if cp > 1:
-            for name, length in sequences:
-                check_context_parallel_chunks(length, cp, f"the samples' {name}")
-                if sp:
-                    check_sequence_parallel_split(length // cp, tp,
-                                                  f"each context-parallel rank's part of the samples' {name}")
+        """Refuse samples the sequence- or context-parallel split cannot cut (``check_sample_layout``)."""
+        check_sample_layout(dataset[0], self.layout)
 
     # ------------------------------------------------------------ building
     def build_meta_model(self, cfg) -> torch.nn.Module:
@@ -394,7 +360,7 @@ class DefaultTrainer:
         if self.layout.rank == 0:
             # Before anything is written there: a second run in the directory is refused untouched.
             try:
-                os.makedirs(self.output_dir, exist_ok=True)  # writable: precheck_output_dir said so
+                os.makedirs(self.output_dir, exist_ok=True)  # writable: check_output_dir_writable said so
                 OutputDirLock(self.output_dir).acquire()
             except UsageError as e:
                 refused = str(e)

@@ -18,12 +18,12 @@ from ..utils.errors import UsageError
 from . import pipeline_split as ps
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import CompileOptions, apply_compile
-from .context_parallel import apply_context_parallel, check_context_parallel
+from .context_parallel import apply_context_parallel, check_context_parallel, check_context_parallel_chunks
 from .data_parallel import apply_data_parallel, check_zero1
 from .expert_parallel import apply_expert_parallel, build_expert_mesh, check_moe_layout
 from .float8 import Float8Options, apply_float8
 from .pipeline import PipelineStepper, check_schedule
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, check_sequence_parallel_split
 
 logger = logging.getLogger("libai_lite")
 
@@ -57,6 +57,24 @@ def model_moe_config(model: nn.Module) -> MoEConfig | None:
     """The MoE settings the model's MoE layers were built with (None for a dense model)."""
     layers = moe_layers(model)
     return layers[0].moe_config if layers else None
+
+
+def check_sample_layout(sample: dict, layout: Layout) -> None:
+    """Under sequence parallelism every sequence of ``sample`` must split evenly over the tp ranks; under context
+    parallelism cut into 2 x cp equal chunks (and, with sequence parallelism, each rank's part split evenly)."""
+    tp, cp, sp = layout.tensor_parallel_size, layout.context_parallel_size, layout.sequence_parallel
+    if not (sp and tp > 1) and cp == 1:
+        return
+    sequences = [(name, value.shape[0]) for name, value in sample.items() if len(getattr(value, "shape", ())) == 1]
+    if sp and tp > 1:
+        for name, length in sequences:
+            check_sequence_parallel_split(length, tp, f"the samples' {name}")
+    if cp > 1:
+        for name, length in sequences:
+            check_context_parallel_chunks(length, cp, f"the samples' {name}")
+            if sp:
+                check_sequence_parallel_split(length // cp, tp,
+                                              f"each context-parallel rank's part of the samples' {name}")
 
 
 def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) -> None:
