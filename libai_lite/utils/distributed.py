@@ -271,8 +271,8 @@ def describe_out_of_memory(exc: BaseException) -> str | None:
     where = _ACTIVITY["what"] + (f" at iteration {it}" if it is not None else "")
     return (f"out of {'host' if cpu else 'device'} memory during {where} (asking for {size}): lower "
             f"train.train_micro_batch_size or the sequence length, or turn on activation checkpointing or ZeRO "
-            f"(tools/estimate_memory.py CONFIG estimates the peak of a setting), then run again (--resume continues "
-            f"from a checkpoint if one was saved)")
+            f"(tools/estimate_memory.py CONFIG estimates the peak of a setting), then run it again with --resume "
+            f"(from the last checkpoint, or from the start where none was saved)")
 
 
 def _missing_ranks() -> list[int] | None:

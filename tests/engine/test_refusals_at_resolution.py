@@ -444,4 +444,5 @@ def test_an_allocation_that_fails_is_one_line_naming_the_step_and_what_to_lower(
     assert err == [f"error: out of {where} memory during forward/backward (gradient reduction) at iteration 0 "
                    f"(asking for {size}): lower train.train_micro_batch_size or the sequence length, or turn on "
                    f"activation checkpointing or ZeRO (tools/estimate_memory.py CONFIG estimates the peak of a "
-                   f"setting), then run again (--resume continues from a checkpoint if one was saved)"], err
+                   f"setting), then run it again with --resume (from the last checkpoint, or from the start where "
+                   f"none was saved)"], err
