@@ -244,13 +244,21 @@ def describe_worker_death(exc: BaseException) -> str | None:
     """torch's report of a DataLoader worker that died (a kill, the out-of-memory killer, a crash in native
     code) as one line naming where the run was; None for any other error. torch raises it from its SIGCHLD
     handler, so it can leave from any point of a step."""
-    while exc is not None and not (isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker")):
+    what = None
+    while exc is not None and what is None:
+        if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
+            what = " ".join(str(exc).split()).rstrip(". ")
+        elif isinstance(exc, (ConnectionError, EOFError)) and any(
+                f"{os.sep}torch{os.sep}{part}" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)
+                for part in ("multiprocessing", os.path.join("utils", "data"))):
+            # The batch a dead worker was handing over: its socket closes before torch's SIGCHLD check runs.
+            what = f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {exc})"
         exc = exc.__cause__ or exc.__context__
-    if exc is None:
+    if what is None:
         return None
     it = _ACTIVITY["iteration"]
     where = _ACTIVITY["what"] + (f" at iteration {it}" if it is not None else "")
-    return (f"{' '.join(str(exc).split()).rstrip('. ')} during {where}: a kill or the kernel's out-of-memory killer "
+    return (f"{what} during {where}: a kill or the kernel's out-of-memory killer "
             f"ends workers so (dmesg says which); free host memory or lower dataloader.train.num_workers, then "
             f"--resume from the last checkpoint")
 

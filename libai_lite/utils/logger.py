@@ -14,6 +14,14 @@ _FORMAT = logging.Formatter("[%(asctime)s %(name)s]: %(message)s", datefmt="%m/%
 _buffer: logging.handlers.MemoryHandler | None = None
 
 
+def _reraise_signal_errors() -> None:
+    """Raise again an error a signal handler raised inside a handler's write: torch's SIGCHLD handler reports a
+    dead DataLoader worker wherever the process is, and that is the run's error, not a failed log line."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
+        raise exc
+
+
 class _Console(logging.StreamHandler):
     """A console that writes to whatever sys.stdout is at each record: a stream captured or replaced
     since setup (a redirect, a test's capture, later closed) never turns records into 'Logging error'."""
@@ -28,6 +36,10 @@ class _Console(logging.StreamHandler):
     @stream.setter
     def stream(self, value):
         pass
+
+    def handleError(self, record):
+        _reraise_signal_errors()
+        super().handleError(record)
 
 
 def setup_logger(rank: int = 0) -> logging.Logger:
@@ -61,6 +73,7 @@ class _LogFile(logging.FileHandler):
             super().emit(record)
 
     def handleError(self, record):
+        _reraise_signal_errors()
         exc = sys.exc_info()[1]
         if not isinstance(exc, OSError):
             return super().handleError(record)

@@ -446,3 +446,26 @@ def test_an_allocation_that_fails_is_one_line_naming_the_step_and_what_to_lower(
                    f"activation checkpointing or ZeRO (tools/estimate_memory.py CONFIG estimates the peak of a "
                    f"setting), then run it again with --resume (from the last checkpoint, or from the start where "
                    f"none was saved)"], err
+
+
+def test_a_worker_connection_reset_in_torchs_data_path_is_a_dead_worker_not_a_collective_timeout(capsys,
+                                                                                              monkeypatch):
+    """Under load the batch a killed worker was handing over broke first (ConnectionResetError in torch's
+    multiprocessing reductions), which read as 'connection reset by peer': a collective timeout on a 1-rank run."""
+    from libai_lite.engine.launch import report_cli_error
+    from libai_lite.utils.distributed import set_activity
+
+    monkeypatch.setenv("RANK", "0")
+    where = os.path.join(os.sep, "venv", "torch", "multiprocessing", "reductions.py")
+    set_activity("data loading", 2)
+    try:
+        exec(compile("raise ConnectionResetError(104, 'Connection reset by peer')", where, "exec"))
+    except ConnectionResetError as e:
+        assert report_cli_error(e) == 1
+    finally:
+        set_activity("setup")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: a DataLoader worker died while handing over a batch (ConnectionResetError: [Errno 104] "
+                   "Connection reset by peer) during data loading at iteration 2: a kill or the kernel's "
+                   "out-of-memory killer ends workers so (dmesg says which); free host memory or lower "
+                   "dataloader.train.num_workers, then --resume from the last checkpoint"], err
