@@ -26,7 +26,11 @@ def prepare(flags: str, world_size: int = 1):
     """(config text, no-effect notes, differences from fairseq) for the fairseq-train command line ``flags``."""
     run = translate_fairseq_args(flags, world_size)
     prefix = prepare_split(run.data, "train")
-    return render_config(run, flags, prefix), run.no_effect, run.differs
+    differs = list(run.differs)
+    if os.path.isfile(os.path.join(run.data, "valid.idx")):
+        differs.append(f"{run.data}/valid is not evaluated during training here (fairseq validates on it every "
+                       f"epoch): tools/evaluate.py evaluates a checkpoint")
+    return render_config(run, flags, prefix), run.no_effect, differs
 
 
 def notes_lines(notes, differs) -> list:

@@ -257,6 +257,8 @@ def _model(run: FairseqRun, read: Reader) -> None:
     positions = raw.get("max_target_positions", seq)
     if seq and positions < seq:
         problems.add("--max-target-positions", f"{positions} is under --tokens-per-sample {seq}")
+    elif seq and positions > seq:
+        run.no_effect.append(f"--max-target-positions (the position table is --tokens-per-sample {seq} long here)")
     if not read.one("--share-decoder-input-output-embed"):
         problems.add("--share-decoder-input-output-embed", "missing: " + _UNTIED_REASON)
     dropout = raw.get("dropout", dropout)
@@ -273,7 +275,8 @@ def _model(run: FairseqRun, read: Reader) -> None:
     if not read.one("--no-scale-embedding"):
         run.differs.append("token embeddings are not scaled by sqrt(--decoder-embed-dim) here, as fairseq does "
                            "(--no-scale-embedding matches)")
-    run.differs.append("weights start from GPT-2's normal(0, 0.02) here, fairseq's Xavier-uniform")
+    run.differs.append("weights start from GPT-2's normal(0, 0.02) here, fairseq's Xavier-uniform linear layers "
+                       "and normal(0, dim^-1/2) embeddings")
 
 
 _UNTIED_REASON = ("projects/GPT ties the output layer to the input embedding, fairseq's transformer_lm leaves "

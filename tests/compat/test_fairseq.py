@@ -5,6 +5,7 @@ schedulers written out from their definitions (fairseq/optim/lr_scheduler/*.py),
 ``num_updates``, the updates done before the step.
 """
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,16 @@ def test_what_is_not_taken_is_refused_in_one_line_and_nothing_is_written(tmp_pat
         translate_fairseq_args(user_line(data, out).replace("--share-decoder-input-output-embed ", ""))
     with pytest.raises(UsageError, match=r"--adam-betas \('0.9' is not a \(beta1, beta2\) pair"):
         translate_fairseq_args(user_line(data, out).replace('"(0.9,0.98)"', "0.9"))
+
+
+def test_from_fairseq_prints_the_config_and_compat_fairseq_stands_alone(tmp_path):
+    data = _data_bin(tmp_path)
+    (data / "valid.idx").write_bytes((data / "train.idx").read_bytes())
+    r = python_tool([sys.executable, "tools/from_fairseq.py", *shlex.split(user_line(data, tmp_path / "ck", arch=TINY))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train.scheduler = LazyCall(FairseqLR)(kind='polynomial_decay'" in r.stdout
+    assert "tokenization.tokenizer = LazyCall(FairseqDictionary)" in r.stdout
+    differs = [line for line in r.stderr.splitlines() if line.startswith("differs from fairseq: ")]
+    assert len(differs) == 1 and "valid is not evaluated during training here" in differs[0]
+    code = "import sys, compat.fairseq; sys.exit('compat.megatron' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env()).returncode == 0
