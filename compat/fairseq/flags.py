@@ -91,7 +91,8 @@ NO_EFFECT: Dict[str, str] = {
     "--memory-efficient-bf16": "bf16 autocast with fp32 master weights here",
     "--no-seed-provided": "--seed (1 by default) seeds the run", "--fix-batches-to-gpus": "batches are sharded by rank",
     "--use-old-adam": "one AdamW here", "--checkpoint-suffix": "checkpoints are named by iteration here",
-    "--all-gather-list-size": "no list gathers here", "--empty-cache-freq": "PyTorch's caching allocator keeps its blocks",
+    "--all-gather-list-size": "no list gathers here",
+    "--empty-cache-freq": "PyTorch's caching allocator keeps its blocks",
     "--wandb-project": "Weights & Biases: write train.wandb.* overrides",
 }
 REFUSED: Dict[str, str] = {
@@ -121,7 +122,8 @@ RULES = ("--task", "--arch", "-a", "--criterion", "--optimizer", "--lr", "--adam
          "--keep-interval-updates", "--checkpoint-activations", "--no-save")
 KNOWN = sorted(set(DIRECT) | set(ARCH) | set(ARCH_SWITCHES) | set(NO_EFFECT) | set(REFUSED) | set(RULES))
 SWITCHES = set(ARCH_SWITCHES) | {"--fp16", "--bf16", "--checkpoint-activations", "--no-save", "--cpu",
-                                 "--no-progress-bar", "--fp16-no-flatten-grads", "--skip-invalid-size-inputs-valid-test",
+                                 "--no-progress-bar", "--fp16-no-flatten-grads",
+                                 "--skip-invalid-size-inputs-valid-test",
                                  "--disable-validation", "--maximize-best-checkpoint-metric", "--no-epoch-checkpoints",
                                  "--no-last-checkpoints", "--memory-efficient-fp16", "--memory-efficient-bf16",
                                  "--fp16-adam-stats", "--no-seed-provided", "--fix-batches-to-gpus", "--use-old-adam",
@@ -203,7 +205,11 @@ class Reader:
         try:
             return convert(values[0])
         except (ValueError, SyntaxError) as e:
-            self.problems.add(name, f"{values[0]!r} is not {'a (beta1, beta2) pair' if convert is betas else ''}"
-                              f"{'one value (a value per epoch is not taken)' if 'epoch' in str(e) else ''}"
-                              f"{'a number' if convert not in (betas,) and 'epoch' not in str(e) else ''}")
+            if convert is betas:
+                what = "a (beta1, beta2) pair"
+            elif "epoch" in str(e):
+                what = "one value (a value per epoch is not taken)"
+            else:
+                what = "a number"
+            self.problems.add(name, f"{values[0]!r} is not {what}")
             return default

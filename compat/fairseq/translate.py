@@ -283,13 +283,9 @@ _UNTIED_REASON = ("projects/GPT ties the output layer to the input embedding, fa
                   "them untied by default: add --share-decoder-input-output-embed")
 
 
-def _render(value: Any) -> str:
-    return repr(value)
-
-
 def render_config(run: FairseqRun, flags: str, data_prefix: str) -> str:
     """A config file that runs ``run`` on ``data_prefix`` (the data-bin's train split, prepared) with projects/GPT."""
-    body = [f"{key} = {_render(value)}" for key, value in run.assignments.items()]
+    body = [f"{key} = {value!r}" for key, value in run.assignments.items()]
     body.append(f"dataloader.train.data_prefix = {data_prefix!r}")
     body.append(f"tokenization.tokenizer = LazyCall(FairseqDictionary)(dict_file={run.data + '/dict.txt'!r})")
     args = ", ".join(f"{k}={v!r}" for k, v in run.scheduler.items())

@@ -94,6 +94,12 @@ def user_line(data, save, **size) -> str:
             f"{s['batch']} --update-freq 1 --save-dir {save} --log-interval 1 {s['arch']}")
 
 
+def train_net(flags: str, tmp_path):
+    return python_tool([sys.executable, "tools/train_net.py", "--fairseq-args", flags, "dataloader.train.num_workers=0",
+                        "train.log_memory_estimate=False", f"dataloader.train.cache_dir={tmp_path / 'cache'}"],
+                       timeout=600)
+
+
 TINY = "--decoder-layers 2 --decoder-embed-dim 64 --decoder-ffn-embed-dim 128 --decoder-attention-heads 2"
 
 
@@ -106,14 +112,15 @@ def _data_bin(tmp_path) -> Path:
 def test_user_line_shrunk_trains_on_the_data_bin_with_what_it_asks(tmp_path):
     data, out = _data_bin(tmp_path), tmp_path / "checkpoints"
     flags = user_line(data, out, seq=32, batch=4, arch=TINY)
-    r = python_tool([sys.executable, "tools/train_net.py", "--fairseq-args", flags, "dataloader.train.num_workers=0",
-                     "train.log_memory_estimate=False", f"dataloader.train.cache_dir={tmp_path / 'cache'}"], timeout=600)
+    r = train_net(flags, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = OmegaConf.load(out / "config.yaml")
     assert cfg.optim.lr == 1e-4 and list(cfg.optim.betas) == [0.9, 0.98] and cfg.optim.weight_decay == 0.01
     assert cfg.optim.params.weight_decay_bias == 0.01 and cfg.optim.params.clip_grad_max_norm is None
-    assert cfg.train.train_iter == 10 and cfg.train.train_micro_batch_size == 4 and cfg.train.global_batch_size == 4
-    assert cfg.model.cfg.max_seq_length == 32 and cfg.model.cfg.hidden_layers == 2 and cfg.model.cfg.activation == "relu"
+    assert cfg.train.train_iter == 10 and cfg.train.train_micro_batch_size == 4
+    assert cfg.train.global_batch_size == 4  # --batch-size x one rank x --update-freq
+    assert cfg.model.cfg.max_seq_length == 32 and cfg.model.cfg.hidden_layers == 2
+    assert cfg.model.cfg.activation == "relu"  # transformer_lm's
     assert cfg.train.zero_optimization.enabled and cfg.train.zero_optimization.stage == 3
     assert cfg.train.amp.enabled and cfg.train.amp.dtype == "fp16" and cfg.train.amp.initial_scale == 128
     sched = cfg.train.scheduler
@@ -135,9 +142,8 @@ def test_user_line_shrunk_trains_on_the_data_bin_with_what_it_asks(tmp_path):
 def test_inverse_sqrt_line_steps_at_fairseqs_lr(tmp_path):
     data, out = _data_bin(tmp_path), tmp_path / "ckpt"
     flags = user_line(data, out, seq=32, batch=2, updates=8, warmup=3, sched="inverse_sqrt", precision="",
-                      ddp="c10d", arch=TINY + " --warmup-init-lr 1e-07") .replace("--total-num-update 10 ", "")
-    r = python_tool([sys.executable, "tools/train_net.py", "--fairseq-args", flags, "dataloader.train.num_workers=0",
-                     "train.log_memory_estimate=False", f"dataloader.train.cache_dir={tmp_path / 'cache'}"], timeout=600)
+                      ddp="c10d", arch=TINY + " --warmup-init-lr 1e-07").replace("--total-num-update 10 ", "")
+    r = train_net(flags, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--ddp-backend c10d (data parallelism is PyTorch's DDP here)" in (out / "log.txt").read_text()
     cfg = OmegaConf.load(out / "config.yaml")
@@ -183,7 +189,8 @@ def test_what_is_not_taken_is_refused_in_one_line_and_nothing_is_written(tmp_pat
 def test_from_fairseq_prints_the_config_and_compat_fairseq_stands_alone(tmp_path):
     data = _data_bin(tmp_path)
     (data / "valid.idx").write_bytes((data / "train.idx").read_bytes())
-    r = python_tool([sys.executable, "tools/from_fairseq.py", *shlex.split(user_line(data, tmp_path / "ck", arch=TINY))])
+    line = shlex.split(user_line(data, tmp_path / "ck", arch=TINY))
+    r = python_tool([sys.executable, "tools/from_fairseq.py", *line])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train.scheduler = LazyCall(FairseqLR)(kind='polynomial_decay'" in r.stdout
     assert "tokenization.tokenizer = LazyCall(FairseqDictionary)" in r.stdout
