@@ -8,7 +8,8 @@
 
 Or run it directly: ``python tools/train_net.py --fairseq-args "<the same>" [overrides]``. The model is
 projects/GPT; the data-bin is trained on with its dict.txt ids unchanged (compat/fairseq/data.py writes the
-index this project reads under DATA/libai_lite/). Flags with no effect here, and what differs from fairseq,
+index this project reads under DATA/libai_lite/); as fairseq-train, a run resumes from --save-dir's last
+checkpoint when it holds one (train_net's --resume). Flags with no effect here, and what differs from fairseq,
 are named on stderr; every flag not taken is refused in one error line, each with its reason.
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             f.write(text)
     else:
         print(f"# {config}\n{text}")
-    print(f"# run it (your GPU count processes):\nbash tools/train.sh tools/train_net.py {config} NPROC")
+    print(f"# run it (your GPU count processes):\nbash tools/train.sh tools/train_net.py {config} NPROC --resume")
     return 0
 
 

@@ -65,7 +65,8 @@ def _fairseq_argv(argv: list):
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    return argv[:i] + ["--config-file", path] + argv[i + 2:], notes
+    # fairseq-train resumes from --save-dir's last checkpoint when it holds one (--restore-file's default).
+    return argv[:i] + ["--config-file", path, "--resume"] + argv[i + 2:], notes
 
 
 def _deepspeed_argv(argv: list):

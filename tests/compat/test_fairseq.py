@@ -151,6 +151,12 @@ def test_inverse_sqrt_line_steps_at_fairseqs_lr(tmp_path):
     lrs = losses(out, "lr")
     for k in range(1, 9):
         assert lrs[k] == pytest.approx(inverse_sqrt(k - 1, 1e-4, 3, 1e-7), rel=1e-6), k
+    # As fairseq-train, the same line with a later --max-update goes on from --save-dir's last checkpoint.
+    r = train_net(flags.replace("--max-update 8", "--max-update 10"), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Resum" in (out / "log.txt").read_text() and sorted(losses(out)) == list(range(1, 11))
+    lrs = losses(out, "lr")
+    assert [lrs[k] for k in (9, 10)] == pytest.approx([inverse_sqrt(k - 1, 1e-4, 3, 1e-7) for k in (9, 10)])
 
 
 def test_user_line_on_two_ranks_shards_with_zero3(tmp_path):
