@@ -72,19 +72,18 @@ def converted_prefix(data_dir: str, split: str = "train") -> str:
 
 
 def check_data_bin(data_dir: str, split: str = "train") -> Optional[str]:
-    """Why ``data_dir`` is no fairseq data-bin with ``split`` (None when it is one)."""
+    """Why ``data_dir`` is no fairseq data-bin with ``split``, as words that follow its name (None when it is one)."""
     if not os.path.isdir(data_dir):
-        return f"{data_dir} is not a directory: pass fairseq-preprocess's --destdir"
+        return "is not a directory: pass fairseq-preprocess's --destdir"
     if not os.path.isfile(os.path.join(data_dir, "dict.txt")):
-        return f"{data_dir} has no dict.txt: pass fairseq-preprocess's --destdir"
+        return "has no dict.txt: pass fairseq-preprocess's --destdir"
     for ext in (".bin", ".idx"):
         if not os.path.isfile(os.path.join(data_dir, split + ext)):
-            return (f"{data_dir} has no {split}{ext}: fairseq-preprocess --trainpref writes it (--dataset-impl "
-                    f"mmap, its default)")
+            return f"has no {split}{ext}: fairseq-preprocess --trainpref writes it (--dataset-impl mmap, its default)"
     with open(os.path.join(data_dir, split + ".idx"), "rb") as f:
         magic = f.read(9)
     if magic != _FAIRSEQ_MAGIC:
-        return (f"{data_dir}/{split}.idx is not fairseq's mmap index (the legacy cached/lazy one?): re-binarize "
+        return (f"has a {split}.idx that is not fairseq's mmap index (the legacy cached/lazy one?): re-binarize "
                 f"with fairseq-preprocess --dataset-impl mmap")
     return None
 
@@ -126,7 +125,7 @@ def prepare_split(data_dir: str, split: str = "train") -> str:
     under ``data_dir/libai_lite`` once, the ``.bin`` linked, not copied); its prefix."""
     problem = check_data_bin(data_dir, split)
     if problem:
-        raise UsageError(problem)
+        raise UsageError(f"fairseq data-bin {data_dir} {problem}")
     source = os.path.join(data_dir, split)
     prefix = converted_prefix(data_dir, split)
     try:

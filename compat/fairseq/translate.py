@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from libai_lite.utils.errors import UsageError
 
+from .data import check_data_bin
 from .flags import ARCH, DIRECT, NO_EFFECT, REFUSED, Problems, Reader, _int, _num, _one_of_list, betas, parse
 from .schedule import SCHEDULES
 
@@ -76,8 +77,14 @@ def translate_fairseq_args(text: str, world_size: int = 1) -> FairseqRun:
     if len(positional) != 1:
         problems.add(" ".join(positional) or "DATA", "fairseq-train takes one data directory (fairseq-preprocess's "
                      "--destdir) before the flags" if positional else "missing: the data-bin directory")
+    elif ":" in positional[0]:
+        problems.add(positional[0], "fairseq's data shards (DIR1:DIR2, one an epoch) are not read here: train on one "
+                     "data-bin (fairseq-preprocess the shards into one --destdir)")
     else:
         run.data = positional[0]
+        problem = check_data_bin(run.data)
+        if problem:
+            problems.add(f"data-bin {run.data}", problem)
     _task(run, read)
     _optimizer(run, read)
     _schedule(run, read)

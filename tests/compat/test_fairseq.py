@@ -5,6 +5,7 @@ schedulers written out from their definitions (fairseq/optim/lr_scheduler/*.py),
 ``num_updates``, the updates done before the step.
 """
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -188,6 +189,11 @@ def test_what_is_not_taken_is_refused_in_one_line_and_nothing_is_written(tmp_pat
     # Untied embeddings are refused with the flag that ties them, and the nearest architecture is named.
     with pytest.raises(UsageError, match=r"--share-decoder-input-output-embed \(missing: projects/GPT ties"):
         translate_fairseq_args(user_line(data, out).replace("--share-decoder-input-output-embed ", ""))
+    with pytest.raises(UsageError, match=r"2 problems.*missing \(has no dict.txt: pass fairseq-preprocess's --destdir\); "
+                                         r"--arch transformer_lm_gpt3 \(not built here.*nearest: transformer_lm_gpt"):
+        os.makedirs(tmp_path / "missing")
+        translate_fairseq_args(user_line(tmp_path / "missing", out).replace("--arch transformer_lm ",
+                                                                             "--arch transformer_lm_gpt3 "))
     with pytest.raises(UsageError, match=r"--adam-betas \('0.9' is not a \(beta1, beta2\) pair"):
         translate_fairseq_args(user_line(data, out).replace('"(0.9,0.98)"', "0.9"))
 
