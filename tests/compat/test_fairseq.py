@@ -190,7 +190,8 @@ def test_what_is_not_taken_is_refused_in_one_line_and_nothing_is_written(tmp_pat
     with pytest.raises(UsageError, match=r"--share-decoder-input-output-embed \(missing: projects/GPT ties"):
         translate_fairseq_args(user_line(data, out).replace("--share-decoder-input-output-embed ", ""))
     with pytest.raises(UsageError, match=r"2 problems.*missing \(has no dict.txt: pass fairseq-preprocess's "
-                                         r"--destdir\); --arch transformer_lm_gpt3 \(not built here.*nearest: transformer_lm_gpt"):
+                                         r"--destdir\); --arch transformer_lm_gpt3 \(not built here.*"
+                                         r"nearest: transformer_lm_gpt"):
         os.makedirs(tmp_path / "missing")
         translate_fairseq_args(user_line(tmp_path / "missing", out).replace("--arch transformer_lm ",
                                                                              "--arch transformer_lm_gpt3 "))
