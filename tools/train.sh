@@ -3,19 +3,21 @@
 #   bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 [key=value ...]
 # or with a Megatron-LM pretrain_gpt.py command line in place of CONFIG (each rank translates it):
 #   bash tools/train.sh tools/train_net.py --megatron-args "--num-layers 24 ..." 8 [key=value ...]
+# or a fairseq-train command line:  bash tools/train.sh tools/train_net.py --fairseq-args "data-bin --arch ..." 8
 # A DeepSpeed ds_config.json goes after NPROC: ... CONFIG 8 --deepspeed_config ds_config.json [key=value ...]
 # Several machines: NODE (nodes), NODE_RANK (this node), ADDR and PORT (node 0's address); the nodes meet
 # there before torchrun starts, each saying whom it waits for, and give up after RDZV_TIMEOUT seconds (900).
 # MAX_RESTARTS=n lets torchrun restart failed workers; a restarted job resumes from its last checkpoint.
 set -euo pipefail
-if [ $# -lt 3 ] || { [ "$2" = "--megatron-args" ] && [ $# -lt 4 ]; }; then
+if [ $# -lt 3 ] || { { [ "$2" = "--megatron-args" ] || [ "$2" = "--fairseq-args" ]; } && [ $# -lt 4 ]; }; then
   echo "usage: bash tools/train.sh FILE CONFIG NPROC [key=value ...]" >&2
   echo "       bash tools/train.sh FILE --megatron-args \"FLAGS\" NPROC [key=value ...]" >&2
+  echo "       bash tools/train.sh FILE --fairseq-args \"DATA FLAGS\" NPROC [key=value ...]" >&2
   exit 2
 fi
 FILE=$1
-if [ "$2" = "--megatron-args" ]; then
-  CONFIG_ARGS=(--megatron-args "$3")
+if [ "$2" = "--megatron-args" ] || [ "$2" = "--fairseq-args" ]; then
+  CONFIG_ARGS=("$2" "$3")
   NPROC=$4
   shift 4
 else

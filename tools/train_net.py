@@ -4,6 +4,7 @@
     bash tools/train.sh tools/train_net.py projects/GPT/configs/gpt2_pretrain.py 1 train.train_iter=100
     python tools/train_net.py --config-file projects/GPT/configs/gpt2_pretrain.py train.train_iter=100
     python tools/train_net.py --megatron-args "--num-layers 24 --hidden-size 1024 ..." [overrides]
+    python tools/train_net.py --fairseq-args "data-bin --task language_modeling --arch transformer_lm ..." [overrides]
     python tools/train_net.py --config-file CONFIG --deepspeed --deepspeed_config ds_config.json [overrides]
 
 ``--megatron-args`` takes a Megatron-LM pretrain_gpt.py command line (tools/from_megatron.py prints the
@@ -47,6 +48,27 @@ def _megatron_argv(argv: list) -> list:
     return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:]
 
 
+def _fairseq_argv(argv: list):
+    """(``argv`` with ``--fairseq-args LINE`` replaced by the config file it amounts to, its start-up notes)."""
+    import importlib.util
+    from pathlib import Path
+
+    i = argv.index("--fairseq-args")
+    if i + 1 >= len(argv):
+        raise SystemExit("error: --fairseq-args needs the fairseq-train command line as one quoted argument")
+    spec = importlib.util.spec_from_file_location("from_fairseq", Path(__file__).with_name("from_fairseq.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    try:
+        path, notes = tool.write_config(argv[i + 1])
+    except tool.UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    # fairseq-train resumes from --save-dir's last checkpoint when it holds one (--restore-file's default).
+    return argv[:i] + ["--config-file", path, "--resume"] + argv[i + 2:], notes
+
+
 def _deepspeed_argv(argv: list):
     """(``argv`` with ``--deepspeed_config FILE`` as overrides ahead of the user's, its no-effect notes)."""
     argv = [a for a in argv if a != "--deepspeed"]  # DeepSpeed's switch: the file says what to do
@@ -79,11 +101,15 @@ def _deepspeed_argv(argv: list):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = None
+    config, fairseq_notes = None, []
     if "--megatron-args" in argv:
         argv = _megatron_argv(argv)
         config = argv[argv.index("--config-file") + 1]
+    elif "--fairseq-args" in argv:
+        argv, fairseq_notes = _fairseq_argv(argv)
+        config = argv[argv.index("--config-file") + 1]
     argv, notes = _deepspeed_argv(argv)
+    notes = fairseq_notes + notes
     try:
         args = default_argument_parser().parse_args(argv)
         return launch(args, notes=notes)

@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..utils.errors import UsageError
 
-_DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant")
+_DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant", "inverse_sqrt")
 
 
 def _iterations(value: float) -> float:
@@ -24,6 +24,8 @@ class WarmupDecayLR(LRScheduler):
     """lr = base_lr * factor(it): warmup over `warmup_iter`, then `decay` down to `min_lr_ratio`.
 
     The decay ends at `decay_end_iter` (None: `max_iter`) and the lr stays at the floor after it.
+    ``inverse_sqrt`` decays as ``sqrt(warmup_iter / it)`` from the end of the warmup (it has no end and no
+    floor), as fairseq's and the original Transformer's schedule.
     A param group with a `min_lr` (optim.params.decoupled_min_lr) has its own floor, `min_lr / its lr`,
     on the same shape.
     `warmup_iter` and `decay_end_iter` may be fractional, since Megatron-LM counts its schedule in samples.
@@ -36,7 +38,10 @@ class WarmupDecayLR(LRScheduler):
             raise UsageError(f"unknown lr decay {decay!r}; choose one of {', '.join(_DECAYS)}")
         if warmup_method not in ("linear", "constant"):
             raise UsageError(f"unknown warmup_method {warmup_method!r}; choose 'linear' or 'constant'")
-        if decay_end_iter is not None and decay != "constant" and decay_end_iter <= warmup_iter:
+        if decay == "inverse_sqrt" and warmup_iter <= 0:
+            raise UsageError("the inverse_sqrt lr decay is sqrt(warmup / iteration): it needs a warmup of at least "
+                             "one iteration (train.warmup_ratio > 0 or the scheduler's warmup_iter)")
+        if decay_end_iter is not None and decay not in ("constant", "inverse_sqrt") and decay_end_iter <= warmup_iter:
             raise UsageError(f"the lr decay would end at iteration {decay_end_iter}, not after the warmup's "
                              f"{warmup_iter}: make the decay longer than the warmup")
         self.max_iter = int(max_iter)
@@ -68,6 +73,8 @@ class WarmupDecayLR(LRScheduler):
         floor = self.min_lr_ratio if min_lr_ratio is None else min_lr_ratio
         if self.decay == "constant":
             return 1.0
+        if self.decay == "inverse_sqrt":
+            return math.sqrt(self.warmup_iter / it) if it > 0 else 1.0
         if self.decay == "cosine":
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         if self.decay == "linear":
