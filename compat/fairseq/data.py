@@ -3,29 +3,21 @@
 fairseq-train's ``language_modeling`` task trains on the dictionary's ids (``<s> <pad> </s> <unk>``, then
 ``dict.txt``'s symbols) and its model's vocabulary is that dictionary, whatever made the symbols (words,
 BPE pieces, GPT-2 ids). Re-tokenising the text with another tokenizer would train another vocabulary on
-another token stream, so the split's ``.bin`` is read with its ids as they are: :func:`prepare_split`
-writes, under ``DATA/libai_lite/``, the Megatron index the loader reads (one document per fairseq item, each
-ending in ``</s>``) beside a link to the same ``.bin``, and the tokenizer record that ties it to
-:class:`FairseqDictionary`, so another run's tokenizer is refused on it.
+another token stream, so the split's ``.bin/.idx`` are read in place with their ids as they are (one document
+per fairseq item, each ending in ``</s>``), and nothing is written beside them.
 """
 from __future__ import annotations
 
 import os
-import struct
 from typing import Iterable, List, Optional, Tuple
 
-import numpy as np
-
-from libai_lite.data.tokenizer_record import make_record, record_bytes, record_path
 from libai_lite.tokenizer.base import BaseTokenizer, to_id_list
 from libai_lite.utils.errors import UsageError
 
-__all__ = ["FairseqDictionary", "prepare_split", "converted_prefix"]
+__all__ = ["FairseqDictionary", "prepare_split"]
 
 _SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 _FAIRSEQ_MAGIC = b"MMIDIDX\x00\x00"
-# fairseq's and Megatron's dtype codes are the same table, so the .bin is read in place.
-_WIDTH = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
 
 
 class FairseqDictionary(BaseTokenizer):
@@ -66,11 +58,6 @@ class FairseqDictionary(BaseTokenizer):
         return ((s, i) for i, s in enumerate(self.symbols))
 
 
-def converted_prefix(data_dir: str, split: str = "train") -> str:
-    """Where :func:`prepare_split` puts ``split`` of ``data_dir`` as a ``.bin/.idx`` prefix."""
-    return os.path.join(data_dir, "libai_lite", split)
-
-
 def check_data_bin(data_dir: str, split: str = "train") -> Optional[str]:
     """Why ``data_dir`` is no fairseq data-bin with ``split``, as words that follow its name (None when it is one)."""
     if not os.path.isdir(data_dir):
@@ -88,60 +75,10 @@ def check_data_bin(data_dir: str, split: str = "train") -> Optional[str]:
     return None
 
 
-def _megatron_index(idx_path: str, bin_bytes: int) -> bytes:
-    """Megatron's index for fairseq's ``idx_path``: the same sizes and pointers, one document per item."""
-    with open(idx_path, "rb") as f:
-        head = f.read(9 + 17)
-        version, code, count = struct.unpack("<QBQ", head[9:])
-        sizes = np.frombuffer(f.read(4 * count), dtype=np.int32)
-        pointers = np.frombuffer(f.read(8 * count), dtype=np.int64)
-    if version != 1 or code not in _WIDTH or len(sizes) != count or len(pointers) != count:
-        raise UsageError(f"{idx_path} is truncated or of an unknown version/dtype ({version}, {code}): re-binarize "
-                         f"it with fairseq-preprocess")
-    if int(sizes.sum(dtype=np.int64)) * _WIDTH[code] != bin_bytes:
-        raise UsageError(f"{idx_path} does not describe its .bin ({bin_bytes} bytes): re-binarize it with "
-                         f"fairseq-preprocess")
-    header = struct.pack("<9sQBQQ", _FAIRSEQ_MAGIC, 1, code, count, count + 1)
-    docs = np.arange(count + 1, dtype=np.int64)
-    return header + sizes.tobytes() + pointers.tobytes() + docs.tobytes()
-
-
-def _write_if_changed(path: str, data: bytes) -> None:
-    """Write ``data`` atomically unless ``path`` holds it: every rank prepares the same files at once."""
-    try:
-        with open(path, "rb") as f:
-            if f.read() == data:
-                return
-    except FileNotFoundError:
-        pass
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def prepare_split(data_dir: str, split: str = "train") -> str:
-    """``split`` of the data-bin ``data_dir`` as a ``.bin/.idx`` prefix this project's loader reads (written
-    under ``data_dir/libai_lite`` once, the ``.bin`` linked, not copied); its prefix."""
+    """``split`` of the data-bin ``data_dir`` as the ``.bin/.idx`` prefix this project's loader reads in place
+    (``MMapIndexedDataset`` reads fairseq's index: one document per item); nothing is written."""
     problem = check_data_bin(data_dir, split)
     if problem:
         raise UsageError(f"fairseq data-bin {data_dir} {problem}")
-    source = os.path.join(data_dir, split)
-    prefix = converted_prefix(data_dir, split)
-    try:
-        os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        index = _megatron_index(source + ".idx", os.path.getsize(source + ".bin"))
-        if not os.path.exists(prefix + ".bin"):
-            try:
-                os.link(source + ".bin", f"{prefix}.bin.tmp{os.getpid()}")
-            except OSError:  # another filesystem: a link by name
-                os.symlink(os.path.abspath(source + ".bin"), f"{prefix}.bin.tmp{os.getpid()}")
-            os.replace(f"{prefix}.bin.tmp{os.getpid()}", prefix + ".bin")
-        _write_if_changed(prefix + ".idx", index)
-        tokenizer = FairseqDictionary(os.path.join(data_dir, "dict.txt"))
-        record = make_record(tokenizer, None, True, "compat.fairseq")
-        _write_if_changed(record_path(prefix), record_bytes(record))
-    except OSError as e:
-        raise UsageError(f"cannot write the index of {source} under {os.path.dirname(prefix)} ({e.strerror}): make "
-                         f"{data_dir} writable or copy the data-bin somewhere writable") from None
-    return prefix
+    return os.path.join(data_dir, split)

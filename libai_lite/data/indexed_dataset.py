@@ -127,11 +127,13 @@ class MMapIndexedDataset:
         need = _HEADER.size + n_seq * 12 + n_doc * 8
         folder = os.path.dirname(idx_path) or "."
         if size == _HEADER.size - 8 + n_seq * 12 and os.path.isfile(os.path.join(folder, "dict.txt")):
-            # fairseq-preprocess's mmap index: Megatron's header without the document count and index.
-            raise IndexedDatasetError(
-                f"{idx_path} is a fairseq data-bin index (dict.txt beside it, no document index); convert it: "
-                f"python tools/preprocess_data.py --input {folder} --output-prefix PREFIX --tokenizer-type ... "
-                f"--append-eod (docs/migrating.md)")
+            # fairseq-preprocess's mmap index: Megatron's header without the document count and index. Each item
+            # (a line, ending in </s>) is a document, as fairseq's language_modeling task reads the stream.
+            buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
+            self.sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=_HEADER.size - 8)
+            self.pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=_HEADER.size - 8 + n_seq * 4)
+            self.doc_idx = np.arange(n_seq + 1, dtype=np.int64)
+            return
         if size != need:
             raise _count_error(idx_path, size, n_seq, n_doc, self.dtype.itemsize)
         self.sizes, self.pointers, self.doc_idx = _arrays(idx_path, n_seq, n_doc)

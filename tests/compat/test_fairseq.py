@@ -19,7 +19,7 @@ from compat.fairseq import FairseqLR, translate_fairseq_args
 from libai_lite.scheduler import WarmupDecayLR
 from libai_lite.utils.errors import UsageError
 from tests.data.test_corpus_formats import _documents, _write_fairseq_data_bin
-from tests.launch import ROOT, env, free_port, losses, one_error_line, python_tool
+from tests.launch import ROOT, env, free_port, losses, one_error_line, python_tool, tree_hashes
 
 
 def polynomial_decay(n, lr, warmup, total, end=0.0, power=1.0):
@@ -112,9 +112,11 @@ def _data_bin(tmp_path) -> Path:
 
 def test_user_line_shrunk_trains_on_the_data_bin_with_what_it_asks(tmp_path):
     data, out = _data_bin(tmp_path), tmp_path / "checkpoints"
+    before = tree_hashes(data)
     flags = user_line(data, out, seq=32, batch=4, arch=TINY)
     r = train_net(flags, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert tree_hashes(data) == before  # read in place: nothing written into the data-bin
     cfg = OmegaConf.load(out / "config.yaml")
     assert cfg.optim.lr == 1e-4 and list(cfg.optim.betas) == [0.9, 0.98] and cfg.optim.weight_decay == 0.01
     assert cfg.optim.params.weight_decay_bias == 0.01 and cfg.optim.params.clip_grad_max_norm is None

@@ -122,11 +122,14 @@ def test_fairseq_data_bin_of_words_and_of_gpt2_ids(tmp_path):
     # fairseq's GPT-2 data: dict.txt symbols are GPT-2 BPE ids.
     _write_fairseq_data_bin(tmp_path / "bpe", [[str(i) for i in tok.encode(t)] for t in _documents()])
     assert _run(tmp_path, tmp_path / "bpe", "fsb") == _reference(tmp_path, _documents())
-    # Handed to training as it is, it is named, with the command that converts it.
-    from libai_lite.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+    # Handed to training as it is, it reads in place: its dict.txt ids, one document per item (fairseq's line).
+    from libai_lite.data.indexed_dataset import MMapIndexedDataset
 
-    with pytest.raises(IndexedDatasetError, match=r"fairseq data-bin index .*tools/preprocess_data.py --input"):
-        MMapIndexedDataset(str(tmp_path / "bpe" / "train"))
+    ds = MMapIndexedDataset(str(tmp_path / "bpe" / "train"))
+    items = np.fromfile(tmp_path / "bpe" / "train.bin", dtype=np.int32)
+    assert ds.num_documents == len(_documents()) and np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]),
+                                                                     items)
+    assert all(ds.get_document(d)[-1] == 2 for d in range(ds.num_documents))  # each ends in </s>
 
 
 def _fake_input(tmp_path: Path, module: str) -> Path:
