@@ -10,7 +10,7 @@ token), capacity factor 1.25 and a load-balancing loss of weight 0.01:
 
 The log carries moe_aux_loss, moe_dropped_frac and moe_load_max (busiest expert over the mean in the worst
 layer: 1.0 is perfect balance). From iteration 100 on, moe_load_max averages at most 2.0 and no logged step
-exceeds 2.5 (bench/README.md has the run's figures).
+exceeds 2.5 (bench/results/ has the run's figures).
 """
 from .gpt2_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
 

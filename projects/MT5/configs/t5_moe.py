@@ -9,7 +9,7 @@ top-2 routing, capacity factor 1.25, load-balancing loss weight 0.01; span corru
         train.zero_optimization.enabled=True train.zero_optimization.stage=2 train.amp.enabled=True train.amp.dtype=fp16
 
 moe_load_max runs from 1.0 (balanced) to 2.0 (every token on the same two experts); averaged over
-iterations 100-300 it stays at most 1.8 (bench/README.md has the run's figures).
+iterations 100-300 it stays at most 1.8 (bench/results/ has the run's figures).
 """
 from .mt5_pretrain import dataloader, model, optim, tokenization, train  # noqa: F401
 
