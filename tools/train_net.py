@@ -22,10 +22,22 @@ die_with_launcher()
 
 from libai_lite.engine.launch import launch  # noqa: E402
 from libai_lite.config import default_argument_parser  # noqa: E402
+from libai_lite.config.arguments import EPILOG  # noqa: E402
+
+_FROM_OTHER_TOOLS = """
+Coming from another tool (docs/migrating.md: what each flag or key maps to, has no effect, or is refused):
+    $ python tools/train_net.py --megatron-args "--num-layers 24 --hidden-size 1024 ... --data-path PREFIX"
+        Megatron-LM / Megatron-DeepSpeed / OneFlow-GPT pretrain_gpt.py flags in place of --config-file
+    $ python tools/train_net.py --fairseq-args "data-bin --task language_modeling --arch transformer_lm ..."
+        a fairseq-train command line (its data-bin read in place)
+    $ python tools/train_net.py --config-file CONFIG --deepspeed_config ds_config.json [overrides]
+        a DeepSpeed config applied before the overrides (which win)
+"""
 
 
-def _megatron_argv(argv: list) -> list:
-    """``argv`` with ``--megatron-args FLAGS`` replaced by the config file those flags amount to."""
+def _megatron_argv(argv: list):
+    """(``argv`` with ``--megatron-args FLAGS`` replaced by the config file those flags amount to, its start-up
+    notes)."""
     import importlib.util
     from pathlib import Path
 
@@ -36,16 +48,15 @@ def _megatron_argv(argv: list) -> list:
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     # Every rank translates the flags itself (torchrun starts each with the same command line); rank 0 speaks.
-    speaks = os.environ.get("RANK", "0") == "0"
     try:
         path, extra, notes = tool.write_config(argv[i + 1])
     except tool.UsageError as e:
-        if speaks:
+        if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    if notes and speaks:
-        print("Megatron flags with no effect here: " + "; ".join(notes), file=sys.stderr)
-    return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:]
+    # Logged at start-up (console and log.txt), like the other translations' notes.
+    lines = ["Megatron flags with no effect here: " + "; ".join(notes)] if notes else []
+    return argv[:i] + ["--config-file", path, *extra] + argv[i + 2:], lines
 
 
 def _fairseq_argv(argv: list):
@@ -101,17 +112,17 @@ def _deepspeed_argv(argv: list):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    config, fairseq_notes = None, []
+    config, translated = None, []
     if "--megatron-args" in argv:
-        argv = _megatron_argv(argv)
+        argv, translated = _megatron_argv(argv)
         config = argv[argv.index("--config-file") + 1]
     elif "--fairseq-args" in argv:
-        argv, fairseq_notes = _fairseq_argv(argv)
+        argv, translated = _fairseq_argv(argv)
         config = argv[argv.index("--config-file") + 1]
     argv, notes = _deepspeed_argv(argv)
-    notes = fairseq_notes + notes
+    notes = translated + notes
     try:
-        args = default_argument_parser().parse_args(argv)
+        args = default_argument_parser(epilog=EPILOG + _FROM_OTHER_TOOLS).parse_args(argv)
         return launch(args, notes=notes)
     finally:
         if config is not None:  # the config was read at start-up; config.yaml in the output keeps it

@@ -4,7 +4,8 @@ from typing import Optional
 
 __all__ = ["default_argument_parser"]
 
-_EPILOG = """\
+# The examples default_argument_parser shows; a tool adds its own after them.
+EPILOG = """\
 Examples:
 
 Run on one process (CPU, or one GPU when present):
@@ -34,7 +35,7 @@ class _FlagsAnywhereParser(argparse.ArgumentParser):
 def default_argument_parser(epilog: Optional[str] = None) -> argparse.ArgumentParser:
     """Parser with ``--config-file``, ``--resume``, ``--eval-only``, ``--no-verify``, ``--fast-dev-run``, ``opts``."""
     parser = _FlagsAnywhereParser(
-        epilog=epilog if epilog is not None else _EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        epilog=epilog if epilog is not None else EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--config-file", required=True, metavar="FILE", help="path to config file (.py lazy config or saved .yaml)"

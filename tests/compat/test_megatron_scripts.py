@@ -259,9 +259,13 @@ def train_net(flags: str, *overrides):
                         "dataloader.train.num_workers=0", "train.log_memory_estimate=False", *overrides], timeout=600)
 
 
-def no_effect_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("Megatron flags with no effect here: ")]
-    assert len(lines) == 1, stderr[-3000:]
+def no_effect_line(r, out=None) -> str:
+    """The start-up line naming the flags with no effect: logged once, on the console and (``out``) in log.txt."""
+    marker = "Megatron flags with no effect here: "
+    lines = [line[line.index(marker):] for line in r.stdout.splitlines() if marker in line]
+    assert len(lines) == 1 and marker not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    if out is not None:
+        assert lines[0] in (out / "log.txt").read_text()
     return lines[0]
 
 
@@ -274,7 +278,7 @@ def test_gpt3_175b_script_shrunk_trains_with_its_decay_shorter_than_the_run(tmp_
                       data="data_test/gpt2/demo_gpt2_text_document", save_interval=100) + " --initial-loss-scale 1024"
     r = train_net(flags, f"dataloader.train.cache_dir={tmp_path / 'cache'}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "--attention-backend (" in no_effect_line(r.stderr) and "--tensorboard-dir (" in no_effect_line(r.stderr)
+    assert "--attention-backend (" in no_effect_line(r) and "--tensorboard-dir (" in no_effect_line(r, out)
     assert "Model GPTForPreTraining" in (out / "log.txt").read_text()
     lrs, loss = losses(out, "lr"), losses(out)
     assert sorted(lrs) == [1, 2, 3, 4, 5] and all(math.isfinite(v) for v in loss.values())
@@ -296,7 +300,7 @@ def test_llama3_8b_script_shrunk_trains_the_llama_project(tmp_path):
                       save=out, tb=tmp_path / "tb")
     r = train_net(flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    named = no_effect_line(r.stderr)
+    named = no_effect_line(r)
     assert all(f"{s} (" in named for s in ("--use-mcore-models", "--overlap-grad-reduce", "--manual-gc"))
     assert "Model LlamaForPreTraining" in (out / "log.txt").read_text()
     lrs, loss = losses(out, "lr"), losses(out)
@@ -331,5 +335,5 @@ def test_train_sh_carries_the_megatron_args_to_two_ranks(tmp_path):
                        cwd=ROOT, env=env(PORT=str(free_port())), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dp=2" in (out / "log.txt").read_text() and sorted(losses(out)) == [1, 2]
-    assert r.stderr.count("Megatron flags with no effect here:") == 1  # rank 0 names them
+    assert r.stdout.count("Megatron flags with no effect here:") == 1  # rank 0 names them
 

@@ -110,7 +110,9 @@ def test_oneflow_345m_line_shrunk_trains_with_the_settings_it_asks(tmp_path):
                          save_interval=100)
     r = train_net(flags, f"dataloader.train.cache_dir={tmp_path / 'cache'}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "--num-gpus-per-node (the launcher takes it" in r.stderr
+    # Logged at start-up: on the console and in log.txt.
+    assert "--num-gpus-per-node (the launcher takes it" in r.stdout
+    assert "--num-gpus-per-node (the launcher takes it" in (out / "log.txt").read_text()
     cfg = OmegaConf.load(out / "config.yaml")
     assert cfg.optim.lr == 1.5e-4 and cfg.optim._target_ == "torch.optim.AdamW"
     assert cfg.train.scheduler.min_lr_ratio == pytest.approx(1e-5 / 1.5e-4)
