@@ -232,13 +232,21 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
         raise IndexedDatasetError(f"{data_prefix}.idx holds no documents: re-run tools/preprocess_data.py")
     bounds = get_train_valid_test_split(splits_string, num_docs, split_rounding)
     shares = parse_splits_string(splits_string)
+    empty_test = False
     for i, name in enumerate(SPLIT_NAMES):
         # Before any split's index is cached: a refused split must leave nothing behind.
         if nums[i] and (i == 0 or shares[i] > 0) and bounds[i + 1] == bounds[i]:
+            share = f"{name} needs at least 1/{num_docs} of the total to hold a document"
+            if i == 2:
+                # Megatron-LM goes on without a test split here (a small corpus under '949,50,1'): so do we, saying so.
+                logger.warning(f"the test split of {data_prefix} has 0 of its {num_docs} documents (splits_string "
+                               f"{splits_string!r}): no test dataset, as in Megatron-LM ({share})")
+                empty_test = True
+                continue
             raise UsageError(
                 f"the {name} split of {data_prefix} has 0 of its {num_docs} documents (splits_string "
                 f"{splits_string!r}) but {nums[i]} {name} samples were asked for: give {name} a larger share of "
-                f"the splits string, e.g. '949,50,1', or ask for 0 {name} samples"
+                f"the splits string ({share}), or ask for 0 {name} samples"
                 + (" (when training: train.evaluation.enabled=False)" if i else ""))
     sizes = indexed.document_sizes()
     for i, name in enumerate(SPLIT_NAMES):
@@ -256,7 +264,7 @@ def _build_single_prefix(data_prefix, splits_string, nums, seq_length, seed, cac
         documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
         # A valid or test split given no share ("99,1,0") is not built, as in Megatron-LM and LiBai:
         # its evaluation is skipped (a training run that evaluates is refused that when resolved).
-        if nums[i] == 0 or (i > 0 and shares[i] == 0):
+        if nums[i] == 0 or (i > 0 and shares[i] == 0) or (i == 2 and empty_test):
             out.append(None)
         else:
             out.append(GPTDataset(name, indexed, documents, nums[i], seq_length, seed, data_prefix, cache_dir))

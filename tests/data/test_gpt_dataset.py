@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import pickle
 import subprocess
@@ -346,11 +347,19 @@ def test_split_datasets_use_contiguous_disjoint_documents(tmp_path):
     assert len(train) >= 50 and len(valid) >= 10 and len(test) >= 5
 
 
-def test_empty_split_asked_for_samples_is_a_clear_error(tmp_path):
+def test_empty_split_asked_for_samples_is_a_clear_error(tmp_path, caplog):
     prefix, _ = make_corpus(tmp_path, num_docs=20)
-    # A share too small for one of the 20 documents.
-    with pytest.raises(ValueError, match="test split .* has 0 of its 20 documents"):
-        build_gpt_train_valid_test_datasets(prefix, "89,10,1", [10, 5, 5], 8, 1)
+    # A valid share too small for one of the 20 documents.
+    with pytest.raises(ValueError, match="valid split .* has 0 of its 20 documents .*valid needs at least 1/20 of "
+                                         "the total"):
+        build_gpt_train_valid_test_datasets(prefix, "89,1,10", [10, 5, 5], 8, 1)
+    # A test share too small: Megatron-LM goes on without a test split (a small corpus under '949,50,1'), said once.
+    with caplog.at_level(logging.WARNING, logger="libai_lite"):
+        train, valid, test = build_gpt_train_valid_test_datasets(prefix, "89,10,1", [10, 5, 5], 8, 1)
+    assert test is None and train is not None and valid is not None
+    said = {r.getMessage() for r in caplog.records if "test split" in r.getMessage()}
+    assert said == {f"the test split of {prefix} has 0 of its 20 documents (splits_string '89,10,1'): no test "
+                    f"dataset, as in Megatron-LM (test needs at least 1/20 of the total to hold a document)"}, said
     # No share at all ("90,10,0"): the split is not built, as in Megatron-LM and LiBai, whatever is asked.
     for test_samples in (0, 5):
         train, valid, test = build_gpt_train_valid_test_datasets(prefix, "90,10,0", [10, 5, test_samples], 8, 1)

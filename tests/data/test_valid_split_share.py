@@ -48,5 +48,6 @@ def test_a_valid_share_too_small_for_one_document_is_refused_before_any_index_is
     line = one_error_line(r)
     assert "the valid split of data_test/gpt2/demo_gpt2_text_document has 0 of its 3189 documents (splits_string " \
            "'100000,1,0')" in line, line
-    assert "e.g. '949,50,1', or ask for 0 valid samples (when training: train.evaluation.enabled=False)" in line, line
+    assert "(valid needs at least 1/3189 of the total to hold a document), or ask for 0 valid samples (when " \
+           "training: train.evaluation.enabled=False)" in line, line
     assert tree_snapshot(tmp_path) == before and not (tmp_path / "cache").exists()
