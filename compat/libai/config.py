@@ -225,7 +225,8 @@ def translate_libai_config(cfg: Any) -> List[str]:
     warn once about the keys with none. Returns the keys named in the warning.
 
     Translated: ``train.amp.enabled=True`` (fp16 in LiBai) gets ``train.amp.dtype="fp16"`` unless a dtype is
-    set; ``train.dist.data_parallel_size`` becomes null (LiBai always derives it from the launch); ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
+    set; ``train.dist.data_parallel_size`` becomes null (LiBai always derives it from the launch), and so does
+    ``train.dist.pipeline_num_layers`` where it is the model's layer count (derived here from the model); ``train.evaluation.eval_metric`` naming a metric ``PPLEvaluator`` does not report (LiBai's default
     ``Acc@1``) becomes ``PPL``; the ``graph`` section is dropped (named in the warning); ``dataloader.train``
     gets the run's tokenizer, which LiBai's T5 dataset needs, and a dataset's copy of ``tokenization.tokenizer``
     becomes a reference to it, so an override of the tokenizer reaches the dataset.
@@ -248,6 +249,15 @@ def translate_libai_config(cfg: Any) -> List[str]:
                        f"world / (tp x pp) in LiBai whatever the file says, so null here (the launch decides)")
         with open_dict(dist):
             dist.data_parallel_size = None
+    layers = _select(cfg, "model.cfg.hidden_layers")
+    if isinstance(dist, DictConfig) and isinstance(layers, int) and dist.get("pipeline_num_layers") in (
+            layers, 2 * layers):
+        # LiBai's configs compute it from hidden_layers when loaded, so a command-line hidden_layers left it stale.
+        logger.warning(f"LiBai key translated: train.dist.pipeline_num_layers={dist.pipeline_num_layers} is the "
+                       f"model's layer count, derived from the model here (null), so an override of "
+                       f"model.cfg.hidden_layers keeps it in step")
+        with open_dict(dist):
+            dist.pipeline_num_layers = None
     ev = _select(cfg, "train.evaluation")
     if isinstance(ev, DictConfig) and "PPLEvaluator" in _target_name(ev.get("evaluator")) \
             and ev.get("eval_metric") not in (None, "PPL"):

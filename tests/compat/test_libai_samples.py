@@ -35,11 +35,11 @@ T5_ARGS = [f"dataloader.train.collate_fn.vocab_size={T5_VOCAB}", f"dataloader.tr
            "dataloader.train.collate_fn.eos_token_id=101", "dataloader.train.collate_fn.decoder_start_token_id=100",
            f"model.cfg.vocab_size={T5_VOCAB}", "model.cfg.hidden_size=32", "model.cfg.hidden_layers=1",
            "model.cfg.num_attention_heads=2", "model.cfg.head_size=16", "model.cfg.intermediate_size=64",
-           "train.dist.pipeline_num_layers=2", "train.train_micro_batch_size=8", "train.train_iter=2"]
+           "train.train_micro_batch_size=8", "train.train_iter=2"]
 LLAMA_ARGS = [f"tokenization.tokenizer.pretrained_model_path={SPM}", "model.cfg.hidden_size=32",
               "model.cfg.intermediate_size=64", "model.cfg.num_attention_heads=2", "model.cfg.hidden_layers=2",
               "model.cfg.max_position_embeddings=32", "model.cfg.pretrained_model_path=null",
-              "train.dist.pipeline_num_layers=2", "train.num_accumulation_steps=1", "train.train_micro_batch_size=8",
+              "train.num_accumulation_steps=1", "train.train_micro_batch_size=8",
               "train.train_epoch=1"]
 # Speed only: no loader workers, a line per step, no memory estimate.
 COMMON = ["+dataloader.train.num_workers=0", "train.log_period=1", "+train.log_memory_estimate=False"]
@@ -168,6 +168,9 @@ def test_what_differs_from_libai_is_said(warnings_said):
     assert "train.evaluation.enabled (dataloader.train is build_nlp_train_loader, which makes no valid split" in said
     assert "train.dist.data_parallel_size=2 is world / (tp x pp) in LiBai" in said
     assert t5.train.dist.data_parallel_size is None
+    # Computed from hidden_layers when the file loaded: a command-line hidden_layers would leave it stale.
+    assert "train.dist.pipeline_num_layers=16 is the model's layer count, derived from the model here" in said
+    assert t5.train.dist.pipeline_num_layers is None
     t5.model.cfg.update(hidden_size=32, hidden_layers=1, num_attention_heads=2, head_size=16, intermediate_size=64,
                         vocab_size=64, model_type="t5")
     assert instantiate(t5.model).mt5_model.tie_word_embeddings
