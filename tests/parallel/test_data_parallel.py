@@ -17,7 +17,7 @@ import torch
 
 from tests.workers import dp_worker
 from tests.launch import free_port, spawn_ranks, torchrun
-from tests.workers.dp_worker import CFG, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
+from tests.workers.dp_worker import CFG, DCP_MODES, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
 
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
 from libai_lite.parallel.clip_grad import clip_grad_norm_
@@ -49,10 +49,22 @@ def test_unknown_zero_stage_is_a_usage_error(stage):
         apply_data_parallel(torch.nn.Linear(2, 2), None, stage)
 
 
-@pytest.mark.parametrize("stage", [None, 0, 1])
-def test_offload_without_fsdp_is_a_usage_error(stage):
-    with pytest.raises(UsageError, match="use ZeRO stage 2 or 3"):
+@pytest.mark.parametrize("stage", [None, 0])
+def test_offload_without_zero_is_a_usage_error(stage):
+    with pytest.raises(UsageError, match=r"ZeRO is off \(stage 0\); use ZeRO stage 1 .* or 2/3"):
         apply_data_parallel(torch.nn.Linear(2, 2), None, stage, offload=True)
+
+
+def test_zero1_with_offload_is_accepted_and_keeps_the_plain_model_at_dp1():
+    """ZeRO-1 + offload (DeepSpeed's offload_optimizer) moves only the optimizer: no FSDP, the module as it was."""
+    assert validate_zero_config(1, offload=True) == 1
+    model = torch.nn.Linear(2, 2)
+
+    class _OneRankMesh:
+        def size(self):
+            return 1
+
+    assert apply_data_parallel(model, _OneRankMesh(), 1, offload=True) is model
 
 
 def test_param_dtype_without_fsdp_is_a_usage_error():
@@ -153,7 +165,8 @@ def test_no_sync_context_is_a_no_op_for_a_plain_module():
 
 
 def test_dp2_every_zero_stage_matches_one_process(tmp_path, reference):
-    """DDP, ZeRO-1/2/3, ZeRO-3+offload, ZeRO-2 bf16, ZeRO-3+AC, and accumulation over 2 micro-batches."""
+    """DDP, ZeRO-1/2/3, ZeRO-1+offload, ZeRO-3+offload, ZeRO-2 bf16, ZeRO-3+AC, and accumulation over 2
+    micro-batches."""
     torchrun(2, "tests/workers/dp_worker.py", "numerics", str(tmp_path))
     results = torch.load(tmp_path / "numerics.pt")
     assert set(results) == set(MODES)
@@ -196,7 +209,7 @@ def test_dcp_checkpoints_move_between_zero_dp2_and_one_process(tmp_path):
 
     torchrun(2, "tests/workers/dp_worker.py", "dcp", str(tmp_path))
     results = torch.load(tmp_path / "dcp.pt")
-    for name in ("zero3", "zero1"):
+    for name in DCP_MODES:
         loaded = results[f"{name}_loaded_single"]
         _assert_tensors_close(loaded["params"], want_params, f"{name} loaded params", rtol=0, atol=0)
         assert set(loaded["optim"]) == set(want_optim)
