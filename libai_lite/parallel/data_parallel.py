@@ -20,6 +20,7 @@ and accumulate gradients inside ``no_sync_context``.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -249,8 +250,9 @@ class OffloadedZeroRedundancyOptimizer(ShardedStateZeroRedundancyOptimizer):
         optim = self.__dict__.get("optim")
         if optim is None:
             return self.__dict__["_wrapper_state"]
-        # Keyed by the device parameters, as Optimizer.state_dict and DCP look states up.
-        return {p: optim.state[h] for p, h in self._host.items() if h in optim.state}
+        # Keyed by the device parameters, as Optimizer.state_dict and DCP look states up; like upstream's
+        # defaultdict, a parameter another rank owns reads as no state.
+        return defaultdict(dict, {p: optim.state[h] for p, h in self._host.items() if h in optim.state})
 
     @state.setter
     def state(self, value) -> None:
