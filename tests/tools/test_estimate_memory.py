@@ -201,6 +201,25 @@ def test_zero_at_data_parallel_size_one_is_planned_as_the_plain_model_the_traine
     assert offloaded.host > 0
 
 
+def test_zero1_offload_moves_the_optimizer_state_to_the_host_row():
+    """ZeRO-1 + offload (DeepSpeed's offload_optimizer): the device keeps parameters and gradients, the host this
+    rank's optimizer state beside its shard's copies of parameters and gradients; on a CPU nothing moves."""
+    planner, _cls, _cfg = _tiny_gpt_planner()
+    base = PlanSettings(world_size=2, data_parallel_size=2, zero_stage=1, micro_batch_size=4, device="cuda")
+    zero1 = planner.estimate(base)
+    offload = planner.estimate(dataclasses.replace(base, offload=True))
+    assert (offload.params, offload.grads, offload.optimizer) == (zero1.params, zero1.grads, zero1.optimizer)
+    assert zero1.host == 0 and offload.host >= offload.optimizer > 0
+    # The shard is about half the parameters at dp=2: its two copies and its state, not the whole model's.
+    assert offload.host < offload.optimizer + 2 * offload.params
+    assert offload.peak <= zero1.peak - offload.optimizer
+    zero3_offload = planner.estimate(dataclasses.replace(base, zero_stage=3, offload=True))
+    assert zero3_offload.peak < offload.peak  # FSDP's offload moves the parameters and gradients too
+    assert "ZeRO-1 + offload" in offload.settings.describe()
+    on_cpu = planner.estimate(dataclasses.replace(base, offload=True, device="cpu"))
+    assert on_cpu.host == 0 and on_cpu.peak == planner.estimate(dataclasses.replace(base, device="cpu")).peak
+
+
 def test_bad_layout_is_refused():
     planner, _cls, _cfg = _tiny_gpt_planner()
     with pytest.raises(UsageError, match="does not match the world size"):
