@@ -294,6 +294,10 @@ class MemoryPlanner:
             host = 2 * shard_b + opt_b + self._step_temporaries(params, s)
             constant -= opt_b
             step = param_b + grad_b
+        elif s.offload and stage == 1:
+            # On a CPU the shard's "host" copies are more of the same memory.
+            constant += 2 * shard_b
+            step += 2 * shard_b
         num = sum(p.numel for _i, p in params)
         return MemoryEstimate(int(param_b), int(grad_b), int(opt_b), int(activations), int(max(constant + dynamic, step)),
                               int(host), rank, int(num), s)

@@ -203,7 +203,7 @@ def test_zero_at_data_parallel_size_one_is_planned_as_the_plain_model_the_traine
 
 def test_zero1_offload_moves_the_optimizer_state_to_the_host_row():
     """ZeRO-1 + offload (DeepSpeed's offload_optimizer): the device keeps parameters and gradients, the host this
-    rank's optimizer state beside its shard's copies of parameters and gradients; on a CPU nothing moves."""
+    rank's optimizer state beside its shard's copies of parameters and gradients."""
     planner, _cls, _cfg = _tiny_gpt_planner()
     base = PlanSettings(world_size=2, data_parallel_size=2, zero_stage=1, micro_batch_size=4, device="cuda")
     zero1 = planner.estimate(base)
@@ -216,8 +216,11 @@ def test_zero1_offload_moves_the_optimizer_state_to_the_host_row():
     zero3_offload = planner.estimate(dataclasses.replace(base, zero_stage=3, offload=True))
     assert zero3_offload.peak < offload.peak  # FSDP's offload moves the parameters and gradients too
     assert "ZeRO-1 + offload" in offload.settings.describe()
+    # On a CPU the host copies of the shard's parameters and gradients are more of the same memory.
     on_cpu = planner.estimate(dataclasses.replace(base, offload=True, device="cpu"))
-    assert on_cpu.host == 0 and on_cpu.peak == planner.estimate(dataclasses.replace(base, device="cpu")).peak
+    copies = 2 * offload.optimizer / planner.state_ratio
+    assert on_cpu.host == 0
+    assert on_cpu.peak - planner.estimate(dataclasses.replace(base, device="cpu")).peak == pytest.approx(copies, abs=2)
 
 
 def test_bad_layout_is_refused():
