@@ -50,6 +50,22 @@ def _bench_rows(configs: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["configs"]
 
 
+def test_compare_offload_prints_zero1_peaks_with_and_without_offload_side_by_side():
+    """bench/memory.py --compare-offload: both ZeRO-1 peaks and their ratio, measured here (where the planner must
+    agree within 15%, the shard's host copies included) and predicted for a GPU, where offload lowers the peak."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "bench/memory.py", "--smoke", "--compare-offload"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    _assert_within(summary["configs"], "no_zero,zero1,zero1_offload")
+    c = summary["offload_comparison"]
+    measured = c["measured_peak_step_bytes"]
+    assert c["measured_ratio"] == pytest.approx(measured["zero1_offload"] / measured["zero1"], abs=1e-3)
+    assert c["predicted_ratio"] < 1 and c["predicted_host_bytes"] > summary["configs"]["zero1"]["optimizer_bytes"]
+    assert "ZeRO-1 peak step (MiB/rank)" in proc.stdout and "predicted (cuda)" in proc.stdout
+
+
 def _assert_within(rows: dict, names: str) -> None:
     # Every row asked for must be there: a benchmark that returns nothing must not pass.
     assert sorted(rows) == sorted(names.split(",")), rows
