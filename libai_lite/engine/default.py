@@ -220,6 +220,8 @@ class DefaultTrainer:
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
 
         A rank holding several pipeline stages gets one optimizer per stage in an ``OptimizersContainer``.
+        ZeRO-1 wraps each in a ``ZeroRedundancyOptimizer``; with offload, also at dp=1, that keeps and steps its
+        shard in host memory.
         """
         from ..optim import build_optimizer
         from ..optim.container import OptimizersContainer
