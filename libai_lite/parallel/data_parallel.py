@@ -134,8 +134,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
 
     Stage 0/1 wrap it in DDP, or in FSDP2 ``replicate`` for DTensor parameters, pipeline stages and
     experts; stage 1 also needs ``build_zero1_optimizer`` (with ``offload``, also at dp=1). Stage 2/3 shard in
-    place with FSDP2. At dp=1 the model runs plain, except with experts at stage 0/1 or with ``offload`` at 2/3. Apply tensor parallelism and activation
-    checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
+    place with FSDP2. At dp=1 the model runs plain, except with experts at stage 0/1 or with ``offload`` at
+    2/3. Apply tensor parallelism and activation checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()

@@ -1,7 +1,7 @@
 """DeepSpeed ``ds_config.json`` files through ``tools/train_net.py --deepspeed_config`` and Megatron-DeepSpeed's
 ``--deepspeed_config``: the configurations of DeepSpeed's T5 guide (fp16 + ZeRO-1, ZeRO-1 + CPU offload, ZeRO-2
-with MoE layers, ZeRO-2 + CPU offload, bf16 + ZeRO-3), written out here, each trained a few iterations on the tiny GPT with
-the run's config.yaml checked for what the file asked; refusals are one line.
+with MoE layers, ZeRO-2 + CPU offload, bf16 + ZeRO-3), written out here, each trained a few iterations on the
+tiny GPT with the run's config.yaml checked for what the file asked; refusals are one line.
 """
 import json
 

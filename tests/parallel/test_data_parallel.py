@@ -17,7 +17,8 @@ import torch
 
 from tests.workers import dp_worker
 from tests.launch import free_port, spawn_ranks, torchrun
-from tests.workers.dp_worker import CFG, DCP_MODES, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
+from tests.workers.dp_worker import (CFG, DCP_MODES, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups,
+                                     reference_run)
 
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
 from libai_lite.parallel.clip_grad import clip_grad_norm_
