@@ -301,3 +301,36 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, plain)
         return
     assert [r["stepped"] for r in ranks] == [False, False]
     assert [r["scale"] for r in ranks] == [128.0, 128.0]
+
+
+def _offload_step_after_a_weight_load(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from libai_lite.parallel.data_parallel import build_zero1_optimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name in ("plain", "offload"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        opt = (torch.optim.AdamW(model.parameters(), lr=0.1) if name == "plain" else
+               build_zero1_optimizer(torch.optim.AdamW, model.parameters(), dist.group.WORLD, offload=True, lr=0.1))
+        for step in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 0:  # as a checkpoint load or a weights-only load writes the device weights
+                model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+        results[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_zero1_offload_steps_from_the_weights_on_the_device(tmp_path):
+    """The host copies are refreshed from the device each step: weights loaded between steps are what the next
+    step updates, as with a plain optimizer (a host copy kept as the master would undo the load)."""
+    spawn_ranks(_offload_step_after_a_weight_load, 2, (2, free_port(), str(tmp_path)))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        _assert_tensors_close(got["offload"], got["plain"], f"rank {rank} after a load and a step", rtol=0, atol=1e-6)
