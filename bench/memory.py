@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 2, 3, 3+offload, activation checkpointing (full and
-selective), fused loss.
+"""Memory per rank under data parallelism: no ZeRO, ZeRO-1, 1+offload, 2, 3, 3+offload, activation checkpointing
+(full and selective), fused loss.
 
     python bench/memory.py                 # a GPT of about 30M parameters, 4 ranks
     python bench/memory.py --smoke         # a 3.7M-parameter GPT, big enough for RSS to measure
     python bench/memory.py --hidden 1024 --layers 12 --nproc 8
+    python bench/memory.py --compare-offload [--smoke]   # DeepSpeed's ZeRO-1 with and without offload_optimizer
 
 The table shows each configuration next to no-ZeRO; the last line of the output is one JSON object
 with every number (the maximum over ranks).
@@ -31,6 +32,7 @@ import time
 CONFIGS = {
     "no_zero": (0, False, False, True),
     "zero1": (1, False, False, True),
+    "zero1_offload": (1, True, False, True),
     "zero2": (2, False, False, True),
     "zero3": (3, False, False, True),
     "zero3_offload": (3, True, False, True),
@@ -39,6 +41,7 @@ CONFIGS = {
     "zero3_ac": (3, False, "full", True),
     "no_zero_unfused_ce": (0, False, False, False),
 }
+OFFLOAD_COMPARISON = ("no_zero", "zero1", "zero1_offload")
 MODEL_DEFAULTS = dict(layers=6, hidden=512, heads=8, vocab=16384, seq=128, micro_batch=4)
 SMOKE = dict(layers=2, hidden=256, heads=4, vocab=8192, seq=64, micro_batch=4)
 ACCEPT_ZERO3_STATIC_RATIO = 0.30
@@ -55,8 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in MODEL_DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value} (smoke {SMOKE[key]})")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--compare-offload", action="store_true",
+                   help=f"only {','.join(OFFLOAD_COMPARISON)}: ZeRO-1's peaks with and without optimizer offload side "
+                        f"by side, measured here and predicted for a GPU")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.compare_offload:
+        args.configs = ",".join(OFFLOAD_COMPARISON)
     base = SMOKE if args.smoke else MODEL_DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
@@ -152,7 +160,7 @@ def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
     raw = model.module if hasattr(model, "module") else model
     groups = get_default_optimizer_params(raw, weight_decay=0.01)
     if stage == 1:
-        opt = build_zero1_optimizer(torch.optim.AdamW, groups, dp_mesh.get_group(), lr=1e-4)
+        opt = build_zero1_optimizer(torch.optim.AdamW, groups, dp_mesh.get_group(), offload=offload, lr=1e-4)
     else:
         opt = torch.optim.AdamW(groups, lr=1e-4)
     g = torch.Generator().manual_seed(1 + dp_mesh.get_local_rank())
@@ -312,6 +320,38 @@ def format_table(configs: dict) -> str:
     return "\n".join(lines)
 
 
+def offload_comparison(configs: dict, measured_on: str, predicted: dict) -> dict:
+    """ZeRO-1's peak step per rank with and without optimizer offload: measured on this job's device (on a CPU
+    the host copies are in the same memory) and predicted by the planner for a GPU, where the offloaded
+    state leaves the device for the host."""
+    plain, off = configs["zero1"], configs["zero1_offload"]
+    gpu_plain, gpu_off = predicted["zero1"], predicted["zero1_offload"]
+    return {
+        "measured_on": measured_on,
+        "measured_peak_step_bytes": {"zero1": plain["peak_step_bytes"], "zero1_offload": off["peak_step_bytes"]},
+        "measured_ratio": round(off["peak_step_bytes"] / max(1, plain["peak_step_bytes"]), 4),
+        "predicted_on": "cuda",
+        "predicted_peak_bytes": {"zero1": gpu_plain["peak"], "zero1_offload": gpu_off["peak"]},
+        "predicted_ratio": round(gpu_off["peak"] / max(1, gpu_plain["peak"]), 4),
+        "predicted_host_bytes": gpu_off["host"],
+    }
+
+
+def format_offload_comparison(c: dict) -> str:
+    """The comparison as a small table: both peaks in MiB per rank and offload's over plain ZeRO-1's."""
+    lines = [f"{'ZeRO-1 peak step (MiB/rank)':30s}{'no offload':>12s}{'offload':>12s}{'offload/no':>12s}"]
+    for kind, peaks, ratio in (("measured", c["measured_peak_step_bytes"], c["measured_ratio"]),
+                               ("predicted", c["predicted_peak_bytes"], c["predicted_ratio"])):
+        where = c[f"{kind}_on"]
+        lines.append(f"{f'{kind} ({where})':30s}{_mib(peaks['zero1']):>12s}{_mib(peaks['zero1_offload']):>12s}"
+                     f"{ratio:12.3f}")
+    lines.append(f"predicted host memory with offload: {c['predicted_host_bytes'] / 2**20:.1f} MiB/rank (optimizer "
+                 f"state, the shard's parameter and gradient copies, the step's temporaries)")
+    if c["measured_on"] == "cpu":
+        lines.append("measured on a CPU: host and device are the same memory, so offload only adds the shard's copies")
+    return "\n".join(lines)
+
+
 def launch(args) -> dict:
     """Run the torchrun job and return its results."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -367,6 +407,9 @@ def main(argv=None) -> int:
         verdict = "meets" if summary["zero3_static_at_most_30pct"] else "MISSES"
         print(f"ZeRO-3 param+grad+optimizer bytes per rank = {summary['zero3_static_ratio']:.1%} of no-ZeRO "
               f"({verdict} the <= 30% target)")
+    if {"zero1", "zero1_offload"} <= set(configs):
+        summary["offload_comparison"] = offload_comparison(configs, result["device"], estimate_configs(args, "cuda"))
+        print(format_offload_comparison(summary["offload_comparison"]))
     worst = max(configs, key=lambda n: abs(configs[n]["estimate_ratio"] - 1))
     summary["estimate_worst_ratio"] = configs[worst]["estimate_ratio"]
     summary["estimate_within_15pct"] = all(abs(r["estimate_ratio"] - 1) <= ACCEPT_ESTIMATE_ERROR for r in configs.values())

@@ -233,7 +233,7 @@ def _offload(r: _Reader, zero: Mapping, which: str) -> Optional[str]:
         if key not in ("device", *_OFFLOAD_TUNING):
             r.unknown(f"{where}.{key}", key, ("device", *_OFFLOAD_TUNING))
         elif key != "device":
-            r.note(f"{where}.{key}", "FSDP2's CPU offload chooses its own buffers")
+            r.note(f"{where}.{key}", "the CPU offload here chooses its own buffers (pinned with a GPU)")
     device = part.get("device", "none")
     if device == "nvme":
         r.refuse(f"{where}.device", "no NVMe offload here: use cpu")
@@ -264,10 +264,10 @@ def _zero(r: _Reader, ds: Mapping) -> None:
         r.note("zero_optimization.offload_param", "no effect below stage 3, as in DeepSpeed")
         params = None
     offload = bool(optimizer or params)
-    if offload and stage < 2:
-        r.refuse("zero_optimization.offload_optimizer", f"CPU offload here is FSDP2's, which shards parameters "
-                 f"and gradients: ZeRO stage {stage} does not; set zero_optimization.stage to 2 or 3")
-    elif offload and not (optimizer and params):
+    if offload and stage == 0:
+        r.refuse("zero_optimization.offload_optimizer", "CPU offload moves a ZeRO optimizer's state and ZeRO is off "
+                 "(stage 0): set zero_optimization.stage to 1 (the optimizer on the CPU), 2 or 3")
+    elif offload and stage >= 2 and not (optimizer and params):
         r.note("zero_optimization.offload_" + ("optimizer" if optimizer else "param"),
                "CPU offload here keeps parameters, gradients and the optimizer step on the CPU together")
     r.set("train.zero_optimization.enabled", stage > 0)

@@ -69,7 +69,8 @@ train = dict(
     # large enough to gain, torchao's thresholds) or all (libai_lite/parallel/float8.py).
     fp8=dict(enabled=False, recipe="tensorwise", skip=["lm_head"], filter="auto"),
     # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
-    # offload (stage 2/3) keeps parameters, gradients and the optimizer step on the CPU.
+    # offload: at stage 1 the optimizer state and step on the CPU (DeepSpeed's offload_optimizer); at 2/3
+    # parameters, gradients and the optimizer step too (FSDP2's CPUOffloadPolicy).
     zero_optimization=dict(enabled=False, stage=1, offload=False),
     dist=dict(
         # null: the processes launched decide (world / (pp x cp x tp)), so one config runs on 1, 4 or 8

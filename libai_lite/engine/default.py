@@ -220,6 +220,8 @@ class DefaultTrainer:
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).
 
         A rank holding several pipeline stages gets one optimizer per stage in an ``OptimizersContainer``.
+        ZeRO-1 wraps each in a ``ZeroRedundancyOptimizer``; with offload, also at dp=1, that keeps and steps its
+        shard in host memory.
         """
         from ..optim import build_optimizer
         from ..optim.container import OptimizersContainer
@@ -228,13 +230,14 @@ class DefaultTrainer:
         optimizers = []
         for part in model.parts:
             opt = build_optimizer(cfg.optim, part)
-            if self.layout.zero_stage == 1 and self.layout.replica_size > 1:
+            offload = self.layout.zero_stage == 1 and self.layout.offload
+            if self.layout.zero_stage == 1 and (self.layout.replica_size > 1 or offload):
                 # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
                 accepted = inspect.signature(type(opt).__init__).parameters
                 kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
                 # Over dp x cp, the group the gradients are reduced over.
                 opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_mesh.get_group(),
-                                            **kwargs)
+                                            offload=offload, **kwargs)
             float8_after_optimizer_step(opt, part)  # ZeRO-2/3 float8 all-gather: the weights' scales at once
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)

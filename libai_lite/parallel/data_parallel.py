@@ -1,4 +1,5 @@
-"""Data parallelism and ZeRO: DDP, ZeroRedundancyOptimizer (ZeRO-1), FSDP2 (ZeRO-2/3, CPU offload, mixed precision).
+"""Data parallelism and ZeRO: DDP, ZeroRedundancyOptimizer (ZeRO-1, optimizer offload), FSDP2 (ZeRO-2/3, CPU
+offload, mixed precision).
 
 torchtitan style: ``apply_data_parallel`` picks one small function per mode:
 
@@ -9,13 +10,17 @@ torchtitan style: ``apply_data_parallel`` picks one small function per mode:
 | 2 | sharded, gathered for fwd+bwd | reduce-scattered | sharded | `fully_shard(reshard_after_forward=False)` |
 | 3 | sharded, gathered per layer | reduce-scattered | sharded | `fully_shard(reshard_after_forward=True)` |
 
-``offload=True`` (stage 2/3) adds ``CPUOffloadPolicy``, ``param_dtype`` a ``MixedPrecisionPolicy``.
+``offload=True`` at stage 2/3 adds ``CPUOffloadPolicy`` (parameters, gradients and optimizer state on the host);
+at stage 1 it keeps the optimizer state and step on the host (``OffloadedZeroRedundancyOptimizer``, DeepSpeed's
+ZeRO-1 + ``offload_optimizer``) while parameters and gradients stay on the device. ``param_dtype`` adds a
+``MixedPrecisionPolicy``.
 Build the optimizer after ``apply_data_parallel`` (FSDP2 replaces the parameters by sharded DTensors)
 and accumulate gradients inside ``no_sync_context``.
 """
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -40,9 +45,9 @@ def validate_zero_config(zero_stage: int | None, offload: bool = False, param_dt
     stage = 0 if zero_stage is None else zero_stage
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise UsageError(f"ZeRO stage {zero_stage!r} does not exist; use 0 (off), 1, 2 or 3")
-    if offload and stage < 2:
-        raise UsageError(f"CPU offload needs parameters and gradients sharded by FSDP, which ZeRO stage {stage} "
-                         f"does not do; use ZeRO stage 2 or 3 with offload")
+    if offload and stage == 0:
+        raise UsageError("CPU offload moves a ZeRO optimizer's state to the host and ZeRO is off (stage 0); use "
+                         "ZeRO stage 1 (optimizer state and step on the host) or 2/3 (parameters and gradients too)")
     if param_dtype is not None and stage < 2:
         raise UsageError(f"param_dtype={param_dtype} (mixed-precision parameters) is an FSDP setting and ZeRO stage "
                          f"{stage} does not use FSDP; use ZeRO stage 2 or 3, or autocast (train.amp) with DDP")
@@ -128,14 +133,14 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
     """Make ``model`` data parallel over ``dp_mesh`` at the given ZeRO stage; returns the module to train.
 
     Stage 0/1 wrap it in DDP, or in FSDP2 ``replicate`` for DTensor parameters, pipeline stages and
-    experts; stage 1 also needs ``build_zero1_optimizer``. Stage 2/3 shard in place with FSDP2. At dp=1
-    the model runs plain, except with experts at stage 0/1 or with ``offload``. Apply tensor parallelism and activation
-    checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
+    experts; stage 1 also needs ``build_zero1_optimizer`` (with ``offload``, also at dp=1). Stage 2/3 shard in
+    place with FSDP2. At dp=1 the model runs plain, except with experts at stage 0/1 or with ``offload`` at
+    2/3. Apply tensor parallelism and activation checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
     dtensor_params = tp_enabled or any(isinstance(p, DTensor) for p in model.parameters())
-    if stage == 1 and dp_size > 1:
+    if stage == 1 and (dp_size > 1 or offload):
         check_zero1(dtensor_params, expert_mesh is not None)
     if stage in (0, 1):
         if expert_mesh is not None:
@@ -193,6 +198,10 @@ class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the owned parameters' states. Keys may be global indices or, as DCP's ``set_state_dict``
         passes them, parameter names: matched to parameters by position in the saved param groups."""
+        super().load_state_dict(self._owned_state_dict(state_dict))
+
+    def _owned_state_dict(self, state_dict: dict) -> dict:
+        """``state_dict`` as upstream loads it: the states this rank owns by global index, groups by index."""
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the optimizer state_dict's param groups do not match this optimizer's")
@@ -205,7 +214,99 @@ class ShardedStateZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
                 owned[self._param_to_index[param]] = value
         groups = [{**saved, "params": [self._param_to_index[p] for p in ours["params"]]}
                   for saved, ours in zip(saved_groups, self.param_groups)]
-        super().load_state_dict({"state": owned, "param_groups": groups})
+        return {"state": owned, "param_groups": groups}
+
+
+class OffloadedZeroRedundancyOptimizer(ShardedStateZeroRedundancyOptimizer):
+    """ZeRO-1 whose optimizer state and step live in host memory (DeepSpeed's ZeRO-1 + ``offload_optimizer``).
+
+    The local optimizer steps host copies of this rank's shard of the parameters. Each step copies the shard's
+    parameters and its reduced (unscaled, clipped) gradients to the host, steps there, copies the updated
+    shard back and broadcasts it as ZeRO-1 does. The device parameters stay the truth: a checkpoint load or
+    anything else that writes them is what the next step starts from. Without an accelerator the host copies
+    are copies within the same memory, so the same code runs and gives the same numbers.
+    """
+
+    def _init_local_optimizer(self) -> None:
+        # Pinned host memory needs an accelerator; on a CPU-only build pinning raises.
+        self._pin = self._default_device.type != "cpu" and torch.cuda.is_available()
+        self._host: dict[torch.Tensor, torch.Tensor] = {}  # device parameter -> its host copy
+        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}  # host copy -> its reused gradient buffer
+        groups = []
+        for group in self._partition_parameters()[self.rank]:
+            for p in group["params"]:
+                self._host[p] = self._host_buffer(p)
+            hosts = [self._host[p] for p in group["params"]]
+            groups.append({**group, "params": hosts})
+        self.optim = self._optim_constructor(groups, **self._optim_defaults)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        local = _local_tensor(like.detach())
+        return torch.empty(local.shape, dtype=local.dtype, pin_memory=self._pin).copy_(local)
+
+    @property
+    def state(self):
+        optim = self.__dict__.get("optim")
+        if optim is None:
+            return self.__dict__["_wrapper_state"]
+        # Keyed by the device parameters, as Optimizer.state_dict and DCP look states up; like upstream's
+        # defaultdict, a parameter another rank owns reads as no state.
+        return defaultdict(dict, {p: optim.state[h] for p, h in self._host.items() if h in optim.state})
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_wrapper_state"] = value
+
+    def _to_host(self) -> None:
+        """This shard's parameters and gradients into their host copies (a parameter without one is skipped)."""
+        with torch.no_grad():
+            for p, h in self._host.items():
+                h.copy_(_local_tensor(p.detach()), non_blocking=True)
+                if p.grad is None:
+                    h.grad = None
+                    continue
+                buf = self._host_grads.get(h)
+                if buf is None:
+                    buf = self._host_grads[h] = torch.empty(h.shape, dtype=h.dtype, pin_memory=self._pin)
+                h.grad = buf.copy_(_local_tensor(p.grad), non_blocking=True)
+        if self._default_device.type == "cuda":
+            # The non-blocking copies must have landed before the CPU reads them.
+            torch.cuda.current_stream(self._default_device).synchronize()
+
+    def _to_device(self) -> None:
+        with torch.no_grad():
+            for p, h in self._host.items():
+                _local_tensor(p.data).copy_(h, non_blocking=True)
+
+    def step(self, closure=None, **kwargs):
+        """Copy the shard to the host, step it there, copy it back, then broadcast every shard (ZeRO-1)."""
+        if closure is not None:
+            raise ValueError("ZeRO-1 with optimizer offload steps on gradients already computed; it takes no closure")
+        self._to_host()
+        loss = self._local_step(**kwargs)
+        self._to_device()
+        if self.world_size > 1:
+            self._sync_params()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load the owned parameters' states into host memory (DCP's keys as in the parent)."""
+        owned = self._owned_state_dict(state_dict)
+        for index, value in owned["state"].items():
+            host = self._host[self._index_to_param[index]]
+            self.optim.state[host] = {k: _host_state(k, v, host) for k, v in value.items()}
+        self._sync_param_groups(owned["param_groups"], self.param_groups)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+
+def _host_state(key: str, value, host: torch.Tensor):
+    if not torch.is_tensor(value):
+        return value
+    value = _local_tensor(value.detach())
+    if key == "step":  # fused CPU AdamW wants a float32 step beside its parameters
+        return value.to("cpu", torch.float32)
+    return value.to("cpu", host.dtype if value.is_floating_point() else value.dtype)
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -217,11 +318,12 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def build_zero1_optimizer(optimizer_cls: type[Optimizer], param_groups, dp_group, **kwargs) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: ``optimizer_cls`` (e.g. AdamW) whose state is sharded over ``dp_group``; weight-decay groups
-    survive, ``kwargs`` are the optimizer's defaults (lr, betas, ...)."""
-    return ShardedStateZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls,
-                                               process_group=dp_group, **kwargs)
+def build_zero1_optimizer(optimizer_cls: type[Optimizer], param_groups, dp_group, offload: bool = False,
+                          **kwargs) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: ``optimizer_cls`` (e.g. AdamW) whose state is sharded over ``dp_group``, kept and stepped in host
+    memory with ``offload``; weight-decay groups survive, ``kwargs`` are the optimizer's defaults (lr, betas, ...)."""
+    cls = OffloadedZeroRedundancyOptimizer if offload else ShardedStateZeroRedundancyOptimizer
+    return cls(list(param_groups), optimizer_class=optimizer_cls, process_group=dp_group, **kwargs)
 
 
 @contextmanager

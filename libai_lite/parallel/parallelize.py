@@ -84,7 +84,7 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) ->
                      layout.zero_stage, layout.sequence_parallel)
     check_context_parallel(model, layout.context_parallel_size, layout.pipeline_parallel_size,
                            model_moe_config(model) is not None)
-    if layout.zero_stage == 1 and layout.replica_size > 1:
+    if layout.zero_stage == 1 and (layout.replica_size > 1 or layout.offload):
         check_zero1(tensor_parallel=layout.tensor_parallel_size > 1)
     if layout.pipeline_parallel_size == 1:
         return

@@ -205,14 +205,16 @@ class MemoryPlanner:
         # backward and the shared score mask are not counted.
         act_share = 1.0 / s.context_parallel_size
         fsdp = stage >= 2
-        offloaded = s.offload and s.device != "cpu"
+        # FSDP's CPUOffloadPolicy moves parameters, gradients and the step; ZeRO-1's offload the optimizer only.
+        offloaded = s.offload and s.device != "cpu" and fsdp
+        optim_offloaded = s.offload and s.device != "cpu" and stage == 1
         local = sum((p.shard_numel(dp) if fsdp else p.numel) * p.element_size for _i, p in params)
         param_b = grad_b = local
+        shard_b = local  # the parameter bytes this rank's optimizer steps
         if stage == 1 and dp > 1:
             by_id = {i: p.numel * p.element_size for i, p in params}
-            opt_b = _zero1_fullest([[by_id[id(q)] for q in g if id(q) in by_id] for g in self.groups], dp) * self.state_ratio
-        else:
-            opt_b = local * self.state_ratio
+            shard_b = _zero1_fullest([[by_id[id(q)] for q in g if id(q) in by_id] for g in self.groups], dp)
+        opt_b = shard_b * self.state_ratio
         # DDP keeps its gradient buckets between steps; otherwise gradients appear as backward makes them.
         ddp_buckets = stage < 2 and dp > 1 and tp == 1 and s.pipeline_parallel_size == 1 and self.ep == 1
         units: dict[int | None, list[_Param]] = {}
@@ -287,6 +289,15 @@ class MemoryPlanner:
         if offloaded:
             # FSDP's CPUOffloadPolicy: shards, gradients and the optimizer step live in host memory.
             host, constant, step = step, 0, 0
+        elif optim_offloaded:
+            # The shard's host copies of its parameters and gradients, its state and the step's temporaries.
+            host = 2 * shard_b + opt_b + self._step_temporaries(params, s)
+            constant -= opt_b
+            step = param_b + grad_b
+        elif s.offload and stage == 1:
+            # On a CPU the shard's "host" copies are more of the same memory.
+            constant += 2 * shard_b
+            step += 2 * shard_b
         num = sum(p.numel for _i, p in params)
         return MemoryEstimate(int(param_b), int(grad_b), int(opt_b), int(activations), int(max(constant + dynamic, step)),
                               int(host), rank, int(num), s)

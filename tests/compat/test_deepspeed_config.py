@@ -1,7 +1,7 @@
 """DeepSpeed ``ds_config.json`` files through ``tools/train_net.py --deepspeed_config`` and Megatron-DeepSpeed's
-``--deepspeed_config``: the configurations of DeepSpeed's T5 guide (fp16 + ZeRO-1, ZeRO-2 with MoE layers,
-ZeRO-2 + CPU offload, bf16 + ZeRO-3), written out here, each trained a few iterations on the tiny GPT with
-the run's config.yaml checked for what the file asked; refusals are one line.
+``--deepspeed_config``: the configurations of DeepSpeed's T5 guide (fp16 + ZeRO-1, ZeRO-1 + CPU offload, ZeRO-2
+with MoE layers, ZeRO-2 + CPU offload, bf16 + ZeRO-3), written out here, each trained a few iterations on the
+tiny GPT with the run's config.yaml checked for what the file asked; refusals are one line.
 """
 import json
 
@@ -46,6 +46,13 @@ ZERO2_OFFLOAD = {
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                           "contiguous_gradients": True, "overlap_comm": True},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-8}},
+}
+# The T5 guide's ZeRO-1 + offload: the optimizer state and step on the CPU, parameters and gradients on the GPU.
+ZERO1_OFFLOAD = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1, "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+    "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
 }
 BF16_ZERO3 = {
     "train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_print": 1,
@@ -136,6 +143,14 @@ def test_zero2_offload_file(tmp_path):
     assert "zero_optimization.offload_optimizer.pin_memory (" in (tmp_path / "out" / "log.txt").read_text()
 
 
+def test_zero1_offload_file_trains_on_two_processes(tmp_path):
+    r = train_sh(2, ["--deepspeed_config", ds_file(tmp_path, ZERO1_OFFLOAD), *overrides(tmp_path)])
+    cfg = check_run(r, tmp_path)
+    assert dict(cfg.train.zero_optimization) == {"enabled": True, "stage": 1, "offload": True}
+    assert cfg.train.amp.dtype == "fp16" and cfg.optim.params.clip_grad_max_norm == 1.0
+    assert "zero_optimization.offload_optimizer.pin_memory (" in (tmp_path / "out" / "log.txt").read_text()
+
+
 def test_bf16_zero3_file(tmp_path):
     r = train_net(["--deepspeed_config", ds_file(tmp_path, BF16_ZERO3), *overrides(tmp_path)])
     cfg = check_run(r, tmp_path)
@@ -209,14 +224,14 @@ def test_inconsistent_batch_sizes_are_one_error_line(tmp_path):
 
 def test_every_key_not_taken_is_one_error_line(tmp_path):
     bad = dict(FP16_ZERO1, fp16={"enabld": True}, zero_optimisation={"stage": 2}, amp={"enabled": True},
-               zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}},
+               zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}},
                optimizer={"type": "OneBitAdam", "params": {"lr": 1e-3}})
     r = train_net(["--deepspeed_config", ds_file(tmp_path, bad), *overrides(tmp_path)])
     line = one_error_line(r)
     for says in ("5 problems with the DeepSpeed config", "zero_optimisation (not a DeepSpeed key known here; "
                  "did you mean zero_optimization?)", "fp16.enabld (not a DeepSpeed key known here; did you mean "
-                 "fp16.enabled?)", "amp (NVIDIA Apex AMP", "zero_optimization.offload_optimizer (CPU offload here "
-                 "is FSDP2's", "ZeRO stage 1 does not; set zero_optimization.stage to 2 or 3",
+                 "fp16.enabled?)", "amp (NVIDIA Apex AMP", "zero_optimization.offload_optimizer (CPU offload moves "
+                 "a ZeRO optimizer's state and ZeRO is off (stage 0): set zero_optimization.stage to 1",
                  "optimizer.type OneBitAdam (not built here"):
         assert says in line, line
     assert not (tmp_path / "out").exists()

@@ -17,6 +17,8 @@ LAYOUTS = {
     "zero2": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"],
     "zero3": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"],
     "zero1": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=1"],
+    "zero1_offload": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=1",
+                      "train.zero_optimization.offload=True"],
     "zero3_offload": ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3",
                       "train.zero_optimization.offload=True"],
     "moe_ep2": ["model.cfg.moe.enabled=True", "model.cfg.moe.num_experts=4", "model.cfg.moe.top_k=1",

@@ -17,7 +17,8 @@ import torch
 
 from tests.workers import dp_worker
 from tests.launch import free_port, spawn_ranks, torchrun
-from tests.workers.dp_worker import CFG, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups, reference_run
+from tests.workers.dp_worker import (CFG, DCP_MODES, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups,
+                                     reference_run)
 
 from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
 from libai_lite.parallel.clip_grad import clip_grad_norm_
@@ -49,10 +50,22 @@ def test_unknown_zero_stage_is_a_usage_error(stage):
         apply_data_parallel(torch.nn.Linear(2, 2), None, stage)
 
 
-@pytest.mark.parametrize("stage", [None, 0, 1])
-def test_offload_without_fsdp_is_a_usage_error(stage):
-    with pytest.raises(UsageError, match="use ZeRO stage 2 or 3"):
+@pytest.mark.parametrize("stage", [None, 0])
+def test_offload_without_zero_is_a_usage_error(stage):
+    with pytest.raises(UsageError, match=r"ZeRO is off \(stage 0\); use ZeRO stage 1 .* or 2/3"):
         apply_data_parallel(torch.nn.Linear(2, 2), None, stage, offload=True)
+
+
+def test_zero1_with_offload_is_accepted_and_keeps_the_plain_model_at_dp1():
+    """ZeRO-1 + offload (DeepSpeed's offload_optimizer) moves only the optimizer: no FSDP, the module as it was."""
+    assert validate_zero_config(1, offload=True) == 1
+    model = torch.nn.Linear(2, 2)
+
+    class _OneRankMesh:
+        def size(self):
+            return 1
+
+    assert apply_data_parallel(model, _OneRankMesh(), 1, offload=True) is model
 
 
 def test_param_dtype_without_fsdp_is_a_usage_error():
@@ -153,7 +166,8 @@ def test_no_sync_context_is_a_no_op_for_a_plain_module():
 
 
 def test_dp2_every_zero_stage_matches_one_process(tmp_path, reference):
-    """DDP, ZeRO-1/2/3, ZeRO-3+offload, ZeRO-2 bf16, ZeRO-3+AC, and accumulation over 2 micro-batches."""
+    """DDP, ZeRO-1/2/3, ZeRO-1+offload, ZeRO-3+offload, ZeRO-2 bf16, ZeRO-3+AC, and accumulation over 2
+    micro-batches."""
     torchrun(2, "tests/workers/dp_worker.py", "numerics", str(tmp_path))
     results = torch.load(tmp_path / "numerics.pt")
     assert set(results) == set(MODES)
@@ -196,7 +210,7 @@ def test_dcp_checkpoints_move_between_zero_dp2_and_one_process(tmp_path):
 
     torchrun(2, "tests/workers/dp_worker.py", "dcp", str(tmp_path))
     results = torch.load(tmp_path / "dcp.pt")
-    for name in ("zero3", "zero1"):
+    for name in DCP_MODES:
         loaded = results[f"{name}_loaded_single"]
         _assert_tensors_close(loaded["params"], want_params, f"{name} loaded params", rtol=0, atol=0)
         assert set(loaded["optim"]) == set(want_optim)
@@ -287,3 +301,36 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, plain)
         return
     assert [r["stepped"] for r in ranks] == [False, False]
     assert [r["scale"] for r in ranks] == [128.0, 128.0]
+
+
+def _offload_step_after_a_weight_load(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from libai_lite.parallel.data_parallel import build_zero1_optimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name in ("plain", "offload"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        opt = (torch.optim.AdamW(model.parameters(), lr=0.1) if name == "plain" else
+               build_zero1_optimizer(torch.optim.AdamW, model.parameters(), dist.group.WORLD, offload=True, lr=0.1))
+        for step in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 0:  # as a checkpoint load or a weights-only load writes the device weights
+                model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+        results[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_zero1_offload_steps_from_the_weights_on_the_device(tmp_path):
+    """The host copies are refreshed from the device each step: weights loaded between steps are what the next
+    step updates, as with a plain optimizer (a host copy kept as the master would undo the load)."""
+    spawn_ranks(_offload_step_after_a_weight_load, 2, (2, free_port(), str(tmp_path)))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        _assert_tensors_close(got["offload"], got["plain"], f"rank {rank} after a load and a step", rtol=0, atol=1e-6)

@@ -50,6 +50,22 @@ def _bench_rows(configs: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["configs"]
 
 
+def test_compare_offload_prints_zero1_peaks_with_and_without_offload_side_by_side():
+    """bench/memory.py --compare-offload: both ZeRO-1 peaks and their ratio, measured here (where the planner must
+    agree within 15%, the shard's host copies included) and predicted for a GPU, where offload lowers the peak."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "bench/memory.py", "--smoke", "--compare-offload"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    _assert_within(summary["configs"], "no_zero,zero1,zero1_offload")
+    c = summary["offload_comparison"]
+    measured = c["measured_peak_step_bytes"]
+    assert c["measured_ratio"] == pytest.approx(measured["zero1_offload"] / measured["zero1"], abs=1e-3)
+    assert c["predicted_ratio"] < 1 and c["predicted_host_bytes"] > summary["configs"]["zero1"]["optimizer_bytes"]
+    assert "ZeRO-1 peak step (MiB/rank)" in proc.stdout and "predicted (cuda)" in proc.stdout
+
+
 def _assert_within(rows: dict, names: str) -> None:
     # Every row asked for must be there: a benchmark that returns nothing must not pass.
     assert sorted(rows) == sorted(names.split(",")), rows
@@ -199,6 +215,28 @@ def test_zero_at_data_parallel_size_one_is_planned_as_the_plain_model_the_traine
     # Offload still moves the state to host memory through FSDP.
     offloaded = planner.estimate(dataclasses.replace(base, zero_stage=3, offload=True, device="cuda"))
     assert offloaded.host > 0
+
+
+def test_zero1_offload_moves_the_optimizer_state_to_the_host_row():
+    """ZeRO-1 + offload (DeepSpeed's offload_optimizer): the device keeps parameters and gradients, the host this
+    rank's optimizer state beside its shard's copies of parameters and gradients."""
+    planner, _cls, _cfg = _tiny_gpt_planner()
+    base = PlanSettings(world_size=2, data_parallel_size=2, zero_stage=1, micro_batch_size=4, device="cuda")
+    zero1 = planner.estimate(base)
+    offload = planner.estimate(dataclasses.replace(base, offload=True))
+    assert (offload.params, offload.grads, offload.optimizer) == (zero1.params, zero1.grads, zero1.optimizer)
+    assert zero1.host == 0 and offload.host >= offload.optimizer > 0
+    # The shard is about half the parameters at dp=2: its two copies and its state, not the whole model's.
+    assert offload.host < offload.optimizer + 2 * offload.params
+    assert offload.peak <= zero1.peak - offload.optimizer
+    zero3_offload = planner.estimate(dataclasses.replace(base, zero_stage=3, offload=True))
+    assert zero3_offload.peak < offload.peak  # FSDP's offload moves the parameters and gradients too
+    assert "ZeRO-1 + offload" in offload.settings.describe()
+    # On a CPU the host copies of the shard's parameters and gradients are more of the same memory.
+    on_cpu = planner.estimate(dataclasses.replace(base, offload=True, device="cpu"))
+    copies = 2 * offload.optimizer / planner.state_ratio
+    assert on_cpu.host == 0
+    assert on_cpu.peak - planner.estimate(dataclasses.replace(base, device="cpu")).peak == pytest.approx(copies, abs=2)
 
 
 def test_bad_layout_is_refused():

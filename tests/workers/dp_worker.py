@@ -46,6 +46,7 @@ WEIGHT_DECAY, MAX_NORM = 0.1, 1.0
 MODES = {
     "ddp": (0, False, None, False, 1),
     "zero1": (1, False, None, False, 1),
+    "zero1_offload": (1, True, None, False, 1),
     "zero2": (2, False, None, False, 1),
     "zero3": (3, False, None, False, 1),
     "zero3_offload": (3, True, None, False, 1),
@@ -145,11 +146,12 @@ def _gradients_not_reduced(model) -> bool:
     return not all(torch.equal(pieces[0], other) for other in pieces[1:])
 
 
-def build_optimizer(model, zero_stage: int, dp_mesh):
-    """AdamW with weight-decay groups; ZeRO-1 shards it over dp."""
+def build_optimizer(model, zero_stage: int, dp_mesh, offload: bool = False):
+    """AdamW with weight-decay groups; ZeRO-1 shards it over dp (and with ``offload`` steps it on the host)."""
     raw = model.module if hasattr(model, "module") else model
     if zero_stage == 1:
-        return build_zero1_optimizer(torch.optim.AdamW, param_groups(raw), dp_mesh.get_group(), **OPTIM)
+        return build_zero1_optimizer(torch.optim.AdamW, param_groups(raw), dp_mesh.get_group(), offload=offload,
+                                     **OPTIM)
     return torch.optim.AdamW(param_groups(raw), **OPTIM)
 
 
@@ -161,7 +163,7 @@ def train_mode(name: str, dp_mesh, steps: int = STEPS, model=None) -> dict:
     if ac:
         apply_activation_checkpointing(model)
     model = apply_data_parallel(model, dp_mesh, stage, offload=offload, param_dtype=param_dtype)
-    opt = build_optimizer(model, stage, dp_mesh)
+    opt = build_optimizer(model, stage, dp_mesh, offload)
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     result = {"losses": []}
     for step, (x, y) in enumerate(batches(steps)):
@@ -199,6 +201,7 @@ def run_numerics(out_dir: str, dp_mesh) -> None:
 # ------------------------------------------------------------------ checkpoints (DCP)
 
 DCP_STEPS = 3
+DCP_MODES = ("zero3", "zero1", "zero1_offload")
 
 
 def full_optim_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
@@ -249,19 +252,19 @@ def load_checkpoint(model, opt, path: str) -> None:
 def run_dcp(out_dir: str, dp_mesh) -> None:
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     results = {}
-    for name in ("zero3", "zero1"):
-        stage = MODES[name][0]
+    for name in DCP_MODES:
+        stage, offload = MODES[name][:2]
         # A single-process checkpoint loaded here: parameters, optimizer state, and one more step.
-        model = apply_data_parallel(build_model(), dp_mesh, stage)
-        opt = build_optimizer(model, stage, dp_mesh)
+        model = apply_data_parallel(build_model(), dp_mesh, stage, offload=offload)
+        opt = build_optimizer(model, stage, dp_mesh, offload)
         load_checkpoint(model, opt, os.path.join(out_dir, "ckpt_single"))
         loaded = {"params": full_params(model), "optim": full_optim_state(model, opt)}
         train_steps(model, opt, dp_rank, dp_size, batches(DCP_STEPS + 1)[DCP_STEPS:])
         loaded["params_next_step"] = full_params(model)
         results[f"{name}_loaded_single"] = loaded
         # Trained here and saved for the single process to load.
-        model = apply_data_parallel(build_model(), dp_mesh, stage)
-        opt = build_optimizer(model, stage, dp_mesh)
+        model = apply_data_parallel(build_model(), dp_mesh, stage, offload=offload)
+        opt = build_optimizer(model, stage, dp_mesh, offload)
         train_steps(model, opt, dp_rank, dp_size, batches(DCP_STEPS))
         save_checkpoint(model, opt, os.path.join(out_dir, f"ckpt_{name}"))
         results[f"{name}_saved"] = {"params": full_params(model), "optim": full_optim_state(model, opt)}
