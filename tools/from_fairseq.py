@@ -7,18 +7,17 @@
     python tools/from_fairseq.py --output my_run.py <the same>     # writes the config file instead
 
 Or run it directly: ``python tools/train_net.py --fairseq-args "<the same>" [overrides]``. The model is
-projects/GPT; the data-bin is trained on with its dict.txt ids unchanged (compat/fairseq/data.py writes the
-index this project reads under DATA/libai_lite/); as fairseq-train, a run resumes from --save-dir's last
+projects/GPT; the data-bin is trained on in place with its dict.txt ids unchanged (nothing is written into
+it); as fairseq-train, a run resumes from --save-dir's last
 checkpoint when it holds one (train_net's --resume). Flags with no effect here, and what differs from fairseq,
 are named on stderr; every flag not taken is refused in one error line, each with its reason.
 """
 from __future__ import annotations
 
 import os
-import shlex
 import sys
-import tempfile
 
+from compat.command_line import emit_config, parse_tool_argv, temporary_config
 from compat.fairseq import prepare_split, render_config, translate_fairseq_args
 from libai_lite.utils.errors import UsageError
 
@@ -47,28 +46,16 @@ def notes_lines(notes, differs) -> list:
 def write_config(flags: str):
     """Write the config for ``flags`` to a temporary file; (its path, start-up lines)."""
     text, notes, differs = prepare(flags, int(os.environ.get("WORLD_SIZE", "1")))
-    fd, path = tempfile.mkstemp(prefix="fairseq_", suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    path = temporary_config(text, "fairseq_")
     return path, notes_lines(notes, differs)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["--help"], ["-h"]):
-        print(__doc__.strip())
-        return 0
-    output = None
-    if argv[:1] == ["--output"]:
-        if len(argv) < 2:
-            print("error: --output needs a file name", file=sys.stderr)
-            return 1
-        output, argv = argv[1], argv[2:]
-    if not argv:
-        print("error: pass a fairseq-train command line, e.g. data-bin --task language_modeling --arch ...",
-              file=sys.stderr)
-        return 1
-    flags = shlex.join(argv)
+    done, output, flags = parse_tool_argv(
+        argv, __doc__, "a fairseq-train command line, e.g. data-bin --task language_modeling --arch ...")
+    if done is not None:
+        return done
     try:
         text, notes, differs = prepare(flags)
     except UsageError as e:
@@ -76,12 +63,7 @@ def main(argv=None) -> int:
         return 1
     for line in notes_lines(notes, differs):
         print(line, file=sys.stderr)
-    config = output or "fairseq_run.py"
-    if output:
-        with open(output, "w") as f:
-            f.write(text)
-    else:
-        print(f"# {config}\n{text}")
+    config = emit_config(text, output, "fairseq_run.py")
     print(f"# run it (your GPU count processes):\nbash tools/train.sh tools/train_net.py {config} NPROC --resume")
     return 0
 

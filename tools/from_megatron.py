@@ -16,12 +16,10 @@ named on stderr; every flag not taken is refused in one error line, each with it
 """
 from __future__ import annotations
 
-import os
-import shlex
 import sys
-import tempfile
 
 from compat.checkpoints import checkpoint_format
+from compat.command_line import emit_config, parse_tool_argv, temporary_config
 from compat.megatron import MEGATRON_MODELS, render_config, translate_megatron_args
 from libai_lite.data.tokenizer_record import read_record
 from libai_lite.utils.errors import UsageError
@@ -43,28 +41,16 @@ def prepare(flags: str):
 def write_config(flags: str):
     """Write the config for ``flags`` to a temporary file; (its path, extra train_net arguments, notes)."""
     text, extra, notes, _ = prepare(flags)
-    fd, path = tempfile.mkstemp(prefix="megatron_", suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    path = temporary_config(text, "megatron_")
     return path, extra, notes
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["--help"], ["-h"]):
-        print(__doc__.strip())
-        return 0
-    output = None
-    if argv[:1] == ["--output"]:
-        if len(argv) < 2:
-            print("error: --output needs a file name", file=sys.stderr)
-            return 1
-        output, argv = argv[1], argv[2:]
-    if not argv:
-        print("error: pass Megatron pretrain_gpt.py flags, e.g. --num-layers 24 --hidden-size 1024 ...",
-              file=sys.stderr)
-        return 1
-    flags = shlex.join(argv)
+    done, output, flags = parse_tool_argv(argv, __doc__,
+                                          "Megatron pretrain_gpt.py flags, e.g. --num-layers 24 --hidden-size 1024 ...")
+    if done is not None:
+        return done
     try:
         text, extra, notes, sizes = prepare(flags)
     except UsageError as e:
@@ -72,12 +58,7 @@ def main(argv=None) -> int:
         return 1
     if notes:
         print("Megatron flags with no effect here: " + "; ".join(notes), file=sys.stderr)
-    config = output or "megatron_run.py"
-    if output:
-        with open(output, "w") as f:
-            f.write(text)
-    else:
-        print(f"# {config}\n{text}")
+    config = emit_config(text, output, "megatron_run.py")
     nproc = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     hint = f"{nproc} x your data-parallel size" if nproc > 1 else "your GPU count"
     print(f"# run it ({hint} processes):\nbash tools/train.sh tools/train_net.py {config} NPROC {' '.join(extra)}"

@@ -35,18 +35,24 @@ Coming from another tool (docs/migrating.md: what each flag or key maps to, has 
 """
 
 
-def _megatron_argv(argv: list):
-    """(``argv`` with ``--megatron-args FLAGS`` replaced by the config file those flags amount to, its start-up
-    notes)."""
+def _translating_tool(name: str):
+    """tools/NAME.py (from_megatron, from_fairseq) as a module: this script's neighbour, not an installed package."""
     import importlib.util
     from pathlib import Path
 
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _megatron_argv(argv: list):
+    """(``argv`` with ``--megatron-args FLAGS`` replaced by the config file those flags amount to, its start-up
+    notes)."""
     i = argv.index("--megatron-args")
     if i + 1 >= len(argv):
         raise SystemExit("error: --megatron-args needs the Megatron flags as one quoted argument")
-    spec = importlib.util.spec_from_file_location("from_megatron", Path(__file__).with_name("from_megatron.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _translating_tool("from_megatron")
     # Every rank translates the flags itself (torchrun starts each with the same command line); rank 0 speaks.
     try:
         path, extra, notes = tool.write_config(argv[i + 1])
@@ -61,15 +67,10 @@ def _megatron_argv(argv: list):
 
 def _fairseq_argv(argv: list):
     """(``argv`` with ``--fairseq-args LINE`` replaced by the config file it amounts to, its start-up notes)."""
-    import importlib.util
-    from pathlib import Path
-
     i = argv.index("--fairseq-args")
     if i + 1 >= len(argv):
         raise SystemExit("error: --fairseq-args needs the fairseq-train command line as one quoted argument")
-    spec = importlib.util.spec_from_file_location("from_fairseq", Path(__file__).with_name("from_fairseq.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _translating_tool("from_fairseq")
     try:
         path, notes = tool.write_config(argv[i + 1])
     except tool.UsageError as e:
