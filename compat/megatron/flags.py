@@ -1,9 +1,9 @@
 """Megatron-LM ``pretrain_gpt.py`` flags (and OneFlow-GPT's ``oneflow_gpt.training``'s): what each means here,
 and the reader of a command line.
 
-OneFlow-GPT's names for Megatron's flags are read as those (``_ALIASES``). Each flag is taken one to one
-(``_DIRECT``, ``_SWITCHES``; ``_ARCH``, ``_ARCH_SWITCHES`` for the model's arguments), by a rule of its own
-(``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``, named at start-up) or refused with
+OneFlow-GPT's and Megatron-DeepSpeed's names for Megatron's flags are read as those (``_ALIASES``). Each flag
+is taken one to one (``_DIRECT``, ``_SWITCHES``; ``_ARCH``, ``_ARCH_SWITCHES`` for the model's arguments), by a
+rule of its own (``_RULES``, in ``translate``), accepted with no effect (``_NO_EFFECT``, named at start-up) or refused with
 what to do instead (``_REFUSED``). A problem found while reading is collected (``_Problems``), so every flag
 not taken is reported together in one error.
 """
@@ -210,6 +210,15 @@ _NO_EFFECT: Dict[str, str] = {
     "--profile-transformer-layer": "--profile traces whole steps with torch.profiler here",
     "--use-external-dataset": "the data are Megatron's .bin/.idx here either way",
     "--save-last": "the end of a run is always saved here (model_final)",
+    # Megatron-DeepSpeed's ZeRO and activation-checkpointing tuning: torch's FSDP2 and checkpointing choose these.
+    "--zero-reduce-scatter": "gradients are reduce-scattered under ZeRO-2/3 by FSDP2 itself",
+    "--zero-contigious-gradients": "FSDP2 keeps each shard's gradients contiguous by itself",
+    "--zero-reduce-bucket-size": "FSDP2 reduces a layer's gradients at once (no bucket size)",
+    "--zero-allgather-bucket-size": "FSDP2 gathers a layer's parameters at once (no bucket size)",
+    "--contigious-checkpointing": "checkpointed activations are not copied into one buffer here",
+    "--checkpoint-in-cpu": "checkpointed activations stay on the device (train.zero_optimization.offload moves "
+                           "optimizer state and, at stage 2/3, parameters)",
+    "--synchronize-each-layer": "layers are not synchronized one by one here",
 }
 _MOE = "a mixture of experts: write a config with model.cfg.moe (README 'Mixture of experts')"
 _RAMPUP = "the global batch size is fixed for a run here: drop it (the run uses --global-batch-size from the start)"
@@ -232,7 +241,13 @@ _REFUSED: Dict[str, str] = {
 }
 # OneFlow-GPT's flag -> Megatron's flag of the same meaning (--max-seq-length: another name of OneFlow-GPT's
 # --seq-length some of its command lines use).
-_ALIASES: Dict[str, str] = {"--learning-rate": "--lr", "--dataset": "--data-path", "--max-seq-length": "--seq-length"}
+_ALIASES: Dict[str, str] = {
+    # OneFlow-GPT's names.
+    "--learning-rate": "--lr", "--dataset": "--data-path", "--max-seq-length": "--seq-length",
+    # Megatron-DeepSpeed's (Megatron-LM 1.x's): --batch-size was per GPU, --warmup a fraction of the iterations.
+    "--model-parallel-size": "--tensor-model-parallel-size", "--batch-size": "--micro-batch-size",
+    "--gas": "--num-accumulation-steps", "--warmup": "--lr-warmup-fraction",
+}
 # Flags with a rule of their own (handled in translate_megatron_args).
 _RULES = ("--seq-length", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "--lr-decay-samples",
           "--lr-warmup-fraction", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--decoupled-lr",
@@ -304,7 +319,7 @@ def _parse(text: str, problems: _Problems) -> Dict[str, List[str]]:
     except ValueError as e:
         raise UsageError(f"Megatron arguments cannot be split into words ({e}): check their quotes") from None
     given: Dict[str, List[str]] = {}
-    spelled: Dict[str, str] = {}  # flag -> how it was first written (itself or its OneFlow-GPT alias)
+    spelled: Dict[str, str] = {}  # flag -> how it was first written (itself or an alias)
     current: Optional[List[str]] = None
     for token in tokens:
         if token.startswith("--"):

@@ -337,3 +337,69 @@ def test_train_sh_carries_the_megatron_args_to_two_ranks(tmp_path):
     assert "dp=2" in (out / "log.txt").read_text() and sorted(losses(out)) == [1, 2]
     assert r.stdout.count("Megatron flags with no effect here:") == 1  # rank 0 names them
 
+
+
+def megatron_deepspeed_gpt2(ds_config, **size) -> str:
+    """Megatron-DeepSpeed's examples/ds_pretrain_gpt2.sh flags (Megatron-LM 1.x names: --model-parallel-size,
+    --batch-size per GPU, --gas, --warmup as a fraction), with its ZeRO and checkpointing tuning flags."""
+    s = dict(mp=2, layers=24, hidden=1024, heads=16, seq=1024, mbs=8, gas=1, iters=320000, save="ckpt",
+             data="my_gpt2_text_document")
+    s.update(size)
+    return (f"--model-parallel-size {s['mp']} --num-layers {s['layers']} --hidden-size {s['hidden']} "
+            f"--num-attention-heads {s['heads']} --seq-length {s['seq']} --max-position-embeddings {s['seq']} "
+            f"--batch-size {s['mbs']} --gas {s['gas']} --train-iters {s['iters']} --lr-decay-iters {s['iters']} "
+            f"--save {s['save']} --load {s['save']} --data-path {s['data']} --vocab-file data_test/gpt2/vocab.json "
+            "--merge-file data_test/gpt2/merges.txt --data-impl mmap --split 949,50,1 --distributed-backend nccl "
+            "--lr 1.5e-4 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 --warmup 0.01 "
+            "--checkpoint-activations --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 "
+            f"--fp16 --deepspeed --deepspeed_config {ds_config} --zero-stage 1 --zero-reduce-bucket-size 50000000 "
+            "--zero-allgather-bucket-size 5000000000 --zero-contigious-gradients --zero-reduce-scatter "
+            "--deepspeed-activation-checkpointing --partition-activations --contigious-checkpointing "
+            "--checkpoint-in-cpu --synchronize-each-layer")
+
+
+def _ds_gpt2_config(path, train_batch, micro, gas):
+    import json
+
+    path.write_text(json.dumps({"train_batch_size": train_batch, "train_micro_batch_size_per_gpu": micro,
+                                "gradient_accumulation_steps": gas, "steps_per_print": 1,
+                                "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+                                "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
+                                         "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 10},
+                                "wall_clock_breakdown": False}))
+    return path
+
+
+def test_megatron_deepspeed_gpt2_script_translates_its_megatron_1x_flags(tmp_path):
+    """--model-parallel-size, --batch-size, --gas and --warmup were 'not known here'; its ZeRO bucket flags too."""
+    run = translate(megatron_deepspeed_gpt2(_ds_gpt2_config(tmp_path / "ds.json", 64, 8, 4), gas=4))
+    a = run.assignments
+    assert a["train.dist.tensor_parallel_size"] == 2 and a["train.train_micro_batch_size"] == 8
+    assert a["train.num_accumulation_steps"] == 4 and a["train.zero_optimization.stage"] == 1
+    assert a["train.amp.initial_scale"] == 1024.0 and a["train.activation_checkpoint.enabled"]
+    assert run.scheduler["warmup_fraction"] == 0.01 and run.scheduler["decay_iters"] == 320000
+    named = " ".join(run.no_effect)
+    for flag in ("--zero-reduce-bucket-size", "--zero-allgather-bucket-size", "--zero-contigious-gradients",
+                 "--zero-reduce-scatter", "--contigious-checkpointing", "--checkpoint-in-cpu",
+                 "--synchronize-each-layer"):
+        assert f"{flag} (" in named, flag
+
+
+@pytest.mark.skipif("--megatron-args" not in (ROOT / "tools/train.sh").read_text(),
+                    reason="tools/train.sh does not take --megatron-args yet")
+def test_megatron_deepspeed_gpt2_script_shrunk_trains_on_two_ranks_with_its_ds_config(tmp_path):
+    from tests.launch import free_port
+
+    out = tmp_path / "ckpt"
+    ds = _ds_gpt2_config(tmp_path / "ds.json", 8, 2, 2)
+    flags = megatron_deepspeed_gpt2(ds, mp=1, layers=2, hidden=64, heads=4, seq=32, mbs=2, gas=2, iters=3, save=out,
+                                    data="data_test/gpt2/demo_gpt2_text_document")
+    r = subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", "--megatron-args", flags, "2",
+                        "dataloader.train.num_workers=0", "train.log_memory_estimate=False",
+                        f"dataloader.train.cache_dir={tmp_path / 'cache'}"],
+                       cwd=ROOT, env=env(PORT=str(free_port())), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (out / "log.txt").read_text()
+    assert "dp=2" in log and "global batch 8 = micro 2 x dp 2 x accumulation 2" in log, log[-3000:]
+    assert sorted(losses(out)) == [1, 2, 3]
+    assert "--zero-reduce-bucket-size (" in log  # the no-effect line, in the run's log
