@@ -276,15 +276,19 @@ def _zero(r: _Reader, ds: Mapping) -> None:
     r.set("train.zero_optimization.offload", offload)
 
 
+def _type_and_params(r: _Reader, ds: Mapping, name: str):
+    """``(type, params)`` of DeepSpeed's ``{"type": ..., "params": {...}}`` section ``name``; other keys refused."""
+    section = r.section(ds, name)
+    for key in section:
+        if key not in ("type", "params"):
+            r.unknown(f"{name}.{key}", key, ("type", "params"))
+    return str(section.get("type", "")), (r.section(section, "params") if "params" in section else {})
+
+
 def _optimizer(r: _Reader, ds: Mapping) -> None:
     if "optimizer" not in ds:
         return
-    section = r.section(ds, "optimizer")
-    for key in section:
-        if key not in ("type", "params"):
-            r.unknown(f"optimizer.{key}", key, ("type", "params"))
-    kind = str(section.get("type", ""))
-    params = r.section(section, "params") if "params" in section else {}
+    kind, params = _type_and_params(r, ds, "optimizer")
     if kind.lower() not in ("adam", "adamw"):
         r.refuse(f"optimizer.type {kind or '(none)'}", "not built here: use Adam or AdamW, or leave the optimizer "
                  "section out and set optim in the config")
@@ -317,15 +321,10 @@ def _optimizer(r: _Reader, ds: Mapping) -> None:
 def _scheduler(r: _Reader, ds: Mapping) -> None:
     if "scheduler" not in ds:
         return
-    section = r.section(ds, "scheduler")
-    for key in section:
-        if key not in ("type", "params"):
-            r.unknown(f"scheduler.{key}", key, ("type", "params"))
-    kind = str(section.get("type", ""))
+    kind, given = _type_and_params(r, ds, "scheduler")
     if kind not in _SCHEDULERS:
         r.refuse(f"scheduler.type {kind or '(none)'}", f"not built here: use {', '.join(_SCHEDULERS)}")
         return
-    given = r.section(section, "params") if "params" in section else {}
     p = dict(_SCHEDULERS[kind])
     for key in given:
         if key not in p:
