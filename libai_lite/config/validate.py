@@ -176,6 +176,8 @@ RANGES: dict[str, "Range | OneOf"] = {
     "optim.weight_decay": _NON_NEGATIVE,
     "optim.eps": _POSITIVE,
     "optim.momentum": _FRACTION,
+    "optim.muon_lr": _POSITIVE,
+    "optim.ns_steps": Range(low=1, high=99, integer=True),
     "optim.betas": Range(low=0, high=1, high_open=True, length=2),
     "optim.params.clip_grad_max_norm": Range(low=0, low_open=True, nullable=True),
     "optim.params.clip_grad_norm_type": Range(low=0, low_open=True, infinite=True),

@@ -17,7 +17,8 @@ def _is_norm(module: nn.Module) -> bool:
 def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = None,
                                  weight_decay_norm: float | None = 0.0, weight_decay_bias: float | None = 0.0,
                                  clip_grad_max_norm: float | None = None, clip_grad_norm_type: float | None = None,
-                                 decoupled_lr: float | None = None, decoupled_min_lr: float | None = None):
+                                 decoupled_lr: float | None = None, decoupled_min_lr: float | None = None,
+                                 muon: bool = False):
     """Split `model`'s trainable parameters into groups by weight decay; a shared parameter appears once.
 
     `weight_decay=None` keeps the optimizer's own value for ordinary weights; biases and normalisation
@@ -26,10 +27,12 @@ def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = 
     (the model's `embedding_parameters()`) groups of their own with that peak lr, decayed by the same
     schedule to `decoupled_min_lr` (None: the schedule's floor ratio of `decoupled_lr`); those groups
     come after the others and carry `decoupled=True`. `clip_grad_max_norm` / `clip_grad_norm_type` are
-    accepted only so LiBai configs load; the trainer clips.
+    accepted only so LiBai configs load; the trainer clips. `muon=True` (for `MuonAdamW`) puts the hidden 2-D
+    weights (not the embedding and output layer) in groups marked `muon=True`, after the AdamW ones.
     """
     del clip_grad_max_norm, clip_grad_norm_type
     special = _decoupled_parameters(model, decoupled_lr, decoupled_min_lr)
+    matrices = _muon_parameters(model) if muon else set()
     buckets: dict[tuple[str, bool], list] = {}
     seen: set[int] = set()
     for module in model.modules():
@@ -38,15 +41,31 @@ def get_default_optimizer_params(model: nn.Module, weight_decay: float | None = 
                 continue
             seen.add(id(p))
             kind = "norm" if _is_norm(module) else "bias" if name == "bias" else "decay"
+            kind = "muon" if kind == "decay" and id(p) in matrices else kind
             buckets.setdefault((kind, id(p) in special), []).append(p)
-    decays = {"decay": {} if weight_decay is None else {"weight_decay": weight_decay},
-              "norm": {"weight_decay": weight_decay_norm or 0.0}, "bias": {"weight_decay": weight_decay_bias or 0.0}}
+    decay = {} if weight_decay is None else {"weight_decay": weight_decay}
+    decays = {"decay": decay, "norm": {"weight_decay": weight_decay_norm or 0.0},
+              "bias": {"weight_decay": weight_decay_bias or 0.0}, "muon": {**decay, "muon": True}}
     extra = {"lr": decoupled_lr, "decoupled": True}
     if decoupled_min_lr is not None:
         extra["min_lr"] = decoupled_min_lr
     # Decoupled groups last: group 0 (the lr the trainer logs) stays the run's own lr.
     return [{"params": buckets[(kind, decoupled)], **decays[kind], **(extra if decoupled else {})}
             for decoupled in (False, True) for kind in decays if (kind, decoupled) in buckets]
+
+
+def _muon_parameters(model: nn.Module) -> set[int]:
+    """Ids of the 2-D weights Muon steps: every matrix but the input word embedding and the output layer."""
+    from ..model import embedding_parameters
+    from ..utils.errors import UsageError
+
+    embeddings = embedding_parameters(model)
+    if embeddings is None:
+        raise UsageError(f"optim.params.muon is set but {type(model).__name__} does not name its embedding and "
+                         f"output layer, which AdamW must train: give it embedding_parameters() (see "
+                         f"libai_lite/model.py) or use AdamW")
+    skip = {id(p) for p in embeddings}
+    return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in skip}
 
 
 def _decoupled_parameters(model: nn.Module, lr: float | None, min_lr: float | None) -> set[int]:

@@ -147,3 +147,12 @@ def test_checkpoint_stall_smoke():
     assert res["stall_ratio"] == pytest.approx(res["async"]["stall_s"] / res["sync"]["stall_s"])
     assert res["meets_target"] == (res["stall_ratio"] <= 0.2)
     assert "async/sync: stall" in out
+
+
+def test_optimizers_smoke_compares_muon_with_adamw_side_by_side():
+    res, out = run_bench("optimizers.py", "--smoke")
+    assert res["benchmark"] == "optimizers" and res["steps"] == 6
+    for name in ("adamw", "muon"):
+        assert positive(res[name]["loss"]) and positive(res[name]["seconds_per_step"])
+    assert res["loss_ratio_muon_over_adamw"] == res["muon"]["loss"] / res["adamw"]["loss"]
+    assert "muon/adamw: loss x" in out
