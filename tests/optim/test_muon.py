@@ -86,6 +86,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, extra", [
+    ("zero1", ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=1"]),
     ("zero3", ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"]),
     ("tp2", ["train.dist.tensor_parallel_size=2"]),
 ])
