@@ -29,7 +29,7 @@ from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, check_sample_layout, parallelize_model
 from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
-from ..utils.distributed import Layout, broadcast_object
+from ..utils.distributed import Layout, broadcast_object, flight_recorder_dir
 from ..utils.errors import UsageError, write_error
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
@@ -373,6 +373,10 @@ class DefaultTrainer:
         refused = broadcast_object(refused)
         if refused:
             raise UsageError(refused)
+        recorder = flight_recorder_dir()
+        if recorder:
+            # Made only once the run owns its folder; every rank, since nodes may not share a filesystem.
+            os.makedirs(recorder, exist_ok=True)
         path = os.path.join(self.output_dir, "log.txt")
         try:
             attach_log_file(self.output_dir, self.layout.rank)
