@@ -71,6 +71,11 @@ class LogSettings:
     peak_tflops: float | None = None  # MFU's denominator; None: the device table's
     memory_estimate: bool = True
     wandb: WandbSettings | None = None
+    # A rank over straggler_ratio x the median rank's step time (and straggler_min_seconds over it) for
+    # straggler_periods log lines is named.
+    straggler_ratio: float | None = 1.2  # None: not watched
+    straggler_periods: int = 2
+    straggler_min_seconds: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
     the evaluation period when it ``evaluates``; null reads as the default where the trainer always read it so."""
     train = cfg.train
     amp, ck, ev = train.get("amp") or {}, train.get("checkpointer") or {}, train.get("evaluation") or {}
+    straggler = train.get("straggler") or {}
     params = (cfg.get("optim") or {}).get("params") or {}
     eval_period = _needed(ev, "eval_period", "train.evaluation") if evaluates else ev.get("eval_period")
     return dict(
@@ -109,7 +115,11 @@ def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
         log=LogSettings(period=_needed(train, "log_period", "train") if trains else train.get("log_period"),
                         peak_tflops=train.get("peak_tflops", None),
                         memory_estimate=bool(train.get("log_memory_estimate", LogSettings.memory_estimate)),
-                        wandb=wandb_settings(train.get("wandb", None))),
+                        wandb=wandb_settings(train.get("wandb", None)),
+                        straggler_ratio=straggler.get("ratio", LogSettings.straggler_ratio),
+                        straggler_periods=int(straggler.get("periods") or LogSettings.straggler_periods),
+                        straggler_min_seconds=float(straggler.get("min_seconds", LogSettings.straggler_min_seconds)
+                                                    or 0.0)),
         profile=profile_settings(train.get("profile")),
     )
 

@@ -16,6 +16,11 @@ train = dict(
     train_epoch=0,
     warmup_ratio=0.01,
     log_period=20,
+    # The log line names a rank whose mean step time (host time outside backward, where data parallelism
+    # waits for the slowest) is over `ratio` x the median rank's, and `min_seconds` or more over it (the
+    # jitter of millisecond steps is no straggler), for `periods` log periods running; ratio null: not
+    # watched. Ranks are compared within their pipeline stage.
+    straggler=dict(ratio=1.2, periods=2, min_seconds=0.02),
     # MFU's denominator in TFLOP/s per GPU, for a device the built-in table (libai_lite/utils/flops.py)
     # does not know or a clock it does not assume; null reads the table by the device's name.
     peak_tflops=None,

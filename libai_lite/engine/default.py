@@ -29,8 +29,9 @@ from ..parallel.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, check_sample_layout, parallelize_model
 from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
-from ..utils.distributed import Layout, broadcast_object
+from ..utils.distributed import Layout, broadcast_object, flight_recorder_dir
 from ..utils.errors import UsageError, write_error
+from .straggler import StragglerWatch
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
 from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, stop_requested
@@ -316,6 +317,7 @@ class DefaultTrainer:
             consumed_fn=lambda: self.consumed_samples_at(self.trainer.next_iter), layout=self.layout,
             metrics=self.model.metrics,
             wandb=build_wandb_writer(spec.log.wandb, self.output_dir, resume=self.resume_path is not None),
+            stragglers=StragglerWatch.for_run(spec.log, self.layout),
         )
         profiler = ProfilerHook(self.output_dir, self.layout.device, spec.profile) if spec.profile else None
         return hooks.hooks_in_order(hooks.IterationTimer(), writer, periodic, hooks.SignalCheckpointer(periodic),
@@ -373,6 +375,8 @@ class DefaultTrainer:
         refused = broadcast_object(refused)
         if refused:
             raise UsageError(refused)
+        if flight_recorder_dir():  # once the run owns its folder; every rank, as nodes may not share one
+            os.makedirs(flight_recorder_dir(), exist_ok=True)
         path = os.path.join(self.output_dir, "log.txt")
         try:
             attach_log_file(self.output_dir, self.layout.rank)

@@ -208,12 +208,13 @@ class PeriodicWriter(HookBase):
 
     The console shows this rank's means since the last log. `metrics.json` holds the logged step's values
     reduced over data-parallel ranks as `metrics` declares, plus each mean-reduced loss's interval mean as
-    `<key>_window_mean`. Device values are read back only once per log line.
+    `<key>_window_mean`. Device values are read back only once per log line. With a ``StragglerWatch``,
+    the line names a rank persistently slower than the others.
     """
 
     def __init__(self, *, output_dir: str, period: int, global_batch_size: int, tokens_per_sample: int | None,
                  flops_per_sample: float | None, peak_flops: float | None, consumed_fn, layout, metrics,
-                 wandb=None):
+                 wandb=None, stragglers=None):
         self.period = max(int(period), 1)
         self.global_batch_size = global_batch_size
         self.tokens_per_sample, self.flops_per_sample, self.peak_flops = tokens_per_sample, flops_per_sample, peak_flops
@@ -225,6 +226,7 @@ class PeriodicWriter(HookBase):
         # The file writers, in the order a row reaches them: metrics.json first, the record a resume reads.
         self._files: list = []
         self._wandb = wandb
+        self._stragglers = stragglers
         self._printer: CommonMetricPrinter | None = None
         if self.main:
             self._files.append(JSONWriter(output_dir))
@@ -290,6 +292,11 @@ class PeriodicWriter(HookBase):
         means = {f"{k}_window_mean": sum(w.get(k, 0.0) for w in window) / len(window) for k in keys
                  if k not in self.metrics or self.metrics[k].reduce == "mean"}
         raw = {**latest, **self._reduce_over_dp({**{k: latest[k] for k in keys}, **means})}
+        if self._stragglers is not None:
+            # Host floats over the control group, on every rank: no device read.
+            named = self._stragglers.observe(*self.trainer.take_step_times())
+            if named and self.main:
+                logger.warning(named)
         if not self.main:
             return
         it, batch = self.trainer.iter, self.global_batch_size

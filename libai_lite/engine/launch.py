@@ -38,7 +38,7 @@ def default_setup(cfg, args) -> Layout:
         from ..evaluation.evaluator import check_evaluator
 
         check_evaluator(cfg.train.evaluation.get("evaluator"))
-    layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"))
+    layout = setup_dist(cfg.train.dist, cfg.train.get("zero_optimization"), cfg.train.get("output_dir"))
     capped = describe_capping(layout.world_size, cfg.train.dist)
     setup_logger(layout.rank)
     if capped:

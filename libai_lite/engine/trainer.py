@@ -160,6 +160,16 @@ class Trainer(TrainerBase):
         # Fused Adam/AdamW/SGD skip a step on the device when given `found_inf` (as GradScaler does).
         parts = optimizer_parts(optimizer)
         self._skips_on_device = bool(parts) and all(getattr(o, "_step_supports_amp_scaling", False) for o in parts)
+        # Host seconds of the steps since ``take_step_times`` outside backward, where data parallelism's
+        # gradient reduction makes every rank wait for the slowest; and the steps they cover.
+        self._own_time, self._own_steps, self._backward_time = 0.0, 0, 0.0
+
+    def take_step_times(self) -> tuple[float, int]:
+        """This rank's mean host seconds per step outside backward since the last call, and the steps it covers."""
+        mean = self._own_time / self._own_steps if self._own_steps else 0.0
+        taken = self._own_steps
+        self._own_time, self._own_steps = 0.0, 0
+        return mean, taken
 
     def autocast(self):
         """The autocast context for this run's precision (a no-op in fp32)."""
@@ -207,7 +217,9 @@ class Trainer(TrainerBase):
                         kept = outputs[k].detach().float()
                         seen.setdefault(k, []).append(kept.clone() if self.cuda_graphs else kept)
                 loss = sum(outputs[k] for k, m in self.metrics.items() if m.backward and k in outputs) / len(batches)
+                began = time.perf_counter()
                 (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
+                self._backward_time += time.perf_counter() - began
             if self.cuda_graphs and micro == 0 and len(batches) > 1:
                 _own_gradients(self.model)
         combine = {"mean": torch.mean, "sum": torch.sum, "max": torch.max}
@@ -327,7 +339,11 @@ class Trainer(TrainerBase):
                     self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.storage.put_scalars(**scalars, time=time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.storage.put_scalars(**scalars, time=elapsed)
+        self._own_time += elapsed - self._backward_time
+        self._own_steps += 1
+        self._backward_time = 0.0
         if scaler is None and not self._skips_on_device and skipped_now:
             self._mark_skipped_row()
         if len(self._pending) >= _MAX_PENDING:

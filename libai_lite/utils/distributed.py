@@ -133,10 +133,45 @@ def default_backend(requested: str | None = None) -> str:
     return requested
 
 
-def _init_process_group(timeout_s: float, backend: str | None = None) -> None:
+# torch's NCCL flight recorder: each variable with the older name torch also reads, so a user's setting under
+# either name is kept. The buffer holds the last collectives of every group; DUMP_ON_TIMEOUT writes it
+# to the file prefix + rank when the watchdog sees a timeout.
+_FLIGHT_RECORDER = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                    ("TORCH_NCCL_DUMP_ON_TIMEOUT", None),
+                    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+FLIGHT_RECORDER_DIR = "flight_recorder"
+
+
+def flight_recorder_env(backend: str, output_dir: str | None, environ=None) -> dict[str, str]:
+    """The environment variables that turn on torch's NCCL flight recorder, dumping into
+    ``<output_dir>/flight_recorder/rank_<r>`` on a collective timeout: none for gloo or without an output
+    directory, and none that the user already set (under either of torch's names)."""
+    environ = os.environ if environ is None else environ
+    if backend != "nccl" or not output_dir:
+        return {}
+    values = ("2000", "1", os.path.join(os.path.abspath(output_dir), FLIGHT_RECORDER_DIR, "rank_"))
+    return {name: value for (name, old), value in zip(_FLIGHT_RECORDER, values)
+            if name not in environ and (old is None or old not in environ)}
+
+
+def flight_recorder_dir(environ=None) -> str | None:
+    """The folder this process's NCCL flight recorder dumps into (None when it is off)."""
+    environ = os.environ if environ is None else environ
+    if _MONITOR.get("backend") != "nccl":
+        return None
+    prefix = environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    size = environ.get("TORCH_FR_BUFFER_SIZE") or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if not prefix or not size or size.strip() == "0" or environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") in ("", "0"):
+        return None
+    return os.path.dirname(prefix) or "."
+
+
+def _init_process_group(timeout_s: float, backend: str | None = None, output_dir: str | None = None) -> None:
     if dist.is_initialized():
         return
     backend = default_backend(backend)
+    # Read by ProcessGroupNCCL when the group is created, so set before it.
+    os.environ.update(flight_recorder_env(backend, output_dir))
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -178,11 +213,12 @@ def check_backend_layout(pipeline_parallel_size: int) -> None:
                          f"or pipeline_parallel_size=1 when ranks share a GPU")
 
 
-def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
+def setup_dist(dist_cfg, zero_cfg=None, output_dir: str | None = None) -> Layout:
     """Initialise the process group and the ("pp", "dp", "cp", "tp") mesh from ``train.dist`` and
-    ``train.zero_optimization`` (``ParallelDims.resolve`` for the world launched); returns the run's ``Layout``."""
+    ``train.zero_optimization`` (``ParallelDims.resolve`` for the world launched); returns the run's ``Layout``.
+    Under NCCL, torch's flight recorder dumps into ``output_dir`` (``flight_recorder_env``)."""
     timeout_s = float(dist_cfg.get("timeout", 600) or 600)
-    _init_process_group(timeout_s, dist_cfg.get("backend", None))
+    _init_process_group(timeout_s, dist_cfg.get("backend", None), output_dir)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     dims = ParallelDims.resolve(world_size, dist_cfg, zero_cfg)
     check_backend_layout(dims.pipeline_parallel_size)
@@ -196,7 +232,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
     if cp > 1:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-    _MONITOR.update(timeout_s=timeout_s, group=dist.new_group(backend="gloo") if world_size > 1 else None,
+    _MONITOR.update(timeout_s=timeout_s, backend=dist.get_backend(), group=dist.new_group(backend="gloo") if world_size > 1 else None,
                     # train.dist.timeout applies here too: a stuck rank must still end the run in time.
                     control=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1
                     else None)
@@ -210,7 +246,7 @@ def setup_dist(dist_cfg, zero_cfg=None) -> Layout:
 _ACTIVITY: dict = {"what": "setup", "iteration": None}
 # "control": a gloo group over all ranks for the few host scalars ranks agree on (the stop flag every step,
 # a log line's sums): reduced in host memory, so under NCCL they never wait on, or read back from, the GPU.
-_MONITOR: dict = {"timeout_s": None, "group": None, "control": None}
+_MONITOR: dict = {"timeout_s": None, "group": None, "control": None, "backend": None}
 
 
 def set_activity(what: str, iteration: int | None = None) -> None:
@@ -309,7 +345,10 @@ def describe_collective_timeout(exc: BaseException) -> str:
     else:
         who = "another rank stopped responding (stuck or dead: see the other ranks' log.txt.rank<N>)"
     after = f" after {timeout:g} s" if timeout else ""
-    return (f"rank {rank} timed out{after} in {_collective_name(exc)} during {where}: {who}; "
+    folder = flight_recorder_dir()
+    dump = (f"; NCCL's flight recorder dumps each rank's last collectives to {folder}{os.sep}rank_<N> "
+            f"(`torchfrtrace {folder}` names the rank and collective that diverged)") if folder else ""
+    return (f"rank {rank} timed out{after} in {_collective_name(exc)} during {where}: {who}{dump}; "
             f"if the work is only slow, raise train.dist.timeout")
 
 
@@ -373,7 +412,7 @@ def broadcast_object(obj, src: int = 0):
 
 def destroy() -> None:
     """Tear down the process group (end of a run or a test)."""
-    _MONITOR.update(timeout_s=None, group=None, control=None)
+    _MONITOR.update(timeout_s=None, group=None, control=None, backend=None)
     set_activity("setup")
     if dist.is_initialized():
         dist.destroy_process_group()

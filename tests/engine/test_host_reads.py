@@ -51,8 +51,9 @@ def test_no_host_reads_in_a_training_step(tmp_path, layout):
                 assert hooks == {"reads": [], "tolist": int(nproc > 1)}, \
                     f"rank {rank}, iteration {it} (no log line): {hooks}"
             else:
-                # Two batched reads, plus over several ranks the dp reduction's and the signal agreement's.
-                assert hooks["reads"] == [] and hooks["tolist"] <= 2 + 2 * (nproc > 1), \
+                # Two batched reads, plus over several ranks the dp reduction's, the signal agreement's and
+                # the straggler watch's gather of host step times (a gloo host tensor, no device read).
+                assert hooks["reads"] == [] and hooks["tolist"] <= 2 + 3 * (nproc > 1), \
                     f"rank {rank}, iteration {it}: {hooks}"
                 if layout == "one_process":
                     assert hooks == {"reads": [], "tolist": 2}, f"rank {rank}, iteration {it}: {hooks}"

@@ -165,6 +165,8 @@ def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gi
         "checkpointer.async_save": rs.CheckpointSettings.async_save,
         "load_weight": rs.CheckpointSettings.load_weight, "evaluation.eval_mode": rs.EvalSettings.mode,
         "peak_tflops": rs.LogSettings.peak_tflops, "log_memory_estimate": rs.LogSettings.memory_estimate,
+        "straggler.ratio": rs.LogSettings.straggler_ratio, "straggler.periods": rs.LogSettings.straggler_periods,
+        "straggler.min_seconds": rs.LogSettings.straggler_min_seconds,
         **{f"wandb.{k}": v for k, v in asdict(rs.WandbSettings()).items()},
         **{f"profile.{k}": v for k, v in asdict(rs.ProfileSettings()).items()},
     }
