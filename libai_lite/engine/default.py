@@ -31,7 +31,6 @@ from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config
 from ..utils.distributed import Layout, broadcast_object, flight_recorder_dir
 from ..utils.errors import UsageError, write_error
-from .straggler import StragglerWatch
 from ..utils.flops import device_peak_flops
 from ..utils.logger import attach_log_file
 from ..utils.process import OutputDirLock, shield_workers_from_stop_signals, stop_requested
@@ -39,6 +38,7 @@ from . import hooks
 from .amp import build_loss_scaler
 from .profiler import ProfilerHook
 from .run_folder import check_output_dir_writable, refuse_existing_run
+from .straggler import StragglerWatch
 from .trainer import Trainer
 from .wandb_writer import build_wandb_writer
 
@@ -355,10 +355,9 @@ class DefaultTrainer:
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if state.get("data_parallel_size") not in (None, self.layout.data_parallel_size):
-            logger.warning(
-                f"data_parallel_size changed from {state['data_parallel_size']} to {self.layout.data_parallel_size}: "
-                f"the data position is kept as {self.consumed_samples} consumed samples, so every sample is seen once"
-            )
+            logger.warning(f"data_parallel_size changed from {state['data_parallel_size']} to "
+                           f"{self.layout.data_parallel_size}: the data position is kept as {self.consumed_samples} "
+                           f"consumed samples, so every sample is seen once")
 
     def _setup_output(self) -> None:
         refused = None
