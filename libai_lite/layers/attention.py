@@ -133,7 +133,8 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window} needs causal self-attention and a window of at least "
                              f"1 position")
         if qk_norm and is_cross_attention:
-            raise ValueError("qk_norm normalises self-attention's query and key heads; leave it off for cross-attention")
+            raise ValueError("qk_norm normalises self-attention's query and key heads; leave it off for "
+                             "cross-attention")
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads

@@ -113,7 +113,8 @@ def _tp_ranks(rank: int, world: int, port: int, out: str) -> None:
             dist.all_gather(list(full.chunk(world, dim=1)), got.contiguous())
         weights = torch.linspace(-1, 1, full.numel()).view_as(full)
         (got * (weights.chunk(world, dim=1)[rank] if sp else weights)).sum().backward()
-        results[sp] = {"out": _plain(full), "grads": {n: _plain(p.grad.full_tensor()) for n, p in block.named_parameters()},
+        grads = {n: _plain(p.grad.full_tensor()) for n, p in block.named_parameters()}
+        results[sp] = {"out": _plain(full), "grads": grads,
                        "placements": {n: str(p.placements[0]) for n, p in block.named_parameters()}}
     if rank == 0:
         torch.save(results, os.path.join(out, "tp.pt"))

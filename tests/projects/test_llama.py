@@ -1,4 +1,4 @@
-"""projects/Llama: Hugging Face Llama, Mistral and Qwen2 in and out, generation, training under layouts.
+"""projects/Llama: Hugging Face Llama, Mistral, Qwen2, Qwen3 and Mixtral in and out, generation, training under layouts.
 
 Tiny randomly initialised transformers models are saved with save_pretrained, imported with
 tools/hf_convert.py, compared logit for logit with transformers, exported and reloaded with
@@ -34,7 +34,8 @@ STEPS = 6
 
 def _hf_model(kind):
     """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query, a sliding window of 5 positions
-    (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; mixtral: top-2 of 4 experts."""
+    (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; qwen3: per-head q/k norms,
+    head_dim 32 over hidden 64 / 4 heads, tied (as its small sizes); mixtral: top-2 of 4 experts."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -46,6 +47,8 @@ def _hf_model(kind):
                     transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
                   transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                           rope_theta=1e6, **common), transformers.Qwen3ForCausalLM),
         "mixtral": (transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                **common), transformers.MixtralForCausalLM),
     }[kind]
@@ -78,7 +81,7 @@ def _logits_match(ours, hf):
     torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
 def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(kind, tmp_path):
     hf = _hf_model(kind)
     hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
@@ -90,7 +93,9 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     assert cfg.train.load_weight == str(out) and cfg.model.cfg.vocab_size == 8064  # padded as the trainer pads
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     assert model_cfg["num_key_value_heads"] == hf.config.num_key_value_heads
-    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["tie_word_embeddings"] == (kind == "qwen2")
+    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["qk_norm"] == (kind == "qwen3")
+    assert model_cfg["tie_word_embeddings"] == (kind in ("qwen2", "qwen3"))
+    assert model_cfg["head_size"] == (32 if kind == "qwen3" else None)
     assert model_cfg["sliding_window"] == (5 if kind == "mistral" else None)
     ours = LlamaForPreTraining(model_cfg)
     Checkpointer(ours).load(str(out), weights_only=True)
