@@ -3,7 +3,8 @@
 Tiny randomly initialised transformers models are saved with save_pretrained, imported with
 tools/hf_convert.py, compared logit for logit with transformers, exported and reloaded with
 transformers' from_pretrained, and decoded greedily against transformers' generate. A GQA shape
-trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve. A Llama over a
+trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve, a Qwen3 shape (per-head
+q/k norms) under tp=2 on its curve and to its norm scales. A Llama over a
 tokenizer.json that adds BOS exports a tokenizer AutoTokenizer loads with our ids, and generates and
 scores (perplexity, LAMBADA) with BOS first, as transformers does.
 """
@@ -259,7 +260,8 @@ def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp
 # ----------------------------------------------------------------------------------- shapes and tokenizer
 
 PUBLISHED = {"tinyllama_1.1B": 1_100_048_384, "llama3_8B": 8_030_261_248, "llama3_70B": 70_553_706_496,
-             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704}
+             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704,
+             "qwen3_0.6B": 596_049_920, "qwen3_8B": 8_190_735_360}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -271,7 +273,8 @@ def test_real_shapes_on_meta_match_published_and_transformers(name):
     cfg = OmegaConf.to_container(LazyConfig.load(str(ROOT / f"projects/Llama/configs/{name}.py")).model.cfg,
                                  resolve=True)
     hf_config = config_to_hf(cfg)
-    hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}.get(
+    hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                "mixtral": transformers.MixtralForCausalLM}.get(
         hf_config["model_type"], transformers.LlamaForCausalLM)
     with torch.device("meta"):
         ours = LlamaForPreTraining(cfg)
@@ -513,3 +516,34 @@ def test_qwen2_shape_tied_head_trains_the_one_process_curve_under_pp2(tmp_path):
     assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))
     for it in reference:
         assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
+
+
+QWEN3 = ["model.cfg.qk_norm=True", "model.cfg.head_size=32", "model.cfg.tie_word_embeddings=True"]
+
+
+def test_qwen3_shape_trains_the_one_process_curve_under_tp2(tmp_path):
+    """Per-head q/k norms (replicated scales over split heads), heads of 32 over hidden 64 / 4 heads and a tied
+    head: tp=2 trains one process's curve."""
+    r = train_net(_args(tmp_path / "one", *QWEN3), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = losses(tmp_path / "one" / "out")
+    r = train_ranks(2, _args(tmp_path / "tp2", *QWEN3, "train.dist.tensor_parallel_size=2"), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(tmp_path / "tp2" / "out")
+    assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))
+    for it in reference:
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
+    # The saved norm scales are rank 0's copy: trained on its own heads' gradients only, they would differ.
+    # (Adam turns float noise in near-zero gradients into lr-sized steps, so other weights are not compared.)
+    cfg = LazyConfig.load(str(ROOT / CONFIG)).model.cfg
+    cfg.update(hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_seq_length=32, vocab_size=8192, qk_norm=True, head_size=32, tie_word_embeddings=True)
+    trained = {}
+    for run in ("one", "tp2"):
+        model = LlamaForPreTraining(cfg)
+        Checkpointer(model).load(str(tmp_path / run / "out" / "model_final"), weights_only=True)
+        trained[run] = model.state_dict()
+    norms = [name for name in trained["one"] if name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4
+    for name in norms:
+        torch.testing.assert_close(trained["tp2"][name], trained["one"][name], atol=1e-5, rtol=0, msg=name)
