@@ -150,6 +150,23 @@ def test_import_refuses_biases_llama_lacks_in_one_line(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_qwen3_sliding_window_import_and_qk_norm_with_biases_export_are_refused_in_one_line(tmp_path, capsys):
+    from projects.Llama.modeling.hf_mapping import config_to_hf
+
+    hf = _hf_model("qwen3")
+    hf.config.use_sliding_window = True
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "use_sliding_window=true" in errors[0]
+    assert not os.path.exists(tmp_path / "out")
+    cfg = dict(hidden_layers=2, vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+               qk_norm=True, qkv_bias=True)
+    with pytest.raises(UsageError, match="qk_norm .* cannot be exported"):
+        config_to_hf(cfg)
+    assert config_to_hf({**cfg, "qkv_bias": False})["architectures"] == ["Qwen3ForCausalLM"]
+
+
 # ----------------------------------------------------------------------------------- training
 
 TINY = [
