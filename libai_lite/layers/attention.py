@@ -221,7 +221,9 @@ class MultiheadAttention(nn.Module):
             # [b, s, kv, g * hd] -> [b, s, kv * g, hd]: query head kv * g + j belongs to key/value head kv.
             query = query.reshape(bsz, q_len, -1, hd)
             if self.q_norm is not None:
-                query, key = self.q_norm(query), self.k_norm(key)
+                # Back in the projection's dtype (fp32 norm scales under autocast): the cache and the kernels
+                # then get q, k and v in one dtype.
+                query, key = self.q_norm(query).to(query.dtype), self.k_norm(key).to(key.dtype)
             query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             if self.rotary is not None:
                 if position_ids is None:

@@ -66,6 +66,14 @@ def test_qk_norm_cached_decoding_equals_the_whole_sequence():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_qk_norm_under_bf16_autocast_caches_keys_in_the_values_dtype():
+    attn = _attention().eval()
+    cache = KVCache(capacity=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(torch.randn(2, 6, HIDDEN), kv_cache=cache)
+    assert out.dtype == cache.key.dtype == cache.value.dtype == torch.bfloat16
+
+
 def test_qk_norm_is_refused_for_cross_attention():
     with pytest.raises(ValueError, match="qk_norm"):
         MultiheadAttention(HIDDEN, HEADS, attn_mask_type="padding", is_cross_attention=True, qk_norm=True)
