@@ -127,9 +127,10 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     assert torch.equal(got, expected)
 
 
-def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(kind, tmp_path):
     """tools/generate.py --hf-dir, split over 2 ranks (a key/value head each), decodes as transformers."""
-    hf = _hf_model("llama")
+    hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
     prompt = [5, 17, 300, 42, 7]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0,
