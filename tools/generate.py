@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hf-dir", metavar="DIR", help="a Hugging Face model directory (config.json + weights)")
     src.add_argument("--no-verify", action="store_true",
                      help="load --checkpoint without checking its files against the checksums in its manifest.json")
-    src.add_argument("--model", choices=("gpt2", "t5", "mt5", "llama", "mistral", "qwen2", "mixtral"),
+    src.add_argument("--model", choices=("gpt2", "t5", "mt5", "llama", "mistral", "qwen2", "qwen3", "mixtral"),
                      help="model type of --hf-dir (default: from its config.json)")
     tok = p.add_argument_group("tokenizer (default: the config's, or the files in --hf-dir)")
     tok.add_argument("--vocab-file", metavar="FILE", help="GPT-2 vocab.json")

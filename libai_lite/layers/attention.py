@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sbp import broadcast, declare, hidden
+from ..sbp import broadcast, declare, hidden, split
 from ..utils.errors import UsageError
 from .flex_attention import AttentionMask, check_buckets, flex_attend, flex_enabled, shared_mask
 from .init_methods import InitMethod
+from .layer_norm import RMSLayerNorm
 from .linear import Linear1D
 from .rotary import RotaryEmbedding, apply_rotary
 
@@ -70,6 +71,15 @@ def _key_mask(attention_mask: torch.Tensor, device) -> torch.Tensor:
     return mask[:, None, None, :] if mask.dim() == 2 else mask
 
 
+def _head_norm(head_size: int, eps: float, layer_idx: int) -> RMSLayerNorm:
+    """An RMS norm over each head of ``[batch, seq, heads, head_size]``. Its scale is replicated under tensor
+    parallelism while its input holds this rank's heads (split on dim 2), so the scale's gradient sums the
+    ranks' partial ones."""
+    norm = RMSLayerNorm(head_size, eps=eps, layer_idx=layer_idx)
+    norm.sbp = declare(weight=broadcast, input=split(2), output=split(2))
+    return norm
+
+
 class MultiheadAttention(nn.Module):
     """Self- or cross-attention through ``F.scaled_dot_product_attention``.
 
@@ -86,6 +96,8 @@ class MultiheadAttention(nn.Module):
     projection is laid out per key/value group, ``[kv_heads, group + 2, head_size]``, so tensor
     parallelism splits whole groups and a ``KVCache`` stores only the key/value heads. Query head ``h``
     reads key/value head ``h // group``. ``qkv_bias`` (default ``bias``) sets the q/k/v bias alone.
+    ``qk_norm`` RMS-normalises each query and key head over ``head_size`` (``q_norm``/``k_norm``, one
+    scale shared by all heads, epsilon ``qk_norm_eps``) before the rotary embedding (self-attention only).
     ``rope_theta`` and ``rope_scaling`` enable rotary embeddings, computed after sequence parallelism
     has gathered the whole sequence. Under context parallelism keys and values are gathered over the
     cp ranks and masked by global positions.
@@ -100,7 +112,7 @@ class MultiheadAttention(nn.Module):
                  head_size: Optional[int] = None, softmax_scale: Optional[float] = None,
                  num_key_value_heads: Optional[int] = None, qkv_bias: Optional[bool] = None,
                  rope_theta: Optional[float] = None, rope_scaling: Optional[dict] = None,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6):
         super().__init__()
         if attn_mask_type not in ("causal", "padding"):
             raise ValueError(f"attn_mask_type must be 'causal' or 'padding', got {attn_mask_type!r}")
@@ -120,6 +132,9 @@ class MultiheadAttention(nn.Module):
         if sliding_window is not None and (attn_mask_type != "causal" or int(sliding_window) < 1):
             raise ValueError(f"sliding_window={sliding_window} needs causal self-attention and a window of at least "
                              f"1 position")
+        if qk_norm and is_cross_attention:
+            raise ValueError("qk_norm normalises self-attention's query and key heads; leave it off for "
+                             "cross-attention")
 
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -153,6 +168,8 @@ class MultiheadAttention(nn.Module):
                                         counts="num_key_value_heads")
         self.dense = proj(inner, hidden_size, "row", 1, output_layer_init_method or init_method, bias)
         self.rotary = None if rope_theta is None else RotaryEmbedding(head_size, rope_theta, rope_scaling)
+        self.q_norm = _head_norm(head_size, qk_norm_eps, layer_idx) if qk_norm else None
+        self.k_norm = _head_norm(head_size, qk_norm_eps, layer_idx) if qk_norm else None
         self.output_dropout = nn.Dropout(output_dropout_prob)
         # Set by libai_lite.parallel.context_parallel.apply_context_parallel (causal self-attention only).
         self.context_parallel = None
@@ -202,8 +219,12 @@ class MultiheadAttention(nn.Module):
             qkv = self.query_key_value(hidden_states).view(bsz, q_len, -1, (g + 2) * hd)
             query, key, value = qkv.split([g * hd, hd, hd], dim=-1)
             # [b, s, kv, g * hd] -> [b, s, kv * g, hd]: query head kv * g + j belongs to key/value head kv.
-            query = query.reshape(bsz, q_len, -1, hd).transpose(1, 2)
-            key, value = key.transpose(1, 2), value.transpose(1, 2)
+            query = query.reshape(bsz, q_len, -1, hd)
+            if self.q_norm is not None:
+                # Back in the projection's dtype (fp32 norm scales under autocast): the cache and the kernels
+                # then get q, k and v in one dtype.
+                query, key = self.q_norm(query).to(query.dtype), self.k_norm(key).to(key.dtype)
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             if self.rotary is not None:
                 if position_ids is None:
                     past = kv_cache.length if kv_cache is not None else 0
@@ -336,4 +357,6 @@ class MultiheadAttention(nn.Module):
     def extra_repr(self) -> str:
         kind = "cross" if self.is_cross_attention else self.attn_mask_type
         kv = "" if self.group == 1 else f", kv_heads={self.num_key_value_heads}"
-        return f"heads={self.num_attention_heads}{kv}, head_size={self.head_size}, {kind}, layer_idx={self.layer_idx}"
+        qk = ", qk_norm" if self.q_norm is not None else ""
+        return (f"heads={self.num_attention_heads}{kv}, head_size={self.head_size}{qk}, {kind}, "
+                f"layer_idx={self.layer_idx}")

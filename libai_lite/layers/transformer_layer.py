@@ -17,7 +17,8 @@ class TransformerLayer(nn.Module):
     """``x + attn(ln(x))`` then ``x + mlp(ln(x))``, with dropouts inside attention and MLP. With
     ``apply_residual_post_layernorm`` each residual is the normalised input; with ``moe`` the feed-forward
     is a ``MoELayer``. A Llama layer sets ``norm="rmsnorm"``, ``gated=True`` with ``activation="silu"``
-    and the attention options of ``MultiheadAttention``.
+    and the attention options of ``MultiheadAttention``; ``qk_norm`` normalises its query and key heads with
+    ``layernorm_epsilon``; ``head_size`` (default ``hidden_size // num_attention_heads``) is its heads' width.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -27,7 +28,7 @@ class TransformerLayer(nn.Module):
                  apply_residual_post_layernorm: bool = False, layer_idx: int = 0, moe: Optional[MoEConfig] = None,
                  norm: str = "layernorm", gated: bool = False, num_key_value_heads: Optional[int] = None,
                  qkv_bias: Optional[bool] = None, rope_theta: Optional[float] = None, rope_scaling=None,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, qk_norm: bool = False, head_size: Optional[int] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.apply_residual_post_layernorm = apply_residual_post_layernorm
@@ -41,7 +42,8 @@ class TransformerLayer(nn.Module):
                                                  attention_dropout_prob=attention_dropout_prob,
                                                  num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
                                                  rope_theta=rope_theta, rope_scaling=rope_scaling,
-                                                 sliding_window=sliding_window, **common)
+                                                 sliding_window=sliding_window, qk_norm=qk_norm,
+                                                 qk_norm_eps=layernorm_epsilon, head_size=head_size, **common)
         self.post_attention_layernorm = norms[norm](hidden_size, eps=layernorm_epsilon, layer_idx=layer_idx)
         feed_forward = MLP if moe is None else functools.partial(MoELayer, moe)
         # Only a gated layer passes `gated`, so feed-forward blocks without the option still fit.

@@ -107,24 +107,25 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement)
 
 
 class ReplicateParallel(ParallelStyle):
-    """Replicate a module's parameters as DTensors broadcast from the first rank and run it on replicated
-    inputs. Outputs come back local after redistribution to ``output_layout``.
+    """Replicate a module's parameters as DTensors broadcast from the first rank and run it on inputs laid out
+    as ``input_layout`` (replicated by default). Outputs come back local after redistribution to ``output_layout``.
     """
 
-    def __init__(self, output_layout: Placement = Replicate()):
+    def __init__(self, output_layout: Placement = Replicate(), input_layout: Placement = Replicate()):
         super().__init__()
         self.output_layout = output_layout
+        self.input_layout = input_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)
-        rep = Replicate()
+        layout = self.input_layout
 
         def pre_hook(_mod, args, kwargs):
-            conv = (lambda x: _to_dtensor(x, device_mesh, rep, rep))
+            conv = (lambda x: _to_dtensor(x, device_mesh, layout, layout))
             return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
 
         def post_hook(_mod, _args, output):
-            local = (lambda x: _to_dtensor(x, device_mesh, rep, self.output_layout).to_local()
+            local = (lambda x: _to_dtensor(x, device_mesh, layout, self.output_layout).to_local()
                      if isinstance(x, DTensor) else x)
             return tree_map(local, output)
 
@@ -242,6 +243,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False) -> d
             plan[name] = _split_style(name, m, decl, sp, stream)
         elif sp and _tp(decl.input, sp) == stream and out == stream:
             plan[name] = _BroadcastSequenceParallel(use_local_output=True)
+        elif isinstance(out, Shard) and _tp(decl.input, sp) == out:
+            # Acting on each rank's slice alone (a per-head norm): DTensor then sums the weight's gradient.
+            plan[name] = ReplicateParallel(output_layout=out, input_layout=out)
         else:
             # Under sequence parallelism a replicated lookup joining the hidden states (positions)
             # returns its slice; on -2, since its output may lack the batch dimension.

@@ -1,9 +1,10 @@
-"""projects/Llama: Hugging Face Llama, Mistral and Qwen2 in and out, generation, training under layouts.
+"""projects/Llama: Hugging Face Llama, Mistral, Qwen2, Qwen3 and Mixtral in and out, generation, training under layouts.
 
 Tiny randomly initialised transformers models are saved with save_pretrained, imported with
 tools/hf_convert.py, compared logit for logit with transformers, exported and reloaded with
 transformers' from_pretrained, and decoded greedily against transformers' generate. A GQA shape
-trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve. A Llama over a
+trains under tp=2, pp=2 (1F1B) and dp=2 ZeRO-3 on the one-process loss curve, a Qwen3 shape (per-head
+q/k norms) under tp=2 on its curve and to its norm scales. A Llama over a
 tokenizer.json that adds BOS exports a tokenizer AutoTokenizer loads with our ids, and generates and
 scores (perplexity, LAMBADA) with BOS first, as transformers does.
 """
@@ -34,7 +35,8 @@ STEPS = 6
 
 def _hf_model(kind):
     """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query, a sliding window of 5 positions
-    (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; mixtral: top-2 of 4 experts."""
+    (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; qwen3: per-head q/k norms,
+    head_dim 32 over hidden 64 / 4 heads, tied (as its small sizes); mixtral: top-2 of 4 experts."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -46,6 +48,8 @@ def _hf_model(kind):
                     transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
                   transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                           rope_theta=1e6, **common), transformers.Qwen3ForCausalLM),
         "mixtral": (transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                **common), transformers.MixtralForCausalLM),
     }[kind]
@@ -78,7 +82,7 @@ def _logits_match(ours, hf):
     torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
 def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(kind, tmp_path):
     hf = _hf_model(kind)
     hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
@@ -90,7 +94,9 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     assert cfg.train.load_weight == str(out) and cfg.model.cfg.vocab_size == 8064  # padded as the trainer pads
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     assert model_cfg["num_key_value_heads"] == hf.config.num_key_value_heads
-    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["tie_word_embeddings"] == (kind == "qwen2")
+    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["qk_norm"] == (kind == "qwen3")
+    assert model_cfg["tie_word_embeddings"] == (kind in ("qwen2", "qwen3"))
+    assert model_cfg["head_size"] == (32 if kind == "qwen3" else None)
     assert model_cfg["sliding_window"] == (5 if kind == "mistral" else None)
     ours = LlamaForPreTraining(model_cfg)
     Checkpointer(ours).load(str(out), weights_only=True)
@@ -121,9 +127,10 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     assert torch.equal(got, expected)
 
 
-def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_tool_on_a_llama_directory_under_tp2_gives_transformers_tokens(kind, tmp_path):
     """tools/generate.py --hf-dir, split over 2 ranks (a key/value head each), decodes as transformers."""
-    hf = _hf_model("llama")
+    hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
     prompt = [5, 17, 300, 42, 7]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0,
@@ -142,6 +149,23 @@ def test_import_refuses_biases_llama_lacks_in_one_line(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "mlp_bias=true" in errors[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_qwen3_sliding_window_import_and_qk_norm_with_biases_export_are_refused_in_one_line(tmp_path, capsys):
+    from projects.Llama.modeling.hf_mapping import config_to_hf
+
+    hf = _hf_model("qwen3")
+    hf.config.use_sliding_window = True
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "use_sliding_window=true" in errors[0]
+    assert not os.path.exists(tmp_path / "out")
+    cfg = dict(hidden_layers=2, vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+               qk_norm=True, qkv_bias=True)
+    with pytest.raises(UsageError, match="qk_norm .* cannot be exported"):
+        config_to_hf(cfg)
+    assert config_to_hf({**cfg, "qkv_bias": False})["architectures"] == ["Qwen3ForCausalLM"]
 
 
 # ----------------------------------------------------------------------------------- training
@@ -254,7 +278,8 @@ def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp
 # ----------------------------------------------------------------------------------- shapes and tokenizer
 
 PUBLISHED = {"tinyllama_1.1B": 1_100_048_384, "llama3_8B": 8_030_261_248, "llama3_70B": 70_553_706_496,
-             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704}
+             "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704,
+             "qwen3_0.6B": 596_049_920, "qwen3_8B": 8_190_735_360}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -266,7 +291,8 @@ def test_real_shapes_on_meta_match_published_and_transformers(name):
     cfg = OmegaConf.to_container(LazyConfig.load(str(ROOT / f"projects/Llama/configs/{name}.py")).model.cfg,
                                  resolve=True)
     hf_config = config_to_hf(cfg)
-    hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}.get(
+    hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                "mixtral": transformers.MixtralForCausalLM}.get(
         hf_config["model_type"], transformers.LlamaForCausalLM)
     with torch.device("meta"):
         ours = LlamaForPreTraining(cfg)
@@ -508,3 +534,34 @@ def test_qwen2_shape_tied_head_trains_the_one_process_curve_under_pp2(tmp_path):
     assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))
     for it in reference:
         assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
+
+
+QWEN3 = ["model.cfg.qk_norm=True", "model.cfg.head_size=32", "model.cfg.tie_word_embeddings=True"]
+
+
+def test_qwen3_shape_trains_the_one_process_curve_under_tp2(tmp_path):
+    """Per-head q/k norms (replicated scales over split heads), heads of 32 over hidden 64 / 4 heads and a tied
+    head: tp=2 trains one process's curve."""
+    r = train_net(_args(tmp_path / "one", *QWEN3), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = losses(tmp_path / "one" / "out")
+    r = train_ranks(2, _args(tmp_path / "tp2", *QWEN3, "train.dist.tensor_parallel_size=2"), config=CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    curve = losses(tmp_path / "tp2" / "out")
+    assert sorted(curve) == sorted(reference) == list(range(1, STEPS + 1))
+    for it in reference:
+        assert curve[it] == pytest.approx(reference[it], rel=2e-4, abs=2e-4), it
+    # The saved norm scales are rank 0's copy: trained on its own heads' gradients only, they would differ.
+    # (Adam turns float noise in near-zero gradients into lr-sized steps, so other weights are not compared.)
+    cfg = LazyConfig.load(str(ROOT / CONFIG)).model.cfg
+    cfg.update(hidden_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_seq_length=32, vocab_size=8192, qk_norm=True, head_size=32, tie_word_embeddings=True)
+    trained = {}
+    for run in ("one", "tp2"):
+        model = LlamaForPreTraining(cfg)
+        Checkpointer(model).load(str(tmp_path / run / "out" / "model_final"), weights_only=True)
+        trained[run] = model.state_dict()
+    norms = [name for name in trained["one"] if name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4
+    for name in norms:
+        torch.testing.assert_close(trained["tp2"][name], trained["one"][name], atol=1e-5, rtol=0, msg=name)

@@ -30,6 +30,8 @@ cfg = dict(
     tie_word_embeddings=False,
     # Qwen2 biases q, k and v (and nothing else).
     qkv_bias=False,
+    # Qwen3 RMS-normalises each query and key head (over head_size) before the rotary embedding.
+    qk_norm=False,
     # Mistral 7B v0.1's 4096: each position attends to itself and the window - 1 before it; None: all.
     sliding_window=None,
     # LM head + loss in one step without the [tokens, vocab] logits tensor.

@@ -1,4 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` <-> ``LlamaModel``.
+"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and
+``MixtralForCausalLM`` <-> ``LlamaModel``.
 
 HF's ``q_proj``/``k_proj``/``v_proj`` become our fused ``query_key_value`` laid out per key/value head,
 ``[kv_heads, group + 2, head_size]``, so a tensor-parallel split hands each rank whole groups; RoPE uses
@@ -6,7 +7,8 @@ HF's rotate-half convention, so rows load unpermuted. ``gate_proj`` and ``up_pro
 into our gated ``dense_h_to_4h``. Mixtral's sparse blocks are our MoE layers (router ``gate``, experts'
 ``w1``/``w3``/``w2`` or transformers 5's fused ``gate_up_proj``/``down_proj``; export writes the Hub's
 layout). Mistral's ``sliding_window`` maps to ``model.cfg.sliding_window`` and a Llama checkpoint with a
-window exports as ``MistralForCausalLM``; Qwen2's per-layer window is refused.
+window exports as ``MistralForCausalLM``; Qwen2's and Qwen3's per-layer window is refused. Qwen3's per-head
+``q_norm``/``k_norm`` are our attention's ``qk_norm`` scales (one ``head_dim`` vector each per layer).
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ from libai_lite.utils.errors import UsageError
 
 from .llama_model import LlamaForPreTraining, LlamaModel
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
 EMBEDDING_KEY = "embeddings.weight"
 VOCAB_KEYS = (EMBEDDING_KEY, "lm_head.weight")
 _DEFAULTS = {k: p.default for k, p in inspect.signature(LlamaModel.__init__).parameters.items()
@@ -53,7 +55,7 @@ def _rope(c: Mapping[str, Any]) -> tuple[float, dict | None]:
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
-    """Our ``model.cfg`` (LlamaModel arguments) for a Llama, Mistral or Qwen2 ``config.json`` dict."""
+    """Our ``model.cfg`` (LlamaModel arguments) for a Llama, Mistral, Qwen2, Qwen3 or Mixtral ``config.json`` dict."""
     c = hf_config
     if c.get("hidden_act", "silu") != "silu":
         raise UsageError(f"config.json hidden_act={c['hidden_act']!r}; LlamaModel runs the SwiGLU (silu) MLP only")
@@ -66,8 +68,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
     head_size = int(c.get("head_dim") or hidden // heads)
     theta, scaling = _rope(c)
     window = c.get("sliding_window") if c.get("model_type") in ("mistral", "mixtral") else None
-    if c.get("model_type") == "qwen2" and c.get("use_sliding_window"):
-        raise UsageError("config.json sets use_sliding_window=true: Qwen2's window on the layers from "
+    if c.get("model_type") in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+        raise UsageError("config.json sets use_sliding_window=true: Qwen's window on the layers from "
                          "max_window_layers on is not supported, so this model cannot be converted")
     return dict(
         hidden_layers=int(_hf(c, "num_hidden_layers")),
@@ -88,6 +90,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
         qkv_bias=c.get("model_type") == "qwen2",
         moe=_moe_from_hf(c),
         sliding_window=None if window is None else int(window),
+        qk_norm=c.get("model_type") == "qwen3",
     )
 
 
@@ -109,12 +112,16 @@ def _ours(cfg: Mapping[str, Any], key: str) -> Any:
 
 def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     """A Hugging Face config dict (``config.json``): ``mixtral`` with MoE layers, ``qwen2`` when q/k/v have
-    biases, ``mistral`` with a sliding window, else ``llama``."""
+    biases, ``qwen3`` with per-head q/k norms, ``mistral`` with a sliding window, else ``llama``."""
     cfg = dict(model_cfg)
     moe = dict(cfg.get("moe") or {})
     window = cfg.get("sliding_window")
+    qk_norm = bool(_ours(cfg, "qk_norm"))
     model_type = ("mixtral" if moe.get("enabled") else "qwen2" if _ours(cfg, "qkv_bias")
-                  else "mistral" if window else "llama")
+                  else "qwen3" if qk_norm else "mistral" if window else "llama")
+    if qk_norm and (moe.get("enabled") or _ours(cfg, "qkv_bias") or window):
+        raise UsageError("model.cfg sets qk_norm (Qwen3) with MoE layers, q/k/v biases or a sliding_window: "
+                         "Qwen3ForCausalLM has none of them, so this model cannot be exported")
     if model_type == "qwen2" and window:
         raise UsageError("model.cfg has q/k/v biases (Qwen2) and a sliding_window: no Hugging Face class has both, "
                          "so this model cannot be exported")
@@ -151,6 +158,8 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
         out.update(attention_bias=False, mlp_bias=False)
     if model_type == "mistral":
         out.update(sliding_window=int(window))
+    if model_type == "qwen3":
+        out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     if model_type == "mixtral":
         out.update(num_local_experts=int(moe["num_experts"]), num_experts_per_tok=int(moe["top_k"]),
                    router_aux_loss_coef=float(moe.get("aux_loss_weight", 0.0)),
@@ -260,6 +269,9 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, A
             out[q + ours] = src(p + theirs)
         out.update(_mlp_from_hf(src, p, q, _experts(model_cfg)))
         attn = p + "self_attn."
+        if _ours(model_cfg, "qk_norm"):
+            for n in "qk":
+                out[f"{q}self_attention.{n}_norm.weight"] = src(f"{attn}{n}_norm.weight")
         for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
             out[f"{q}self_attention.query_key_value.{kind}"] = _fuse_qkv(
                 *(src(f"{attn}{n}_proj.{kind}") for n in "qkv"), kv)
@@ -284,6 +296,9 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
             parts = _split_qkv(src(f"{q}self_attention.query_key_value.{kind}"), heads, kv, head_size)
             for n, t in zip("qkv", parts):
                 out[f"{p}self_attn.{n}_proj.{kind}"] = t
+        if _ours(model_cfg, "qk_norm"):
+            for n in "qk":
+                out[f"{p}self_attn.{n}_norm.weight"] = src(f"{q}self_attention.{n}_norm.weight")
     src.check_all_used()
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, TinyLlama), built from libai_lite's parallel-aware layers.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, TinyLlama), built from libai_lite's parallel-aware layers.
 
 Read top to bottom: token embedding -> pre-RMSNorm layers (rotary positions, grouped-query attention,
 SwiGLU MLP, no biases) -> final RMSNorm -> LM head (untied unless ``tie_word_embeddings``), then
@@ -31,7 +31,8 @@ class LlamaModel(DecoderLM):
     ``num_key_value_heads`` (default ``num_attention_heads``) < heads is grouped-query attention;
     ``head_size`` defaults to ``hidden_size // num_attention_heads``; ``rope_theta`` and
     ``rope_scaling`` (Llama 3's ``{"rope_type": "llama3", ...}``) set the rotary frequencies;
-    no projection has a bias but, with ``qkv_bias``, q/k/v (Qwen2). On a pipeline stage that lacks
+    no projection has a bias but, with ``qkv_bias``, q/k/v (Qwen2); ``qk_norm`` RMS-normalises each query
+    and key head before RoPE (Qwen3, whose ``head_size`` need not be hidden / heads). On a pipeline stage that lacks
     pieces: with ``embeddings`` None the input is hidden states; with ``final_layernorm`` and/or
     ``lm_head`` None hidden states come out.
     ``max_seq_length`` bounds generation and sets the demo's sequence length (RoPE has no table).
@@ -64,6 +65,7 @@ class LlamaModel(DecoderLM):
         fused_cross_entropy: bool = True,
         moe: Optional[Mapping[str, Any]] = None,
         sliding_window: Optional[int] = None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         self.hidden_layers = hidden_layers
@@ -90,7 +92,7 @@ class LlamaModel(DecoderLM):
                 bias=False, activation="silu", attn_mask_type="causal", layer_idx=i, norm="rmsnorm",
                 gated=True, num_key_value_heads=num_key_value_heads, qkv_bias=qkv_bias,
                 moe=moe_cfg if moe_cfg.is_moe_layer(i) else None, rope_theta=rope_theta, rope_scaling=rope_scaling,
-                sliding_window=sliding_window,
+                sliding_window=sliding_window, qk_norm=qk_norm, head_size=head_size,
             )
             for i in range(hidden_layers)
         })
