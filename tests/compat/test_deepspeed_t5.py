@@ -54,3 +54,5 @@ def test_the_t5_guides_deepspeed_configs_train_mt5_with_their_settings(tmp_path,
     assert cfg.train.zero_optimization.enabled
     if case == "moe_zero2":  # DeepSpeed's train batch: micro 2 x accumulation 2 x 2 ranks
         assert "global batch 8 = micro 2 x dp 2 x accumulation 2" in (out / "log.txt").read_text()
+        # FSDP2's warning about the position bias each layer passes on, once a rank, said nothing to act on.
+        assert "returned a view tensor" not in r.stderr, r.stderr[-3000:]

@@ -1,5 +1,6 @@
 """One T5 block: RMS-normed pre-LN self-attention, cross-attention (decoder only) and feed-forward."""
 import functools
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -10,6 +11,11 @@ from libai_lite.layers.attention import KVCache
 from libai_lite.layers.init_methods import InitMethod
 
 from .relative_position import RelativePositionBias, diagonal_buckets
+
+# Each layer passes the stack's position bias on as it received it, and FSDP2 wraps a module's inputs in views of
+# its own: it then warns, on every rank, that the layer returned a view an in-place op could detach from its hooks.
+# No layer changes the bias in place, so the warning says nothing a user can act on.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMT5TransformerLayer\) returned a view tensor")
 
 # model_type -> (activation, gated): T5 v1.0 uses ReLU, T5 v1.1 / mT5 gated-GELU ("gelu_new").
 FEED_FORWARD = {"t5": ("relu", False), "mt5": ("gelu_tanh", True)}
