@@ -1,24 +1,21 @@
 """Muon for the hidden matrices, AdamW for the embedding, output layer, norms and biases (modded-nanogpt's and
-nanochat's recipe): ``from configs.common.optim_muon import optim`` in place of configs/common/optim.py's."""
-from libai_lite.config import LazyCall
-from libai_lite.optim import MuonAdamW, get_default_optimizer_params
+nanochat's recipe): ``from configs.common.optim_muon import optim`` in place of configs/common/optim.py's, whose
+AdamW settings and parameter groups it keeps."""
+import copy
 
+from configs.common.optim import optim as _adamw
+from libai_lite.config import LazyCall
+from libai_lite.optim import MuonAdamW
+
+_params = copy.deepcopy(_adamw.params)
+_params.muon = True
 optim = LazyCall(MuonAdamW)(
-    params=LazyCall(get_default_optimizer_params)(
-        # params.model is set to the model by the trainer before instantiating.
-        clip_grad_max_norm=1.0,
-        clip_grad_norm_type=2.0,
-        weight_decay_norm=0.0,
-        weight_decay_bias=0.0,
-        decoupled_lr=None,
-        decoupled_min_lr=None,
-        muon=True,
-    ),
+    params=_params,
     # AdamW's groups.
-    lr=1e-4,
-    weight_decay=0.01,
-    betas=(0.9, 0.95),
-    eps=1e-8,
+    lr=_adamw.lr,
+    weight_decay=_adamw.weight_decay,
+    betas=_adamw.betas,
+    eps=_adamw.eps,
     # Muon's groups: their own peak lr on the same schedule; torch.optim.Muon's shape adjustment of it.
     muon_lr=0.02,
     momentum=0.95,
