@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--model", metavar="TYPE",
                      help="Hugging Face model_type of the directory (gpt2, t5, mt5, llama, mistral, qwen2, qwen3, "
-                          "mixtral or one your project registers; default: config.json's)")
+                          "qwen3_moe, mixtral or one your project registers; default: config.json's)")
     imp.add_argument("--config-file", metavar="FILE",
                      help="a training config of your own project: its model class's registered mapping converts "
                           "the weights and the fine-tuning config starts from it (default: the built-in project "
@@ -63,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a checkpoint saved under any layout (tp, pp, ZeRO) into a one-process model and write "
                     "config.json, generation_config.json and model.safetensors for transformers' from_pretrained "
                     "(GPT2LMHeadModel, T5ForConditionalGeneration, MT5ForConditionalGeneration, LlamaForCausalLM, "
-                    "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM). The vocabulary size comes from the "
-                    "checkpoint; when the config names a tokenizer, the padded rows are cut to its real vocabulary "
-                    "and its files are copied (a tokenizer.json with a tokenizer_config.json that AutoTokenizer "
-                    "loads). Before the directory is kept, transformers (when installed) loads it, and its logits on "
-                    "a probe batch must be the checkpoint model's: an export transformers would run as another model "
-                    "is refused.",
+                    "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM). The vocabulary size "
+                    "comes from the checkpoint; when the config names a tokenizer, the padded rows are cut to its real "
+                    "vocabulary and its files are copied (a tokenizer.json with a tokenizer_config.json that "
+                    "AutoTokenizer loads). Before the directory is kept, transformers (when installed) loads it, and its "
+                    "logits on a probe batch must be the checkpoint model's: an export transformers would run as another "
+                    "model is refused.",
     )
     exp.add_argument("--config-file", required=True,
                      help="the run's config (its output config.yaml, or the .py); its model class's registered "

@@ -34,7 +34,8 @@ class MoEConfig:
     Each token goes to ``top_k`` of ``num_experts``, spread over ``ep_size`` data-parallel ranks.
     ``capacity_factor`` is a multiple of the balanced load, None for no limit. Every ``every_n_layers``-th
     feed-forward layer of a stack is an MoE layer. ``jitter_noise`` multiplies the router input by
-    ``U(1 - eps, 1 + eps)`` while training.
+    ``U(1 - eps, 1 + eps)`` while training. ``ffn_hidden_size`` is each expert's width, None for the model's
+    (fine-grained recipes such as Qwen3-MoE run many narrow experts).
     """
 
     enabled: bool = False
@@ -45,6 +46,7 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     every_n_layers: int = 2
     jitter_noise: float = 0.0
+    ffn_hidden_size: Optional[int] = None
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "ep_size", "every_n_layers"):
@@ -53,6 +55,12 @@ class MoEConfig:
                 shown = "null" if value is None else repr(value)
                 raise UsageError(f"model.cfg.moe.{name}={shown} must be a positive integer")
             setattr(self, name, int(value))
+        if self.ffn_hidden_size is not None:
+            value = self.ffn_hidden_size
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
+                raise UsageError(f"model.cfg.moe.ffn_hidden_size={value!r} must be a positive integer (or null for "
+                                 f"the model's ffn_hidden_size)")
+            self.ffn_hidden_size = int(value)
         if self.top_k > self.num_experts:
             raise UsageError(f"model.cfg.moe.top_k={self.top_k} is more than num_experts={self.num_experts}; "
                              f"use top_k <= num_experts (1 or 2 are the usual choices)")
@@ -218,7 +226,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden_size, moe.num_experts, init_method=init_method,
                              jitter_noise=moe.jitter_noise, layer_idx=layer_idx)
         self.experts = Experts({
-            str(e): MLP(hidden_size, ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
+            str(e): MLP(hidden_size, moe.ffn_hidden_size or ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
             for e in range(moe.num_experts)
         })
         # Replaced by libai_lite.parallel.expert_parallel to exchange tokens over the expert-parallel group.

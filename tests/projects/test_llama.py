@@ -36,7 +36,8 @@ STEPS = 6
 def _hf_model(kind):
     """llama: GQA 4/2 with Llama 3 rope scaling, untied; mistral: multi-query, a sliding window of 5 positions
     (shorter than the test sequences and the cached decoding); qwen2: q/k/v bias, tied; qwen3: per-head q/k norms,
-    head_dim 32 over hidden 64 / 4 heads, tied (as its small sizes); mixtral: top-2 of 4 experts."""
+    head_dim 32 over hidden 64 / 4 heads, tied (as its small sizes); mixtral: top-2 of 4 experts; qwen3_moe: Qwen3's
+    attention, layer 0 dense (decoder_sparse_step 2) and layer 1 top-2 of 4 experts of width 48, untied."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -50,6 +51,9 @@ def _hf_model(kind):
                   transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                                            rope_theta=1e6, **common), transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig(num_key_value_heads=2, head_dim=32, rope_theta=1e6, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=2,
+                                                  norm_topk_prob=True, **common), transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                **common), transformers.MixtralForCausalLM),
     }[kind]
@@ -82,7 +86,7 @@ def _logits_match(ours, hf):
     torch.testing.assert_close(got[keep], expected[keep], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(kind, tmp_path):
     hf = _hf_model(kind)
     hf_dir, out, exp = tmp_path / "hf", tmp_path / "imported", tmp_path / "exported"
@@ -94,9 +98,11 @@ def test_import_matches_transformers_export_reloads_and_greedy_decoding_agrees(k
     assert cfg.train.load_weight == str(out) and cfg.model.cfg.vocab_size == 8064  # padded as the trainer pads
     model_cfg = OmegaConf.to_container(cfg.model.cfg, resolve=True)
     assert model_cfg["num_key_value_heads"] == hf.config.num_key_value_heads
-    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["qk_norm"] == (kind == "qwen3")
+    assert model_cfg["qkv_bias"] == (kind == "qwen2") and model_cfg["qk_norm"] == (kind in ("qwen3", "qwen3_moe"))
     assert model_cfg["tie_word_embeddings"] == (kind in ("qwen2", "qwen3"))
-    assert model_cfg["head_size"] == (32 if kind == "qwen3" else None)
+    assert model_cfg["head_size"] == (32 if kind in ("qwen3", "qwen3_moe") else None)
+    if kind == "qwen3_moe":
+        assert (model_cfg["moe"]["every_n_layers"], model_cfg["moe"]["ffn_hidden_size"]) == (2, 48)
     assert model_cfg["sliding_window"] == (5 if kind == "mistral" else None)
     ours = LlamaForPreTraining(model_cfg)
     Checkpointer(ours).load(str(out), weights_only=True)
@@ -166,6 +172,23 @@ def test_qwen3_sliding_window_import_and_qk_norm_with_biases_export_are_refused_
     with pytest.raises(UsageError, match="qk_norm .* cannot be exported"):
         config_to_hf(cfg)
     assert config_to_hf({**cfg, "qkv_bias": False})["architectures"] == ["Qwen3ForCausalLM"]
+    moe = dict(enabled=True, num_experts=4, top_k=2, every_n_layers=1, ffn_hidden_size=16)
+    assert config_to_hf({**cfg, "qkv_bias": False, "moe": moe})["architectures"] == ["Qwen3MoeForCausalLM"]
+    with pytest.raises(UsageError, match="Mixtral's experts are as wide as its feed-forward"):
+        config_to_hf({**cfg, "qkv_bias": False, "qk_norm": False, "moe": moe})
+
+
+@pytest.mark.parametrize("change, says", [({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
+                                          ({"norm_topk_prob": False}, "norm_topk_prob=false")])
+def test_qwen3_moe_layouts_not_built_here_are_refused_at_import_in_one_line(tmp_path, capsys, change, says):
+    hf = _hf_model("qwen3_moe")
+    for key, value in change.items():
+        setattr(hf.config, key, value)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "--hf-dir", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and says in errors[0]
+    assert not os.path.exists(tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------------- training
@@ -279,7 +302,7 @@ def test_tensor_parallel_4_over_2_key_value_heads_is_refused_by_the_launcher(tmp
 
 PUBLISHED = {"tinyllama_1.1B": 1_100_048_384, "llama3_8B": 8_030_261_248, "llama3_70B": 70_553_706_496,
              "mistral_7B": 7_248_023_552, "qwen2_7B": 7_615_616_512, "mixtral_8x7B": 46_702_792_704,
-             "qwen3_0.6B": 596_049_920, "qwen3_8B": 8_190_735_360}
+             "qwen3_0.6B": 596_049_920, "qwen3_8B": 8_190_735_360, "qwen3_30B_A3B": 30_532_122_624}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -292,7 +315,7 @@ def test_real_shapes_on_meta_match_published_and_transformers(name):
                                  resolve=True)
     hf_config = config_to_hf(cfg)
     hf_class = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-                "mixtral": transformers.MixtralForCausalLM}.get(
+                "qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}.get(
         hf_config["model_type"], transformers.LlamaForCausalLM)
     with torch.device("meta"):
         ours = LlamaForPreTraining(cfg)

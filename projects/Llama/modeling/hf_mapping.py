@@ -1,5 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and
-``MixtralForCausalLM`` <-> ``LlamaModel``.
+"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` <-> ``LlamaModel``.
 
 HF's ``q_proj``/``k_proj``/``v_proj`` become our fused ``query_key_value`` laid out per key/value head,
 ``[kv_heads, group + 2, head_size]``, so a tensor-parallel split hands each rank whole groups; RoPE uses
@@ -9,6 +9,9 @@ into our gated ``dense_h_to_4h``. Mixtral's sparse blocks are our MoE layers (ro
 layout). Mistral's ``sliding_window`` maps to ``model.cfg.sliding_window`` and a Llama checkpoint with a
 window exports as ``MistralForCausalLM``; Qwen2's and Qwen3's per-layer window is refused. Qwen3's per-head
 ``q_norm``/``k_norm`` are our attention's ``qk_norm`` scales (one ``head_dim`` vector each per layer).
+Qwen3-MoE is Qwen3's attention with every ``decoder_sparse_step``-th feed-forward a mixture of narrow experts
+(``moe_intermediate_size``, our ``moe.ffn_hidden_size``; router ``mlp.gate``, experts ``mlp.experts.{e}.*_proj``
+or the fused layout), the others Qwen3's dense MLP (``intermediate_size``).
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ from libai_lite.utils.errors import UsageError
 
 from .llama_model import LlamaForPreTraining, LlamaModel
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_QK_NORM = ("qwen3", "qwen3_moe")
 EMBEDDING_KEY = "embeddings.weight"
 VOCAB_KEYS = (EMBEDDING_KEY, "lm_head.weight")
 _DEFAULTS = {k: p.default for k, p in inspect.signature(LlamaModel.__init__).parameters.items()
@@ -55,7 +59,8 @@ def _rope(c: Mapping[str, Any]) -> tuple[float, dict | None]:
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
-    """Our ``model.cfg`` (LlamaModel arguments) for a Llama, Mistral, Qwen2, Qwen3 or Mixtral ``config.json`` dict."""
+    """Our ``model.cfg`` (LlamaModel arguments) for a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Mixtral
+    ``config.json`` dict."""
     c = hf_config
     if c.get("hidden_act", "silu") != "silu":
         raise UsageError(f"config.json hidden_act={c['hidden_act']!r}; LlamaModel runs the SwiGLU (silu) MLP only")
@@ -68,7 +73,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
     head_size = int(c.get("head_dim") or hidden // heads)
     theta, scaling = _rope(c)
     window = c.get("sliding_window") if c.get("model_type") in ("mistral", "mixtral") else None
-    if c.get("model_type") in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+    if c.get("model_type") in ("qwen2", *_QK_NORM) and c.get("use_sliding_window"):
         raise UsageError("config.json sets use_sliding_window=true: Qwen's window on the layers from "
                          "max_window_layers on is not supported, so this model cannot be converted")
     return dict(
@@ -90,16 +95,36 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict:
         qkv_bias=c.get("model_type") == "qwen2",
         moe=_moe_from_hf(c),
         sliding_window=None if window is None else int(window),
-        qk_norm=c.get("model_type") == "qwen3",
+        qk_norm=c.get("model_type") in _QK_NORM,
     )
 
 
 def _moe_from_hf(c: Mapping[str, Any]) -> dict | None:
+    if c.get("model_type") == "qwen3_moe":
+        return _qwen3_moe_from_hf(c)
     if c.get("model_type") != "mixtral":
         return None
     return dict(enabled=True, num_experts=int(_hf(c, "num_local_experts")), top_k=int(_hf(c, "num_experts_per_tok")),
                 ep_size=1, capacity_factor=None, aux_loss_weight=float(c.get("router_aux_loss_coef") or 0.0),
                 every_n_layers=1, jitter_noise=float(c.get("router_jitter_noise") or 0.0))
+
+
+def _qwen3_moe_from_hf(c: Mapping[str, Any]) -> dict | None:
+    # The Hub's config.json says num_experts; transformers 5 saves it as num_local_experts.
+    experts = int(_hf(c, "num_experts", None) or _hf(c, "num_local_experts", 0))
+    top_k = int(_hf(c, "num_experts_per_tok"))
+    if experts == 0:
+        return None
+    if c.get("mlp_only_layers"):
+        raise UsageError(f"config.json sets mlp_only_layers={list(c['mlp_only_layers'])}: dense layers other than "
+                         f"every decoder_sparse_step-th are not supported, so this model cannot be converted")
+    if top_k > 1 and not c.get("norm_topk_prob", True):
+        raise UsageError("config.json sets norm_topk_prob=false: the MoE router renormalises the top-k weights "
+                         "(as every released Qwen3-MoE does), so this model cannot be converted")
+    return dict(enabled=True, num_experts=experts, top_k=top_k, ep_size=1, capacity_factor=None,
+                aux_loss_weight=float(c.get("router_aux_loss_coef") or 0.0),
+                every_n_layers=int(c.get("decoder_sparse_step") or 1), jitter_noise=0.0,
+                ffn_hidden_size=int(_hf(c, "moe_intermediate_size")))
 
 
 def _ours(cfg: Mapping[str, Any], key: str) -> Any:
@@ -111,21 +136,25 @@ def _ours(cfg: Mapping[str, Any], key: str) -> Any:
 
 
 def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
-    """A Hugging Face config dict (``config.json``): ``mixtral`` with MoE layers, ``qwen2`` when q/k/v have
-    biases, ``qwen3`` with per-head q/k norms, ``mistral`` with a sliding window, else ``llama``."""
+    """A Hugging Face config dict (``config.json``): ``qwen3_moe`` with per-head q/k norms and MoE layers,
+    ``mixtral`` with MoE layers alone, ``qwen2`` when q/k/v have biases, ``qwen3`` with per-head q/k norms,
+    ``mistral`` with a sliding window, else ``llama``."""
     cfg = dict(model_cfg)
     moe = dict(cfg.get("moe") or {})
     window = cfg.get("sliding_window")
     qk_norm = bool(_ours(cfg, "qk_norm"))
-    model_type = ("mixtral" if moe.get("enabled") else "qwen2" if _ours(cfg, "qkv_bias")
-                  else "qwen3" if qk_norm else "mistral" if window else "llama")
-    if qk_norm and (moe.get("enabled") or _ours(cfg, "qkv_bias") or window):
-        raise UsageError("model.cfg sets qk_norm (Qwen3) with MoE layers, q/k/v biases or a sliding_window: "
-                         "Qwen3ForCausalLM has none of them, so this model cannot be exported")
+    model_type = ("qwen3_moe" if moe.get("enabled") and qk_norm else "mixtral" if moe.get("enabled")
+                  else "qwen2" if _ours(cfg, "qkv_bias") else "qwen3" if qk_norm else "mistral" if window else "llama")
+    if qk_norm and (_ours(cfg, "qkv_bias") or window):
+        raise UsageError(f"model.cfg sets qk_norm (Qwen3) with q/k/v biases or a sliding_window: "
+                         f"{_ARCHITECTURES[model_type]} has neither, so this model cannot be exported")
+    if model_type == "mixtral" and moe.get("ffn_hidden_size") not in (None, int(_ours(cfg, "ffn_hidden_size"))):
+        raise UsageError("model.cfg.moe.ffn_hidden_size differs from ffn_hidden_size: Mixtral's experts are as wide "
+                         "as its feed-forward, so this model cannot be exported (with qk_norm it is Qwen3-MoE)")
     if model_type == "qwen2" and window:
         raise UsageError("model.cfg has q/k/v biases (Qwen2) and a sliding_window: no Hugging Face class has both, "
                          "so this model cannot be exported")
-    if moe.get("enabled") and (int(moe.get("every_n_layers", 1)) != 1 or _ours(cfg, "qkv_bias")):
+    if model_type == "mixtral" and (int(moe.get("every_n_layers", 1)) != 1 or _ours(cfg, "qkv_bias")):
         raise UsageError("model.cfg.moe has every_n_layers != 1 or q/k/v biases: Mixtral makes every layer a "
                          "mixture of experts without biases, so this model cannot be exported")
     heads = int(_ours(cfg, "num_attention_heads"))
@@ -158,8 +187,13 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
         out.update(attention_bias=False, mlp_bias=False)
     if model_type == "mistral":
         out.update(sliding_window=int(window))
-    if model_type == "qwen3":
+    if model_type in _QK_NORM:
         out.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3_moe":
+        out.update(num_experts=int(moe["num_experts"]), num_experts_per_tok=int(moe["top_k"]),
+                   moe_intermediate_size=int(moe.get("ffn_hidden_size") or _ours(cfg, "ffn_hidden_size")),
+                   decoder_sparse_step=int(moe.get("every_n_layers", 1)), mlp_only_layers=[], norm_topk_prob=True,
+                   router_aux_loss_coef=float(moe.get("aux_loss_weight", 0.0)), output_router_logits=False)
     if model_type == "mixtral":
         out.update(num_local_experts=int(moe["num_experts"]), num_experts_per_tok=int(moe["top_k"]),
                    router_aux_loss_coef=float(moe.get("aux_loss_weight", 0.0)),
@@ -209,9 +243,12 @@ _LAYER_KEYS = (("input_layernorm.weight", "input_layernorm.weight"),
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
 
-def _experts(cfg: Mapping[str, Any]) -> int:
+def _experts(cfg: Mapping[str, Any], layer: int) -> int:
+    """Experts in layer ``layer``'s feed-forward: 0 for a dense one."""
     moe = dict(cfg.get("moe") or {})
-    return int(moe["num_experts"]) if moe.get("enabled") else 0
+    if not moe.get("enabled") or (layer + 1) % int(moe.get("every_n_layers", 1)):
+        return 0
+    return int(moe["num_experts"])
 
 
 def _ours_mlp(q: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict:
@@ -219,10 +256,17 @@ def _ours_mlp(q: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) 
 
 
 def _mlp_from_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
-    """One layer's feed-forward weights: a SwiGLU MLP, or Mixtral's router and experts in either layout."""
+    """One layer's feed-forward weights: a SwiGLU MLP, or Mixtral's or Qwen3-MoE's router and experts in either
+    layout."""
     if not experts:
         return _ours_mlp(f"{q}mlp.", *(src(f"{p}mlp.{names[0]}.weight") for names in (_GATE, _UP, _DOWN)))
     out = {}
+    if f"{p}mlp.experts.0.gate_proj.weight" in src.sd:  # Qwen3-MoE's Hub layout
+        out[f"{q}mlp.router.weight"] = src(f"{p}mlp.gate.weight")
+        for e in range(experts):
+            weights = (src(f"{p}mlp.experts.{e}.{names[0]}.weight") for names in (_GATE, _UP, _DOWN))
+            out.update(_ours_mlp(f"{q}mlp.experts.{e}.", *weights))
+        return out
     if f"{p}mlp.experts.gate_up_proj" in src.sd:  # transformers 5's fused layout
         out[f"{q}mlp.router.weight"] = src(f"{p}mlp.gate.weight")
         gate, up = src(f"{p}mlp.experts.gate_up_proj").chunk(2, dim=1)
@@ -244,12 +288,15 @@ def _theirs_mlp(src: StateDictSource, q: str, p: str, which: int) -> dict:
     return {f"{p}{names[which]}.weight": t for names, t in zip((_GATE, _UP, _DOWN), (gate, up, down))}
 
 
-def _mlp_to_hf(src: StateDictSource, p: str, q: str, experts: int) -> dict:
+def _mlp_to_hf(src: StateDictSource, p: str, q: str, experts: int, qwen: bool) -> dict:
+    """One layer's feed-forward in the Hub's layout: Qwen3-MoE's ``mlp.experts.{e}.gate_proj`` or Mixtral's
+    ``block_sparse_moe.experts.{e}.w1``."""
     if not experts:
         return _theirs_mlp(src, f"{q}mlp.", f"{p}mlp.", 0)
-    out = {f"{p}block_sparse_moe.gate.weight": src(f"{q}mlp.router.weight")}
+    block, which = (f"{p}mlp.", 0) if qwen else (f"{p}block_sparse_moe.", 1)
+    out = {f"{block}gate.weight": src(f"{q}mlp.router.weight")}
     for e in range(experts):
-        out.update(_theirs_mlp(src, f"{q}mlp.experts.{e}.", f"{p}block_sparse_moe.experts.{e}.", 1))
+        out.update(_theirs_mlp(src, f"{q}mlp.experts.{e}.", f"{block}experts.{e}.", which))
     return out
 
 
@@ -267,7 +314,7 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, A
         p, q = f"model.layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_KEYS:
             out[q + ours] = src(p + theirs)
-        out.update(_mlp_from_hf(src, p, q, _experts(model_cfg)))
+        out.update(_mlp_from_hf(src, p, q, _experts(model_cfg, i)))
         attn = p + "self_attn."
         if _ours(model_cfg, "qk_norm"):
             for n in "qk":
@@ -291,7 +338,7 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], model_cfg: Mapping[str, Any
         p, q = f"model.layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_KEYS:
             out[p + theirs] = src(q + ours)
-        out.update(_mlp_to_hf(src, p, q, _experts(model_cfg)))
+        out.update(_mlp_to_hf(src, p, q, _experts(model_cfg, i), qwen=bool(_ours(model_cfg, "qk_norm"))))
         for kind in ("weight", "bias") if _ours(model_cfg, "qkv_bias") else ("weight",):
             parts = _split_qkv(src(f"{q}self_attention.query_key_value.{kind}"), heads, kv, head_size)
             for n, t in zip("qkv", parts):
