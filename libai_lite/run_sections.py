@@ -1,24 +1,31 @@
-"""The settings of a run's optimizer step, checkpoints, evaluation, writers and profiler, read once from its config.
+"""The settings of a run's optimizer step, checkpoints, evaluation, writers and profiler, each declared once.
 
-Each section is a frozen dataclass ``run_spec.resolve_run`` fills, so builders and hooks take settings, not
-config nodes. A key a config leaves out takes the field's default, which matches ``configs/common/train.py``
-except where absence means off: warmup, evaluation, the best checkpoint, ``max_to_keep`` and clipping.
+Each section is a frozen dataclass whose fields name their config key, default, range and meaning
+(``config.settings.setting``); ``read_sections`` fills them from a config and ``check_settings`` checks every
+key they declare before anything is built, so builders and hooks take settings, not config nodes. A default
+is what a key the config leaves out reads as; it matches ``configs/common/train.py`` (a test checks) except
+where absence means off: warmup, evaluation, the best checkpoint, ``max_to_keep`` and clipping.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from .utils.errors import UsageError
+from .config.settings import read_settings, setting, setting_rules
+from .config.validate import (COUNT, COUNT_OR_NULL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, RANGES, SWITCH, OneOf,
+                              Range, check_ranges)
 
 
 @dataclass(frozen=True)
 class LossScale:
     """fp16's dynamic loss scaling (``train.amp``)."""
 
-    initial_scale: float = 65536.0
-    growth_interval: int = 1000
-    # An overflow at this scale or below stops the run: its gradients are not finite at any scale.
-    min_loss_scale: float = 1.0
+    initial_scale: float = setting(65536.0, key="train.amp.initial_scale", rule=POSITIVE,
+                                   doc="the loss scale of the first step")
+    growth_interval: int = setting(1000, key="train.amp.growth_interval", rule=COUNT,
+                                   doc="steps without an overflow before the scale doubles")
+    min_loss_scale: float = setting(1.0, key="train.amp.min_loss_scale", rule=POSITIVE,
+                                    doc="an overflow at this scale or below stops the run: its gradients are not "
+                                        "finite at any scale")
 
 
 @dataclass(frozen=True)
@@ -26,21 +33,29 @@ class OptimStep:
     """What the trainer adds to ``cfg.optim``'s step: gradient clipping (``optim.params``) and how many batches
     with a non-finite loss it skips before stopping."""
 
-    clip_grad_max_norm: float | None = None
-    clip_grad_norm_type: float = 2.0
-    max_skipped_nonfinite: int = 0
+    clip_grad_max_norm: float | None = setting(None, key="optim.params.clip_grad_max_norm",
+                                               rule=Range(low=0, low_open=True, nullable=True),
+                                               doc="the gradients' global norm is clipped to this; null: not clipped")
+    clip_grad_norm_type: float = setting(2.0, key="optim.params.clip_grad_norm_type",
+                                         rule=Range(low=0, low_open=True, infinite=True), null_is_default=True,
+                                         doc="the p of the clipped p-norm (inf: the largest entry)")
+    max_skipped_nonfinite: int = setting(0, key="train.max_skipped_nonfinite",
+                                         rule=Range(low=0, integer=True, nullable=True), null_is_default=True,
+                                         doc="batches with a NaN/inf loss skipped before the run stops (not fp16)")
 
 
 @dataclass(frozen=True)
 class CheckpointSettings:
     """``train.checkpointer`` and where the run writes (``train.output_dir``) and reads weights from."""
 
-    output_dir: str | None
-    # Iterations between periodic checkpoints (0: only the final one); None only where no training runs.
-    period: int | None
-    max_to_keep: int | None = None
-    async_save: bool | None = None  # None: on a GPU, off on the CPU (checkpoint.dcp_io.resolve_async_save)
-    load_weight: str | None = ""
+    output_dir: str | None = setting(None, key="train.output_dir", doc="the run's folder")
+    period: int | None = setting(None, key="train.checkpointer.period", rule=NON_NEGATIVE_INT, needed_when="trains",
+                                 doc="iterations between periodic checkpoints (0: only the final one)")
+    max_to_keep: int | None = setting(None, key="train.checkpointer.max_to_keep", rule=COUNT_OR_NULL,
+                                      doc="periodic checkpoints kept; null: all")
+    async_save: bool | None = setting(None, key="train.checkpointer.async_save", rule=OneOf((None, False, True)),
+                                      doc="write checkpoints in the background; null: on a GPU, off on the CPU")
+    load_weight: str | None = setting("", key="train.load_weight", doc="a checkpoint to load weights from")
 
 
 @dataclass(frozen=True)
@@ -48,101 +63,85 @@ class EvalSettings:
     """``train.evaluation``: whether and how often the run evaluates, and the metric ``model_best`` follows
     (``metric`` None: no ``model_best``)."""
 
-    enabled: bool = False
-    period: int = 0
-    metric: str | None = None
-    mode: str = "min"
+    enabled: bool = setting(False, key="train.evaluation.enabled", rule=OneOf((None, False, True)),
+                            null_is_default=True, doc="evaluate on the valid split during training")
+    period: int = setting(0, key="train.evaluation.eval_period", rule=NON_NEGATIVE_INT, null_is_default=True,
+                          needed_when="evaluates", doc="iterations between evaluations (0: only at the end)")
+    metric: str | None = setting(None, key="train.evaluation.eval_metric",
+                                 doc="the evaluator's result model_best follows; null: no model_best")
+    mode: str = setting("min", key="train.evaluation.eval_mode", rule=OneOf(("min", "max")),
+                        doc="whether model_best has the least or the most of the metric")
 
 
 @dataclass(frozen=True)
 class WandbSettings:
     """``train.wandb`` when enabled."""
 
-    project: str = "libai_lite"
-    name: str | None = None
-    mode: str = "offline"
+    project: str = setting("libai_lite", key="train.wandb.project", null_is_default=True, doc="the W&B project")
+    name: str | None = setting(None, key="train.wandb.name", doc="the W&B run's name; null: W&B's")
+    mode: str = setting("offline", key="train.wandb.mode", null_is_default=True,
+                        doc="offline (no network), online or disabled")
 
 
 @dataclass(frozen=True)
 class LogSettings:
     """The log line, metrics.json and TensorBoard (every ``period`` steps), W&B, and the start-up estimate."""
 
-    period: int | None
-    peak_tflops: float | None = None  # MFU's denominator; None: the device table's
-    memory_estimate: bool = True
-    wandb: WandbSettings | None = None
-    # A rank over straggler_ratio x the median rank's step time (and straggler_min_seconds over it) for
-    # straggler_periods log lines is named.
-    straggler_ratio: float | None = 1.2  # None: not watched
-    straggler_periods: int = 2
-    straggler_min_seconds: float = 0.02
+    period: int | None = setting(None, key="train.log_period", rule=COUNT, needed_when="trains",
+                                 doc="iterations between log lines and metrics.json rows")
+    peak_tflops: float | None = setting(None, key="train.peak_tflops", rule=Range(low=0, low_open=True, nullable=True),
+                                        doc="MFU's denominator per GPU; null: the device table's")
+    memory_estimate: bool = setting(True, key="train.log_memory_estimate", rule=SWITCH,
+                                    doc="log the memory planner's per-rank estimate at start-up")
+    wandb: WandbSettings | None = setting(None, doc="train.wandb when enabled")
+    straggler_ratio: float | None = setting(1.2, key="train.straggler.ratio",
+                                            rule=Range(low=1, high=100, low_open=True, nullable=True),
+                                            doc="a rank this many times the median rank's step time is named; "
+                                                "null: not watched")
+    straggler_periods: int = setting(2, key="train.straggler.periods", rule=Range(low=1, high=1000, integer=True),
+                                     null_is_default=True, doc="log periods running a straggler must be slower")
+    straggler_min_seconds: float = setting(0.02, key="train.straggler.min_seconds", rule=NON_NEGATIVE,
+                                           doc="seconds over the median a straggler must also be")
 
 
 @dataclass(frozen=True)
 class ProfileSettings:
     """``train.profile`` when enabled: ``torch.profiler``'s schedule, and the CUDA memory snapshot."""
 
-    wait: int = 10
-    warmup: int = 2
-    active: int = 3
-    repeat: int = 1
-    memory_snapshot: bool = False
+    wait: int = setting(10, key="train.profile.wait", rule=NON_NEGATIVE_INT, doc="steps before the profiler starts")
+    warmup: int = setting(2, key="train.profile.warmup", rule=NON_NEGATIVE_INT, doc="steps it warms up, not traced")
+    active: int = setting(3, key="train.profile.active", rule=COUNT, doc="steps traced")
+    repeat: int = setting(1, key="train.profile.repeat", rule=COUNT, doc="times the wait-warmup-active cycle runs")
+    memory_snapshot: bool = setting(False, key="train.profile.memory_snapshot", rule=SWITCH,
+                                    doc="also dump the CUDA allocator's history of the traced steps")
+
+
+RECORDS = (LossScale, OptimStep, CheckpointSettings, EvalSettings, WandbSettings, LogSettings, ProfileSettings)
+
+
+def check_settings(cfg) -> None:
+    """Refuse, in one line, the first key of ``cfg`` out of its range: ``RANGES`` and the records' own rules."""
+    check_ranges(cfg, {**RANGES, **setting_rules(RECORDS)})
 
 
 def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:
     """``RunSpec``'s section fields from ``cfg``: ``loss_scale`` (fp16 only), ``optim``, ``checkpoint``,
     ``evaluation``, ``log`` and ``profile``. The log and checkpoint periods are required when the run ``trains``,
-    the evaluation period when it ``evaluates``; null reads as the default where the trainer always read it so."""
+    the evaluation period when it ``evaluates``."""
     train = cfg.train
-    amp, ck, ev = train.get("amp") or {}, train.get("checkpointer") or {}, train.get("evaluation") or {}
-    straggler = train.get("straggler") or {}
-    params = (cfg.get("optim") or {}).get("params") or {}
-    eval_period = _needed(ev, "eval_period", "train.evaluation") if evaluates else ev.get("eval_period")
     return dict(
-        loss_scale=LossScale(initial_scale=float(amp.get("initial_scale", LossScale.initial_scale)),
-                             growth_interval=int(amp.get("growth_interval", LossScale.growth_interval)),
-                             min_loss_scale=float(amp.get("min_loss_scale", LossScale.min_loss_scale)))
-        if fp16 else None,
-        optim=OptimStep(clip_grad_max_norm=params.get("clip_grad_max_norm"),
-                        clip_grad_norm_type=float(params.get("clip_grad_norm_type") or OptimStep.clip_grad_norm_type),
-                        max_skipped_nonfinite=int(train.get("max_skipped_nonfinite") or 0)),
-        checkpoint=CheckpointSettings(output_dir=train.get("output_dir"),
-                                      period=_needed(ck, "period", "train.checkpointer") if trains else ck.get("period"),
-                                      max_to_keep=ck.get("max_to_keep"), async_save=ck.get("async_save"),
-                                      load_weight=train.get("load_weight")),
-        evaluation=EvalSettings(enabled=bool(ev.get("enabled", False)), period=int(eval_period or 0),
-                                metric=ev.get("eval_metric"), mode=ev.get("eval_mode", EvalSettings.mode)),
-        log=LogSettings(period=_needed(train, "log_period", "train") if trains else train.get("log_period"),
-                        peak_tflops=train.get("peak_tflops", None),
-                        memory_estimate=bool(train.get("log_memory_estimate", LogSettings.memory_estimate)),
-                        wandb=wandb_settings(train.get("wandb", None)),
-                        straggler_ratio=straggler.get("ratio", LogSettings.straggler_ratio),
-                        straggler_periods=int(straggler.get("periods") or LogSettings.straggler_periods),
-                        straggler_min_seconds=float(straggler.get("min_seconds", LogSettings.straggler_min_seconds)
-                                                    or 0.0)),
-        profile=profile_settings(train.get("profile")),
+        loss_scale=read_settings(LossScale, cfg) if fp16 else None,
+        optim=read_settings(OptimStep, cfg),
+        checkpoint=read_settings(CheckpointSettings, cfg, trains=trains),
+        evaluation=read_settings(EvalSettings, cfg, evaluates=evaluates),
+        log=read_settings(LogSettings, cfg, {"wandb": wandb_settings(cfg)}, trains=trains),
+        profile=read_settings(ProfileSettings, cfg) if (train.get("profile") or {}).get("enabled", False) else None,
     )
 
 
-def _needed(node, key: str, where: str):
-    """``node[key]``, or a one-line UsageError naming the missing key (null is a value here)."""
-    if key not in node:
-        raise UsageError(f"{where}.{key} is missing from the config: set it (configs/common/train.py has every "
-                         f"train key with its default)")
-    return node[key]
-
-
-def wandb_settings(wandb) -> WandbSettings | None:
-    """``train.wandb`` when it is enabled, else None (an empty name, project or mode reads as the default)."""
-    if not (wandb or {}).get("enabled", False):
+def wandb_settings(cfg) -> WandbSettings | None:
+    """``train.wandb`` of ``cfg`` when it is enabled, else None (an empty name, project or mode reads as the
+    default)."""
+    if not ((cfg.get("train") or {}).get("wandb") or {}).get("enabled", False):
         return None
-    return WandbSettings(project=wandb.get("project") or WandbSettings.project, name=wandb.get("name"),
-                         mode=wandb.get("mode") or WandbSettings.mode)
-
-
-def profile_settings(profile) -> ProfileSettings | None:
-    """``train.profile`` when it is enabled, else None."""
-    profile = profile or {}
-    if not profile.get("enabled", False):
-        return None
-    return ProfileSettings(**{f.name: profile[f.name] for f in fields(ProfileSettings) if f.name in profile})
+    return read_settings(WandbSettings, cfg)

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from libai_lite.config import LazyConfig
-from libai_lite.config.validate import check_ranges
+from libai_lite.run_sections import check_settings
 from libai_lite.engine.launch import report_cli_error
 from libai_lite.planning import format_estimate, gib, parse_bytes, planner_from_config, suggest
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     try:
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         cfg = LazyConfig.apply_overrides(LazyConfig.load(args.config), args.opts)
-        check_ranges(cfg)  # as the training command checks them: a micro-batch of 0 divided by zero
+        check_settings(cfg)  # as the training command checks them: a micro-batch of 0 divided by zero
         asked = {k: int(cfg.train.dist.get(f"{k}_parallel_size") or 1) for k in ("tensor", "pipeline", "context")}
         planner, settings = planner_from_config(cfg, args.nproc, args.device)
         got = {k: getattr(settings, f"{k}_parallel_size") for k in asked}

@@ -16,7 +16,8 @@ from ..utils.errors import UsageError
 from .instantiate import TargetNotFoundError, join_key, locate
 
 __all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths", "check_targets",
-           "SECTIONS", "check_sections"]
+           "SECTIONS", "check_sections", "range_error", "COUNT", "COUNT_OR_NULL", "NON_NEGATIVE_INT", "POSITIVE",
+           "NON_NEGATIVE", "FRACTION", "SWITCH"]
 
 
 def _number(x: float) -> str:
@@ -123,96 +124,78 @@ class PathValue:
                 and all(isinstance(p, str) for p in value[1::2]))
 
 
-_COUNT = Range(low=1, integer=True)
-_COUNT_OR_NULL = Range(low=1, integer=True, nullable=True)
-_NON_NEGATIVE_INT = Range(low=0, integer=True)
-_POSITIVE = Range(low=0, low_open=True)
-_NON_NEGATIVE = Range(low=0)
-_FRACTION = Range(low=0, high=1)
+COUNT = Range(low=1, integer=True)
+COUNT_OR_NULL = Range(low=1, integer=True, nullable=True)
+NON_NEGATIVE_INT = Range(low=0, integer=True)
+POSITIVE = Range(low=0, low_open=True)
+NON_NEGATIVE = Range(low=0)
+FRACTION = Range(low=0, high=1)
+SWITCH = OneOf((False, True))
 
-# key path (or pattern) -> its range. Periods of 0 mean "never" (only at the end) where the hooks say so.
+# key path (or pattern) -> its range, for the keys no settings record declares (run_sections' records carry their
+# own). Periods of 0 mean "never" (only at the end) where the hooks say so.
 RANGES: dict[str, "Range | OneOf"] = {
-    "train.train_micro_batch_size": _COUNT_OR_NULL,
-    "train.global_batch_size": _COUNT_OR_NULL,
-    "train.num_accumulation_steps": _COUNT_OR_NULL,
-    "train.test_micro_batch_size": _COUNT,
+    "train.train_micro_batch_size": COUNT_OR_NULL,
+    "train.global_batch_size": COUNT_OR_NULL,
+    "train.num_accumulation_steps": COUNT_OR_NULL,
+    "train.test_micro_batch_size": COUNT,
     "train.train_iter": Range(low=0, integer=True, nullable=True),
     "train.train_epoch": Range(low=0, nullable=True),
     "train.warmup_ratio": Range(low=0, high=1, nullable=True),
-    "train.log_period": _COUNT,
     "train.seed": Range(low=0, high=2**32 - 1, integer=True),
-    "train.max_skipped_nonfinite": Range(low=0, integer=True, nullable=True),
-    "train.checkpointer.period": _NON_NEGATIVE_INT,
-    "train.checkpointer.max_to_keep": _COUNT_OR_NULL,
-    "train.checkpointer.async_save": OneOf((None, False, True)),
-    "train.profile.wait": _NON_NEGATIVE_INT,
-    "train.profile.warmup": _NON_NEGATIVE_INT,
-    "train.profile.active": _COUNT,
-    "train.profile.repeat": _COUNT,
-    "train.evaluation.eval_period": _NON_NEGATIVE_INT,
-    "train.evaluation.eval_iter": _COUNT,
-    "train.amp.initial_scale": _POSITIVE,
-    "train.amp.growth_interval": _COUNT,
-    "train.amp.min_loss_scale": _POSITIVE,
-    "train.activation_checkpoint.every_n_layers": _COUNT_OR_NULL,
+    "train.evaluation.eval_iter": COUNT,
+    "train.activation_checkpoint.every_n_layers": COUNT_OR_NULL,
     "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
-    "train.dist.data_parallel_size": _COUNT_OR_NULL,
-    "train.dist.tensor_parallel_size": _COUNT,
-    "train.dist.pipeline_parallel_size": _COUNT,
-    "train.dist.context_parallel_size": _COUNT,
-    "train.dist.pipeline_num_layers": _COUNT_OR_NULL,
-    "train.dist.virtual_pipeline_size": _COUNT,
-    "train.dist.timeout": _POSITIVE,
+    "train.dist.data_parallel_size": COUNT_OR_NULL,
+    "train.dist.tensor_parallel_size": COUNT,
+    "train.dist.pipeline_parallel_size": COUNT,
+    "train.dist.context_parallel_size": COUNT,
+    "train.dist.pipeline_num_layers": COUNT_OR_NULL,
+    "train.dist.virtual_pipeline_size": COUNT,
+    "train.dist.timeout": POSITIVE,
     "train.dist.strict_layout": OneOf((False, True)),
     "train.dist.backend": OneOf((None, "nccl", "gloo")),
-    "train.peak_tflops": Range(low=0, low_open=True, nullable=True),
-    "train.straggler.ratio": Range(low=1, high=100, low_open=True, nullable=True),
-    "train.straggler.periods": Range(low=1, high=1000, integer=True),
-    "train.straggler.min_seconds": _NON_NEGATIVE,
-    "train.scheduler.warmup_factor": _FRACTION,
-    "train.scheduler.alpha": _FRACTION,
-    "train.scheduler.min_lr_ratio": _FRACTION,
-    "train.scheduler.end_learning_rate": _NON_NEGATIVE,
+    "train.scheduler.warmup_factor": FRACTION,
+    "train.scheduler.alpha": FRACTION,
+    "train.scheduler.min_lr_ratio": FRACTION,
+    "train.scheduler.end_learning_rate": NON_NEGATIVE,
     "train.scheduler.gamma": Range(low=0, high=1, low_open=True),
-    "train.scheduler.power": _POSITIVE,
-    "optim.lr": _POSITIVE,
-    "optim.weight_decay": _NON_NEGATIVE,
-    "optim.eps": _POSITIVE,
-    "optim.momentum": _FRACTION,
-    "optim.muon_lr": _POSITIVE,
+    "train.scheduler.power": POSITIVE,
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.eps": POSITIVE,
+    "optim.momentum": FRACTION,
+    "optim.muon_lr": POSITIVE,
     "optim.ns_steps": Range(low=1, high=99, integer=True),
     "optim.betas": Range(low=0, high=1, high_open=True, length=2),
-    "optim.params.clip_grad_max_norm": Range(low=0, low_open=True, nullable=True),
-    "optim.params.clip_grad_norm_type": Range(low=0, low_open=True, infinite=True),
     "optim.params.weight_decay_norm": Range(low=0, nullable=True),
     "optim.params.weight_decay_bias": Range(low=0, nullable=True),
     "optim.params.decoupled_lr": Range(low=0, low_open=True, nullable=True),
     "optim.params.decoupled_min_lr": Range(low=0, nullable=True),
-    "dataloader.*.num_workers": _NON_NEGATIVE_INT,
+    "dataloader.*.num_workers": NON_NEGATIVE_INT,
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
-    "dataloader.*.seq_length": _COUNT,
-    "tokenization.make_vocab_size_divisible_by": _COUNT,
+    "dataloader.*.seq_length": COUNT,
+    "tokenization.make_vocab_size_divisible_by": COUNT,
     # The names of libai_lite.parallel.pipeline.SCHEDULES (tests/parallel/test_pipeline_schedules.py checks).
     "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
                                            "zbv_zero_bubble", "dualpipev")),
     "train.amp.dtype": OneOf(("bf16", "fp16")),
-    "train.evaluation.eval_mode": OneOf(("min", "max")),
     "train.scheduler.warmup_method": OneOf(("linear", "constant")),
     "dataloader.*.split_rounding": OneOf(("core", "legacy")),
-    "model.cfg.*dropout*": _FRACTION,
+    "model.cfg.*dropout*": FRACTION,
     # A LiBai switch whose name matches the pattern above: exact keys are looked up first.
     "model.cfg.bias_dropout_fusion": OneOf((False, True)),
-    "model.cfg.hidden_size": _COUNT,
-    "model.cfg.ffn_hidden_size": _COUNT_OR_NULL,
-    "model.cfg.intermediate_size": _COUNT_OR_NULL,
-    "model.cfg.hidden_layers": _COUNT,
-    "model.cfg.num_layers": _COUNT,
-    "model.cfg.num_attention_heads": _COUNT,
-    "model.cfg.num_key_value_heads": _COUNT_OR_NULL,
-    "model.cfg.max_seq_length": _COUNT,
-    "model.cfg.max_position_embeddings": _COUNT,
-    "model.cfg.layernorm_epsilon": _POSITIVE,
-    "model.cfg.initializer_range": _NON_NEGATIVE,
+    "model.cfg.hidden_size": COUNT,
+    "model.cfg.ffn_hidden_size": COUNT_OR_NULL,
+    "model.cfg.intermediate_size": COUNT_OR_NULL,
+    "model.cfg.hidden_layers": COUNT,
+    "model.cfg.num_layers": COUNT,
+    "model.cfg.num_attention_heads": COUNT,
+    "model.cfg.num_key_value_heads": COUNT_OR_NULL,
+    "model.cfg.max_seq_length": COUNT,
+    "model.cfg.max_position_embeddings": COUNT,
+    "model.cfg.layernorm_epsilon": POSITIVE,
+    "model.cfg.initializer_range": NON_NEGATIVE,
 }
 
 
@@ -279,14 +262,19 @@ def _ruled_values(cfg, rules: dict, with_dicts: bool = False):
         yield path, rule, value
 
 
+def range_error(path: str, rule: "Range | OneOf", value: Any) -> UsageError:
+    """The one line that refuses ``value`` at ``path`` for ``rule``."""
+    shown = "null" if value is None else repr(value)
+    problem = "is out of range" if isinstance(rule, Range) else "is not allowed"
+    return UsageError(f"{path}={shown} {problem}: it must be {rule.describe()}; set {path} to such a value")
+
+
 def check_ranges(cfg, ranges: dict | None = None) -> None:
-    """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``)."""
+    """Raise ``UsageError`` for the first key of ``cfg`` whose value is outside its range in ``ranges`` (``RANGES``;
+    the settings records' own rules are added by their readers, ``run_sections.check_settings``)."""
     for path, rng, value in _ruled_values(cfg, RANGES if ranges is None else ranges):
         if not rng.accepts(value):
-            shown = "null" if value is None else repr(value)
-            problem = "is out of range" if isinstance(rng, Range) else "is not allowed"
-            raise UsageError(f"{path}={shown} {problem}: it must be {rng.describe()}; "
-                             f"set {path} to such a value")
+            raise range_error(path, rng, value)
 
 
 def _targets(node: Any, prefix: str = "") -> Iterator[tuple]:

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from ..config import InstantiationError, LazyConfig
-from ..config.validate import check_ranges, check_sections, check_targets
+from ..config.validate import check_sections, check_targets
+from ..run_sections import check_settings
 from ..utils.distributed import (Layout, describe_collective_timeout, describe_out_of_memory, describe_worker_death,
                                  destroy, is_collective_timeout, setup_dist)
 from ..utils.parallel_dims import describe_capping
@@ -31,7 +32,7 @@ def default_setup(cfg, args) -> Layout:
                                                "train.checkpointer.period=10"])
     # Every numeric setting against its range before any of them is used (or quietly replaced), and every
     # _target_ against what is installed.
-    check_ranges(cfg)
+    check_settings(cfg)
     check_targets(cfg)
     # The evaluator runs after the first eval_period of training, or at its end: checked before either.
     if getattr(args, "eval_only", False) or (cfg.train.get("evaluation") or {}).get("enabled", False):

@@ -250,17 +250,17 @@ def test_a_full_disk_during_a_background_write_is_the_synchronous_error_and_keep
 def test_the_key_takes_true_false_or_null_only(value, ok):
     from omegaconf import OmegaConf
 
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
     from libai_lite.utils.errors import UsageError
 
     # As a command-line override parses it: "always" a string, "2" an int, "null" None ("yes" is YAML for True).
     cfg = OmegaConf.from_dotlist([f"train.checkpointer.async_save={value}"])
     if ok:
-        check_ranges(cfg)
+        check_settings(cfg)
     else:
         with pytest.raises(UsageError, match=r"^train\.checkpointer\.async_save=.* is not allowed: it must be one of "
                                              r"None, False, True; set train\.checkpointer\.async_save to such a value$"):
-            check_ranges(cfg)
+            check_settings(cfg)
 
 
 def test_a_bad_override_is_refused_in_one_line_before_training(tmp_path):

@@ -393,7 +393,7 @@ BAD_VALUES = {
 def test_out_of_range_values_and_wrong_shapes_are_refused_where_they_enter(override):
     """In process (fast): the config as the launcher loads it, the override, then the range table."""
     from libai_lite.config import LazyConfig
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
     from libai_lite.utils.errors import UsageError
 
     from libai_lite.engine.default import DefaultTrainer
@@ -401,19 +401,19 @@ def test_out_of_range_values_and_wrong_shapes_are_refused_where_they_enter(overr
     cfg = LazyConfig.load(str(ROOT / CONFIG))
     with pytest.raises(UsageError) as e:
         LazyConfig.apply_overrides(cfg, [override])
-        check_ranges(cfg)
+        check_settings(cfg)
         DefaultTrainer.precheck_output_dir(cfg.train.output_dir)
     assert BAD_VALUES[override] in str(e.value), str(e.value)
 
 
 def test_every_shipped_config_is_within_the_ranges():
     from libai_lite.config import LazyConfig
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
 
     for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
         cfg = LazyConfig.load(str(path))
         if "train" in cfg:
-            check_ranges(cfg)
+            check_settings(cfg)
 
 
 # One case by default (the range table is checked in process above); the others with -m slow.

@@ -65,11 +65,11 @@ def test_a_memory_snapshot_on_the_cpu_is_refused_in_one_line(tmp_path):
 def test_schedule_keys_out_of_range_are_refused(key, value):
     from omegaconf import OmegaConf
 
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
     from libai_lite.utils.errors import UsageError
 
     with pytest.raises(UsageError, match=rf"^train\.profile\.{key}={value} is out of range"):
-        check_ranges(OmegaConf.create({"train": {"profile": {key: value}}}))
+        check_settings(OmegaConf.create({"train": {"profile": {key: value}}}))
 
 
 def test_training_with_train_profile_writes_a_trace_of_the_chosen_steps_and_without_it_none(tmp_path):

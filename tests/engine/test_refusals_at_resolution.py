@@ -65,12 +65,12 @@ RESOLUTION = {
 
 @pytest.mark.parametrize("override", list(RESOLUTION))
 def test_what_the_run_depends_on_is_refused_in_one_line_when_resolved_and_nothing_is_written(tmp_path, override):
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
 
     cfg = _load(tmp_path, override)
     before = tree_snapshot(tmp_path)
     with pytest.raises(UsageError) as e:
-        check_ranges(cfg)  # what default_setup checks first
+        check_settings(cfg)  # what default_setup checks first
         resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg))
     assert RESOLUTION[override] in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_snapshot(tmp_path) == before

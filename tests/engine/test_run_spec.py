@@ -146,39 +146,54 @@ def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_th
 
 
 def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gives_it():
-    """One set of defaults: a section's field defaults (what a key missing from a config reads as) are
-    configs/common/train.py's values, but for the keys whose absence asks for nothing."""
-    from dataclasses import asdict
+    """One set of defaults: each settings record's field default (what a key missing from a config reads as) is
+    configs/common/train.py's value, but for the keys whose absence asks for nothing."""
+    from omegaconf import OmegaConf
+
+    from libai_lite import run_sections as rs
+    from libai_lite.config.settings import setting_defaults
+
+    # Loaded by path: another test's tree may have joined the ``configs`` package ahead of this repo's.
+    common = OmegaConf.create({"optim": LazyConfig.load(str(ROOT / "configs" / "common" / "optim.py")).optim,
+                               "train": LazyConfig.load(str(ROOT / "configs" / "common" / "train.py")).train},
+                              flags={"allow_objects": True})
+    nothing = {"train.evaluation.enabled": False, "train.evaluation.eval_metric": None,
+               "train.checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
+    # Required where the run uses them (no default): the periods; and the run's own folder.
+    required = {"train.checkpointer.period", "train.log_period", "train.evaluation.eval_period", "train.output_dir"}
+    defaults = {k: v for record in rs.RECORDS for k, v in setting_defaults(record).items()}
+    assert set(nothing) | required <= set(defaults)
+    given = {k: v for k, v in defaults.items() if k not in nothing and k not in required}
+    assert len(given) >= 20, sorted(given)  # every amp, straggler, wandb, profile, clipping, async key
+    assert {k: OmegaConf.select(common, k) for k in given} == given
+    # Where the config asks for something a missing key does not.
+    assert all(OmegaConf.select(common, k) != v for k, v in nothing.items())
+    assert all(OmegaConf.select(common, k) is not None for k in required)
+    assert float(common.train.warmup_ratio) > 0  # read by resolve_run: a missing warmup_ratio is none
+
+
+def test_each_settings_record_field_declares_its_key_and_meaning_and_its_rule_refuses_in_one_line():
+    """A record's field carries its key and a line of doc; ``check_settings`` refuses by the field's own rule."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
 
     from libai_lite import run_sections as rs
 
-    # Loaded by path: another test's tree may have joined the ``configs`` package ahead of this repo's.
-    optim = LazyConfig.load(str(ROOT / "configs" / "common" / "optim.py")).optim
-    train = LazyConfig.load(str(ROOT / "configs" / "common" / "train.py")).train
-
-    nothing = {"warmup_ratio": 0, "evaluation.enabled": False, "evaluation.eval_metric": None,
-               "checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
-    given = {
-        "amp.initial_scale": rs.LossScale.initial_scale, "amp.growth_interval": rs.LossScale.growth_interval,
-        "max_skipped_nonfinite": rs.OptimStep.max_skipped_nonfinite,
-        "optim.params.clip_grad_norm_type": rs.OptimStep.clip_grad_norm_type,
-        "checkpointer.async_save": rs.CheckpointSettings.async_save,
-        "load_weight": rs.CheckpointSettings.load_weight, "evaluation.eval_mode": rs.EvalSettings.mode,
-        "peak_tflops": rs.LogSettings.peak_tflops, "log_memory_estimate": rs.LogSettings.memory_estimate,
-        "straggler.ratio": rs.LogSettings.straggler_ratio, "straggler.periods": rs.LogSettings.straggler_periods,
-        "straggler.min_seconds": rs.LogSettings.straggler_min_seconds,
-        **{f"wandb.{k}": v for k, v in asdict(rs.WandbSettings()).items()},
-        **{f"profile.{k}": v for k, v in asdict(rs.ProfileSettings()).items()},
-    }
-
-    def config_value(key):
-        node, path = (optim, key.split(".")[1:]) if key.startswith("optim.") else (train, key.split("."))
-        for part in path:
-            node = node[part]
-        return node
-
-    assert {k: config_value(k) for k in given} == given
-    # Where the config asks for something a missing key does not: the five keys above.
-    assert all(config_value(k) != v for k, v in nothing.items())
-    assert rs.OptimStep.clip_grad_max_norm is None and rs.EvalSettings().metric is None
-    assert rs.EvalSettings().enabled is False and rs.CheckpointSettings(None, None).max_to_keep is None
+    for record in rs.RECORDS:
+        for f in dataclasses.fields(record):
+            assert f.metadata.get("doc"), f"{record.__name__}.{f.name} has no doc"
+    with pytest.raises(UsageError, match=r"^train\.amp\.growth_interval=0 is out of range: it must be an integer "
+                                         r">= 1; set train\.amp\.growth_interval to such a value$"):
+        rs.check_settings(OmegaConf.create({"train": {"amp": {"growth_interval": 0}}}))
+    with pytest.raises(UsageError, match=r"^train\.evaluation\.eval_mode='best' is not allowed: it must be one "
+                                         r"of 'min', 'max'"):
+        rs.check_settings(OmegaConf.create({"train": {"evaluation": {"eval_mode": "best"}}}))
+    cfg = OmegaConf.create({"train": {"log_period": 5, "checkpointer": {"period": 3}, "straggler": {"ratio": None}},
+                            "optim": {"params": {"clip_grad_norm_type": None}}})
+    sections = rs.read_sections(cfg, trains=True, evaluates=False, fp16=True)
+    assert sections["log"].period == 5 and sections["log"].straggler_ratio is None
+    assert sections["optim"].clip_grad_norm_type == 2.0 and sections["loss_scale"] == rs.LossScale()
+    with pytest.raises(UsageError, match=r"^train\.log_period is missing from the config"):
+        rs.read_sections(OmegaConf.create({"train": {"checkpointer": {"period": 3}}}), trains=True, evaluates=False,
+                         fp16=False)

@@ -70,9 +70,9 @@ def test_the_watch_is_off_in_a_world_of_one_and_when_ratio_is_null():
 def test_a_setting_out_of_its_range_is_one_line(key, value):
     from omegaconf import OmegaConf
 
-    from libai_lite.config.validate import check_ranges
+    from libai_lite.run_sections import check_settings
     from libai_lite.utils.errors import UsageError
 
     cfg = OmegaConf.create({"train": {"straggler": {"ratio": 1.2, "periods": 2, "min_seconds": 0.02, key: value}}})
     with pytest.raises(UsageError, match=rf"train\.straggler\.{key}={value} is out of range"):
-        check_ranges(cfg)
+        check_settings(cfg)

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from libai_lite.config import LazyConfig
-from libai_lite.config.validate import check_ranges
+from libai_lite.run_sections import check_settings
 from libai_lite.utils import distributed
 from libai_lite.utils.errors import UsageError
 from libai_lite.utils.flops import device_peak_flops, gpu_peak_tflops
@@ -14,7 +14,7 @@ from tests.launch import CONFIG, ROOT, one_error_line, tiny, train_net
 def _cfg(*overrides):
     cfg = LazyConfig.load(str(ROOT / CONFIG))
     LazyConfig.apply_overrides(cfg, list(overrides))
-    check_ranges(cfg)
+    check_settings(cfg)
     return cfg
 
 

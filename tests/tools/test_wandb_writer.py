@@ -128,10 +128,10 @@ def test_build_wandb_writer_reads_train_wandb_and_config_yaml(trained, tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.yaml").write_text((trained / "config.yaml").read_text())
-    assert build_wandb_writer(wandb_settings(cfg.train.wandb), str(out)) is None  # off by default
+    assert build_wandb_writer(wandb_settings(cfg), str(out)) is None  # off by default
     assert not (out / "wandb").exists()
     cfg.train.wandb.enabled = True
-    writer = build_wandb_writer(wandb_settings(cfg.train.wandb), str(out))
+    writer = build_wandb_writer(wandb_settings(cfg), str(out))
     writer.add_scalar("total_loss", 1.5, 1)
     writer.close()
     history, config = read_offline_run(out)
@@ -139,7 +139,7 @@ def test_build_wandb_writer_reads_train_wandb_and_config_yaml(trained, tmp_path)
     assert config == yaml.safe_load(open(trained / "config.yaml"))
     cfg.train.wandb.mode = "ofline"
     with pytest.raises(UsageError, match="^train.wandb.mode must be one of"):
-        build_wandb_writer(wandb_settings(cfg.train.wandb), str(tmp_path / "other"))
+        build_wandb_writer(wandb_settings(cfg), str(tmp_path / "other"))
     assert not (tmp_path / "other").exists()
 
 
