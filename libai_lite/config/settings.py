@@ -8,6 +8,7 @@ is built. This module names no key: the records that use it do.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Iterable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -48,11 +49,31 @@ def _convert(rule, value):
     return value
 
 
-def read_settings(record: type, cfg, given: dict | None = None, **flags: bool):
+def check_section_keys(record: type, node, section: str) -> None:
+    """Refuse, in one line, a key of ``node`` (the config's ``section``) that no field of ``record`` reads."""
+    if not isinstance(node, (DictConfig, dict)):
+        return
+    known = {f.metadata["key"].rpartition(".")[2] for f in dataclasses.fields(record)
+             if (f.metadata.get("key") or "").rpartition(".")[0] == section}
+    unknown = sorted(set(node.keys()) - known)
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"{section} has no key {unknown[0]!r}; {hint}its keys are {', '.join(sorted(known))}")
+
+
+def read_settings(record: type, cfg, given: dict | None = None, *, section: str | None = None, **flags: bool):
     """``record`` filled from ``cfg``: each field's key, its default when absent; ``given`` fields as passed.
 
     A field whose ``needed_when`` flag is true must be in ``cfg`` (null is a value there); a value outside
-    its rule is refused in one line."""
+    its rule is refused in one line. With ``section``, ``cfg`` is the config's node at that key path (a dict
+    or None), and a key there that no field reads is refused too."""
+    if section is not None:
+        check_section_keys(record, cfg, section)
+        cfg = OmegaConf.create({}) if cfg is None else cfg
+        for part in reversed(section.split(".")):
+            cfg = {part: cfg}
+        cfg = OmegaConf.create(cfg, flags={"allow_objects": True})
     given = dict(given or {})
     values = {}
     for f in dataclasses.fields(record):

@@ -9,6 +9,7 @@ module is a ``FastPath`` whose failure at first call makes it run eager, or with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config.settings import read_settings, setting
+from ..config.validate import SWITCH
 from ..layers.loss import ParallelCrossEntropyLoss
 from ..utils.errors import UsageError
 from ..utils.fallback import GUARD_CALL, FastPath, check_close, seeded_like, signature_of
@@ -35,16 +38,17 @@ CUDA_GRAPH_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cu
 @dataclass(frozen=True)
 class CompileOptions:
     """``train.compile``. ``enabled="auto"``, the config's default, turns it on with a CUDA device, since on
-    a CPU compiling costs more than it saves; ``automatic`` records that choice. ``loss`` also compiles the
-    cross entropy, ``fullgraph`` makes a graph break an error, and ``backend`` and ``mode`` are torch's."""
+    a CPU compiling costs more than it saves; ``automatic`` records that choice."""
 
-    enabled: bool = False
-    loss: bool = False
-    backend: str = "inductor"
-    fullgraph: bool = False
-    scope: str = "auto"
-    mode: str | None = None
-    automatic: bool = False
+    enabled: bool = setting(False, key="train.compile.enabled", doc="true, false, or auto: on with a CUDA device")
+    loss: bool = setting(False, key="train.compile.loss", rule=SWITCH, doc="also compile unfused heads' cross entropy")
+    backend: str = setting("inductor", key="train.compile.backend", doc="torch.compile's backend (aot_eager to debug)")
+    fullgraph: bool = setting(False, key="train.compile.fullgraph", rule=SWITCH,
+                              doc="a graph break inside a compiled module is an error")
+    scope: str = setting("auto", key="train.compile.scope",
+                         doc="model, layers, or auto: the whole model where nothing needs the layers apart")
+    mode: str | None = setting(None, key="train.compile.mode", doc="torch.compile's mode (reduce-overhead: CUDA graphs)")
+    automatic: bool = setting(False, doc="enabled was auto, and this is what it resolved to")
 
 
 def compile_options(cfg: Mapping | None, *, cuda: bool | None = None, schedule: str | None = None) -> CompileOptions:
@@ -53,18 +57,13 @@ def compile_options(cfg: Mapping | None, *, cuda: bool | None = None, schedule: 
     UsageError for an unknown key, value or backend."""
     if not cfg:
         return CompileOptions()
-    cfg = dict(cfg)
-    known = set(CompileOptions.__dataclass_fields__) - {"automatic"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise UsageError(f"train.compile has no key {unknown[0]!r}; its keys are {', '.join(sorted(known))}")
-    enabled = cfg.get("enabled", False)
-    if enabled == "auto":
+    options = read_settings(CompileOptions, cfg, section="train.compile")
+    if options.enabled == "auto":
         cuda = torch.cuda.is_available() if cuda is None else cuda
-        cfg.update(enabled=bool(cuda) and str(schedule).lower() not in SPLIT_BACKWARD_SCHEDULES, automatic=True)
-    elif not isinstance(enabled, bool):
-        raise UsageError(f"train.compile.enabled={enabled!r} is not one of true, false, auto")
-    options = CompileOptions(**cfg)
+        options = dataclasses.replace(options, automatic=True,
+                                      enabled=bool(cuda) and str(schedule).lower() not in SPLIT_BACKWARD_SCHEDULES)
+    elif not isinstance(options.enabled, bool):
+        raise UsageError(f"train.compile.enabled={options.enabled!r} is not one of true, false, auto")
     import torch._dynamo as dynamo
 
     if options.scope not in SCOPES:

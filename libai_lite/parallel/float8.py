@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config.settings import read_settings, setting
+from ..config.validate import SWITCH
 from ..utils.errors import UsageError
 from ..utils.fallback import FastPath, one_line, signature_of
 
@@ -29,32 +31,29 @@ FILTERS = ("auto", "all")
 
 @dataclass(frozen=True)
 class Float8Options:
-    """``train.fp8``. ``skip`` holds module-name substrings whose linears stay in high precision; ``filter``
-    ``auto`` converts only linears large enough to gain, ``all`` every eligible one."""
+    """``train.fp8``: FP8 linears through torchao."""
 
-    enabled: bool = False
-    recipe: str = "tensorwise"
-    skip: tuple[str, ...] = ("lm_head",)
-    filter: str = "auto"
+    enabled: bool = setting(False, key="train.fp8.enabled", rule=SWITCH, doc="FP8 linears (compute capability 8.9+)")
+    recipe: str = setting("tensorwise", key="train.fp8.recipe", doc="torchao's scaling: tensorwise or rowwise")
+    skip: tuple[str, ...] = setting(("lm_head",), key="train.fp8.skip",
+                                    doc="module-name substrings whose linears stay in high precision")
+    filter: str = setting("auto", key="train.fp8.filter",
+                          doc="auto: only linears large enough to gain (torchao's thresholds); all: every eligible one")
 
 
 def float8_options(cfg: Mapping | None) -> Float8Options:
     """``train.fp8`` (a dict, or None for off) as ``Float8Options``; UsageError for an unknown key or recipe."""
     if not cfg:
         return Float8Options()
-    cfg = dict(cfg)
-    known = set(Float8Options.__dataclass_fields__)
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise UsageError(f"train.fp8 has no key {unknown[0]!r}; its keys are {', '.join(sorted(known))}")
-    if cfg.get("recipe", "tensorwise") not in RECIPES:
-        raise UsageError(f"train.fp8.recipe={cfg['recipe']!r} is not a float8 recipe; use one of {', '.join(RECIPES)}")
-    if cfg.get("filter", "auto") not in FILTERS:
-        raise UsageError(f"train.fp8.filter={cfg['filter']!r} is not a filter; use auto (linears large enough "
+    options = read_settings(Float8Options, cfg, section="train.fp8")
+    if options.recipe not in RECIPES:
+        raise UsageError(f"train.fp8.recipe={options.recipe!r} is not a float8 recipe; use one of "
+                         f"{', '.join(RECIPES)}")
+    if options.filter not in FILTERS:
+        raise UsageError(f"train.fp8.filter={options.filter!r} is not a filter; use auto (linears large enough "
                          f"to gain) or all")
-    skip = cfg.get("skip", Float8Options.skip)
-    cfg["skip"] = (skip,) if isinstance(skip, str) else tuple(skip or ())
-    return Float8Options(**cfg)
+    skip = options.skip
+    return dataclasses.replace(options, skip=(skip,) if isinstance(skip, str) else tuple(skip or ()))
 
 
 def check_float8(options: Float8Options, device: torch.device, tensor_parallel_size: int) -> None:

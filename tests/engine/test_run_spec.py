@@ -161,11 +161,19 @@ def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gi
                "train.checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
     # Required where the run uses them (no default): the periods; and the run's own folder.
     required = {"train.checkpointer.period", "train.log_period", "train.evaluation.eval_period", "train.output_dir"}
-    defaults = {k: v for record in rs.RECORDS for k, v in setting_defaults(record).items()}
+    from libai_lite.parallel.compile import CompileOptions
+    from libai_lite.parallel.float8 import Float8Options
+
+    records = (*rs.RECORDS, CompileOptions, Float8Options)
+    defaults = {k: v for record in records for k, v in setting_defaults(record).items()}
+    # The config's choice where the record's default is the plain path: compile on a GPU, left to the run.
+    nothing["train.compile.enabled"] = False
     assert set(nothing) | required <= set(defaults)
     given = {k: v for k, v in defaults.items() if k not in nothing and k not in required}
-    assert len(given) >= 20, sorted(given)  # every amp, straggler, wandb, profile, clipping, async key
-    assert {k: OmegaConf.select(common, k) for k in given} == given
+    assert len(given) >= 28, sorted(given)  # every amp, straggler, wandb, profile, clipping, compile, fp8 key
+    config = {k: OmegaConf.select(common, k) for k in given}
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in OmegaConf.to_container(
+        OmegaConf.create(config), resolve=True).items()} == given
     # Where the config asks for something a missing key does not.
     assert all(OmegaConf.select(common, k) != v for k, v in nothing.items())
     assert all(OmegaConf.select(common, k) is not None for k in required)
@@ -180,7 +188,10 @@ def test_each_settings_record_field_declares_its_key_and_meaning_and_its_rule_re
 
     from libai_lite import run_sections as rs
 
-    for record in rs.RECORDS:
+    from libai_lite.parallel.compile import CompileOptions
+    from libai_lite.parallel.float8 import Float8Options
+
+    for record in (*rs.RECORDS, CompileOptions, Float8Options):
         for f in dataclasses.fields(record):
             assert f.metadata.get("doc"), f"{record.__name__}.{f.name} has no doc"
     with pytest.raises(UsageError, match=r"^train\.amp\.growth_interval=0 is out of range: it must be an integer "
