@@ -11,6 +11,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from .config.validate import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
 from .layers import fusable_head_weight
 from .layers.moe import MOE_METRICS, collect_moe_outputs, moe_layers
 from .model import LOSS, Metric
@@ -39,6 +40,12 @@ class LMForPreTraining(nn.Module):
     """
 
     loss_metrics: Mapping[str, Metric] = {"lm_loss": LOSS}
+    # model.cfg's ranges (``*`` matches any run of characters), checked with the run's settings before anything
+    # is built (run_sections.check_settings); a project adds the keys of its own.
+    config_ranges: Mapping[str, Range] = {
+        "hidden_size": COUNT, "hidden_layers": COUNT, "num_attention_heads": COUNT, "max_seq_length": COUNT,
+        "layernorm_epsilon": POSITIVE, "initializer_range": NON_NEGATIVE, "*dropout*": FRACTION,
+    }
 
     def __init__(self, model: LanguageModel, name: str, loss_func: nn.Module):
         super().__init__()

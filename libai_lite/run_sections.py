@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
+from .config.instantiate import locate
 from .config.settings import read_settings, setting, setting_rules
 from .config.validate import (COUNT, COUNT_OR_NULL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, RANGES, SWITCH, OneOf,
                               Range, check_ranges)
@@ -120,8 +123,20 @@ RECORDS = (LossScale, OptimStep, CheckpointSettings, EvalSettings, WandbSettings
 
 
 def check_settings(cfg) -> None:
-    """Refuse, in one line, the first key of ``cfg`` out of its range: ``RANGES`` and the records' own rules."""
-    check_ranges(cfg, {**RANGES, **setting_rules(RECORDS)})
+    """Refuse, in one line, the first key of ``cfg`` out of its range: ``RANGES``, the records' own rules and the
+    ``model.cfg`` ranges its model class declares (``config_ranges``)."""
+    check_ranges(cfg, {**RANGES, **setting_rules(RECORDS), **model_ranges(cfg)})
+
+
+def model_ranges(cfg) -> dict:
+    """``{"model.cfg.<key>": rule}`` from the ``config_ranges`` of the class ``model._target_`` names ({} when it
+    names none or cannot be imported: ``check_targets`` reports that)."""
+    target = OmegaConf.select(cfg, "model._target_", default=None, throw_on_missing=False)
+    try:
+        cls = locate(target) if isinstance(target, str) else target
+    except Exception:  # noqa: BLE001 - a target that does not import is check_targets' to report
+        return {}
+    return {f"model.cfg.{key}": rule for key, rule in (getattr(cls, "config_ranges", None) or {}).items()}
 
 
 def read_sections(cfg, *, trains: bool, evaluates: bool, fp16: bool) -> dict:

@@ -182,20 +182,6 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.amp.dtype": OneOf(("bf16", "fp16")),
     "train.scheduler.warmup_method": OneOf(("linear", "constant")),
     "dataloader.*.split_rounding": OneOf(("core", "legacy")),
-    "model.cfg.*dropout*": FRACTION,
-    # A LiBai switch whose name matches the pattern above: exact keys are looked up first.
-    "model.cfg.bias_dropout_fusion": OneOf((False, True)),
-    "model.cfg.hidden_size": COUNT,
-    "model.cfg.ffn_hidden_size": COUNT_OR_NULL,
-    "model.cfg.intermediate_size": COUNT_OR_NULL,
-    "model.cfg.hidden_layers": COUNT,
-    "model.cfg.num_layers": COUNT,
-    "model.cfg.num_attention_heads": COUNT,
-    "model.cfg.num_key_value_heads": COUNT_OR_NULL,
-    "model.cfg.max_seq_length": COUNT,
-    "model.cfg.max_position_embeddings": COUNT,
-    "model.cfg.layernorm_epsilon": POSITIVE,
-    "model.cfg.initializer_range": NON_NEGATIVE,
 }
 
 

@@ -8,19 +8,38 @@ import torch
 from omegaconf import OmegaConf
 
 from libai_lite.config import LazyCall
-from libai_lite.config.validate import check_ranges
 from libai_lite.optim import build_optimizer, get_default_optimizer_params
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT
 
 
 def test_bias_dropout_fusion_is_a_switch_not_a_dropout_probability():
-    check_ranges(OmegaConf.create({"model": {"cfg": {"bias_dropout_fusion": True, "attention_dropout_prob": 0.1}}}))
-    with pytest.raises(UsageError, match="attention_dropout_prob=1.5 is out of range"):
-        check_ranges(OmegaConf.create({"model": {"cfg": {"bias_dropout_fusion": True,
-                                                         "attention_dropout_prob": 1.5}}}))
-    with pytest.raises(UsageError, match="bias_dropout_fusion=0.5 is not allowed"):
-        check_ranges(OmegaConf.create({"model": {"cfg": {"bias_dropout_fusion": 0.5}}}))
+    """GPT's and MT5's model.cfg ranges (their classes' ``config_ranges``) take LiBai's switch as a switch."""
+    from libai_lite.run_sections import check_settings
+
+    for target in ("projects.GPT.modeling.gpt_model.GPTForPreTraining",
+                   "projects.MT5.modeling.mt5_model.MT5ForPreTraining"):
+        def model(**cfg):
+            return OmegaConf.create({"model": {"_target_": target, "cfg": cfg}})
+
+        check_settings(model(bias_dropout_fusion=True, attention_dropout_prob=0.1))
+        with pytest.raises(UsageError, match="attention_dropout_prob=1.5 is out of range"):
+            check_settings(model(bias_dropout_fusion=True, attention_dropout_prob=1.5))
+        with pytest.raises(UsageError, match="bias_dropout_fusion=0.5 is not allowed"):
+            check_settings(model(bias_dropout_fusion=0.5))
+
+
+def test_a_model_class_declares_its_own_ranges_and_the_core_names_no_model_key():
+    """config/validate.py's table names no model key; a copied project's class brings its ranges with it."""
+    from libai_lite.config.validate import RANGES
+    from libai_lite.run_sections import check_settings
+
+    assert not [k for k in RANGES if k.startswith("model.")]
+    cfg = OmegaConf.create({"model": {"_target_": "projects.Llama.modeling.llama_model.LlamaForPreTraining",
+                                      "cfg": {"num_key_value_heads": 0}}})
+    with pytest.raises(UsageError, match="^model.cfg.num_key_value_heads=0 is out of range"):
+        check_settings(cfg)
+    check_settings(OmegaConf.create({"model": {"_target_": "torch.nn.Identity", "cfg": {"num_key_value_heads": 0}}}))
 
 
 def _optim(**extra):

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from libai_lite.config.validate import COUNT_OR_NULL, SWITCH
 from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Embedding,
@@ -246,6 +247,10 @@ class GPTForPreTraining(DecoderLMForPreTraining):
 
     ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
     """
+
+    # LiBai's bias_dropout_fusion is a switch, though its name matches the dropout probabilities' pattern.
+    config_ranges = {**DecoderLMForPreTraining.config_ranges, "ffn_hidden_size": COUNT_OR_NULL,
+                     "bias_dropout_fusion": SWITCH}
 
     def __init__(self, cfg: Mapping[str, Any]):
         # "GPT_model" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).

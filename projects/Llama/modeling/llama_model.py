@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from libai_lite.config.validate import COUNT_OR_NULL
 from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Linear1D,
@@ -170,6 +171,9 @@ class LlamaForPreTraining(DecoderLMForPreTraining):
 
     ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
     """
+
+    config_ranges = {**DecoderLMForPreTraining.config_ranges, "ffn_hidden_size": COUNT_OR_NULL,
+                     "num_key_value_heads": COUNT_OR_NULL}
 
     def __init__(self, cfg: Mapping[str, Any]):
         # "llama" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from libai_lite.config.validate import COUNT, COUNT_OR_NULL, SWITCH
 from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, init_method_normal
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.flex_attention import AttentionMask, flex_enabled
@@ -400,6 +401,10 @@ class MT5ForPreTraining(Seq2SeqLMForPreTraining):
 
     ``forward``, the loss and the model protocol are ``libai_lite.seq2seq_lm.Seq2SeqLMForPreTraining``'s.
     """
+
+    # LiBai's bias_dropout_fusion is a switch, though its name matches the dropout probabilities' pattern.
+    config_ranges = {**Seq2SeqLMForPreTraining.config_ranges, "intermediate_size": COUNT_OR_NULL,
+                     "num_layers": COUNT, "bias_dropout_fusion": SWITCH}
 
     def __init__(self, cfg: Union[Mapping[str, Any], MT5Config]):
         # "mt5_model" is the prefix of every checkpoint key (and the Hugging Face mapping's ``inner``).
