@@ -3,7 +3,7 @@
 A model is an ``nn.Module`` a config builds; the core never names it or reads a config key only it has.
 It must give ``forward(**batch) -> dict`` and ``output_metrics() -> {name: Metric}``. The rest is
 optional and read only through the functions below; a model without a member loses only the feature
-that needs it. ``libai_lite.decoder_lm`` and ``libai_lite.seq2seq_lm`` answer all of it for LMs.
+that needs it. ``libai_lite.lm.decoder`` and ``libai_lite.lm.seq2seq`` answer all of it for LMs.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from ..utils.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-# PyTorch's cross-entropy default; CausalLMLoss (libai_lite.decoder_lm) skips these positions (used for eval padding).
+# PyTorch's cross-entropy default; CausalLMLoss (libai_lite.lm.decoder) skips these positions (used for eval padding).
 IGNORE_INDEX = -100
 
 # Bump when the meaning of the cached arrays changes, so stale caches are rebuilt, not trusted.

@@ -1,8 +1,8 @@
-"""GPT and Llama take the decoder-only protocol from the core (libai_lite.decoder_lm) and keep their checkpoint keys."""
+"""GPT and Llama take the decoder-only protocol from the core (libai_lite.lm.decoder) and keep their checkpoint keys."""
 import pytest
 import torch
 
-from libai_lite.decoder_lm import CausalLMLoss, DecoderLM, DecoderLMForPreTraining
+from libai_lite.lm.decoder import CausalLMLoss, DecoderLM, DecoderLMForPreTraining
 from projects.GPT.modeling import GPTForPreTraining
 from projects.Llama.modeling import LlamaForPreTraining
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from libai_lite.layers import Linear1D, VocabEmbedding
-from libai_lite.seq2seq_lm import Seq2SeqLMLoss
+from libai_lite.lm.seq2seq import Seq2SeqLMLoss
 from libai_lite.utils.errors import UsageError
 from projects.MT5 import MT5ForPreTraining, MT5Model
 from projects.MT5.modeling.hf_mapping import state_dict_from_hf
@@ -365,7 +365,7 @@ def test_structure_names_and_declared_intent():
 
 def test_the_wrapper_is_the_cores_and_keeps_its_checkpoint_prefix():
     """MT5 keeps its architecture only: the protocol, loss, forward and generation are the core's seq2seq base."""
-    from libai_lite.seq2seq_lm import Seq2SeqLM, Seq2SeqLMForPreTraining
+    from libai_lite.lm.seq2seq import Seq2SeqLM, Seq2SeqLMForPreTraining
 
     protocol = ("forward", "output_metrics", "tokens_per_sample", "flops_per_sample", "pipeline_num_layers",
                 "pipeline_module", "pipeline_batch", "pipeline_loss_fn", "pipeline_metrics", "num_parameters",

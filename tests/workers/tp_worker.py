@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from libai_lite.decoder_lm import CausalLMLoss  # noqa: E402
+from libai_lite.lm.decoder import CausalLMLoss  # noqa: E402
 from libai_lite.layers import (  # noqa: E402
     MLP,
     Embedding,

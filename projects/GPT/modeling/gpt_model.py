@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from libai_lite.config.validate import COUNT_OR_NULL, SWITCH
-from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
+from libai_lite.lm.decoder import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Embedding,
     LayerNorm,
@@ -245,7 +245,7 @@ class GPTModel(DecoderLM):
 class GPTForPreTraining(DecoderLMForPreTraining):
     """GPT language model with its pretraining loss; LiBai configs build it as ``LazyCall(GPTForPreTraining)(cfg=cfg)``.
 
-    ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
+    ``forward``, the loss and the model protocol are ``libai_lite.lm.decoder.DecoderLMForPreTraining``'s.
     """
 
     # LiBai's bias_dropout_fusion is a switch, though its name matches the dropout probabilities' pattern.

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from libai_lite.config.validate import COUNT_OR_NULL
-from libai_lite.decoder_lm import DecoderLM, DecoderLMForPreTraining
+from libai_lite.lm.decoder import DecoderLM, DecoderLMForPreTraining
 from libai_lite.layers import (
     Linear1D,
     MoEConfig,
@@ -129,7 +129,7 @@ class LlamaModel(DecoderLM):
     ) -> torch.Tensor:
         """``input_ids`` ``[batch, seq]`` (or hidden states on a stage without embeddings) -> logits or hidden states.
 
-        As ``libai_lite.decoder_lm`` asks of a decoder: ``attention_mask`` ``[batch, keys]`` (0 = left padding),
+        As ``libai_lite.lm.decoder`` asks of a decoder: ``attention_mask`` ``[batch, keys]`` (0 = left padding),
         ``position_ids`` ``[batch, seq]`` (default ``0..seq-1``), ``kv_caches`` per layer key,
         ``logits_to_keep`` and ``lm_labels`` (per-token loss from the fused head instead of logits).
         Packed documents: ``position_ids`` restarting per document and ``document_ids`` ``[batch, seq]``.
@@ -169,7 +169,7 @@ class LlamaModel(DecoderLM):
 class LlamaForPreTraining(DecoderLMForPreTraining):
     """Llama with its pretraining loss; configs build it as ``LazyCall(LlamaForPreTraining)(cfg=cfg)``.
 
-    ``forward``, the loss and the model protocol are ``libai_lite.decoder_lm.DecoderLMForPreTraining``'s.
+    ``forward``, the loss and the model protocol are ``libai_lite.lm.decoder.DecoderLMForPreTraining``'s.
     """
 
     config_ranges = {**DecoderLMForPreTraining.config_ranges, "ffn_hidden_size": COUNT_OR_NULL,

@@ -3,7 +3,7 @@
 Read top to bottom: config -> shared token embedding -> encoder layers -> encoder final norm -> decoder
 layers (self-attention, cross-attention, feed-forward) -> decoder final norm -> LM head, then the
 pretraining wrapper. What every encoder-decoder shares (forward, head, loss, generation, protocol) is
-``libai_lite.seq2seq_lm``'s; this file keeps T5's architecture. ``model_type="t5"``: ReLU feed-forward,
+``libai_lite.lm.seq2seq``'s; this file keeps T5's architecture. ``model_type="t5"``: ReLU feed-forward,
 LM head tied to the embedding and the decoder output scaled by ``hidden_size ** -0.5``; ``"mt5"``:
 gated-GELU (``gelu_new``) and an untied, unscaled, column-parallel head (``tie_word_embeddings``
 overrides, as in Hugging Face). Dropout after the embedding, on attention probabilities and on every
@@ -23,7 +23,7 @@ from libai_lite.config.validate import COUNT, COUNT_OR_NULL, SWITCH
 from libai_lite.layers import Linear1D, MoEConfig, RMSLayerNorm, VocabEmbedding, init_method_normal
 from libai_lite.layers.attention import KVCache
 from libai_lite.layers.flex_attention import AttentionMask, flex_enabled
-from libai_lite.seq2seq_lm import Seq2SeqLM, Seq2SeqLMForPreTraining
+from libai_lite.lm.seq2seq import Seq2SeqLM, Seq2SeqLMForPreTraining
 from libai_lite.utils.errors import UsageError
 
 from .relative_position import RelativePositionBias
@@ -399,7 +399,7 @@ class MT5Model(Seq2SeqLM):
 class MT5ForPreTraining(Seq2SeqLMForPreTraining):
     """MT5Model plus its loss; LiBai configs build it as ``LazyCall(MT5ForPreTraining)(cfg=cfg)``.
 
-    ``forward``, the loss and the model protocol are ``libai_lite.seq2seq_lm.Seq2SeqLMForPreTraining``'s.
+    ``forward``, the loss and the model protocol are ``libai_lite.lm.seq2seq.Seq2SeqLMForPreTraining``'s.
     """
 
     # LiBai's bias_dropout_fusion is a switch, though its name matches the dropout probabilities' pattern.

@@ -2,7 +2,7 @@
 wrapper's half of the model protocol.
 
 ``LMForPreTraining`` holds the network under a project-chosen attribute, which prefixes its checkpoint
-keys, and delegates to it; ``decoder_lm`` and ``seq2seq_lm`` add the forward, loss and batch of their kind.
+keys, and delegates to it; ``decoder`` and ``seq2seq`` add the forward, loss and batch of their kind.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from .config.validate import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
-from .layers import fusable_head_weight
-from .layers.moe import MOE_METRICS, collect_moe_outputs, moe_layers
-from .model import LOSS, Metric
+from ..config.validate import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, Range
+from ..layers import fusable_head_weight
+from ..layers.moe import MOE_METRICS, collect_moe_outputs, moe_layers
+from ..model import LOSS, Metric
 
 
 class LanguageModel(nn.Module):

@@ -14,11 +14,11 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from .language_model import LanguageModel, LMForPreTraining
-from .layers import ParallelCrossEntropyLoss, linear_cross_entropy
-from .layers.attention import KVCache
-from .model import LOSS
-from .utils.errors import UsageError
+from .base import LanguageModel, LMForPreTraining
+from ..layers import ParallelCrossEntropyLoss, linear_cross_entropy
+from ..layers.attention import KVCache
+from ..model import LOSS
+from ..utils.errors import UsageError
 
 
 class CausalLMLoss(nn.Module):
@@ -83,7 +83,7 @@ class DecoderLM(LanguageModel):
         to the model's padded vocabulary. ``options`` are ``libai_lite.inference.decode``'s. Under tensor
         parallelism every rank must call it with the same arguments.
         """
-        from .inference import decode, eval_mode, gather_logits, tensor_parallel_group
+        from ..inference import decode, eval_mode, gather_logits, tensor_parallel_group
 
         if self.embeddings is None or self.lm_head is None:
             raise UsageError(f"generate needs the whole {type(self).__name__} (embeddings to LM head); build it "

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .language_model import LanguageModel, LMForPreTraining
-from .layers import ParallelCrossEntropyLoss, linear_cross_entropy
-from .layers.attention import KVCache
-from .model import LOSS, MEAN
-from .utils.errors import UsageError
+from .base import LanguageModel, LMForPreTraining
+from ..layers import ParallelCrossEntropyLoss, linear_cross_entropy
+from ..layers.attention import KVCache
+from ..model import LOSS, MEAN
+from ..utils.errors import UsageError
 
 MASK_KEYS = ("encoder_attn_mask", "decoder_attn_mask", "encoder_decoder_attn_mask")
 
@@ -142,7 +142,7 @@ class Seq2SeqLM(LanguageModel):
         With ``use_cache`` each decoder step feeds one token. ``vocab_size`` and ``options`` are as in
         ``libai_lite.inference.decode``.
         """
-        from .inference import decode, eval_mode, gather_logits, tensor_parallel_group
+        from ..inference import decode, eval_mode, gather_logits, tensor_parallel_group
 
         if self.embedding is None or self.lm_head is None:
             raise UsageError(f"generate needs the whole {type(self).__name__} (embedding to LM head); build it "
