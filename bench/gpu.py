@@ -331,7 +331,9 @@ def main(argv=None) -> int:
                 log_path = work / "logs" / f"{i:02d}_{step.name}.log"
                 print(f"[{elapsed():5.0f} s] {step.name} (estimate {seconds:.0f} s, limit {limit:.0f} s): "
                       f"{step.answers}", flush=True)
+                # Written as it starts too: a call killed outright (SIGKILL) still says which step it was in.
                 rows.append(dict(step=step.name, status="running", seconds=0.0, figure=""))
+                write_files(out, work, rows, head)
                 t0 = time.monotonic()
                 try:
                     status, took, text = run_step(step, ctx, limit, log_path)
