@@ -30,7 +30,7 @@ def test_dry_run_of_demo_and_cpu_resume(tmp_path):
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["gpu.log", "logs.tar.gz", "plan.md", "results.json", "table.md"]
     table = (out / "table.md").read_text()
-    assert r.stdout.rstrip().endswith(table.rstrip())
+    assert table.rstrip() in r.stdout  # printed last, before the dry run's H100 plan
     assert table.startswith("device: cpu; torch ") and "DRY RUN" in table
     results = json.loads((out / "results.json").read_text())
     assert [s["step"] for s in results["steps"]] == ["demo_gpu", "resume_cpu"]
@@ -177,3 +177,18 @@ def test_estimates_from_a_previous_call_replace_the_built_in_ones(tmp_path):
     assert estimates["gpu_tests"][0] == 400.0 and "lower bound" in estimates["gpu_tests"][1]
     assert estimates["demo_gpu"][1] == "predicted"
     assert gpu.device_kind("NVIDIA H200") == "H200" and gpu.device_kind("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_a_call_whose_budget_is_spent_skips_in_one_line_and_runs_nothing(tmp_path):
+    """Not a dry run: after the device check, 30 s cannot hold demo_gpu's 30 s estimate and its grace; the
+    step is skipped with the reason in its row, and the call ends well."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "bench/gpu.sh", "--out", str(out), "--budget", "30", "--kind", "H100", "--only",
+                        "demo_gpu,resume_cpu"], cwd=ROOT, env=env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    steps = json.loads((out / "results.json").read_text())["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [("demo_gpu", "skipped"), ("resume_cpu", "skipped")]
+    assert steps[0]["figure"].startswith("needs 30 s + 10 s grace, ") and steps[1]["figure"] == (
+        "continues demo_gpu, which did not end ok")
+    assert "skip demo_gpu: needs 30 s" in r.stdout and not list((out.parent).glob("**/demo/metrics.json"))
