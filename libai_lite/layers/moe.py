@@ -287,9 +287,11 @@ def grouped_experts(tokens: torch.Tensor, offsets: torch.Tensor, *weights: Optio
     dtype = _compute_dtype(tokens)
     w1, b1, w2, b2 = (weights[i::4] for i in range(4))
     x = tokens.to(dtype)
-    # Each row's expert, for the biases: offsets are row ends, so searchsorted(right) counts ends <= row.
-    rows = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=torch.int32), right=True)
-    rows = rows.clamp(max=len(w1) - 1)
+    rows = None
+    if b1[0] is not None or b2[0] is not None:
+        # Each row's expert, for the biases: offsets are row ends, so searchsorted(right) counts ends <= row.
+        rows = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=torch.int32), right=True)
+        rows = rows.clamp(max=len(w1) - 1)
     h = torch._grouped_mm(x, torch.stack(w1).to(dtype).transpose(-2, -1), offs=offsets)
     bias = _stacked_bias(b1, rows, dtype)
     h = activate(h if bias is None else h + bias, activation, gated)
