@@ -212,3 +212,41 @@ def test_bad_deepseek_settings_are_one_usage_error(cfg, needle):
         MoEConfig.from_mapping(dict(enabled=True, **cfg))
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert str(err.value).startswith("model.cfg.moe.") or str(err.value).startswith("unknown key model.cfg.moe.")
+
+
+# ------------------------------------------------------------------ through the launcher
+
+
+def test_gpt2_moe_demo_trains_with_sigmoid_bias_routing_and_shared_experts_over_two_ranks(tmp_path):
+    """Aux-loss-free routing and a shared expert under ep=2 and ZeRO-2: the trainer's optimizer steps
+    move the biases (saved with the model), and no auxiliary loss enters the total."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.layers.test_moe import GPT_MOE, _metrics, _tiny_gpt_moe
+    from tests.launch import train_sh
+
+    out = tmp_path / "out"
+    r = train_sh(2, _tiny_gpt_moe(out, tmp_path / "cache", "train.train_iter=4", "model.cfg.moe.ep_size=2",
+                                  "+model.cfg.moe.router=sigmoid_bias", "model.cfg.moe.aux_loss_weight=0.0",
+                                  "+model.cfg.moe.bias_update_rate=0.01", "+model.cfg.moe.num_shared_experts=1",
+                                  "train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"),
+                 config=GPT_MOE)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["moe_aux_loss"] == 0.0 and row["total_loss"] == row["lm_loss"] for row in rows)
+    dcp_to_torch_save(out / "model_final", tmp_path / "final.pt")
+    state = torch.load(tmp_path / "final.pt", weights_only=False)
+    flat = {}
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            (walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{prefix}{k}", v))
+
+    walk(state)
+    biases = [v for k, v in flat.items() if k.endswith("expert_bias")]
+    assert len(biases) == 1 and biases[0].shape == (4,)  # one MoE layer of 4 experts
+    # 4 steps of +-0.01 each (0 where an expert sits exactly at the mean load).
+    assert biases[0].abs().max() > 0 and biases[0].abs().max() <= 0.04 + 1e-6
+    assert any("shared_experts.dense_h_to_4h.weight" in k for k in flat)
+    assert not any("expert_load" in k for k in flat)
