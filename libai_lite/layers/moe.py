@@ -229,7 +229,10 @@ class Experts(nn.ModuleDict):
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int] | int) -> torch.Tensor:
         """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th local expert (an int:
         as many for each)."""
-        if self.grouped_gemm and not GROUPED_EXPERTS.fell_back and _grouped_eligible(self, tokens):
+        # No rows (an expert-parallel rank sent nothing) is left to the loop: a kernel failing there is no reason to
+        # give the grouped path up for every later call.
+        if (self.grouped_gemm and tokens.shape[0] and not GROUPED_EXPERTS.fell_back
+                and _grouped_eligible(self, tokens)):
             return self._grouped(tokens, tokens_per_expert)
         pieces = tokens.split(tokens_per_expert, dim=0)
         return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)], dim=0)

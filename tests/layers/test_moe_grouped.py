@@ -161,3 +161,10 @@ def test_the_grouped_path_is_taken_only_on_cuda_in_bf16():
     layer = _layer()
     assert not moe_module._grouped_eligible(layer.experts, torch.randn(4, 16))
     assert not moe_module._grouped_eligible(layer.experts, torch.randn(4, 16, dtype=torch.bfloat16))
+
+
+def test_no_rows_run_the_loop_and_leave_the_guard_alone(fresh_guard, eligible_on_cpu, monkeypatch):
+    monkeypatch.setattr(GROUPED_EXPERTS, "fast_fn", _raising)
+    layer = _layer()
+    out = layer.experts(torch.randn(0, 16), [0] * 8)
+    assert out.shape == (0, 16) and fresh_guard == [] and not GROUPED_EXPERTS.fell_back
