@@ -11,6 +11,7 @@ parallelism keeps only this rank's experts, keyed by global index, and sets ``di
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 import math
@@ -380,6 +381,8 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
         else:
             self.expert_bias = self.expert_load = None
+        # Off while a pipeline stage runs on torch's placeholder inputs (paused_load_counting).
+        self.count_load = True
         self.shared_experts = None
         if moe.num_shared_experts:
             shared = moe.shared_expert_intermediate_size or moe.num_shared_experts * ffn_hidden_size
@@ -411,7 +414,7 @@ class MoELayer(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         routing = route(self.router(x), self.top_k, self.capacity_factor, self.router_kind, self.expert_bias)
-        if self.expert_load is not None and self.training and torch.is_grad_enabled():
+        if self.expert_load is not None and self.training and torch.is_grad_enabled() and self.count_load:
             # Recomputation under activation checkpointing counts a micro-batch twice in every layer it
             # recomputes; the update takes only the sign of each expert's distance from the mean, which that keeps.
             self.expert_load.add_(routing.load)
@@ -529,6 +532,20 @@ def update_router_biases(model: nn.Module, group=None, skip: Optional[torch.Tens
     for m, s in zip(layers, step):
         m.expert_bias.add_(m.bias_update_rate * s)
         m.expert_load.zero_()
+
+
+@contextlib.contextmanager
+def paused_load_counting(module: nn.Module):
+    """No ``sigmoid_bias`` layer of ``module`` counts its load inside (forwards that are not training data)."""
+    layers = moe_layers(module)
+    saved = [m.count_load for m in layers]
+    for m in layers:
+        m.count_load = False
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, saved):
+            m.count_load = was
 
 
 def router_bias_after_optimizer_step(optimizer, module: nn.Module, group=None) -> bool:

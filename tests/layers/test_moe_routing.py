@@ -250,3 +250,26 @@ def test_gpt2_moe_demo_trains_with_sigmoid_bias_routing_and_shared_experts_over_
     assert biases[0].abs().max() > 0 and biases[0].abs().max() <= 0.04 + 1e-6
     assert any("shared_experts.dense_h_to_4h.weight" in k for k in flat)
     assert not any("expert_load" in k for k in flat)
+
+
+def test_sigmoid_bias_training_curve_is_the_one_process_curve_under_dp2_and_pp2_with_recomputation(tmp_path):
+    """The bias moves by the global batch's loads: data parallelism (loads all-reduced) and a pipeline with
+    activation checkpointing (each stage's layers, recomputed micro-batches counted twice) log the
+    one-process losses step for step, with the biases moving fast enough to change the routing."""
+    from tests.layers.test_moe import GPT_MOE, _assert_same_curve, _metrics, _tiny_gpt_moe
+    from tests.launch import train_net, train_sh
+
+    common = ["train.train_iter=5", "model.cfg.moe.every_n_layers=1", "model.cfg.attention_dropout_prob=0.0",
+              "model.cfg.output_dropout_prob=0.0", "model.cfg.moe.capacity_factor=null",
+              "+model.cfg.moe.router=sigmoid_bias", "model.cfg.moe.aux_loss_weight=0.0",
+              "+model.cfg.moe.bias_update_rate=0.05"]
+    one = tmp_path / "one"
+    r = train_net(_tiny_gpt_moe(one, tmp_path / "cache", *common), config=GPT_MOE)
+    assert r.returncode == 0, r.stderr[-4000:]
+    keys = ("total_loss", "lm_loss", "moe_load_max", "grad_norm")
+    for name, extra in (("dp2", []), ("pp2_actckpt", ["train.dist.pipeline_parallel_size=2",
+                                                      "train.activation_checkpoint.enabled=True"])):
+        out = tmp_path / name
+        r = train_sh(2, _tiny_gpt_moe(out, tmp_path / "cache", *common, *extra), config=GPT_MOE)
+        assert r.returncode == 0, r.stderr[-4000:]
+        _assert_same_curve(_metrics(out), _metrics(one), keys=keys, tol=1e-4)
