@@ -8,6 +8,10 @@ The load-balancing loss ``num_experts * sum_e f_e * P_e`` is 1 at perfect balanc
 A drop-in for ``MLP``; ``collect_moe_outputs(model)`` adds its loss and statistics to the output dict.
 In a pipeline stage the layer back-propagates its own auxiliary loss (``backprop_aux_loss``). Expert
 parallelism keeps only this rank's experts, keyed by global index, and sets ``dispatch``.
+
+DeepSeek-style options: sigmoid routing balanced by a per-expert bias instead of (or beside) the loss,
+moved after each optimizer step (``update_router_biases``), and shared experts; on CUDA in bf16 the
+experts run as grouped GEMMs behind a ``FastPath`` whose plain path is the per-expert loop.
 """
 from __future__ import annotations
 
@@ -52,8 +56,8 @@ class MoEConfig:
     per-expert bias that ``update_router_biases`` moves by ``bias_update_rate`` after each optimizer step
     towards balanced loads (auxiliary-loss-free balancing; set ``aux_loss_weight=0`` for none at all).
     ``num_shared_experts`` adds a dense MLP of ``shared_expert_intermediate_size`` features (default
-    that many times the experts') that every token passes through. ``grouped_gemm`` runs the experts of
-    the dropless path as grouped GEMMs on CUDA in bf16 (``torch._grouped_mm``, guarded; the loop elsewhere).
+    that many times the experts') that every token passes through. ``grouped_gemm`` runs the experts (exact
+    sizes or fixed slots) as grouped GEMMs on CUDA in bf16 (``torch._grouped_mm``, guarded; the loop elsewhere).
     """
 
     enabled: bool = False
