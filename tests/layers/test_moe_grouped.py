@@ -72,7 +72,7 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_grouped_experts_match_the_loop_forward_and_backward(dtype, gated, bias):
     layer = _layer(gated=gated, bias=bias).to(dtype)
-    weights = [w.detach().clone().requires_grad_(True) if w is not None else None for w in expert_weights(layer.experts)]
+    weights = [None if w is None else w.detach().clone().requires_grad_(True) for w in expert_weights(layer.experts)]
     sizes = [5, 0, 3, 7, 1, 0, 4, 4]  # an expert without tokens still gets a (zero) gradient
     offsets = torch.tensor(torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
     tokens = torch.randn(sum(sizes), 16, dtype=dtype, requires_grad=True)
