@@ -8,6 +8,7 @@ and eager mode runs; host reads (``aten._local_scalar_dense``: ``.item()``/``flo
 ``Tensor.tolist``; counted by ``bench/host_reads.py``) are each a GPU stall.
 The models are tiny (the counts do not depend on the widths, only on the structure); a warm-up step
 runs first. Prints one table and, last, one JSON line. ``--smoke`` is the same at the smallest sizes.
+``--moe-experts`` adds an MoE layer's experts run one by one against ``torch._grouped_mm``.
 """
 from __future__ import annotations
 
@@ -172,6 +173,40 @@ def count_components() -> dict:
     return out
 
 
+def count_moe_experts(experts: int = 8, top_k: int = 2, tokens: int = 256) -> dict:
+    """ATen ops (views apart) of one MoE layer's experts, forward and backward apart, on the dropless path:
+    the per-expert loop against the grouped GEMMs (``torch._grouped_mm`` runs on the CPU too; on a GPU each
+    counted op is a kernel, so the GPU figures are predicted). The routing around the experts is the same
+    on both paths and is not counted."""
+    from libai_lite.layers import MoEConfig, MoELayer
+    from libai_lite.layers import moe as moe_module
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(enabled=True, num_experts=experts, top_k=top_k, capacity_factor=None),
+                     hidden_size=64, ffn_hidden_size=160, activation="silu", gated=True, bias=False)
+    sizes = [len(c) for c in torch.arange(tokens * top_k).chunk(experts)]  # a balanced router's counts
+    x = torch.randn(tokens * top_k, 64, requires_grad=True)
+    row = {"experts": experts, "top_k": top_k, "rows": tokens * top_k}
+    saved = moe_module._grouped_eligible
+    try:
+        for label, grouped in (("loop", False), ("grouped", True)):
+            layer.experts.grouped_gemm = grouped
+            moe_module._grouped_eligible = lambda *_: True  # as on CUDA in bf16; the op count is the same
+            moe_module.GROUPED_EXPERTS.reset()
+            for _ in range(2):  # the first call runs the guard's probe; the second is counted
+                layer.zero_grad(set_to_none=True)
+                with CountOps() as fwd:
+                    y = layer.experts(x, sizes)
+                with CountOps() as bwd:
+                    y.backward(torch.ones_like(y))
+            row[label] = {"forward": fwd.kernels, "backward": bwd.kernels,
+                          "top_ops": dict((fwd.ops + bwd.ops).most_common(6))}
+    finally:
+        moe_module._grouped_eligible = saved
+        moe_module.GROUPED_EXPERTS.reset()
+    return row
+
+
 def count(name: str, smoke: bool) -> dict:
     """ATen ops (views apart), views, and host reads in one forward+backward of ``name`` after a warm-up."""
     torch.manual_seed(0)
@@ -192,6 +227,8 @@ def main(argv=None) -> dict:
     p.add_argument("--smoke", action="store_true", help="two-layer models: checks the script runs")
     p.add_argument("--components", action="store_true",
                    help="also count the replaced pieces (RMSNorm, gated MLP, rotary) old against new")
+    p.add_argument("--moe-experts", action="store_true",
+                   help="also count one MoE layer's experts (8, top-2): the per-expert loop against grouped GEMMs")
     args = p.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -209,6 +246,12 @@ def main(argv=None) -> dict:
         for n, r in result["components"].items():
             print(f"{n:10} {r['old']['forward']:8d} {r['old']['backward']:8d} {r['new']['forward']:8d} "
                   f"{r['new']['backward']:8d}  {r['per']}")
+    if args.moe_experts:
+        r = result["moe_experts"] = count_moe_experts()
+        print(f"\nMoE experts ({r['experts']} experts, top-{r['top_k']}, {r['rows']} rows; GPU kernels predicted)")
+        print(f"{'path':10} {'forward':>8} {'backward':>8}")
+        for label in ("loop", "grouped"):
+            print(f"{label:10} {r[label]['forward']:8d} {r[label]['backward']:8d}")
     print(json.dumps(result))
     return result
 

@@ -69,7 +69,7 @@ def resume_position(path: str | None, train_iter: int | None = None) -> tuple[in
 
 
 # model.cfg keys that choose a layout or a kernel, not the model: a resume may change them.
-LAYOUT_KEYS = frozenset({"moe.ep_size", "fused_cross_entropy"})
+LAYOUT_KEYS = frozenset({"moe.ep_size", "moe.grouped_gemm", "fused_cross_entropy"})
 
 
 def plain_model_config(model_config) -> dict:

@@ -23,6 +23,7 @@ from ..config import LazyConfig, instantiate
 from ..config.instantiate import instantiate_with
 from ..data.build import check_data_tokenizer, megatron_consumed_valid_samples, megatron_valid_samples
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
+from ..layers.moe import router_bias_after_optimizer_step
 from ..model import max_seq_length, sample_throughput
 from ..parallel.compile import check_compile, uses_cuda_graphs
 from ..parallel.float8 import check_float8, float8_after_optimizer_step
@@ -240,6 +241,9 @@ class DefaultTrainer:
                 opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_mesh.get_group(),
                                             offload=offload, **kwargs)
             float8_after_optimizer_step(opt, part)  # ZeRO-2/3 float8 all-gather: the weights' scales at once
+            # sigmoid_bias routers: the loads of the global batch (every dp x cp rank's tokens) move the biases.
+            replicas = self.layout.replica_mesh
+            router_bias_after_optimizer_step(opt, part, replicas.get_group() if replicas is not None else None)
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 

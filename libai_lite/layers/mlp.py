@@ -37,6 +37,15 @@ def split_gate_up(fused: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
+def activate(intermediate: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """The MLP's activation on its first projection's output: ``act(gate) * up`` of the interleaved pairs when
+    ``gated``, else ``act(intermediate)``."""
+    if gated:
+        gate, up = intermediate.unflatten(-1, (-1, 2)).unbind(-1)
+        return _ACTIVATIONS[activation](gate) * up
+    return _ACTIVATIONS[activation](intermediate)
+
+
 class GateUpLinear(Linear1D):
     """A column-parallel ``Linear1D`` of ``2 * ffn`` outputs, gate and up rows interleaved; split in whole pairs.
 
@@ -93,12 +102,7 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(_join_legacy_gate_up)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        intermediate = self.dense_h_to_4h(hidden_states)
-        if self.gated:
-            gate, up = intermediate.unflatten(-1, (-1, 2)).unbind(-1)
-            intermediate = _ACTIVATIONS[self.activation](gate) * up
-        else:
-            intermediate = _ACTIVATIONS[self.activation](intermediate)
+        intermediate = activate(self.dense_h_to_4h(hidden_states), self.activation, self.gated)
         return self.dropout(self.dense_4h_to_h(intermediate))
 
     def extra_repr(self) -> str:

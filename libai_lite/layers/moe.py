@@ -8,23 +8,39 @@ The load-balancing loss ``num_experts * sum_e f_e * P_e`` is 1 at perfect balanc
 A drop-in for ``MLP``; ``collect_moe_outputs(model)`` adds its loss and statistics to the output dict.
 In a pipeline stage the layer back-propagates its own auxiliary loss (``backprop_aux_loss``). Expert
 parallelism keeps only this rank's experts, keyed by global index, and sets ``dispatch``.
+
+DeepSeek-style options: sigmoid routing balanced by a per-expert bias instead of (or beside) the loss,
+moved after each optimizer step (``update_router_biases``), and shared experts; on CUDA in bf16 the
+experts run as grouped GEMMs behind a ``FastPath`` whose plain path is the per-expert loop.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import itertools
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..model import LOSS, MEAN
 from ..utils.errors import UsageError
+from ..utils.fallback import FastPath
 from .init_methods import InitMethod
 from .linear import Linear1D
-from .mlp import MLP
+from .mlp import MLP, activate
+
+
+# Router choices: Switch/GShard's softmax, DeepSeek-V3's sigmoid scores with a balancing bias.
+ROUTERS = ("softmax", "sigmoid_bias")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -36,6 +52,13 @@ class MoEConfig:
     feed-forward layer of a stack is an MoE layer. ``jitter_noise`` multiplies the router input by
     ``U(1 - eps, 1 + eps)`` while training. ``ffn_hidden_size`` is each expert's width, None for the model's
     (fine-grained recipes such as Qwen3-MoE run many narrow experts).
+
+    ``router="sigmoid_bias"`` is DeepSeek-V3's routing: sigmoid scores, top-k chosen on scores plus a
+    per-expert bias that ``update_router_biases`` moves by ``bias_update_rate`` after each optimizer step
+    towards balanced loads (auxiliary-loss-free balancing; set ``aux_loss_weight=0`` for none at all).
+    ``num_shared_experts`` adds a dense MLP of ``shared_expert_intermediate_size`` features (default
+    that many times the experts') that every token passes through. ``grouped_gemm`` runs the experts (exact
+    sizes or fixed slots) as grouped GEMMs on CUDA in bf16 (``torch._grouped_mm``, guarded; the loop elsewhere).
     """
 
     enabled: bool = False
@@ -47,6 +70,11 @@ class MoEConfig:
     every_n_layers: int = 2
     jitter_noise: float = 0.0
     ffn_hidden_size: Optional[int] = None
+    router: str = "softmax"
+    bias_update_rate: float = 1e-3
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: Optional[int] = None
+    grouped_gemm: bool = True
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "ep_size", "every_n_layers"):
@@ -74,6 +102,27 @@ class MoEConfig:
             raise UsageError(f"model.cfg.moe.aux_loss_weight={self.aux_loss_weight} must be >= 0")
         if not 0.0 <= float(self.jitter_noise) < 1.0:
             raise UsageError(f"model.cfg.moe.jitter_noise={self.jitter_noise} must be in [0, 1)")
+        if self.router not in ROUTERS:
+            close = difflib.get_close_matches(str(self.router), ROUTERS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(map(repr, ROUTERS))}"
+            raise UsageError(f"model.cfg.moe.router={self.router!r} is not a router; {hint}")
+        if not _number(self.bias_update_rate) or float(self.bias_update_rate) < 0:
+            raise UsageError(f"model.cfg.moe.bias_update_rate={self.bias_update_rate!r} must be a number >= 0 "
+                             f"(DeepSeek-V3 uses 1e-3; 0 keeps the routing bias fixed)")
+        self.bias_update_rate = float(self.bias_update_rate)
+        value = self.num_shared_experts
+        if not _number(value) or int(value) != value or int(value) < 0:
+            raise UsageError(f"model.cfg.moe.num_shared_experts={value!r} must be an integer >= 0 (0: none)")
+        self.num_shared_experts = int(value)
+        size = self.shared_expert_intermediate_size
+        if size is not None and (not _number(size) or int(size) != size or int(size) < 1):
+            raise UsageError(f"model.cfg.moe.shared_expert_intermediate_size={size!r} must be a positive integer "
+                             f"(or null: num_shared_experts times the experts' ffn size)")
+        if size is not None and self.num_shared_experts == 0:
+            raise UsageError(f"model.cfg.moe.shared_expert_intermediate_size={size} is set without shared experts; "
+                             f"set model.cfg.moe.num_shared_experts >= 1 or leave the size null")
+        if not isinstance(self.grouped_gemm, bool):
+            raise UsageError(f"model.cfg.moe.grouped_gemm={self.grouped_gemm!r} must be True or False")
 
     @classmethod
     def from_mapping(cls, cfg: Optional[Mapping[str, Any]]) -> "MoEConfig":
@@ -116,12 +165,24 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return max(int(math.ceil(float(capacity_factor) * num_tokens * top_k / num_experts)), 1)
 
 
-def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float]) -> Routing:
+def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float], router: str = "softmax",
+          bias: Optional[torch.Tensor] = None) -> Routing:
     """Top-k routing with capacity from router ``logits`` ``[T, E]``; GShard's priority: every token's
-    first choice before any second choice, and within one choice, tokens in order."""
+    first choice before any second choice, and within one choice, tokens in order.
+
+    ``router="sigmoid_bias"`` (DeepSeek-V3): scores ``sigmoid(logits)``, the top k of ``scores + bias``
+    chosen (``bias`` ``[E]`` steers the choice only: no gradient, no share in the gates), gated by their
+    scores (renormalised over the k for k > 1); ``probs`` are the scores normalised per token."""
     num_tokens, num_experts = logits.shape
-    probs = torch.softmax(logits.float(), dim=-1)
-    top_probs, expert_index = probs.topk(top_k, dim=-1)
+    if router == "sigmoid_bias":
+        scores = torch.sigmoid(logits.float())
+        choice = scores.detach() if bias is None else scores.detach() + bias.detach().float()
+        expert_index = choice.topk(top_k, dim=-1).indices
+        top_probs = scores.gather(1, expert_index)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_probs, expert_index = probs.topk(top_k, dim=-1)
     gates = top_probs if top_k == 1 else top_probs / top_probs.sum(dim=-1, keepdim=True)
     capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor)
     # Position of each assignment in its expert's queue, in priority order (choice-major).
@@ -172,19 +233,112 @@ class Experts(nn.ModuleDict):
 
     A module with a forward of its own, so FSDP can shard the experts as one group and gather them
     around this call. Every expert runs even on zero tokens: data-parallel gradient reduction
-    expects a gradient for each.
+    expects a gradient for each. With ``grouped_gemm`` on CUDA in bf16 the experts run as two grouped
+    GEMMs (``GROUPED_EXPERTS``) on their weights stacked at call time; the parameters stay per expert.
     """
+
+    grouped_gemm = False
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int] | int) -> torch.Tensor:
         """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th local expert (an int:
         as many for each)."""
+        # No rows (an expert-parallel rank sent nothing) is left to the loop: a kernel failing there is no reason to
+        # give the grouped path up for every later call.
+        if (self.grouped_gemm and tokens.shape[0] and not GROUPED_EXPERTS.fell_back
+                and _grouped_eligible(self, tokens)):
+            return self._grouped(tokens, tokens_per_expert)
         pieces = tokens.split(tokens_per_expert, dim=0)
         return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)], dim=0)
+
+    def _grouped(self, tokens: torch.Tensor, tokens_per_expert: list[int] | int) -> torch.Tensor:
+        sizes = [tokens_per_expert] * len(self) if isinstance(tokens_per_expert, int) else list(tokens_per_expert)
+        # The sizes are on the host already (the split needs them); one small copy gives the kernel its offsets.
+        offsets = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32).to(tokens.device,
+                                                                                          non_blocking=True)
+        first = next(iter(self.values()))
+        out = GROUPED_EXPERTS(tokens, offsets, *expert_weights(self), activation=first.activation,
+                              gated=first.gated)
+        return first.dropout(out)
 
     def run_fixed(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
         """Every expert on its ``capacity`` rows of ``slots`` (``[experts * capacity, hidden]``), through
         ``forward`` so that FSDP's hooks on this module gather the experts around it."""
         return self(slots, capacity)
+
+
+def expert_weights(experts: Experts) -> list:
+    """``[w1, b1, w2, b2]`` of every expert in order (a bias None where the MLP has none)."""
+    out = []
+    for e in experts.values():
+        out += [e.dense_h_to_4h.weight, e.dense_h_to_4h.bias, e.dense_4h_to_h.weight, e.dense_4h_to_h.bias]
+    return out
+
+
+def _grouped_eligible(experts: Experts, tokens: torch.Tensor) -> bool:
+    """CUDA, bf16 compute, plain tensors (no DTensor: tensor parallelism keeps the loop) and a torch with
+    ``_grouped_mm``."""
+    if not tokens.is_cuda or not hasattr(torch, "_grouped_mm"):
+        return False
+    if _compute_dtype(tokens) != torch.bfloat16:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(w, DTensor) for w in expert_weights(experts))
+
+
+def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+    device = tokens.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
+
+
+def _stacked_bias(biases: tuple, rows: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if biases[0] is None else torch.stack(biases).to(dtype).index_select(0, rows)
+
+
+def grouped_experts(tokens: torch.Tensor, offsets: torch.Tensor, *weights: Optional[torch.Tensor],
+                    activation: str, gated: bool) -> torch.Tensor:
+    """The experts' MLPs (without dropout) on ``tokens`` grouped by expert, ``offsets`` ``[E]`` int32 the
+    cumulative row counts, as two ``torch._grouped_mm`` on the ``expert_weights`` stacked here (a copy of
+    the experts' weights, kept for backward). Computes in bf16 (the autocast dtype)."""
+    dtype = _compute_dtype(tokens)
+    w1, b1, w2, b2 = (weights[i::4] for i in range(4))
+    x = tokens.to(dtype)
+    rows = None
+    if b1[0] is not None or b2[0] is not None:
+        # Each row's expert, for the biases: offsets are row ends, so searchsorted(right) counts ends <= row.
+        rows = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=torch.int32), right=True)
+        rows = rows.clamp(max=len(w1) - 1)
+    h = torch._grouped_mm(x, torch.stack(w1).to(dtype).transpose(-2, -1), offs=offsets)
+    bias = _stacked_bias(b1, rows, dtype)
+    h = activate(h if bias is None else h + bias, activation, gated)
+    out = torch._grouped_mm(h, torch.stack(w2).to(dtype).transpose(-2, -1), offs=offsets)
+    bias = _stacked_bias(b2, rows, dtype)
+    return out if bias is None else out + bias
+
+
+def looped_experts(tokens: torch.Tensor, offsets: torch.Tensor, *weights: Optional[torch.Tensor],
+                   activation: str, gated: bool) -> torch.Tensor:
+    """``grouped_experts``' plain path: each expert's MLP on its rows, one after another."""
+    ends = offsets.tolist()
+    sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+    pieces = tokens.split(sizes, dim=0)
+    outs = []
+    for i, piece in enumerate(pieces):
+        w1, b1, w2, b2 = weights[4 * i:4 * i + 4]
+        outs.append(F.linear(activate(F.linear(piece, w1, b1), activation, gated), w2, b2))
+    return torch.cat(outs, dim=0)
+
+
+def _grouped_signature(tokens, offsets, *weights, activation, gated):
+    # Keyed by shapes, not by the token counts (they change every step): one probe per layer shape.
+    return (torch.is_grad_enabled(), tokens.dtype, tokens.shape[-1], tokens.requires_grad,
+            _compute_dtype(tokens), len(weights), tuple(None if w is None else tuple(w.shape) for w in weights[:4]),
+            any(w is not None and w.requires_grad for w in weights), activation, gated)
+
+
+# The experts' grouped GEMMs, checked against the loop forward and backward at first use.
+GROUPED_EXPERTS = FastPath("MoE grouped GEMM (torch._grouped_mm)", grouped_experts, looped_experts,
+                           signature=_grouped_signature, compare=True, plain_name="the per-expert loop")
 
 
 class _AuxLossInBackward(torch.autograd.Function):
@@ -223,12 +377,29 @@ class MoELayer(nn.Module):
         self.capacity_factor = None if moe.capacity_factor is None else float(moe.capacity_factor)
         self.aux_loss_weight = float(moe.aux_loss_weight)
         self.layer_idx = layer_idx
+        expert_size = moe.ffn_hidden_size or ffn_hidden_size
         self.router = Router(hidden_size, moe.num_experts, init_method=init_method,
                              jitter_noise=moe.jitter_noise, layer_idx=layer_idx)
         self.experts = Experts({
-            str(e): MLP(hidden_size, moe.ffn_hidden_size or ffn_hidden_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
+            str(e): MLP(hidden_size, expert_size, init_method=init_method, layer_idx=layer_idx, **mlp_options)
             for e in range(moe.num_experts)
         })
+        self.experts.grouped_gemm = moe.grouped_gemm
+        self.router_kind = moe.router
+        self.bias_update_rate = moe.bias_update_rate
+        if moe.router == "sigmoid_bias":
+            # A buffer: saved in checkpoints, moved by update_router_biases, never by the optimizer.
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+            # Assignments per expert in this rank's training forwards since the last bias update.
+            self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        else:
+            self.expert_bias = self.expert_load = None
+        # Off while a pipeline stage runs on torch's placeholder inputs (paused_load_counting).
+        self.count_load = True
+        self.shared_experts = None
+        if moe.num_shared_experts:
+            shared = moe.shared_expert_intermediate_size or moe.num_shared_experts * expert_size
+            self.shared_experts = MLP(hidden_size, shared, init_method=init_method, layer_idx=layer_idx, **mlp_options)
         # Replaced by libai_lite.parallel.expert_parallel to exchange tokens over the expert-parallel group.
         self.dispatch = _local_experts
         self.run_slots = _local_slots
@@ -255,7 +426,11 @@ class MoELayer(nn.Module):
         """``hidden_states`` ``[..., hidden]`` -> the experts' weighted outputs, same shape."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        routing = route(self.router(x), self.top_k, self.capacity_factor)
+        routing = route(self.router(x), self.top_k, self.capacity_factor, self.router_kind, self.expert_bias)
+        if self.expert_load is not None and self.training and torch.is_grad_enabled() and self.count_load:
+            # Recomputation under activation checkpointing counts a micro-batch twice in every layer it
+            # recomputes; the update takes only the sign of each expert's distance from the mean, which that keeps.
+            self.expert_load.add_(routing.load)
         aux_loss = load_balancing_loss(routing.probs, routing.load)
         # Fixed slots avoid a host read but need equal token counts on every expert-parallel rank, which the
         # built-in loaders give in training; evaluation may batch each rank to its own length.
@@ -269,6 +444,8 @@ class MoELayer(nn.Module):
         self.stats = {"assignments": assignments, "dropped": assignments - routing.keep.sum(),
                       "load_max": (load.max() / load.mean()).detach()}
         out = out.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
         if not self.aux_loss_in_backward:
             self.aux_loss = aux_loss
         elif torch.is_grad_enabled():
@@ -308,7 +485,7 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         cf = "none" if self.capacity_factor is None else f"{self.capacity_factor:g}"
-        return (f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={cf}, "
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, capacity_factor={cf}, router={self.router_kind}, "
                 f"local_experts={self.local_expert_ids}, ep_size={self.ep_size}, layer_idx={self.layer_idx}")
 
 
@@ -348,6 +525,50 @@ def collect_moe_outputs(model: nn.Module) -> dict:
         # The graph behind the aux loss is released once the wrapper holds it.
         m.aux_loss = None
     return out
+
+
+def update_router_biases(model: nn.Module, group=None, skip: Optional[torch.Tensor] = None) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), after an optimizer step: each ``sigmoid_bias`` layer's
+    ``expert_bias += bias_update_rate * sign(mean load - load)``, the loads counted since the last update and
+    summed over ``group`` (the data-parallel group: the global batch; one all-reduce for all layers). ``skip``
+    (a 0-d tensor, 1 for a skipped step) leaves the biases unchanged without a host read."""
+    layers = [m for m in moe_layers(model) if m.expert_load is not None]
+    if not layers:
+        return
+    loads = torch.stack([m.expert_load for m in layers])
+    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    loads = loads.float()
+    step = torch.sign(loads.mean(dim=1, keepdim=True) - loads)
+    if skip is not None:
+        step = step * (1 - skip.to(step.device).float())
+    for m, s in zip(layers, step):
+        m.expert_bias.add_(m.bias_update_rate * s)
+        m.expert_load.zero_()
+
+
+@contextlib.contextmanager
+def paused_load_counting(module: nn.Module):
+    """No ``sigmoid_bias`` layer of ``module`` counts its load inside (forwards that are not training data)."""
+    layers = moe_layers(module)
+    saved = [m.count_load for m in layers]
+    for m in layers:
+        m.count_load = False
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, saved):
+            m.count_load = was
+
+
+def router_bias_after_optimizer_step(optimizer, module: nn.Module, group=None) -> bool:
+    """Have ``optimizer`` run ``update_router_biases(module, group)`` after each of its steps (skipped where
+    the trainer's ``found_inf`` says the step was); returns whether ``module`` has any ``sigmoid_bias`` layer."""
+    if not any(m.expert_load is not None for m in moe_layers(module)):
+        return False
+    optimizer.register_step_post_hook(
+        lambda opt, *_: update_router_biases(module, group, getattr(opt, "found_inf", None)))
+    return True
 
 
 def inactive_expert_parameters(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from ..layers.moe import paused_load_counting
 from ..utils.errors import UsageError
 from .expert_parallel import PipelineMoE
 from .pipeline_split import (
@@ -98,6 +99,20 @@ def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> N
                                  f"train.compile.enabled=False or use 'interleaved_1f1b'")
 
 
+def _placeholder_runs_count_no_load(stage: PipelineStage, module: nn.Module) -> None:
+    """torch >= 2.13 infers a stage's metadata on its first step by running it forward and backward with grad
+    on placeholder inputs; MoE routers must not count those tokens' loads (torch 2.11 infers under no_grad)."""
+    for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+        run = getattr(stage, name, None)
+        if run is None:
+            continue
+
+        def paused(*args, _run=run, **kwargs):
+            with paused_load_counting(module):
+                return _run(*args, **kwargs)
+
+        setattr(stage, name, paused)
+
 class PipelineStepper:
     """Runs one optimizer step's forward and backward through the pipeline.
 
@@ -141,6 +156,8 @@ class PipelineStepper:
                              f"got stage ids {self.stage_ids} for {len(self.stage_modules)} modules")
         stages = [PipelineStage(module, sid, num_stages, self.device, group=pp_group)
                   for module, sid in zip(self.stage_modules, self.stage_ids)]
+        for stage, module in zip(stages, self.stage_modules):
+            _placeholder_runs_count_no_load(stage, module)
         self.schedule = SCHEDULES[name](stages if name in _MULTI_STAGE else stages[0],
                                         n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
 

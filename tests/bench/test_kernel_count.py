@@ -22,3 +22,14 @@ def test_kernel_count_refuses_an_unknown_model_in_one_line():
     proc = python_tool([sys.executable, str(ROOT / "bench" / "kernel_count.py"), "--models", "gpt9"], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown model 'gpt9'")
+
+
+def test_kernel_count_counts_the_grouped_moe_experts_against_the_loop():
+    res, out = run_bench("kernel_count.py", "--models", "moe_layer", "--smoke", "--moe-experts", timeout=300)
+    r = res["moe_experts"]
+    assert (r["experts"], r["top_k"]) == (8, 2) and "GPU kernels predicted" in out
+    # The loop runs each expert's two GEMMs and activation: at least 4 ops per expert forward; the grouped
+    # path's count does not grow with the experts.
+    assert r["loop"]["forward"] >= 4 * 8 and r["grouped"]["forward"] < 8
+    assert r["grouped"]["backward"] < r["loop"]["backward"]
+    assert r["grouped"]["top_ops"]["_grouped_mm"] == 6  # two forward, four backward (input and weight)

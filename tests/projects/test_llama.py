@@ -176,6 +176,10 @@ def test_qwen3_sliding_window_import_and_qk_norm_with_biases_export_are_refused_
     assert config_to_hf({**cfg, "qkv_bias": False, "moe": moe})["architectures"] == ["Qwen3MoeForCausalLM"]
     with pytest.raises(UsageError, match="Mixtral's experts are as wide as its feed-forward"):
         config_to_hf({**cfg, "qkv_bias": False, "qk_norm": False, "moe": moe})
+    with pytest.raises(UsageError, match="routes by softmax without shared experts"):
+        config_to_hf({**cfg, "qkv_bias": False, "moe": {**moe, "router": "sigmoid_bias"}})
+    with pytest.raises(UsageError, match="routes by softmax without shared experts"):
+        config_to_hf({**cfg, "qkv_bias": False, "moe": {**moe, "num_shared_experts": 1}})
 
 
 @pytest.mark.parametrize("change, says", [({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),

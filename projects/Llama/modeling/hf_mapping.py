@@ -148,6 +148,10 @@ def config_to_hf(model_cfg: Mapping[str, Any]) -> dict:
     if qk_norm and (_ours(cfg, "qkv_bias") or window):
         raise UsageError(f"model.cfg sets qk_norm (Qwen3) with q/k/v biases or a sliding_window: "
                          f"{_ARCHITECTURES[model_type]} has neither, so this model cannot be exported")
+    if moe.get("enabled") and (moe.get("router", "softmax") != "softmax" or int(moe.get("num_shared_experts") or 0)):
+        raise UsageError(f"model.cfg.moe has router={moe.get('router', 'softmax')!r} and num_shared_experts="
+                         f"{int(moe.get('num_shared_experts') or 0)}: {_ARCHITECTURES[model_type]} routes by softmax "
+                         f"without shared experts, so this model cannot be exported")
     if model_type == "mixtral" and moe.get("ffn_hidden_size") not in (None, int(_ours(cfg, "ffn_hidden_size"))):
         raise UsageError("model.cfg.moe.ffn_hidden_size differs from ffn_hidden_size: Mixtral's experts are as wide "
                          "as its feed-forward, so this model cannot be exported (with qk_norm it is Qwen3-MoE)")
