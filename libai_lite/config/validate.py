@@ -157,6 +157,8 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.activation_checkpoint.every_n_layers": _COUNT_OR_NULL,
     "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
     "train.dist.data_parallel_size": _COUNT_OR_NULL,
+    "train.dist.data_parallel_replicate_size": _COUNT_OR_NULL,
+    "train.dist.data_parallel_shard_size": _COUNT_OR_NULL,
     "train.dist.tensor_parallel_size": _COUNT,
     "train.dist.pipeline_parallel_size": _COUNT,
     "train.dist.context_parallel_size": _COUNT,
