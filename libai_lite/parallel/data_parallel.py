@@ -145,7 +145,7 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
-    if dp_mesh.ndim > 1 and stage < 2:
+    if stage < 2 and dp_size > 1 and dp_mesh.ndim > 1:
         raise UsageError(f"HSDP (a {dp_mesh.mesh_dim_names} data-parallel mesh) shards with FSDP and ZeRO stage "
                          f"{stage} does not use it; set train.zero_optimization.stage=3 (or 2)")
     dtensor_params = tp_enabled or any(isinstance(p, DTensor) for p in model.parameters())
