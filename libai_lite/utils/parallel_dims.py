@@ -53,6 +53,13 @@ class ParallelDims:
                            f"stage on {world_size} process(es)")
         custom = dist_cfg.get("custom_pipeline_stage_id", None)
         replicate = hsdp_sizes(dp, dist_cfg, int(zero_stage or 0))[0]
+        if replicate > 1 and pp > 1 and int(zero_stage or 0) == 3:
+            # Seen on torch 2.11 and 2.13: the last stage's first forward under the pipeline schedule gets a
+            # wrong-shaped output when its parameters are resharded after forward over a 2-D mesh.
+            raise UsageError(f"HSDP (train.dist.data_parallel_replicate_size={replicate}) with pipeline parallelism "
+                             f"(pipeline_parallel_size={pp}) is not supported at ZeRO stage 3; use "
+                             f"train.zero_optimization.stage=2, or data_parallel_replicate_size=null with "
+                             f"data_parallel_shard_size=null for plain ZeRO-3")
         return cls(world_size, pp, dp, cp, tp, sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)),
                    zero_stage=int(zero_stage or 0), offload=bool(offload),
                    pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),

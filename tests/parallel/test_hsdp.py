@@ -49,6 +49,8 @@ def test_the_start_up_line_names_hsdp():
     ({"data_parallel_replicate_size": 2}, None, "ZeRO stage 0 does not use it"),
     ({"data_parallel_replicate_size": 2}, {"enabled": True, "stage": 1}, "ZeRO stage 1 does not use it"),
     ({"data_parallel_replicate_size": 0}, ZERO3, "must be at least 1"),
+    ({"data_parallel_replicate_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2}, ZERO3,
+     "not supported at ZeRO stage 3; use train.zero_optimization.stage=2"),
 ])
 def test_combinations_that_do_not_split_are_refused_in_one_line(dist, zero, needle):
     with pytest.raises(UsageError, match=needle) as e:
@@ -57,6 +59,8 @@ def test_combinations_that_do_not_split_are_refused_in_one_line(dist, zero, need
 
 
 def test_zero2_and_replication_only_are_accepted():
+    assert ParallelDims.resolve(4, {"data_parallel_replicate_size": 2, "pipeline_parallel_size": 2},
+                                {"enabled": True, "stage": 2}).hsdp
     assert ParallelDims.resolve(4, {"data_parallel_replicate_size": 2}, {"enabled": True, "stage": 2}).hsdp
     assert ParallelDims.resolve(4, {"data_parallel_replicate_size": 2},
                                 {"enabled": True, "stage": 3, "offload": True}).offload
@@ -110,7 +114,7 @@ def reference(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     curve = losses(tmp / "out")
     assert sorted(curve) == list(range(1, STEPS + 1))
-    return curve
+    return curve, losses(tmp / "out", key="grad_norm")
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +125,31 @@ def hsdp_run(tmp_path_factory):
     return tmp
 
 
+def _matches(out, reference):
+    """``out``'s losses and gradient norms (the clipper's, over the 2-D mesh's shards) are the reference's."""
+    ref_losses, ref_norms = reference
+    curve, norms = losses(out), losses(out, key="grad_norm")
+    assert sorted(curve) == sorted(ref_losses)
+    for it in ref_losses:
+        assert curve[it] == pytest.approx(ref_losses[it], **TOL), it
+        assert norms[it] == pytest.approx(ref_norms[it], **TOL), it
+
+
 def test_hsdp_2x2_on_four_ranks_trains_the_one_process_curve(reference, hsdp_run):
-    curve = losses(hsdp_run / "out")
-    assert sorted(curve) == sorted(reference)
-    for it in reference:
-        assert curve[it] == pytest.approx(reference[it], **TOL), it
+    _matches(hsdp_run / "out", reference)
     log = (hsdp_run / "out" / "log.txt").read_text()
     assert "dp 4 = 2 replicate x 2 shard (HSDP)" in log
     # FSDP2 got the 2-D mesh, not the flat data-parallel group.
     assert "HSDP: FSDP2 shards each parameter over 2 rank(s) and all-reduces its gradient over 2 replica(s)" in log
+
+
+def test_hsdp_zero2_with_offload_trains_the_one_process_curve(tmp_path, reference):
+    """ZeRO-2 (parameters kept gathered from forward to backward) and CPUOffloadPolicy under the 2-D mesh."""
+    zero2 = [a for a in HSDP if "stage" not in a] + ["train.zero_optimization.stage=2",
+                                                     "train.zero_optimization.offload=True"]
+    r = train_ranks(4, tiny(tmp_path / "out", tmp_path / "cache", *COMMON, *zero2, "train.checkpointer.period=0"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    _matches(tmp_path / "out", reference)
 
 
 @pytest.mark.parametrize("name,nproc,layout", [
