@@ -154,9 +154,10 @@ def test_hsdp_zero2_with_offload_trains_the_one_process_curve(tmp_path, referenc
 
 @pytest.mark.parametrize("name,nproc,layout", [
     ("zero3_dp2", 2, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"]),
+    ("ddp_dp2", 2, []),
     ("one", 1, []),
 ])
-def test_hsdp_checkpoint_resumes_under_plain_zero3_and_one_process(tmp_path, hsdp_run, name, nproc, layout):
+def test_hsdp_checkpoint_resumes_under_plain_zero3_ddp_and_one_process(tmp_path, hsdp_run, name, nproc, layout):
     """DCP reshards the 2-D mesh's shards: resumed at iteration 3, the run continues the uninterrupted HSDP curve,
     with the data position kept."""
     src = hsdp_run / "out"
