@@ -81,7 +81,7 @@ class RunSpec:
         b, d = self.batch, self.dims
         cp = f" cp={d.context_parallel_size}" if d.context_parallel_size > 1 else ""
         where = f" on {device}" if device is not None else ""
-        return (f"layout pp={d.pipeline_parallel_size} dp={d.data_parallel_size}{cp} tp={d.tensor_parallel_size}"
+        return (f"layout pp={d.pipeline_parallel_size} {d.describe_dp()}{cp} tp={d.tensor_parallel_size}"
                 f"{where}; "
                 f"global batch {b.global_batch_size} = micro {b.micro_batch_size} x dp {d.data_parallel_size} x "
                 f"accumulation {b.num_accumulation_steps}")

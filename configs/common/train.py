@@ -81,6 +81,12 @@ train = dict(
         # null: the processes launched decide (world / (pp x cp x tp)), so one config runs on 1, 4 or 8
         # processes; a number must match the launch.
         data_parallel_size=None,
+        # HSDP (torchtitan's replicate x shard degrees; needs ZeRO-2/3): the data-parallel ranks as
+        # data_parallel_replicate_size groups of data_parallel_shard_size ranks, each group holding one FSDP-
+        # sharded copy (shard inside a node, replicate across nodes). Either null is what the other leaves; both
+        # null: one flat group (replicate 1, shard = data_parallel_size).
+        data_parallel_replicate_size=None,
+        data_parallel_shard_size=None,
         # Capped at the world size (pipeline at what remains) as LiBai does, with a start-up
         # warning; strict_layout=True refuses a world too small for them instead.
         tensor_parallel_size=1,

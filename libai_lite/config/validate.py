@@ -147,6 +147,8 @@ RANGES: dict[str, "Range | OneOf"] = {
     "train.activation_checkpoint.every_n_layers": COUNT_OR_NULL,
     "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
     "train.dist.data_parallel_size": COUNT_OR_NULL,
+    "train.dist.data_parallel_replicate_size": COUNT_OR_NULL,
+    "train.dist.data_parallel_shard_size": COUNT_OR_NULL,
     "train.dist.tensor_parallel_size": COUNT,
     "train.dist.pipeline_parallel_size": COUNT,
     "train.dist.context_parallel_size": COUNT,

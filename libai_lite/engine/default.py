@@ -404,7 +404,7 @@ class DefaultTrainer:
         """The layout and batch this launch resolved, as config.yaml's header says it."""
         lay, b = self.layout, self.spec.batch
         return (f"Launched on {lay.world_size} process(es): layout pp={lay.pipeline_parallel_size} "
-                f"dp={lay.data_parallel_size} tp={lay.tensor_parallel_size} cp={lay.context_parallel_size}, global batch "
+                f"{lay.dims.describe_dp()} tp={lay.tensor_parallel_size} cp={lay.context_parallel_size}, global batch "
                 f"{b.global_batch_size} = micro {b.micro_batch_size} x dp {lay.data_parallel_size} x accumulation "
                 f"{b.num_accumulation_steps}.\nA rerun from this file derives its own layout (train.dist keeps what was "
                 f"asked) and accumulation (the global batch is kept).")

@@ -112,11 +112,17 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
                offload_policy: OffloadPolicy, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` on each transformer layer, then on the root (embeddings, tied head, norms).
 
+    A 2-D ``dp_mesh`` ("dp_replicate", "dp_shard") is HSDP, FSDP2's own: parameters sharded over the second
+    dimension, gradients reduce-scattered there and all-reduced over the first.
     One group per layer bounds ZeRO-3's unsharded parameters to about one layer at a time. The last
     layer is never resharded after forward: backward needs it straight away. With ``expert_mesh``
     each MoE layer's experts are first sharded over that expert-data-parallel mesh.
     """
     layers = transformer_layers(model)
+    if dp_mesh.ndim == 2:
+        replicate, shard = dp_mesh.size(0), dp_mesh.size(1)
+        logger.info(f"HSDP: FSDP2 shards each parameter over {shard} rank(s) and all-reduces its gradient over "
+                    f"{replicate} replica(s) (mesh {dp_mesh.mesh_dim_names})")
     options = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     if expert_mesh is not None:
         wrap_experts(model, expert_mesh, dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
@@ -134,11 +140,14 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int |
 
     Stage 0/1 wrap it in DDP, or in FSDP2 ``replicate`` for DTensor parameters, pipeline stages and
     experts; stage 1 also needs ``build_zero1_optimizer`` (with ``offload``, also at dp=1). Stage 2/3 shard in
-    place with FSDP2. At dp=1 the model runs plain, except with experts at stage 0/1 or with ``offload`` at
-    2/3. Apply tensor parallelism and activation checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
+    place with FSDP2, as HSDP over a 2-D ``dp_mesh``. At dp=1 the model runs plain, except with experts at stage
+    0/1 or with ``offload`` at 2/3. Apply tensor parallelism and activation checkpointing first. Experts are reduced over ``expert_mesh`` instead of ``dp_mesh`` when given.
     """
     stage = validate_zero_config(zero_stage, offload, param_dtype)
     dp_size = dp_mesh.size()
+    if stage < 2 and dp_size > 1 and dp_mesh.ndim > 1:
+        raise UsageError(f"HSDP (a {dp_mesh.mesh_dim_names} data-parallel mesh) shards with FSDP and ZeRO stage "
+                         f"{stage} does not use it; set train.zero_optimization.stage=3 (or 2)")
     dtensor_params = tp_enabled or any(isinstance(p, DTensor) for p in model.parameters())
     if stage == 1 and (dp_size > 1 or offload):
         check_zero1(dtensor_params, expert_mesh is not None)

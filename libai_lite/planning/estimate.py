@@ -114,10 +114,12 @@ class MemoryPlanner:
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.parallelize import check_model_layout
         from ..parallel.tensor_parallel import check_declared_splits
-        from ..utils.parallel_dims import resolve_layout
+        from ..utils.parallel_dims import hsdp_sizes, resolve_layout
 
         # Strict: the planner estimates the sizes it is given, never ones capped to fit the world.
         resolve_layout(s.world_size, {**s.sizes(), "strict_layout": True})
+        hsdp_sizes(s.data_parallel_size, {"data_parallel_replicate_size": s.data_parallel_replicate_size},
+                   s.zero_stage)
         validate_zero_config(s.zero_stage, s.offload)
         check_declared_splits(self.model, s.tensor_parallel_size)
         check_model_layout(self.model, s.layout(), s.num_microbatches)
@@ -173,7 +175,7 @@ class MemoryPlanner:
     def _step_temporaries(self, params: list[tuple[int, _Param]], s: PlanSettings) -> int:
         """What this rank's optimizer step allocates beyond its state, on the shapes the rank steps."""
         fsdp = _zero_stage(s) >= 2
-        by_id = {i: ((math.ceil(p.shard_numel(s.data_parallel_size)),) if fsdp else p.shape) for i, p in params}
+        by_id = {i: ((math.ceil(p.shard_numel(s.data_parallel_shard_size)),) if fsdp else p.shape) for i, p in params}
         shapes = tuple(tuple(by_id[id(q)] for q in g if id(q) in by_id) for g in self.groups)
         if shapes not in self._step_temps:
             self._step_temps[shapes] = optimizer_step_temporaries(self.optimizer_factory, shapes)
@@ -201,6 +203,8 @@ class MemoryPlanner:
                         layers: set[int] | None) -> MemoryEstimate:
         # Gradients are reduced, and ZeRO shards, over dp x cp: every cp rank holds the whole parameters.
         dp, stage, tp = s.data_parallel_size * s.context_parallel_size, _zero_stage(s), s.tensor_parallel_size
+        # FSDP shards over dp_shard x cp: under HSDP each replicate group holds a whole sharded copy.
+        shards = s.data_parallel_shard_size * s.context_parallel_size
         # A cp rank keeps about 1/cp of the whole-sequence trace. The gathered keys and values kept for
         # backward and the shared score mask are not counted.
         act_share = 1.0 / s.context_parallel_size
@@ -208,7 +212,7 @@ class MemoryPlanner:
         # FSDP's CPUOffloadPolicy moves parameters, gradients and the step; ZeRO-1's offload the optimizer only.
         offloaded = s.offload and s.device != "cpu" and fsdp
         optim_offloaded = s.offload and s.device != "cpu" and stage == 1
-        local = sum((p.shard_numel(dp) if fsdp else p.numel) * p.element_size for _i, p in params)
+        local = sum((p.shard_numel(shards) if fsdp else p.numel) * p.element_size for _i, p in params)
         param_b = grad_b = local
         shard_b = local  # the parameter bytes this rank's optimizer steps
         if stage == 1 and dp > 1:
@@ -223,7 +227,7 @@ class MemoryPlanner:
         # FSDP gathers parameters in the amp dtype (its MixedPrecisionPolicy), else in their own.
         gather_size = torch.empty(0, dtype=s.amp_dtype).element_size() if s.amp_dtype is not None else None
         gathered = {u: sum(p.numel * (gather_size or p.element_size) for p in ps) for u, ps in units.items()}
-        grads_of = {u: sum((p.shard_numel(dp) if fsdp else p.numel) * p.element_size for p in ps)
+        grads_of = {u: sum((p.shard_numel(shards) if fsdp else p.numel) * p.element_size for p in ps)
                     for u, ps in units.items()}
         g_root = gathered.get(None, 0)
         layer_units = sorted(u for u in units if u is not None)

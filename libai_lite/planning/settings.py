@@ -41,7 +41,7 @@ class PlanSettings(ParallelDims):
     def describe(self) -> str:
         """The layout and the memory-relevant switches, in one line."""
         cp = f" cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
-        parts = [f"pp={self.pipeline_parallel_size} dp={self.data_parallel_size}{cp} tp={self.tensor_parallel_size}"]
+        parts = [f"pp={self.pipeline_parallel_size} {self.describe_dp()}{cp} tp={self.tensor_parallel_size}"]
         if self.sequence_parallel:
             parts.append("sequence parallel")
         parts.append(f"ZeRO-{self.zero_stage}{' + offload' if self.offload else ''}" if self.zero_stage else "no ZeRO")

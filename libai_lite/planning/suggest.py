@@ -90,5 +90,8 @@ def _overrides_from(old: PlanSettings, new: PlanSettings) -> str:
     if (new.data_parallel_size != old.data_parallel_size
             and (new.tensor_parallel_size, new.pipeline_parallel_size) != (old.tensor_parallel_size, old.pipeline_parallel_size)):
         out.append("train.dist.data_parallel_size=null")
+        if new.hsdp:
+            # The replicate groups stay; each holds what the new data-parallel size leaves.
+            out.append("train.dist.data_parallel_shard_size=null")
     return " ".join(out)
 

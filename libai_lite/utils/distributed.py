@@ -43,6 +43,10 @@ class Layout:
     context_parallel_size: int = 1
     # dp x cp flattened (setup_dist): kept here, as torch deprecates slicing a flattened dim from the root mesh.
     dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    # HSDP: the data-parallel ranks (x cp) as replicate x shard groups, and their 2-D ("dp_replicate",
+    # "dp_shard") mesh FSDP2 shards over (setup_dist).
+    data_parallel_replicate_size: int = 1
+    hsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, dims: ParallelDims, rank: int = 0, local_rank: int = 0, device: torch.device | None = None,
@@ -54,7 +58,8 @@ class Layout:
                    sequence_parallel=dims.sequence_parallel, zero_stage=dims.zero_stage, offload=dims.offload,
                    pipeline_schedule=dims.pipeline_schedule, virtual_pipeline_size=dims.virtual_pipeline_size,
                    custom_pipeline_stage_id=list(custom) if custom is not None else None,
-                   context_parallel_size=dims.context_parallel_size)
+                   context_parallel_size=dims.context_parallel_size,
+                   data_parallel_replicate_size=dims.data_parallel_replicate_size)
 
     @property
     def dims(self) -> ParallelDims:
@@ -63,7 +68,8 @@ class Layout:
         return ParallelDims(self.world_size, self.pipeline_parallel_size, self.data_parallel_size,
                             self.context_parallel_size, self.tensor_parallel_size, self.sequence_parallel,
                             int(self.zero_stage or 0), bool(self.offload), self.pipeline_schedule,
-                            self.virtual_pipeline_size, tuple(custom) if custom is not None else None)
+                            self.virtual_pipeline_size, tuple(custom) if custom is not None else None,
+                            self.data_parallel_replicate_size)
 
     # Coordinates on the mesh (0 without one).
     pp_rank = property(lambda self: self._coord("pp"))
@@ -81,9 +87,13 @@ class Layout:
     @property
     def replica_mesh(self) -> DeviceMesh | None:
         """The mesh gradients are reduced (and ZeRO shards) over: dp, or dp x cp flattened under context
-        parallelism, since every cp rank holds the whole parameters (Megatron's data-parallel-with-cp group)."""
+        parallelism, since every cp rank holds the whole parameters (Megatron's data-parallel-with-cp group).
+        Under HSDP the same ranks as the 2-D ("dp_replicate", "dp_shard") mesh: FSDP2 shards over the
+        second dimension and all-reduces over the first."""
         if self.mesh is None:
             return None
+        if self.data_parallel_replicate_size > 1:
+            return self.hsdp_mesh
         if self.context_parallel_size == 1:
             return self.mesh["dp"]
         return self.dp_cp_mesh
@@ -213,6 +223,13 @@ def check_backend_layout(pipeline_parallel_size: int) -> None:
                          f"or pipeline_parallel_size=1 when ranks share a GPU")
 
 
+def hsdp_mesh(replica_mesh: DeviceMesh, replicate: int) -> DeviceMesh:
+    """The 1-D ``replica_mesh`` (dp, or dp x cp) unflattened into ("dp_replicate", "dp_shard"): row-major, so a
+    shard group holds neighbouring data-parallel ranks (one node's, when the launch puts neighbours on a node, as
+    torchrun does) and a replicate group the same shard of each. Collective: it creates both dimensions' groups."""
+    return replica_mesh._unflatten(0, (replicate, replica_mesh.size() // replicate), ("dp_replicate", "dp_shard"))
+
+
 def setup_dist(dist_cfg, zero_cfg=None, output_dir: str | None = None) -> Layout:
     """Initialise the process group and the ("pp", "dp", "cp", "tp") mesh from ``train.dist`` and
     ``train.zero_optimization`` (``ParallelDims.resolve`` for the world launched); returns the run's ``Layout``.
@@ -232,6 +249,8 @@ def setup_dist(dist_cfg, zero_cfg=None, output_dir: str | None = None) -> Layout
     if cp > 1:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    if dims.hsdp:
+        layout.hsdp_mesh = hsdp_mesh(mesh["dp"] if cp == 1 else layout.dp_cp_mesh, dims.data_parallel_replicate_size)
     _MONITOR.update(timeout_s=timeout_s, backend=dist.get_backend(), group=dist.new_group(backend="gloo") if world_size > 1 else None,
                     # train.dist.timeout applies here too: a stuck rank must still end the run in time.
                     control=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1

@@ -31,6 +31,8 @@ class ParallelDims:
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
     custom_pipeline_stage_id: tuple[int, ...] | None = None
+    # HSDP: the data-parallel ranks as replicate x shard groups (1: every dp rank shards, plain FSDP/ZeRO).
+    data_parallel_replicate_size: int = 1
 
     @classmethod
     def resolve(cls, world_size: int, dist_cfg, zero_cfg=None) -> ParallelDims:
@@ -50,11 +52,37 @@ class ParallelDims:
             logger.warning(f"train.dist.virtual_pipeline_size={virtual} has no effect: the pipeline was capped to one "
                            f"stage on {world_size} process(es)")
         custom = dist_cfg.get("custom_pipeline_stage_id", None)
+        replicate = hsdp_sizes(dp, dist_cfg, int(zero_stage or 0))[0]
+        if replicate > 1 and pp > 1 and int(zero_stage or 0) == 3:
+            # Seen on torch 2.11 and 2.13: the last stage's first forward under the pipeline schedule gets a
+            # wrong-shaped output when its parameters are resharded after forward over a 2-D mesh.
+            raise UsageError(f"HSDP (train.dist.data_parallel_replicate_size={replicate}) with pipeline parallelism "
+                             f"(pipeline_parallel_size={pp}) is not supported at ZeRO stage 3; use "
+                             f"train.zero_optimization.stage=2, or data_parallel_replicate_size=null with "
+                             f"data_parallel_shard_size=null for plain ZeRO-3")
         return cls(world_size, pp, dp, cp, tp, sequence_parallel=bool(dist_cfg.get("sequence_parallel", False)),
                    zero_stage=int(zero_stage or 0), offload=bool(offload),
                    pipeline_schedule=str(dist_cfg.get("pipeline_schedule", "1f1b") or "1f1b"),
                    virtual_pipeline_size=virtual,
-                   custom_pipeline_stage_id=tuple(int(s) for s in custom) if custom is not None else None)
+                   custom_pipeline_stage_id=tuple(int(s) for s in custom) if custom is not None else None,
+                   data_parallel_replicate_size=replicate)
+
+    @property
+    def data_parallel_shard_size(self) -> int:
+        """The data-parallel ranks each parameter is sharded over: data_parallel_size / replicate size."""
+        return self.data_parallel_size // self.data_parallel_replicate_size
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether the data-parallel ranks form replicate x shard groups (HSDP) rather than one flat group."""
+        return self.data_parallel_replicate_size > 1
+
+    def describe_dp(self) -> str:
+        """``dp=4``, or under HSDP ``dp 4 = 2 replicate x 2 shard``: what the start-up lines name."""
+        if not self.hsdp:
+            return f"dp={self.data_parallel_size}"
+        return (f"dp {self.data_parallel_size} = {self.data_parallel_replicate_size} replicate x "
+                f"{self.data_parallel_shard_size} shard (HSDP)")
 
     @property
     def num_stages(self) -> int:
@@ -64,7 +92,41 @@ class ParallelDims:
     def sizes(self) -> dict:
         """The four sizes under their ``train.dist`` names (what config.yaml records)."""
         return {"pipeline_parallel_size": self.pipeline_parallel_size, "data_parallel_size": self.data_parallel_size,
-                "tensor_parallel_size": self.tensor_parallel_size, "context_parallel_size": self.context_parallel_size}
+                "tensor_parallel_size": self.tensor_parallel_size, "context_parallel_size": self.context_parallel_size,
+                "data_parallel_replicate_size": self.data_parallel_replicate_size,
+                "data_parallel_shard_size": self.data_parallel_shard_size}
+
+
+def hsdp_sizes(dp: int, dist_cfg, zero_stage: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of the ``dp`` data-parallel ranks from ``train.dist.data_parallel_replicate_size``
+    and ``data_parallel_shard_size`` (torchtitan's degrees; either null is what the other leaves, both null plain
+    FSDP: replicate 1, shard dp); UsageError when they do not split ``dp`` or HSDP is asked without FSDP."""
+    replicate, shard = dist_cfg.get("data_parallel_replicate_size", None), dist_cfg.get("data_parallel_shard_size", None)
+    for name, value in (("data_parallel_replicate_size", replicate), ("data_parallel_shard_size", shard)):
+        if value is not None and int(value) < 1:
+            raise UsageError(f"train.dist.{name}={value} must be at least 1, or null")
+    if replicate is None and shard is None:
+        return 1, dp
+    if replicate is not None and shard is not None:
+        replicate, shard = int(replicate), int(shard)
+        if replicate * shard != dp:
+            raise UsageError(f"train.dist.data_parallel_replicate_size({replicate}) x data_parallel_shard_size({shard}) "
+                             f"= {replicate * shard} is not the data-parallel size {dp}; set one of them to null so "
+                             f"the other's share of the {dp} data-parallel ranks is derived, or give sizes whose "
+                             f"product is {dp}")
+    else:
+        given, name = (int(replicate), "data_parallel_replicate_size") if replicate is not None \
+            else (int(shard), "data_parallel_shard_size")
+        if dp % given:
+            raise UsageError(f"train.dist.{name}={given} does not divide the data-parallel size {dp}; use a divisor "
+                             f"of {dp}, or launch a multiple of {given} data-parallel ranks")
+        replicate, shard = (given, dp // given) if replicate is not None else (dp // given, given)
+    if replicate > 1 and zero_stage not in (2, 3):
+        raise UsageError(f"HSDP (train.dist.data_parallel_replicate_size={replicate} x data_parallel_shard_size="
+                         f"{shard}) shards with FSDP, and ZeRO stage {zero_stage} does not use it; set "
+                         f"train.zero_optimization.enabled=True with stage=3 (or 2), or "
+                         f"train.dist.data_parallel_replicate_size=null with data_parallel_shard_size=null")
+    return replicate, shard
 
 
 def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
