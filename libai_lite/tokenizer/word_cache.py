@@ -90,6 +90,8 @@ class WordCache:
         self._bytes_dtype = None
         self._bytes: Dict[str, bytes] = {}
         self._word_bytes: Dict[str, bytes] = {}
+        self._raw_bytes: Dict[str, bytes] = {}
+        self._ws_units = re.compile(rf"[{_WS}]*[^{_WS}]+|[{_WS}]+").findall
 
     def _whitespace_separates(self, ascii_chars) -> bool:
         """Whether ``str.split()`` cuts normalised ASCII text where the ASCII split drops a separator
@@ -156,26 +158,29 @@ class WordCache:
         return [t.id for piece, _ in self._pre.pre_tokenize_str(word) for t in self._model.tokenize(piece)]
 
     def _units_of(self, norm: str):
-        """``norm`` cut by ``str.split`` into pieces each pre-tokenised alone as in the text, or None.
+        """``(pieces, cache, raw)``: ``norm`` cut into pieces each pre-tokenised alone exactly as in the text.
 
         GPT-2 (``space``): a single space between two non-space characters always starts a new pre-token
         (`` ?word``, `` ?123``, `` ?!!``) and no pre-token before it reaches past it, so each piece after such a
-        space is pre-tokenised as ``" " + piece``. A space beside other whitespace can join a whitespace run:
-        those texts are not cut. BERT (``whitespace``): whitespace only separates and is dropped.
+        space is pre-tokenised as ``" " + piece`` (``str.split``, the fast cut). Where a space touches other
+        whitespace, the text is cut before each whitespace run instead (``raw``: a piece is its own text): a run
+        ``W`` then a word ``Y`` pre-tokenise as ``W[:-1]`` and ``W[-1:] + Y`` (or ``W[-1:]``, ``Y``) wherever
+        they stand, since no pre-token spans from a word into the whitespace after it. BERT (``whitespace``):
+        whitespace only separates and is dropped.
         """
         if self._units == "whitespace":
-            return norm.split()
+            return norm.split(), self._bytes, False
         if (norm[:1] == " " or norm[-1:] == " " or "  " in norm or " \n" in norm or "\n " in norm
                 or " \t" in norm or "\t " in norm or " \r" in norm or "\r " in norm
                 or " \x0b" in norm or "\x0b " in norm or " \x0c" in norm or "\x0c " in norm):
-            return None
+            return self._ws_units(norm), self._raw_bytes, True
         pieces = norm.split(" ")
         # Past the first, every piece follows a space; the first key is marked (never in ASCII text).
         pieces[0] = "\uffff" + pieces[0]
-        return pieces
+        return pieces, self._bytes, False
 
-    def _unit_bytes(self, unit: str) -> bytes:
-        if self._units == "space":
+    def _unit_bytes(self, unit: str, raw: bool) -> bytes:
+        if self._units == "space" and not raw:
             unit = unit[1:] if unit[:1] == "\uffff" else " " + unit
         return self._ids_bytes(self._ascii_findall(unit))
 
@@ -196,8 +201,8 @@ class WordCache:
         ``encode_batch``'s; distinct pieces are encoded once and joined as bytes, with no per-id Python work."""
         dtype = np.dtype(dtype)
         if dtype != self._bytes_dtype:
-            self._bytes_dtype, self._bytes, self._word_bytes = dtype, {}, {}
-        units_cache, out, slow = self._bytes, [], []
+            self._bytes_dtype, self._bytes, self._raw_bytes, self._word_bytes = dtype, {}, {}, {}
+        out, slow = [], []
         normalize = self._normalizer.normalize_str if self._normalizer is not None else None
         for text in texts:
             if normalize is None:
@@ -211,19 +216,19 @@ class WordCache:
                 slow.append(len(out))
                 out.append(text)
                 continue
-            units = self._units_of(norm) if ascii_text and self._units is not None else None
-            if units is None:
+            if not ascii_text or self._units is None:
                 out.append(self._ids_bytes(self._ascii_findall(norm) if ascii_text else self._findall(norm)))
                 continue
+            units, cache, raw = self._units_of(norm)
             try:
-                out.append(b"".join(map(units_cache.__getitem__, units)))
+                out.append(b"".join(map(cache.__getitem__, units)))
             except KeyError:
-                if len(units_cache) >= self._max_words:
-                    units_cache.clear()
+                if len(cache) >= self._max_words:
+                    cache.clear()
                 for u in units:
-                    if u not in units_cache:
-                        units_cache[u] = self._unit_bytes(u)
-                out.append(b"".join(map(units_cache.__getitem__, units)))
+                    if u not in cache:
+                        cache[u] = self._unit_bytes(u, raw)
+                out.append(b"".join(map(cache.__getitem__, units)))
         if slow:
             encoded = self._tok.encode_batch_fast([out[i] for i in slow], add_special_tokens=False)
             for i, e in zip(slow, encoded):

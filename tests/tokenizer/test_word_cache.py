@@ -102,3 +102,5 @@ def test_split_piece_cache_gives_the_tokenizers_bytes(name):
     for _ in range(2):  # cold, then every piece from the cache
         got = tok.encode_batch_bytes(texts, np.uint16)
         assert [np.frombuffer(b, np.uint16).tolist() for b in got] == expected
+    if name == "gpt2":  # both cuts were taken: str.split pieces and whitespace-run pieces
+        assert tok._word_cache._bytes and tok._word_cache._raw_bytes
