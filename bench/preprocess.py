@@ -3,6 +3,7 @@
 
     python bench/preprocess.py                  # 50 MB, 1 and 2 workers, GPT-2 BPE, WordPiece, SentencePiece
     python bench/preprocess.py --corpus-mb 200 --workers 1 2 4
+    python bench/preprocess.py --megatron /tmp/megatron --workers 2 --no-naive   # beside Megatron-LM's tool
 
 The last line of the output is one JSON object with the numbers.
 The references and the MB/s columns: bench/README.md, section "preprocess.py: how it measures".
@@ -48,11 +49,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-naive", action="store_true", help="skip the naive single-process reference")
     p.add_argument("--tmpdir", default=None, help="where the corpus and outputs go (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="a ~1 MB corpus: checks the script runs")
+    p.add_argument("--megatron", metavar="DIR", default=None,
+                   help="a Megatron-LM checkout: run its tools/preprocess_data.py on the same corpus with the same "
+                        "flags beside ours, print the ratio of their wall times and check the outputs are "
+                        "byte-identical")
     args = p.parse_args(argv)
     if args.smoke:
         args.corpus_mb = 1.0
     if args.corpus_mb <= 0 or any(w < 1 for w in args.workers):
         p.error("--corpus-mb must be > 0 and --workers >= 1")
+    if args.megatron is not None and not os.path.isfile(os.path.join(args.megatron, "tools", "preprocess_data.py")):
+        p.error(f"--megatron {args.megatron}: no tools/preprocess_data.py there; pass a Megatron-LM checkout")
     return args
 
 
@@ -103,6 +110,25 @@ def run_tool(corpus: str, out_prefix: str, tokenizer: str, workers: int, append_
     return {"documents": docs, "tokens": tokens, "mb": mb, "seconds": seconds, "wall_seconds": wall,
             "docs_per_s": docs / seconds, "mb_per_s": mb / seconds, "tokens_per_s": tokens / seconds,
             "wall_mb_per_s": mb / wall, "cpu_seconds": cpu, "mb_per_cpu_s": mb / cpu}
+
+
+def run_megatron(megatron: str, corpus: str, out_prefix: str, tokenizer: str, workers: int,
+                 append_eod: bool = True) -> dict:
+    """Run Megatron-LM's own tools/preprocess_data.py once with our flags; its wall time (start-up included,
+    as for ours in ``wall_seconds``)."""
+    flags = [os.path.join(ROOT, f) if f.startswith("data_test/") else f for f in TOKENIZERS[tokenizer]]
+    cmd = [sys.executable, os.path.join(megatron, "tools", "preprocess_data.py"), "--input", corpus,
+           "--output-prefix", out_prefix, "--json-keys", "text", "--workers", str(workers),
+           "--log-interval", str(10**9), *flags] + (["--append-eod"] if append_eod else [])
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=megatron, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    mb = os.path.getsize(corpus) / 1e6
+    return {"documents": None, "tokens": count_tokens(f"{out_prefix}_text_document"), "mb": mb,
+            "seconds": wall, "wall_seconds": wall, "mb_per_s": mb / wall, "wall_mb_per_s": mb / wall}
 
 
 def _build(tokenizer: str):
@@ -223,6 +249,16 @@ def main(argv=None) -> dict:
                                                            os.path.join(tmp, f"naive_{tok}_text_document"))
                     if not row["identical_to_naive"]:
                         raise RuntimeError(f"{tok}, {w} worker(s): the tool's .bin/.idx differ from the naive loop's")
+                if args.megatron is not None:
+                    mout = os.path.join(tmp, f"megatron_{tok}_{w}")
+                    mrow = run_megatron(args.megatron, corpus, mout, tok, w, eod)
+                    mrow["docs_per_s"], mrow["tokens_per_s"] = res["documents"] / mrow["seconds"], \
+                        mrow["tokens"] / mrow["seconds"]
+                    rows.append({"tokenizer": tok, "workers": w, "impl": "Megatron-LM (same job)", **mrow})
+                    row["ratio_vs_megatron"] = mrow["wall_seconds"] / res["wall_seconds"]
+                    row["identical_to_megatron"] = same_bytes(f"{out}_text_document", f"{mout}_text_document")
+                    for ext in (".bin", ".idx"):
+                        os.remove(f"{mout}_text_document{ext}")
                 for ext in (".bin", ".idx"):
                     os.remove(f"{out}_text_document{ext}")
                 if tok == MEGATRON_RECORDED["tokenizer"] and w == MEGATRON_RECORDED["workers"]:
@@ -235,13 +271,19 @@ def main(argv=None) -> dict:
     for r in rows:
         e2e = f"{r['wall_mb_per_s']:.2f}" if "wall_mb_per_s" in r else "-"
         vs = f"{r['ratio_vs_naive']:.2f}x" if "ratio_vs_naive" in r else "-"
+        e2e = f"{e2e} ({r['ratio_vs_megatron']:.1f}x M)" if "ratio_vs_megatron" in r else e2e
         vs_eb = f"{r['ratio_vs_encode_batch']:.2f}x" if "ratio_vs_encode_batch" in r else "-"
         per_cpu = f"{r['mb_per_cpu_s']:.2f}" if "mb_per_cpu_s" in r else "-"
         cpu_eb = f"{r['cpu_ratio_vs_encode_batch']:.2f}x" if "cpu_ratio_vs_encode_batch" in r else "-"
-        same = {True: "yes", False: "NO"}.get(r.get("identical_to_naive"), "-")
+        same = {True: "yes", False: "NO"}.get(r.get("identical_to_naive", r.get("identical_to_megatron")), "-")
         print(f"{r['tokenizer']:<9} {r['workers']:>7} {r['impl']:<26} {r['docs_per_s']:>9.0f} "
               f"{r['mb_per_s']:>7.2f} {r['tokens_per_s']:>10.0f} {e2e:>8} {vs:>8} {vs_eb:>15} {per_cpu:>8} "
               f"{cpu_eb:>9} {same:>9}")
+    for r in rows:
+        if "ratio_vs_megatron" in r:
+            same = "byte-identical" if r["identical_to_megatron"] else "OUTPUTS DIFFER"
+            print(f"{r['tokenizer']}, {r['workers']} worker(s): {r['ratio_vs_megatron']:.2f}x Megatron-LM's "
+                  f"tools/preprocess_data.py (wall, same corpus, same job), {same}")
     mega = [r for r in rows if "ratio_vs_megatron_recorded" in r]
     for r in mega:
         print(f"GPT-2 BPE, 2 workers: {r['mb_per_s']:.2f} MB/s = {r['ratio_vs_megatron_recorded']:.2f}x the "
@@ -255,6 +297,8 @@ def main(argv=None) -> dict:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "rows": list(rows),
+        "megatron": args.megatron,
+        "load_average_end": os.getloadavg(),
         "megatron_recorded_mb_per_s": MEGATRON_RECORDED_MB_S,
         "ratio_vs_megatron_recorded": mega[0]["ratio_vs_megatron_recorded"] if mega else None,
         "date": datetime.date.today().isoformat(),

@@ -266,13 +266,9 @@ def main(argv=None) -> int:
     try:
         results = _ordered_results(corpus.chunks(), args.workers, initargs)
         for per_key, docs, nbytes, ntoks in results:
-            for key, (flat, doc_lens) in zip(args.json_keys, per_key):
-                builder, pos = builders[key], 0
-                key_tokens[key] += flat.size
-                for lens in doc_lens:
-                    end = pos + sum(lens)
-                    builder.add_doc(flat[pos:end], lens)
-                    pos = end
+            for key, (data, sizes, seqs) in zip(args.json_keys, per_key):
+                key_tokens[key] += int(sizes.sum())
+                builders[key].add_docs(data, sizes, seqs)
             n_docs += docs
             n_tokens += ntoks
             n_bytes += nbytes

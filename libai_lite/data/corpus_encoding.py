@@ -116,6 +116,35 @@ def _loads(line: bytes):
     return json.loads(line)
 
 
+_SCAN = json.decoder.JSONDecoder().scan_once
+_MISS = object()
+
+
+def _scan_block(block: bytes) -> list:
+    """The value of each line of a block of JSON lines, scanned by json's C scanner in one pass over the
+    decoded block (no per-line json.loads); ``_MISS`` for a line it does not take whole (blank, bad, a BOM),
+    which ``_load_line`` then reads on its own, to parse it or to word its error."""
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:
+        return [_MISS] * (block.count(b"\n") + (not block.endswith(b"\n")))
+    out, pos, n, scan = [], 0, len(text), _SCAN
+    while pos < n:
+        nl = text.find("\n", pos)
+        if nl < 0:
+            nl = n
+        try:
+            value, end = scan(text, pos)
+        except (StopIteration, ValueError, RecursionError):
+            value, end = _MISS, nl
+        # The value must end its line (JSON whitespace may follow): one value per line, as json.loads reads it.
+        if end != nl and (end > nl or text[end:nl].strip(" \t\r")):
+            value = _MISS
+        out.append(value)
+        pos = nl + 1
+    return out
+
+
 def _json_kind(value) -> str:
     """What a JSON value is, in JSON's words (a list says what it holds that is not a string)."""
     names = {bool: "a boolean", int: "a number", float: "a number", dict: "an object", type(None): "null",
@@ -126,15 +155,14 @@ def _json_kind(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _parse_line(line: bytes, lineno: int):
-    """The per-key list of sentences in one JSON line (None for a blank line)."""
+def _load_line(line: bytes, lineno: int):
+    """The value of one JSON line (``_MISS`` for a blank line); a bad line is one ``InputError``."""
     if not line.strip():
-        return None
-    name = _WORKER["input"]
+        return _MISS
     try:
-        data = _loads(line)
+        return _loads(line)
     except UnicodeDecodeError:
-        raise InputError(f"{name} line {lineno} is not UTF-8 text; re-encode the file as UTF-8") from None
+        raise InputError(f"{_WORKER['input']} line {lineno} is not UTF-8 text; re-encode the file as UTF-8") from None
     except ValueError as e:
         reason = getattr(e, "msg", None) or str(e).splitlines()[0]
         col = getattr(e, "colno", None)
@@ -142,8 +170,13 @@ def _parse_line(line: bytes, lineno: int):
         reason = reason[: -len(" at")] if reason.endswith(" at") else reason
         where = f" at column {col}" if col else ""
         raise InputError(
-            f"{name} line {lineno} is not valid JSON ({reason}{where}); fix or remove that line"
+            f"{_WORKER['input']} line {lineno} is not valid JSON ({reason}{where}); fix or remove that line"
         ) from None
+
+
+def _fields(data, lineno: int, surrogates: bool = False) -> list:
+    """The per-key list of sentences in one parsed JSON line (``surrogates``: check for lone surrogates)."""
+    name = _WORKER["input"]
     if not isinstance(data, dict):
         raise InputError(
             f"{name} line {lineno} holds {_json_kind(data)}, not an object; "
@@ -164,40 +197,69 @@ def _parse_line(line: bytes, lineno: int):
                 f"{name} line {lineno}: key {key!r} holds {_json_kind(value)}; it must be a string or a list of "
                 "strings; fix or remove that line"
             )
+        if surrogates:
+            for v in value:
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InputError(
+                        f"{name} line {lineno}: key {key!r} holds a lone surrogate ({v[e.start]!r}, an escape "
+                        "such as \\ud800 without its pair), which is not Unicode text; fix or remove that line"
+                    ) from None
         # A list's strings are split one by one (Megatron splits only plain strings).
         out.append([s for v in value for s in _split_sentences(v)] if _WORKER["splitter"] else value)
     return out
 
 
-def encode_chunk(task):
-    """Tokenise a chunk of lines.
+def _encode_bytes(tokenizer, sentences: list, dtype) -> list:
+    """Each sentence's ids as ``dtype`` bytes (Megatron's tokenize: a Hugging Face template's BOS, nothing for
+    the other tokenizers)."""
+    if not sentences:
+        return []
+    return tokenizer.encode_batch_bytes(sentences, dtype, add_special_tokens=True)
 
-    Returns ``(per_key, n_docs, n_bytes, n_tokens)``; ``per_key[k]`` is a flat
-    token array plus, per document, the list of its sequence lengths.
+
+def encode_chunk(task):
+    """Tokenise a chunk: ``(first line number, block of JSON-line bytes or a list of lines)``.
+
+    Returns ``(per_key, n_docs, n_bytes, n_tokens)``; ``per_key[k]`` is ``(token bytes, sequence sizes,
+    sequences per document)``, what ``MMapIndexedDatasetBuilder.add_docs`` takes.
     """
-    first_lineno, lines = task
-    tokenizer = _WORKER["tokenizer"]
-    parsed = [_parse_line(line, first_lineno + i) for i, line in enumerate(lines)]
-    docs = [p for p in parsed if p is not None]
-    n_bytes = sum(len(line) for line in lines)
+    first_lineno, block = task
+    if not isinstance(block, bytes):
+        block = b"".join(block)
+    tokenizer, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
+    # Lone surrogates ("\ud800") can only come from escapes; only then are the texts checked.
+    surrogates = b"\\ud" in block or b"\\uD" in block
+    docs, lines = [], None
+    for i, value in enumerate(_scan_block(block)):
+        if value is _MISS:
+            if lines is None:
+                lines = block.split(b"\n")
+            value = _load_line(lines[i], first_lineno + i)
+            if value is _MISS:
+                continue
+        docs.append(_fields(value, first_lineno + i, surrogates))
+    itemsize = dtype.itemsize
+    eod = np.array([tokenizer.eod_id], dtype=dtype).tobytes() if _WORKER["append_eod"] else None
     per_key, n_tokens = [], 0
     for k in range(len(_WORKER["keys"])):
-        sentences = [s for doc in docs for s in doc[k]]
-        # Megatron's tokenize: a Hugging Face template's BOS, nothing for the other tokenizers.
-        encoded = tokenizer.encode_batch(sentences, add_special_tokens=True) if sentences else []
-        flat, doc_lens, pos = [], [], 0
+        encoded = _encode_bytes(tokenizer, [s for doc in docs for s in doc[k]], dtype)
+        parts, sizes, seqs, pos = [], [], [], 0
         for doc in docs:
-            lens = []
-            for ids in encoded[pos : pos + len(doc[k])]:
+            count = 0
+            for ids in encoded[pos:pos + len(doc[k])]:
                 # Megatron drops sentences that tokenise to nothing.
                 if ids:
-                    flat.extend(ids)
-                    lens.append(len(ids))
+                    parts.append(ids)
+                    sizes.append(len(ids) // itemsize)
+                    count += 1
             pos += len(doc[k])
-            if lens and _WORKER["append_eod"]:
-                flat.append(tokenizer.eod_id)
-                lens[-1] += 1
-            doc_lens.append(lens)
-        n_tokens += len(flat)
-        per_key.append((np.asarray(flat, dtype=_WORKER["dtype"]), doc_lens))
-    return per_key, len(docs), n_bytes, n_tokens
+            if count and eod is not None:
+                parts.append(eod)
+                sizes[-1] += 1
+            seqs.append(count)
+        data = b"".join(parts)
+        n_tokens += len(data) // itemsize
+        per_key.append((data, np.array(sizes, dtype=np.int32), np.array(seqs, dtype=np.int32)))
+    return per_key, len(docs), len(block), n_tokens

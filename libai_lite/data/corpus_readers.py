@@ -39,7 +39,8 @@ class CorpusError(Exception):
 
 @dataclass
 class Corpus:
-    """A readable corpus: ``chunks()`` yields ``(first record number, [JSON-line bytes])``; ``size`` is the bytes
+    """A readable corpus: ``chunks()`` yields ``(first record number, [JSON-line bytes] or a block of whole JSON
+    lines)``; ``size`` is the bytes
     the progress bar counts (None when unknown); ``kind`` names the format for messages."""
 
     kind: str
@@ -69,6 +70,28 @@ def _chunked(records: Iterator[bytes]) -> Iterator[Tuple[int, List[bytes]]]:
             lines, size = [], 0
     if lines:
         yield first, lines
+
+
+def _blocks(stream, path: str, magic: bytes) -> Iterator[Tuple[int, bytes]]:
+    """``(first line number, block)``: about ``CHUNK_BYTES`` of whole lines at a time, read without a
+    Python step per line; a truncated or damaged compressed file ends in one CorpusError."""
+    first = 1
+    while True:
+        try:
+            block = stream.read(CHUNK_BYTES)
+            if block and not block.endswith(b"\n"):
+                block += stream.readline()
+        except Exception as e:  # noqa: BLE001 - gzip, zlib and zstandard each raise their own types
+            if not magic.startswith((_GZIP, _ZSTD)):
+                raise
+            what = "gzip" if magic.startswith(_GZIP) else "zstd"
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise CorpusError(f"{path} is a damaged {what} file: decompressing stopped after line {first - 1} "
+                              f"({reason}); download or compress it again") from None
+        if not block:
+            return
+        yield first, block
+        first += block.count(b"\n")
 
 
 def _record(key: str, text) -> bytes:
@@ -283,10 +306,10 @@ def open_corpus(path: str, keys: Sequence[str], text_docs: Optional[str] = None,
 
     def chunks():
         with _binary_stream(path, magic) as stream:
-            lines = _lines(stream, path, magic)
             if mode is None:
-                yield from _chunked(lines)
+                yield from _blocks(stream, path, magic)
             else:
+                lines = _lines(stream, path, magic)
                 yield from _chunked(_record(keys[0], doc) for doc in _text_documents(lines, path, mode))
 
     _binary_stream(path, magic).close()  # a missing decompressor is refused before any output is opened

@@ -86,6 +86,12 @@ class BaseTokenizer:
         """``encode`` of each text."""
         return [self.encode(t, add_special_tokens) for t in texts]
 
+    def encode_batch_bytes(self, texts: Sequence[str], dtype, add_special_tokens: bool = False) -> List[bytes]:
+        """``encode_batch``'s ids of each text as the raw bytes of a ``dtype`` array (a ``.bin`` file's form)."""
+        import numpy as np
+
+        return [np.array(ids, dtype=dtype).tobytes() for ids in self.encode_batch(texts, add_special_tokens)]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text for ``ids``."""
         raise NotImplementedError
@@ -113,7 +119,8 @@ class BaseTokenizer:
 class TokenizersBackend(BaseTokenizer):
     """A tokenizer whose work a Hugging Face ``tokenizers.Tokenizer`` (``self._tok``) does."""
 
-    # Regexes (Unicode, ASCII-only) splitting a normalised text as the pre-tokenizer does, for
+    # Regexes (Unicode, ASCII-only) splitting a normalised text as the pre-tokenizer does, and how str.split
+    # may cut an ASCII text into pieces pre-tokenised alone (WordCache units), for
     # subclasses whose model runs on each pre-token alone (see word_cache.py); None: no word cache.
     _word_split: Optional[tuple] = None
     _word_cache = None
@@ -143,6 +150,11 @@ class TokenizersBackend(BaseTokenizer):
             return self._word_cache.encode_batch(texts)
         # encode_batch_fast skips offset tracking, which we never use.
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)]
+
+    def encode_batch_bytes(self, texts: Sequence[str], dtype, add_special_tokens: bool = False) -> List[bytes]:
+        if self._word_cache is not None:
+            return self._word_cache.encode_batch_bytes(texts, dtype)
+        return super().encode_batch_bytes(texts, dtype, add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(to_id_list(ids), skip_special_tokens=skip_special_tokens)

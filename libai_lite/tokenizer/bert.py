@@ -17,7 +17,7 @@ class BertTokenizer(TokenizersBackend):
     since the pre-tokenizer splits at brackets. ``eod_id`` is ``[SEP]``: BERT has no end-of-document token.
     """
 
-    _word_split = (bert_split, BERT_SPLIT_ASCII)
+    _word_split = (bert_split, BERT_SPLIT_ASCII, "whitespace")
 
     def __init__(self, vocab_file, do_lower_case: bool = True, vocab_extra_ids: int = 0):
         vocab_file = check_file(

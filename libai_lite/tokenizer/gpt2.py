@@ -35,7 +35,7 @@ class GPT2Tokenizer(TokenizersBackend):
     for byte, not as the special id, so documents cannot forge document boundaries.
     """
 
-    _word_split = (GPT2_SPLIT, GPT2_SPLIT_ASCII)
+    _word_split = (GPT2_SPLIT, GPT2_SPLIT_ASCII, "space")
 
     def __init__(self, vocab_file, merges_file):
         self.vocab_file = check_file(

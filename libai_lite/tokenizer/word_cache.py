@@ -14,6 +14,8 @@ import unicodedata
 from itertools import chain
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
 # GPT-2's ByteLevel split in the stdlib re: a letter is a word character that is not a digit or "_".
 # Where Python's Unicode classes differ from the library's, the per-character check catches it.
 GPT2_SPLIT = r"'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"
@@ -55,10 +57,12 @@ class WordCache:
     ``split`` is a ``re`` pattern (or a function returning one) that must split a normalised text
     as ``tok.pre_tokenizer`` does, ``ascii_split`` one for ASCII-only texts (both are checked). At most
     ``max_words`` pre-tokens are kept; past that the cache starts afresh, which bounds memory on
-    corpora with unbounded vocabularies and keeps the frequent words hot.
+    corpora with unbounded vocabularies and keeps the frequent words hot. ``units`` (``"space"`` for GPT-2,
+    ``"whitespace"`` for BERT; see ``_units_of``) lets ``encode_batch_bytes`` cache whole ``str.split`` pieces.
     """
 
-    def __init__(self, tok, split, ascii_split: Optional[str] = None, max_words: int = 1 << 18):
+    def __init__(self, tok, split, ascii_split: Optional[str] = None, units: Optional[str] = None,
+                 max_words: int = 1 << 18):
         self._tok = tok
         self._normalizer = tok.normalizer
         self._pre = tok.pre_tokenizer
@@ -80,6 +84,27 @@ class WordCache:
             if all(self._splits_agree(p.format(c), fast) for c in ascii_chars for p in _PROBES):
                 self._ascii_findall, self._ascii_ok = fast.findall, True
         self._ascii_normalize = self._ascii_normalizer(ascii_chars)
+        self._units = units if units is None or self._ascii_ok else None
+        if units == "whitespace" and not self._whitespace_separates(ascii_chars):
+            self._units = None
+        self._bytes_dtype = None
+        self._bytes: Dict[str, bytes] = {}
+        self._word_bytes: Dict[str, bytes] = {}
+        self._raw_bytes: Dict[str, bytes] = {}
+        self._ws_units = re.compile(rf"[{_WS}]*[^{_WS}]+|[{_WS}]+").findall
+
+    def _whitespace_separates(self, ascii_chars) -> bool:
+        """Whether ``str.split()`` cuts normalised ASCII text where the ASCII split drops a separator
+        (BERT: whitespace separates words and is dropped), so a piece is split alone exactly as in its text."""
+        norm = self._normalizer.normalize_str if self._normalizer is not None else (lambda t: t)
+        for c in ascii_chars:
+            n = norm(c)
+            if not n:
+                continue
+            dropped = self._ascii_findall(f"a{n}a") == ["a", "a"] and not self._ascii_findall(n)
+            if dropped != n.isspace():
+                return False
+        return True
 
     def _ascii_normalizer(self, ascii_chars):
         """A str-method equivalent of the normaliser on ASCII texts, or None.
@@ -131,6 +156,84 @@ class WordCache:
         # The pipeline minus the normaliser (already applied to the whole text): the
         # pre-tokenizer finds the word itself as its one pre-token (byte-level mapped for GPT-2).
         return [t.id for piece, _ in self._pre.pre_tokenize_str(word) for t in self._model.tokenize(piece)]
+
+    def _units_of(self, norm: str):
+        """``(pieces, cache, raw)``: ``norm`` cut into pieces each pre-tokenised alone exactly as in the text.
+
+        GPT-2 (``space``): a single space between two non-space characters always starts a new pre-token
+        (`` ?word``, `` ?123``, `` ?!!``) and no pre-token before it reaches past it, so each piece after such a
+        space is pre-tokenised as ``" " + piece`` (``str.split``, the fast cut). Where a space touches other
+        whitespace, the text is cut before each whitespace run instead (``raw``: a piece is its own text): a run
+        ``W`` then a word ``Y`` pre-tokenise as ``W[:-1]`` and ``W[-1:] + Y`` (or ``W[-1:]``, ``Y``) wherever
+        they stand, since no pre-token spans from a word into the whitespace after it. BERT (``whitespace``):
+        whitespace only separates and is dropped.
+        """
+        if self._units == "whitespace":
+            return norm.split(), self._bytes, False
+        if (norm[:1] == " " or norm[-1:] == " " or "  " in norm or " \n" in norm or "\n " in norm
+                or " \t" in norm or "\t " in norm or " \r" in norm or "\r " in norm
+                or " \x0b" in norm or "\x0b " in norm or " \x0c" in norm or "\x0c " in norm):
+            return self._ws_units(norm), self._raw_bytes, True
+        pieces = norm.split(" ")
+        # Past the first, every piece follows a space; the first key is marked (never in ASCII text).
+        pieces[0] = "\uffff" + pieces[0]
+        return pieces, self._bytes, False
+
+    def _unit_bytes(self, unit: str, raw: bool) -> bytes:
+        if self._units == "space" and not raw:
+            unit = unit[1:] if unit[:1] == "\uffff" else " " + unit
+        return self._ids_bytes(self._ascii_findall(unit))
+
+    def _ids_bytes(self, words) -> bytes:
+        cache = self._word_bytes
+        try:
+            return b"".join(map(cache.__getitem__, words))
+        except KeyError:
+            if len(cache) >= self._max_words:
+                cache.clear()
+            for w in words:
+                if w not in cache:
+                    cache[w] = np.array(self._word_ids(w), dtype=self._bytes_dtype).tobytes()
+            return b"".join(map(cache.__getitem__, words))
+
+    def encode_batch_bytes(self, texts: Sequence[str], dtype) -> List[bytes]:
+        """Ids of each text as the raw bytes of a ``dtype`` array (what a ``.bin`` file holds), equal to
+        ``encode_batch``'s; distinct pieces are encoded once and joined as bytes, with no per-id Python work."""
+        dtype = np.dtype(dtype)
+        if dtype != self._bytes_dtype:
+            self._bytes_dtype, self._bytes, self._raw_bytes, self._word_bytes = dtype, {}, {}, {}
+        out, slow = [], []
+        normalize = self._normalizer.normalize_str if self._normalizer is not None else None
+        for text in texts:
+            if normalize is None:
+                norm = text
+            elif self._ascii_normalize is not None and text.isascii():
+                norm = self._ascii_normalize(text)
+            else:
+                norm = normalize(text)
+            ascii_text = norm.isascii()
+            if not (self._ascii_ok if ascii_text else self._fast_path_ok(norm)):
+                slow.append(len(out))
+                out.append(text)
+                continue
+            if not ascii_text or self._units is None:
+                out.append(self._ids_bytes(self._ascii_findall(norm) if ascii_text else self._findall(norm)))
+                continue
+            units, cache, raw = self._units_of(norm)
+            try:
+                out.append(b"".join(map(cache.__getitem__, units)))
+            except KeyError:
+                if len(cache) >= self._max_words:
+                    cache.clear()
+                for u in units:
+                    if u not in cache:
+                        cache[u] = self._unit_bytes(u, raw)
+                out.append(b"".join(map(cache.__getitem__, units)))
+        if slow:
+            encoded = self._tok.encode_batch_fast([out[i] for i in slow], add_special_tokens=False)
+            for i, e in zip(slow, encoded):
+                out[i] = np.array(e.ids, dtype=dtype).tobytes()
+        return out
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Ids of each text, equal to ``tok.encode_batch(texts, add_special_tokens=False)``'s."""

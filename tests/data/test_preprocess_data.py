@@ -238,6 +238,10 @@ def test_merges_file_without_merges_is_refused(tmp_path, capsys, content):
 
 
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import libai_lite.data.corpus_readers as readers
+
+    # JSON lines are read in blocks of CHUNK_BYTES: small blocks make several chunks of a small file.
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 256)
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i}"} for i in range(3 * preprocess.CHUNK_LINES)])
     real, calls = preprocess.encode_chunk, []
 
@@ -340,3 +344,60 @@ def test_hugging_face_tokenizer_missing(tmp_path, capsys):
     ]
     rc = preprocess.main(argv)
     _assert_failed_cleanly(capsys, rc, out, str(tmp_path / "tokenizer.json"), "--tokenizer-model")
+
+
+def _lines_in(path: Path, rows: list) -> Path:
+    path.write_bytes(b"".join(r + b"\n" for r in rows))
+    return path
+
+
+def test_block_parse_matches_line_by_line_parse():
+    """A block of lines is scanned in one pass; each line's value is json.loads's, and a line the scanner
+    does not take whole (blank, two values, trailing junk, an object spread over lines, a BOM) is left to
+    the per-line parse."""
+    from libai_lite.data.corpus_encoding import _MISS, _scan_block
+
+    rows = [b'{"text": "a"}', b"", b'  {"text": "lead"}', b'{"text": "b"}, {"text": "c"}', b'{"text": "d"} ',
+            b'{"text": "e"} x', b'{"text": "f",', b'"g": 1}', b'\xef\xbb\xbf{"text": "bom"}', b'{"text": "h"}\r',
+            b'{"text": "\\u00e9\\n"}', b"null"]
+    values = _scan_block(b"\n".join(rows) + b"\n")
+    assert len(values) == len(rows)
+    expected = [{"text": "a"}, _MISS, _MISS, _MISS, {"text": "d"}, _MISS, _MISS, _MISS, _MISS, {"text": "h"},
+                {"text": "é\n"}, None]
+    assert values == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_bad_line_in_the_middle_of_a_block_is_named(tmp_path, capsys, workers):
+    rows = [json.dumps({"text": f"fine {i}"}).encode() for i in range(500)]
+    rows[321] = b'{"text": "two"}, {"text": "objects"}'
+    src = _lines_in(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers)]
+                         + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "line 322 is not valid JSON", "Extra data")
+
+
+def test_block_parse_writes_what_line_parse_writes(tmp_path):
+    """Blank lines, spaces around objects and CRLF ends take the per-line path; the output is the same."""
+    rows = [json.dumps({"text": f"doc {i} here"}).encode() for i in range(50)]
+    odd = list(rows)
+    odd[3], odd[10], odd[20] = b"  " + odd[3], odd[10] + b"\r", b""
+    outs = []
+    for name, data in (("plain", rows[:20] + rows[21:]), ("odd", odd[:20] + [b""] + odd[21:])):
+        src = _lines_in(tmp_path / f"{name}.jsonl", data)
+        assert preprocess.main(["--input", str(src), "--output-prefix", str(tmp_path / name)] + GPT2_FLAGS) == 0
+        outs.append([(tmp_path / f"{name}_text_document{ext}").read_bytes() for ext in (".bin", ".idx")])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_surrogate_is_one_error_line(tmp_path, capsys, workers):
+    """A JSON escape of half a surrogate pair is not Unicode text: one line naming the file and line, no output
+    (a whole pair, "\\ud83d\\ude00", is an emoji and fine)."""
+    rows = [b'{"text": "ok \\ud83d\\ude00"}', b'{"text": "fine"}', b'{"text": "bad \\ud800 half"}']
+    src = _lines_in(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "x"), "--workers", str(workers)]
+                         + GPT2_FLAGS)
+    _assert_failed_cleanly(capsys, rc, out, "in.jsonl line 3", "lone surrogate")

@@ -79,3 +79,28 @@ def test_no_cache_for_sentencepiece_or_templates():
     tok._tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
                                                             special_tokens=[("<|endoftext|>", tok.eod_id)])
     assert not tok.enable_word_cache()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert_lower"])
+def test_split_piece_cache_gives_the_tokenizers_bytes(name):
+    """encode_batch_bytes caches whole str.split pieces: on random texts built from the characters where a
+    piece boundary could matter (spaces beside other whitespace, contractions, digits, punctuation), it gives
+    the tokenizer's own ids, cold and warm."""
+    import random
+
+    import numpy as np
+
+    tok = build_tokenizer(**TOKENIZERS[name])
+    rng = random.Random(0)
+    alphabet = ["a", "Bc", "the", "'s", "'", "s", "9", "12", ".", ",!", "_", "-", " ", " ", " ", "  ", "\n",
+                "\t", "\r\n", "\x0b", "\x0c", "\x1c", "é"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
+    texts += _texts() + [" leading", "trailing ", "a  b", "a \nb", "a\n b", "'s 's", "x 'll y"]
+    expected = tok.encode_batch(texts)
+    assert tok.enable_word_cache()
+    assert tok._word_cache._units == {"gpt2": "space", "bert_lower": "whitespace"}[name]
+    for _ in range(2):  # cold, then every piece from the cache
+        got = tok.encode_batch_bytes(texts, np.uint16)
+        assert [np.frombuffer(b, np.uint16).tolist() for b in got] == expected
+    if name == "gpt2":  # both cuts were taken: str.split pieces and whitespace-run pieces
+        assert tok._word_cache._bytes and tok._word_cache._raw_bytes
