@@ -238,12 +238,11 @@ class DefaultTrainer:
                 accepted = inspect.signature(type(opt).__init__).parameters
                 kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
                 # Over dp x cp, the group the gradients are reduced over.
-                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_mesh.get_group(),
+                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_group,
                                             offload=offload, **kwargs)
             float8_after_optimizer_step(opt, part)  # ZeRO-2/3 float8 all-gather: the weights' scales at once
             # sigmoid_bias routers: the loads of the global batch (every dp x cp rank's tokens) move the biases.
-            replicas = self.layout.replica_mesh
-            router_bias_after_optimizer_step(opt, part, replicas.get_group() if replicas is not None else None)
+            router_bias_after_optimizer_step(opt, part, self.layout.replica_group)
             optimizers.append(opt)
         return optimizers[0] if len(optimizers) == 1 else OptimizersContainer(optimizers)
 

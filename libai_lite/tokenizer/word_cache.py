@@ -203,14 +203,8 @@ class WordCache:
         if dtype != self._bytes_dtype:
             self._bytes_dtype, self._bytes, self._raw_bytes, self._word_bytes = dtype, {}, {}, {}
         out, slow = [], []
-        normalize = self._normalizer.normalize_str if self._normalizer is not None else None
         for text in texts:
-            if normalize is None:
-                norm = text
-            elif self._ascii_normalize is not None and text.isascii():
-                norm = self._ascii_normalize(text)
-            else:
-                norm = normalize(text)
+            norm = self._normalized(text)
             ascii_text = norm.isascii()
             if not (self._ascii_ok if ascii_text else self._fast_path_ok(norm)):
                 slow.append(len(out))
@@ -235,17 +229,19 @@ class WordCache:
                 out[i] = np.array(e.ids, dtype=dtype).tobytes()
         return out
 
+    def _normalized(self, text: str) -> str:
+        """``text`` through the tokenizer's normalizer (an ASCII text through the cheaper equivalent one)."""
+        if self._normalizer is None:
+            return text
+        if self._ascii_normalize is not None and text.isascii():
+            return self._ascii_normalize(text)
+        return self._normalizer.normalize_str(text)
+
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Ids of each text, equal to ``tok.encode_batch(texts, add_special_tokens=False)``'s."""
         cache, out, slow = self._cache, [], []
-        normalize = self._normalizer.normalize_str if self._normalizer is not None else None
         for text in texts:
-            if normalize is None:
-                norm = text
-            elif self._ascii_normalize is not None and text.isascii():
-                norm = self._ascii_normalize(text)
-            else:
-                norm = normalize(text)
+            norm = self._normalized(text)
             ascii_text = norm.isascii()
             if not (self._ascii_ok if ascii_text else self._fast_path_ok(norm)):
                 slow.append(len(out))

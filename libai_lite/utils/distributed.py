@@ -99,6 +99,14 @@ class Layout:
         return self.dp_cp_mesh
 
     @property
+    def replica_group(self):
+        """The one process group of all ``replica_mesh``'s ranks (under HSDP too, whose mesh is 2-D): what a
+        reduction over every data-parallel (x cp) rank uses. None when there is no mesh."""
+        if self.mesh is None:
+            return None
+        return (self.mesh["dp"] if self.context_parallel_size == 1 else self.dp_cp_mesh).get_group()
+
+    @property
     def replica_size(self) -> int:
         """Ranks in ``replica_mesh``: data_parallel_size x context_parallel_size."""
         return self.data_parallel_size * self.context_parallel_size

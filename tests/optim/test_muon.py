@@ -101,6 +101,19 @@ def test_sharded_layouts_train_the_one_process_weights(tmp_path, one_process, na
         assert curve[it] == pytest.approx(one_process[it], rel=1e-4), (name, it, curve, one_process)
 
 
+def test_hsdp_2x2_trains_the_one_process_weights(tmp_path, one_process):
+    """HSDP (2 replicas x 2 shards, ZeRO-3 over the 2-D mesh): each 2-D weight is still orthogonalized whole."""
+    hsdp = ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=3",
+            "train.dist.data_parallel_replicate_size=2", "train.dist.data_parallel_shard_size=2"]
+    r = train_ranks(4, tiny(tmp_path / "out", tmp_path / "cache", *COMMON, *hsdp), config=MUON_CONFIG)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "2 replicate x 2 shard" in (tmp_path / "out" / "log.txt").read_text()
+    curve = losses(tmp_path / "out")
+    assert sorted(curve) == sorted(one_process)
+    for it in one_process:
+        assert curve[it] == pytest.approx(one_process[it], rel=1e-4), (it, curve, one_process)
+
+
 def test_muon_state_resumes_under_another_layout(tmp_path, one_process):
     """The momentum buffers and AdamW moments saved by one process, resumed on two ranks of ZeRO-3 (resharded by
     DCP), continue the one-process curve."""
