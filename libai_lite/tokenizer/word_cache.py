@@ -91,7 +91,12 @@ class WordCache:
         self._bytes: Dict[str, bytes] = {}
         self._word_bytes: Dict[str, bytes] = {}
         self._raw_bytes: Dict[str, bytes] = {}
-        self._ws_units = re.compile(rf"[{_WS}]*[^{_WS}]+|[{_WS}]+").findall
+        # Texts past the fast path's characters check agree with the library on every character's class,
+        # so Python's Unicode \s is the library's whitespace there.
+        self._unicode_ws_units = re.compile(r"\s*\S+|\s+").findall
+        # A whitespace run with a space past its first character (before its last, or anywhere at the end).
+        self._inner_space_runs = re.compile(rf"[{_WS}]+ (?:[{_WS}]+|\Z)").finditer
+        self._unicode_inner_space_runs = re.compile(r"\s+ (?:\s+|\Z)").finditer
 
     def _whitespace_separates(self, ascii_chars) -> bool:
         """Whether ``str.split()`` cuts normalised ASCII text where the ASCII split drops a separator
@@ -157,32 +162,52 @@ class WordCache:
         # pre-tokenizer finds the word itself as its one pre-token (byte-level mapped for GPT-2).
         return [t.id for piece, _ in self._pre.pre_tokenize_str(word) for t in self._model.tokenize(piece)]
 
-    def _units_of(self, norm: str):
+    def _units_of(self, norm: str, ascii_text: bool = True):
         """``(pieces, cache, raw)``: ``norm`` cut into pieces each pre-tokenised alone exactly as in the text.
 
-        GPT-2 (``space``): a single space between two non-space characters always starts a new pre-token
-        (`` ?word``, `` ?123``, `` ?!!``) and no pre-token before it reaches past it, so each piece after such a
-        space is pre-tokenised as ``" " + piece`` (``str.split``, the fast cut). Where a space touches other
-        whitespace, the text is cut before each whitespace run instead (``raw``: a piece is its own text): a run
-        ``W`` then a word ``Y`` pre-tokenise as ``W[:-1]`` and ``W[-1:] + Y`` (or ``W[-1:]``, ``Y``) wherever
-        they stand, since no pre-token spans from a word into the whitespace after it. BERT (``whitespace``):
-        whitespace only separates and is dropped.
+        GPT-2 (``space``): the pre-tokenizer starts a token at each space, except inside a whitespace run ``W``
+        past its first character: ``\\s+(?!\\S)`` takes ``W[:-1]`` as one token (all of ``W`` at the text's
+        end) and ``W[-1:]`` starts the next. So each piece of ``str.split(" ")`` after the first is pre-tokenised
+        as ``" " + piece``, and a run with a space inside is a piece ``W[:-1]`` of its own, the text after it cut
+        the same way from ``W[-1:]`` on (no regex state crosses a token boundary, and no pre-token spans from a
+        word into the whitespace after it). A piece marked with U+FFFF is pre-tokenised as it stands; a text
+        holding U+FFFF itself is cut before each whitespace run (``raw``). BERT (``whitespace``): whitespace
+        only separates and is dropped. Both hold for any text whose characters passed the class check.
         """
         if self._units == "whitespace":
             return norm.split(), self._bytes, False
-        if (norm[:1] == " " or norm[-1:] == " " or "  " in norm or " \n" in norm or "\n " in norm
-                or " \t" in norm or "\t " in norm or " \r" in norm or "\r " in norm
-                or " \x0b" in norm or "\x0b " in norm or " \x0c" in norm or "\x0c " in norm):
-            return self._ws_units(norm), self._raw_bytes, True
-        pieces = norm.split(" ")
-        # Past the first, every piece follows a space; the first key is marked (never in ASCII text).
-        pieces[0] = "\uffff" + pieces[0]
+        if ascii_text:
+            # Such a space touches other whitespace: the substring tests rule most texts out cheaply.
+            runs = (self._inner_space_runs(norm)
+                    if ("  " in norm or " \n" in norm or "\n " in norm or " \t" in norm or "\t " in norm
+                        or " \r" in norm or "\r " in norm or " \x0b" in norm or "\x0b " in norm
+                        or " \x0c" in norm or "\x0c " in norm) else ())
+        elif "\uffff" in norm:
+            return self._unicode_ws_units(norm), self._raw_bytes, True
+        else:
+            runs = self._unicode_inner_space_runs(norm)
+        pieces, pos = [], 0
+        for run in runs:
+            start, end = run.span()
+            if start > pos:
+                cut = norm[pos:start].split(" ")
+                cut[0] = "\uffff" + cut[0]
+                pieces += cut
+            pos = end if end == len(norm) else end - 1
+            pieces.append("\uffff" + norm[start:pos])
+        if not pieces:
+            pieces = norm.split(" ")
+            pieces[0] = "\uffff" + pieces[0]
+        elif pos < len(norm):
+            cut = norm[pos:].split(" ")
+            cut[0] = "\uffff" + cut[0]
+            pieces += cut
         return pieces, self._bytes, False
 
     def _unit_bytes(self, unit: str, raw: bool) -> bytes:
         if self._units == "space" and not raw:
             unit = unit[1:] if unit[:1] == "\uffff" else " " + unit
-        return self._ids_bytes(self._ascii_findall(unit))
+        return self._ids_bytes(self._ascii_findall(unit) if unit.isascii() else self._findall(unit))
 
     def _ids_bytes(self, words) -> bytes:
         cache = self._word_bytes
@@ -210,10 +235,10 @@ class WordCache:
                 slow.append(len(out))
                 out.append(text)
                 continue
-            if not ascii_text or self._units is None:
+            if self._units is None or not (ascii_text or self._units == "space"):
                 out.append(self._ids_bytes(self._ascii_findall(norm) if ascii_text else self._findall(norm)))
                 continue
-            units, cache, raw = self._units_of(norm)
+            units, cache, raw = self._units_of(norm, ascii_text)
             try:
                 out.append(b"".join(map(cache.__getitem__, units)))
             except KeyError:

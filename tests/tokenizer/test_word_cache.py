@@ -96,11 +96,35 @@ def test_split_piece_cache_gives_the_tokenizers_bytes(name):
                 "\t", "\r\n", "\x0b", "\x0c", "\x1c", "é"]
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
     texts += _texts() + [" leading", "trailing ", "a  b", "a \nb", "a\n b", "'s 's", "x 'll y"]
+    # U+FFFF marks a piece's key: a text holding it is cut before each whitespace run instead.
+    texts += ["a \uffffb", "\uffff \uffff", "é\uffff  \n x"]
     expected = tok.encode_batch(texts)
     assert tok.enable_word_cache()
     assert tok._word_cache._units == {"gpt2": "space", "bert_lower": "whitespace"}[name]
     for _ in range(2):  # cold, then every piece from the cache
         got = tok.encode_batch_bytes(texts, np.uint16)
         assert [np.frombuffer(b, np.uint16).tolist() for b in got] == expected
-    if name == "gpt2":  # both cuts were taken: str.split pieces and whitespace-run pieces
-        assert tok._word_cache._bytes and tok._word_cache._raw_bytes
+    if name == "gpt2":  # both cuts were taken: str.split pieces and runs with a space inside
+        assert any(k[1:].isspace() and " " in k[2:] for k in tok._word_cache._bytes)
+
+
+def test_every_short_text_of_the_cut_characters_gives_the_tokenizers_bytes():
+    """GPT-2's pieces are cut at spaces unless a space lies inside a whitespace run: every text of up to 5
+    symbols from words, digits, punctuation, a contraction, ASCII and Unicode whitespace and a non-ASCII
+    letter (each whitespace run, at the start, inside and at the end) gives the tokenizer's own ids."""
+    import itertools
+
+    import numpy as np
+
+    tok = build_tokenizer(**TOKENIZERS["gpt2"])
+    alphabet = ["ab", " ", "\n", "\t", "'s", "7", "!", "é", "\u00a0", "\u3000"]
+    texts = ["".join(p) for n in range(6) for p in itertools.product(alphabet, repeat=n)]
+    expected = tok.encode_batch(texts)
+    assert tok.enable_word_cache()
+    cache = tok._word_cache
+    for _ in range(2):  # cold, then every piece from the cache
+        got = tok.encode_batch_bytes(texts, np.uint16)
+        assert [np.frombuffer(b, np.uint16).tolist() for b in got] == expected
+    # Non-ASCII texts took both cuts too: space pieces and runs with a space inside.
+    assert any(not k.isascii() for k in cache._bytes if not k.startswith("\uffff"))
+    assert any(k[1:].isspace() and " " in k[2:] and not k.isascii() for k in cache._bytes)
