@@ -164,7 +164,7 @@ def test_inverse_sqrt_line_steps_at_fairseqs_lr(tmp_path):
 
 def test_user_line_on_two_ranks_shards_with_zero3(tmp_path):
     data, out = _data_bin(tmp_path), tmp_path / "checkpoints"
-    flags = user_line(data, out, seq=32, batch=2, updates=3, warmup=1, total=3, precision="", arch=TINY)
+    flags = user_line(data, out, seq=32, batch=2, updates=3, warmup=1, total=3, arch=TINY)  # --fp16, as written
     r = subprocess.run(["bash", "tools/train.sh", "tools/train_net.py", "--fairseq-args", flags, "2",
                         "dataloader.train.num_workers=0", "train.log_memory_estimate=False",
                         f"dataloader.train.cache_dir={tmp_path / 'cache'}"],
@@ -173,7 +173,9 @@ def test_user_line_on_two_ranks_shards_with_zero3(tmp_path):
     log = (out / "log.txt").read_text()
     assert "dp=2" in log and "global batch 4 = micro 2 x dp 2" in log and sorted(losses(out)) == [1, 2, 3]
     assert "nothing to shard" not in log  # ZeRO-3 shards over the two ranks
-    assert OmegaConf.load(out / "config.yaml").train.zero_optimization.stage == 3
+    cfg = OmegaConf.load(out / "config.yaml")
+    assert cfg.train.zero_optimization.stage == 3 and cfg.train.amp.enabled and cfg.train.amp.dtype == "fp16"
+    assert all(math.isfinite(v) for v in losses(out).values())
 
 
 def test_what_is_not_taken_is_refused_in_one_line_and_nothing_is_written(tmp_path):
