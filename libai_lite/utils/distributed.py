@@ -257,6 +257,10 @@ def setup_dist(dist_cfg, zero_cfg=None, output_dir: str | None = None) -> Layout
     if cp > 1:
         # Flattening creates the dp x cp process group, a collective: every rank does it here, together.
         layout.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    if dp > 1 and tp > 1 and cp == 1 and not dims.hsdp:
+        # Sharded and tensor-parallel weights are DTensors over (dp, tp): a value partial on both (the gradient
+        # norm) is then reduced in one all_reduce over this flattened group instead of one per dimension.
+        mesh["dp", "tp"]._flatten("dp_tp")
     if dims.hsdp:
         layout.hsdp_mesh = hsdp_mesh(mesh["dp"] if cp == 1 else layout.dp_cp_mesh, dims.data_parallel_replicate_size)
     _MONITOR.update(timeout_s=timeout_s, backend=dist.get_backend(), group=dist.new_group(backend="gloo") if world_size > 1 else None,
