@@ -179,7 +179,7 @@ def count_moe_experts(experts: int = 8, top_k: int = 2, tokens: int = 256) -> di
     counted op is a kernel, so the GPU figures are predicted). The routing around the experts is the same
     on both paths and is not counted."""
     from libai_lite.layers import MoEConfig, MoELayer
-    from libai_lite.layers import moe as moe_module
+    from libai_lite.layers import experts as experts_module
 
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(enabled=True, num_experts=experts, top_k=top_k, capacity_factor=None),
@@ -187,12 +187,12 @@ def count_moe_experts(experts: int = 8, top_k: int = 2, tokens: int = 256) -> di
     sizes = [len(c) for c in torch.arange(tokens * top_k).chunk(experts)]  # a balanced router's counts
     x = torch.randn(tokens * top_k, 64, requires_grad=True)
     row = {"experts": experts, "top_k": top_k, "rows": tokens * top_k}
-    saved = moe_module._grouped_eligible
+    saved = experts_module._grouped_eligible
     try:
         for label, grouped in (("loop", False), ("grouped", True)):
             layer.experts.grouped_gemm = grouped
-            moe_module._grouped_eligible = lambda *_: True  # as on CUDA in bf16; the op count is the same
-            moe_module.GROUPED_EXPERTS.reset()
+            experts_module._grouped_eligible = lambda *_: True  # as on CUDA in bf16; the op count is the same
+            experts_module.GROUPED_EXPERTS.reset()
             for _ in range(2):  # the first call runs the guard's probe; the second is counted
                 layer.zero_grad(set_to_none=True)
                 with CountOps() as fwd:
@@ -202,8 +202,8 @@ def count_moe_experts(experts: int = 8, top_k: int = 2, tokens: int = 256) -> di
             row[label] = {"forward": fwd.kernels, "backward": bwd.kernels,
                           "top_ops": dict((fwd.ops + bwd.ops).most_common(6))}
     finally:
-        moe_module._grouped_eligible = saved
-        moe_module.GROUPED_EXPERTS.reset()
+        experts_module._grouped_eligible = saved
+        experts_module.GROUPED_EXPERTS.reset()
     return row
 
 

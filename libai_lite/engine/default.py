@@ -7,7 +7,6 @@ what it builds, so a subclass that overrides any one of them (LiBai's extension 
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import os
 
@@ -227,19 +226,15 @@ class DefaultTrainer:
         """
         from ..optim import build_optimizer
         from ..optim.container import OptimizersContainer
-        from ..parallel.data_parallel import build_zero1_optimizer
+        from ..parallel.data_parallel import zero1_from
 
         optimizers = []
         for part in model.parts:
             opt = build_optimizer(cfg.optim, part)
             offload = self.layout.zero_stage == 1 and self.layout.offload
             if self.layout.zero_stage == 1 and (self.layout.replica_size > 1 or offload):
-                # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
-                accepted = inspect.signature(type(opt).__init__).parameters
-                kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
                 # Over dp x cp, the group the gradients are reduced over.
-                opt = build_zero1_optimizer(type(opt), opt.param_groups, self.layout.replica_group,
-                                            offload=offload, **kwargs)
+                opt = zero1_from(opt, self.layout.replica_group, offload=offload)
             float8_after_optimizer_step(opt, part)  # ZeRO-2/3 float8 all-gather: the weights' scales at once
             # sigmoid_bias routers: the loads of the global batch (every dp x cp rank's tokens) move the biases.
             router_bias_after_optimizer_step(opt, part, self.layout.replica_group)

@@ -19,6 +19,7 @@ and accumulate gradients inside ``no_sync_context``.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -333,6 +334,14 @@ def build_zero1_optimizer(optimizer_cls: type[Optimizer], param_groups, dp_group
     memory with ``offload``; weight-decay groups survive, ``kwargs`` are the optimizer's defaults (lr, betas, ...)."""
     cls = OffloadedZeroRedundancyOptimizer if offload else ShardedStateZeroRedundancyOptimizer
     return cls(list(param_groups), optimizer_class=optimizer_cls, process_group=dp_group, **kwargs)
+
+
+def zero1_from(optimizer: Optimizer, dp_group, offload: bool = False) -> ZeroRedundancyOptimizer:
+    """``build_zero1_optimizer`` of a built optimizer: its class, parameter groups and defaults."""
+    # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return build_zero1_optimizer(type(optimizer), optimizer.param_groups, dp_group, offload=offload, **kwargs)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from tests.workers import moe_worker
 from tests.launch import one_error_line, python_tool, torchrun, train_net, train_sh
 
 from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
-from libai_lite.layers.moe import expert_capacity, load_balancing_loss, route
+from libai_lite.layers.router import expert_capacity, load_balancing_loss, route
 from libai_lite.parallel.expert_parallel import check_moe_layout
 from libai_lite.utils.errors import UsageError
 

@@ -1,4 +1,4 @@
-"""The MoE experts as grouped GEMMs (libai_lite/layers/moe.py: ``grouped_experts`` behind ``GROUPED_EXPERTS``).
+"""The MoE experts as grouped GEMMs (libai_lite/layers/experts.py: ``grouped_experts`` behind ``GROUPED_EXPERTS``).
 
 ``torch._grouped_mm`` has a CPU implementation in torch 2.11 and 2.13, so the grouped path's numbers are
 checked here against the per-expert loop; ``_grouped_eligible`` (CUDA and bf16 only) is forced open to run
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from libai_lite.layers import MoEConfig, MoELayer
-from libai_lite.layers import moe as moe_module
-from libai_lite.layers.moe import GROUPED_EXPERTS, expert_weights, grouped_experts, looped_experts
+from libai_lite.layers import experts as experts_module
+from libai_lite.layers.experts import GROUPED_EXPERTS, expert_weights, grouped_experts, looped_experts
 from libai_lite.utils.fallback import tolerance
 
 pytestmark = pytest.mark.gpu_path
@@ -44,7 +44,7 @@ def fresh_guard():
 @pytest.fixture
 def eligible_on_cpu(monkeypatch):
     """The grouped path taken on the CPU, as it is on CUDA in bf16."""
-    monkeypatch.setattr(moe_module, "_grouped_eligible", lambda experts, tokens: True)
+    monkeypatch.setattr(experts_module, "_grouped_eligible", lambda experts, tokens: True)
 
 
 def _layer(gated: bool = True, bias: bool = False, experts: int = 8, top_k: int = 2, **moe) -> MoELayer:
@@ -159,8 +159,8 @@ def test_a_failing_or_wrong_grouped_gemm_falls_back_to_the_loop_with_one_warning
 
 def test_the_grouped_path_is_taken_only_on_cuda_in_bf16():
     layer = _layer()
-    assert not moe_module._grouped_eligible(layer.experts, torch.randn(4, 16))
-    assert not moe_module._grouped_eligible(layer.experts, torch.randn(4, 16, dtype=torch.bfloat16))
+    assert not experts_module._grouped_eligible(layer.experts, torch.randn(4, 16))
+    assert not experts_module._grouped_eligible(layer.experts, torch.randn(4, 16, dtype=torch.bfloat16))
 
 
 def test_no_rows_run_the_loop_and_leave_the_guard_alone(fresh_guard, eligible_on_cpu, monkeypatch):

@@ -53,7 +53,7 @@ def test_fixed_capacity_dispatch_equals_the_variable_one():
     cfg = MoEConfig(enabled=True, num_experts=4, top_k=2, capacity_factor=0.75)
     layer = MoELayer(cfg, hidden_size=16, ffn_hidden_size=32, activation="silu", gated=True, bias=True)
     x = torch.randn(24, 16, requires_grad=True)
-    from libai_lite.layers.moe import route
+    from libai_lite.layers.router import route
 
     routing = route(layer.router(x), layer.top_k, layer.capacity_factor)
     assert not routing.keep.all()  # some assignments dropped: the spare slot is exercised

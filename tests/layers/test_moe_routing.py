@@ -16,7 +16,8 @@ import torch
 from tests.launch import spawn_ranks
 
 from libai_lite.layers import MoEConfig, MoELayer, collect_moe_outputs
-from libai_lite.layers.moe import route, router_bias_after_optimizer_step, update_router_biases
+from libai_lite.layers.moe import router_bias_after_optimizer_step, update_router_biases
+from libai_lite.layers.router import route
 from libai_lite.utils.errors import UsageError
 
 
