@@ -51,6 +51,13 @@ BERT_SPLIT_ASCII = rf"[^{_WS}{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]"
 _PROBES = ("a{}a", "1{}1", "!{}!", " {} ", "{}", "a {}", "{}  a", "'{}")
 
 
+def _space_pieces(text: str) -> list:
+    """``text.split(" ")``, its first piece marked with U+FFFF: pre-tokenised as it stands, the others after a space."""
+    pieces = text.split(" ")
+    pieces[0] = "\uffff" + pieces[0]
+    return pieces
+
+
 class WordCache:
     """Encodes texts with a ``tokenizers.Tokenizer`` through a per-pre-token id cache.
 
@@ -162,7 +169,7 @@ class WordCache:
         # pre-tokenizer finds the word itself as its one pre-token (byte-level mapped for GPT-2).
         return [t.id for piece, _ in self._pre.pre_tokenize_str(word) for t in self._model.tokenize(piece)]
 
-    def _units_of(self, norm: str, ascii_text: bool = True):
+    def _units_of(self, norm: str, ascii_text: bool):
         """``(pieces, cache, raw)``: ``norm`` cut into pieces each pre-tokenised alone exactly as in the text.
 
         GPT-2 (``space``): the pre-tokenizer starts a token at each space, except inside a whitespace run ``W``
@@ -190,18 +197,11 @@ class WordCache:
         for run in runs:
             start, end = run.span()
             if start > pos:
-                cut = norm[pos:start].split(" ")
-                cut[0] = "\uffff" + cut[0]
-                pieces += cut
+                pieces += _space_pieces(norm[pos:start])
             pos = end if end == len(norm) else end - 1
             pieces.append("\uffff" + norm[start:pos])
-        if not pieces:
-            pieces = norm.split(" ")
-            pieces[0] = "\uffff" + pieces[0]
-        elif pos < len(norm):
-            cut = norm[pos:].split(" ")
-            cut[0] = "\uffff" + cut[0]
-            pieces += cut
+        if pos < len(norm) or not pieces:
+            pieces += _space_pieces(norm[pos:])
         return pieces, self._bytes, False
 
     def _unit_bytes(self, unit: str, raw: bool) -> bytes:
