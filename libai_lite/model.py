@@ -103,6 +103,14 @@ def pipeline_num_layers(model: nn.Module) -> int:
     return int(getattr(unwrap(model), "pipeline_num_layers"))
 
 
+def stage_of_layer(model: nn.Module, dims) -> tuple[int, ...]:
+    """Each pipeline layer's stage under the layout ``dims`` (``ParallelDims.stage_of_layer``); empty without a
+    pipeline or for a model that cannot be pipelined (the layout check refuses that one, naming it)."""
+    if dims.pipeline_parallel_size == 1 or not supports_pipeline(model):
+        return ()
+    return dims.stage_of_layer(pipeline_num_layers(model))
+
+
 def pipeline_tied(module: nn.Module) -> tuple[str, str] | None:
     """``(source, copy)`` paths of the weight a pipeline module's first and last stage share (its
     ``pipeline_tied``), or None."""

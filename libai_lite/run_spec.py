@@ -20,7 +20,7 @@ from .config.instantiate import instantiate, instantiate_target
 from .config.resolve import amp_dtype, batch_sizes
 from .config.validate import check_paths
 from .data.build import cap_eval_iter
-from .model import max_seq_length, pipeline_num_layers, supports_pipeline
+from .model import max_seq_length, stage_of_layer
 from .parallel.activation_checkpoint import check_ac_mode
 from .parallel.compile import CompileOptions, compile_options
 from .parallel.float8 import Float8Options, float8_options
@@ -28,7 +28,7 @@ from .run_sections import (CheckpointSettings, EvalSettings, LogSettings, LossSc
                            read_sections)
 from .tokenizer import pad_vocab_size
 from .utils.errors import UsageError
-from .utils.parallel_dims import ParallelDims, layer_stages
+from .utils.parallel_dims import ParallelDims
 
 logger = logging.getLogger("libai_lite")
 
@@ -142,7 +142,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
         model = _meta_model(resolved) if data or dims.pipeline_parallel_size > 1 else None
         if data:
             _check_sequence_length(resolved, model)
-        stages = _stage_of_layer(model, dims)
+        stages = stage_of_layer(model, dims) if model is not None else ()
         if stages:
             # The assignment goes into config.yaml, so a run can be reproduced exactly.
             resolved.train.dist.stage_of_layer = list(stages)
@@ -151,7 +151,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     return RunSpec(
         dims=dims, batch=batch, vocab_size=vocab, train_iter=train_iter,
         warmup_iter=int(train_iter * float(train.get("warmup_ratio") or 0)), eval_iter=eval_iter,
-        stage_of_layer=tuple(stages), pipeline_num_layers=train.dist.get("pipeline_num_layers"), amp_dtype=amp,
+        stage_of_layer=stages, pipeline_num_layers=train.dist.get("pipeline_num_layers"), amp_dtype=amp,
         param_dtype=amp if dims.zero_stage >= 2 else None, float8=float8_options(train.get("fp8")), compile=compile,
         activation_checkpoint_every=int(ac.get("every_n_layers", 1) or 1) if ac.get("enabled", False) else 0,
         activation_checkpoint_mode=check_ac_mode(ac.get("mode", "full")), **sections, cfg=resolved,
@@ -239,12 +239,3 @@ def _check_sequence_length(cfg, model: torch.nn.Module) -> None:
                      f"({key}={longest}); set dataloader.train.seq_length to at most {longest}, or train a model with "
                      f"{key} >= {seq}")
 
-
-def _stage_of_layer(model: torch.nn.Module | None, dims: ParallelDims) -> list[int]:
-    """Each layer's pipeline stage (``layer_stages``), from the model built on the meta device; empty without a
-    pipeline or for a model that cannot be pipelined (the layout check refuses that one, naming it)."""
-    if dims.pipeline_parallel_size == 1:
-        return []
-    if not supports_pipeline(model):
-        return []
-    return layer_stages(pipeline_num_layers(model), dims.num_stages, dims.custom_pipeline_stage_id)

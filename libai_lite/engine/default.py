@@ -215,7 +215,8 @@ class DefaultTrainer:
         return parallelize_model(model, self.layout, spec.batch.num_accumulation_steps,
                                  activation_checkpoint_every=spec.activation_checkpoint_every,
                                  activation_checkpoint_mode=spec.activation_checkpoint_mode, compile=spec.compile,
-                                 param_dtype=spec.param_dtype, float8=spec.float8)
+                                 param_dtype=spec.param_dtype, float8=spec.float8,
+                                 stage_of_layer=spec.stage_of_layer)
 
     def build_optimizer(self, cfg, model: ParallelModel):
         """``cfg.optim`` for each model part, with ``optim.params.model`` set to it (LiBai's convention).

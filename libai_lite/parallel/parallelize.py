@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..layers.moe import MoEConfig, moe_layers
 from ..model import output_metrics, pipeline_hooks, pipeline_num_layers, supports_pipeline
+from ..model import stage_of_layer as model_stage_of_layer
 from ..utils.distributed import Layout
 from ..utils.errors import UsageError
 from . import pipeline_split as ps
@@ -78,8 +80,7 @@ def check_sample_layout(sample: dict, layout: Layout) -> None:
 
 
 def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) -> None:
-    """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take.
-    Places the model's layers on pipeline stages (``layout.stage_of_layer``) as a side effect."""
+    """Refuse, in one line and before any work, a layout this model (built on ``meta``) cannot take."""
     check_moe_layout(model_moe_config(model), layout.data_parallel_size, layout.tensor_parallel_size,
                      layout.zero_stage, layout.sequence_parallel)
     check_context_parallel(model, layout.context_parallel_size, layout.pipeline_parallel_size,
@@ -91,7 +92,7 @@ def check_model_layout(model: nn.Module, layout: Layout, n_microbatches: int) ->
     if not supports_pipeline(model):
         raise UsageError(f"{type(model).__name__} does not support pipeline parallelism (no pipeline_module()); "
                          f"set train.dist.pipeline_parallel_size=1")
-    layout.place_layers(pipeline_num_layers(model))
+    layout.dims.stage_of_layer(pipeline_num_layers(model))  # refuses more stages than layers, a bad custom list
     check_schedule(layout.pipeline_schedule, layout.num_stages, layout.pipeline_parallel_size, n_microbatches)
 
 
@@ -128,8 +129,9 @@ def parallelize_part(module: nn.Module, layout: Layout, *, moe: MoEConfig | None
                                pipeline=layout.pipeline_parallel_size > 1, expert_mesh=expert_mesh)
 
 
-def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metrics: dict, **part_options):
-    num_stages, stage_of_layer = layout.num_stages, layout.stage_of_layer
+def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metrics: dict,
+                    stage_of_layer: Sequence[int], **part_options):
+    num_stages = layout.num_stages
     ids = ps.local_stage_ids(layout.pp_rank, layout.pipeline_parallel_size, layout.virtual_pipeline_size,
                              layout.pipeline_schedule)
     tied = ps.pipeline_tied(ps.pipeline_module(model))
@@ -144,7 +146,7 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
         wrapped, ids, num_stages, layout.group("pp"), layout.device, layout.pipeline_schedule, n_microbatches,
         loss_fn, tied_group, batch_fn=batch_fn, metrics_fn=metrics_fn, metric_names=metric_names,
     )
-    logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {stage_of_layer}")
+    logger.info(f"Pipeline stages {ids} of {num_stages} on this rank; stage of each layer: {list(stage_of_layer)}")
     return ParallelModel(model, view, [view], metrics, stepper, ps.tied_checkpoint_aliases(view, tied),
                          tied_copies=ps.tied_copies_with_source(view, tied))
 
@@ -152,8 +154,12 @@ def _build_pipeline(model: nn.Module, layout: Layout, n_microbatches: int, metri
 def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1, *,
                       activation_checkpoint_every: int = 0, activation_checkpoint_mode: str = "full",
                       compile: CompileOptions | None = None,
-                      param_dtype: torch.dtype | None = None, float8: Float8Options | None = None) -> ParallelModel:
+                      param_dtype: torch.dtype | None = None, float8: Float8Options | None = None,
+                      stage_of_layer: Sequence[int] | None = None) -> ParallelModel:
     """Make ``model`` (built whole on this rank's device) what this rank trains under ``layout``.
+
+    ``stage_of_layer`` places the layers on pipeline stages (a run's ``RunSpec.stage_of_layer``); None derives it
+    from the model (``libai_lite.model.stage_of_layer``).
 
     ``activation_checkpoint_every`` recomputes every N-th transformer layer, 0 for none.
     ``param_dtype`` sets FSDP's mixed-precision parameters.
@@ -167,6 +173,6 @@ def parallelize_model(model: nn.Module, layout: Layout, n_microbatches: int = 1,
         cp = apply_context_parallel(model, layout.mesh["cp"]) if layout.context_parallel_size > 1 else None
         return ParallelModel(model, parallelize_part(model, layout, **options), [model], metrics,
                              context_parallel=cp)
-    if not layout.stage_of_layer:
-        layout.place_layers(pipeline_num_layers(model))
-    return _build_pipeline(model, layout, n_microbatches, metrics, **options)
+    if stage_of_layer is None:
+        stage_of_layer = model_stage_of_layer(model, layout.dims)
+    return _build_pipeline(model, layout, n_microbatches, metrics, tuple(stage_of_layer), **options)

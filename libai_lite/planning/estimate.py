@@ -140,19 +140,17 @@ class MemoryPlanner:
 
     def _stages(self, s: PlanSettings) -> list[tuple[list[nn.Module], set[int] | None]]:
         """(modules, pipeline layers) each pipeline rank keeps, cut as ``pipeline_split`` cuts them."""
-        from ..model import pipeline_num_layers
+        from ..model import stage_of_layer
         from ..parallel.pipeline_split import layer_index_of, local_stage_ids, pipeline_module, pipeline_pieces
-        from ..utils.parallel_dims import layer_stages
 
         pp = s.pipeline_parallel_size
         if pp == 1:
             return [([self.model], None)]
-        stage_of_layer = layer_stages(pipeline_num_layers(self.model), pp * s.virtual_pipeline_size,
-                                      s.custom_pipeline_stage_id)
+        stages = stage_of_layer(self.model, s)
         out = []
         for rank in range(pp):
             owned = set(local_stage_ids(rank, pp, s.virtual_pipeline_size))
-            layers = {i for i, stage in enumerate(stage_of_layer) if stage in owned}
+            layers = {i for i, stage in enumerate(stages) if stage in owned}
             modules = [m for _c, key, m in pipeline_pieces(pipeline_module(self.model))
                        if (idx := layer_index_of(m, key)) is None or idx in layers]
             out.append((modules, layers))

@@ -1,6 +1,7 @@
 """The process group, the ("pp", "dp", "cp", "tp") device mesh in one ``Layout``, rank helpers and hang reports."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -14,62 +15,32 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
-from .parallel_dims import ParallelDims, layer_stages
+from .parallel_dims import ParallelDims
 
 
 @dataclass
 class Layout:
-    """The parallel layout of a running rank: its ``ParallelDims`` sizes, its place, device and mesh.
+    """A running rank's ``ParallelDims`` (the one layout record) with its place, device and mesh.
 
-    Built once by ``setup_dist`` and passed to whatever needs it. ``place_layers`` fills ``stage_of_layer``
-    once the model's layer count is known; ``get_layer_placement(i)`` (LiBai's name) reads it.
+    Built once by ``setup_dist`` and passed to whatever needs it; the sizes and options read through to ``dims``
+    (``layout.tensor_parallel_size`` is ``layout.dims.tensor_parallel_size``).
     """
 
-    world_size: int
-    rank: int
-    local_rank: int
-    device: torch.device
-    pipeline_parallel_size: int
-    data_parallel_size: int
-    tensor_parallel_size: int
-    mesh: DeviceMesh | None
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    offload: bool = False
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_size: int = 1
-    custom_pipeline_stage_id: Sequence[int] | None = None
-    stage_of_layer: list[int] = field(default_factory=list)
-    context_parallel_size: int = 1
+    dims: ParallelDims
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: DeviceMesh | None = None
     # dp x cp flattened (setup_dist): kept here, as torch deprecates slicing a flattened dim from the root mesh.
     dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
-    # HSDP: the data-parallel ranks (x cp) as replicate x shard groups, and their 2-D ("dp_replicate",
-    # "dp_shard") mesh FSDP2 shards over (setup_dist).
-    data_parallel_replicate_size: int = 1
+    # HSDP: the data-parallel ranks (x cp) as their 2-D ("dp_replicate", "dp_shard") mesh FSDP2 shards over.
     hsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, dims: ParallelDims, rank: int = 0, local_rank: int = 0, device: torch.device | None = None,
            mesh: DeviceMesh | None = None) -> Layout:
         """The ``Layout`` of ``dims`` for one rank (``mesh`` None: no process group, what the planner checks)."""
-        custom = dims.custom_pipeline_stage_id
-        return cls(dims.world_size, rank, local_rank, device if device is not None else torch.device("cpu"),
-                   dims.pipeline_parallel_size, dims.data_parallel_size, dims.tensor_parallel_size, mesh,
-                   sequence_parallel=dims.sequence_parallel, zero_stage=dims.zero_stage, offload=dims.offload,
-                   pipeline_schedule=dims.pipeline_schedule, virtual_pipeline_size=dims.virtual_pipeline_size,
-                   custom_pipeline_stage_id=list(custom) if custom is not None else None,
-                   context_parallel_size=dims.context_parallel_size,
-                   data_parallel_replicate_size=dims.data_parallel_replicate_size)
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The sizes and options this layout was built from."""
-        custom = self.custom_pipeline_stage_id
-        return ParallelDims(self.world_size, self.pipeline_parallel_size, self.data_parallel_size,
-                            self.context_parallel_size, self.tensor_parallel_size, self.sequence_parallel,
-                            int(self.zero_stage or 0), bool(self.offload), self.pipeline_schedule,
-                            self.virtual_pipeline_size, tuple(custom) if custom is not None else None,
-                            self.data_parallel_replicate_size)
+        return cls(dims, rank, local_rank, device if device is not None else torch.device("cpu"), mesh)
 
     # Coordinates on the mesh (0 without one).
     pp_rank = property(lambda self: self._coord("pp"))
@@ -111,19 +82,13 @@ class Layout:
         """Ranks in ``replica_mesh``: data_parallel_size x context_parallel_size."""
         return self.data_parallel_size * self.context_parallel_size
 
-    @property
-    def num_stages(self) -> int:
-        """Pipeline stages in all: ranks x virtual stages per rank."""
-        return self.pipeline_parallel_size * self.virtual_pipeline_size
 
-    def place_layers(self, num_layers: int) -> list[int]:
-        """Assign each of the model's ``num_layers`` layers to a stage (once); returns ``stage_of_layer``."""
-        self.stage_of_layer = layer_stages(num_layers, self.num_stages, self.custom_pipeline_stage_id)
-        return self.stage_of_layer
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.dims, name), doc=f"``dims.{name}``")
 
-    def get_layer_placement(self, layer_idx: int) -> int:
-        """The pipeline stage that owns layer ``layer_idx``."""
-        return self.stage_of_layer[layer_idx] if self.stage_of_layer else 0
+
+for _name in [f.name for f in dataclasses.fields(ParallelDims)] + ["num_stages", "hsdp"]:
+    setattr(Layout, _name, _read_through(_name))
 
 
 def _free_port() -> int:

@@ -89,6 +89,12 @@ class ParallelDims:
         """Pipeline stages in all: ranks x virtual stages per rank."""
         return self.pipeline_parallel_size * self.virtual_pipeline_size
 
+    def stage_of_layer(self, num_layers: int) -> tuple[int, ...]:
+        """The pipeline stage of each of ``num_layers`` layers (``layer_stages``); empty without a pipeline."""
+        if self.pipeline_parallel_size == 1:
+            return ()
+        return tuple(layer_stages(num_layers, self.num_stages, self.custom_pipeline_stage_id))
+
     def sizes(self) -> dict:
         """The four sizes under their ``train.dist`` names (what config.yaml records)."""
         return {"pipeline_parallel_size": self.pipeline_parallel_size, "data_parallel_size": self.data_parallel_size,
