@@ -15,7 +15,7 @@ import torch._dynamo as dynamo
 
 from libai_lite.layers import ParallelCrossEntropyLoss, linear_cross_entropy
 from libai_lite.layers.flex_attention import attention_backend
-from libai_lite.parallel.activation_checkpoint import transformer_layers
+from libai_lite.converters.activation_checkpoint import transformer_layers
 
 CFG = dict(hidden_layers=2, vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
            max_seq_length=16, embedding_dropout_prob=0.0, attention_dropout_prob=0.0, output_dropout_prob=0.0)

@@ -144,7 +144,7 @@ def run_config(name: str, args, dp_mesh, device, probe: MemoryProbe) -> dict:
     import torch
 
     from libai_lite.optim.build import get_default_optimizer_params
-    from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing
+    from libai_lite.converters.activation_checkpoint import apply_activation_checkpointing
     from libai_lite.parallel.data_parallel import apply_data_parallel, build_zero1_optimizer
     from projects.GPT.modeling.gpt_model import GPTForPreTraining
 

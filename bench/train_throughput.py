@@ -236,7 +236,7 @@ def compile_main(args, device: torch.device, amp_dtype) -> dict:
     table and the JSON line."""
     from torch._dynamo.utils import counters
 
-    from libai_lite.parallel.compile import CompileOptions, apply_compile
+    from libai_lite.converters.compile import CompileOptions, apply_compile
     shape, family = args.shape, args.family
     peak_meter = Peak(device, amp_dtype, args.smoke)
     models = {}

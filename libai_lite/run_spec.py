@@ -21,9 +21,9 @@ from .config.resolve import amp_dtype, batch_sizes
 from .config.validate import check_paths
 from .data.build import cap_eval_iter
 from .model import max_seq_length, stage_of_layer
-from .parallel.activation_checkpoint import check_ac_mode
-from .parallel.compile import CompileOptions, compile_options
-from .parallel.float8 import Float8Options, float8_options
+from .converters.activation_checkpoint import check_ac_mode
+from .converters.compile import CompileOptions, compile_options
+from .converters.float8 import Float8Options, float8_options
 from .run_sections import (CheckpointSettings, EvalSettings, LogSettings, LossScale, OptimStep, ProfileSettings,
                            read_sections)
 from .tokenizer import pad_vocab_size

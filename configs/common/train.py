@@ -71,7 +71,7 @@ train = dict(
     compile=dict(enabled="auto", loss=False, backend="inductor", fullgraph=False, scope="auto", mode=None),
     # FP8 linears through torchao (pip install -e .[fp8]) on GPUs of compute capability 8.9+ (H100), compiled:
     # recipe tensorwise or rowwise; skip: module names kept in high precision; filter: auto (only linears
-    # large enough to gain, torchao's thresholds) or all (libai_lite/parallel/float8.py).
+    # large enough to gain, torchao's thresholds) or all (libai_lite/converters/float8.py).
     fp8=dict(enabled=False, recipe="tensorwise", skip=["lm_head"], filter="auto"),
     # ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2);
     # offload: at stage 1 the optimizer state and step on the CPU (DeepSpeed's offload_optimizer); at 2/3

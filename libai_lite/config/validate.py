@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
+from ..utils.parallel_dims import PIPELINE_SCHEDULES
 from .instantiate import TargetNotFoundError, join_key, locate
 
 __all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths", "check_targets",
@@ -178,9 +179,7 @@ RANGES: dict[str, "Range | OneOf"] = {
     "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
     "dataloader.*.seq_length": COUNT,
     "tokenization.make_vocab_size_divisible_by": COUNT,
-    # The names of libai_lite.parallel.pipeline.SCHEDULES (tests/parallel/test_pipeline_schedules.py checks).
-    "train.dist.pipeline_schedule": OneOf(("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
-                                           "zbv_zero_bubble", "dualpipev")),
+    "train.dist.pipeline_schedule": OneOf(PIPELINE_SCHEDULES),
     "train.amp.dtype": OneOf(("bf16", "fp16")),
     "train.scheduler.warmup_method": OneOf(("linear", "constant")),
     "dataloader.*.split_rounding": OneOf(("core", "legacy")),

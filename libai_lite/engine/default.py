@@ -24,8 +24,8 @@ from ..data.build import check_data_tokenizer, megatron_consumed_valid_samples, 
 from ..evaluation.runner import eval_context, evaluate_splits, run_evaluator
 from ..layers.moe import router_bias_after_optimizer_step
 from ..model import max_seq_length, sample_throughput
-from ..parallel.compile import check_compile, uses_cuda_graphs
-from ..parallel.float8 import check_float8, float8_after_optimizer_step
+from ..converters.compile import check_compile, uses_cuda_graphs
+from ..converters.float8 import check_float8, float8_after_optimizer_step
 from ..parallel.parallelize import ParallelModel, check_model_layout, check_sample_layout, parallelize_model
 from ..planning import startup_estimate
 from ..run_spec import RunSpec, resolve_run, tokenizer_from_config

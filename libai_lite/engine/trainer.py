@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from ..optim.container import optimizer_parts
-from ..parallel.compile import compiled_modules_eager
+from ..converters.compile import compiled_modules_eager
 from ..utils.distributed import set_activity
 from ..utils.events import EventStorage
 

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from ..layers.moe import Experts
 from ..utils.errors import UsageError
-from .activation_checkpoint import transformer_layers
+from ..converters.activation_checkpoint import transformer_layers
 
 logger = logging.getLogger("libai_lite")
 

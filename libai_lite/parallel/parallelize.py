@@ -12,18 +12,18 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..converters.activation_checkpoint import apply_activation_checkpointing
+from ..converters.compile import CompileOptions, apply_compile
+from ..converters.float8 import Float8Options, apply_float8
 from ..layers.moe import MoEConfig, moe_layers
 from ..model import output_metrics, pipeline_hooks, pipeline_num_layers, supports_pipeline
 from ..model import stage_of_layer as model_stage_of_layer
 from ..utils.distributed import Layout
 from ..utils.errors import UsageError
 from . import pipeline_split as ps
-from .activation_checkpoint import apply_activation_checkpointing
-from .compile import CompileOptions, apply_compile
 from .context_parallel import apply_context_parallel, check_context_parallel, check_context_parallel_chunks
 from .data_parallel import apply_data_parallel, check_zero1
 from .expert_parallel import apply_expert_parallel, build_expert_mesh, check_moe_layout
-from .float8 import Float8Options, apply_float8
 from .pipeline import PipelineStepper, check_schedule
 from .tensor_parallel import apply_tensor_parallel, check_sequence_parallel_split
 

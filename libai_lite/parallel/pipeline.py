@@ -24,9 +24,9 @@ from torch.distributed.pipelining import (
 
 from ..layers.moe import paused_load_counting
 from ..utils.errors import UsageError
+from ..utils.parallel_dims import SPLIT_BACKWARD_SCHEDULES, V_SHAPE_SCHEDULES
 from .expert_parallel import PipelineMoE
 from .pipeline_split import (
-    V_SHAPE_SCHEDULES,
     local_stage_ids,
     stage_ranks,
     sync_tied_weight_grads,
@@ -45,8 +45,6 @@ SCHEDULES = {
 }
 # Take a list of stages (one or more per rank); the others exactly one stage.
 _MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
-# Run each backward as an input-gradient then a weight-gradient pass.
-SPLIT_BACKWARD_SCHEDULES = {"interleaved_zero_bubble"} | V_SHAPE_SCHEDULES
 
 
 def check_schedule(schedule: str, num_stages: int, pp_size: int, n_microbatches: int) -> str:
@@ -92,7 +90,7 @@ def check_split_backward(schedule: str, stage_modules: Sequence[nn.Module]) -> N
         return
     for stage in stage_modules:
         for m in stage.modules():
-            # nn.Module.compile() (libai_lite.parallel.compile) compiles in place; torch.compile() wraps.
+            # nn.Module.compile() (libai_lite.converters.compile) compiles in place; torch.compile() wraps.
             if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule):
                 raise UsageError(f"pipeline schedule {schedule!r} splits each backward into input and weight "
                                  f"gradients, which torch.compile'd layers cannot run; set "

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..model import pipeline_module, pipeline_tied, tie_weights, unwrap
 from ..utils.errors import UsageError
+from ..utils.parallel_dims import V_SHAPE_SCHEDULES
 
 
 def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -33,10 +34,6 @@ def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-# Rank r runs stages r and 2 * pp - 1 - r, so the first and last stage share rank 0.
-V_SHAPE_SCHEDULES = frozenset({"zbv_zero_bubble", "dualpipev"})
 
 
 def stage_style(schedule: str | None) -> str:

@@ -88,7 +88,7 @@ class MemoryPlanner:
 
     def __init__(self, build: Callable[[], nn.Module], sample: Mapping[str, torch.Tensor],
                  optimizer_factory: Callable | None = None, param_groups: Callable[[nn.Module], list] | None = None):
-        from ..parallel.activation_checkpoint import transformer_layers
+        from ..converters.activation_checkpoint import transformer_layers
         from ..parallel.parallelize import model_moe_config
 
         self.build, self.sample = build, dict(sample)

@@ -21,7 +21,7 @@ class PlanSettings(ParallelDims):
     fields it has) and what the run's spec adds to it."""
 
     activation_checkpoint_every: int = 0  # 0: off; N: every N-th transformer layer
-    activation_checkpoint_mode: str = "full"  # or "selective" (libai_lite.parallel.activation_checkpoint)
+    activation_checkpoint_mode: str = "full"  # or "selective" (libai_lite.converters.activation_checkpoint)
     micro_batch_size: int = 1
     num_microbatches: int = 1  # gradient accumulation steps: a pipeline schedule's micro-batches
     amp_dtype: torch.dtype | None = None

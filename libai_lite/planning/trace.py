@@ -217,7 +217,7 @@ def trace_activations(build: Callable[[], nn.Module], batch: Mapping[str, torch.
 
     from ..layers.flex_attention import attention_backend
     from ..model import output_metrics
-    from ..parallel.activation_checkpoint import apply_activation_checkpointing, transformer_layers
+    from ..converters.activation_checkpoint import apply_activation_checkpointing, transformer_layers
     from ..parallel.pipeline_split import layer_index_of, pipeline_module, pipeline_pieces
 
     with FakeTensorMode() as fake:

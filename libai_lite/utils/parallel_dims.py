@@ -10,6 +10,13 @@ from .errors import UsageError
 
 logger = logging.getLogger("libai_lite")
 
+# train.dist.pipeline_schedule's choices: torch.distributed.pipelining's schedules (parallel.pipeline.SCHEDULES).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+# Rank r runs stages r and 2 * pp - 1 - r, so the first and last stage share rank 0.
+V_SHAPE_SCHEDULES = frozenset({"zbv_zero_bubble", "dualpipev"})
+# Run each backward as an input-gradient then a weight-gradient pass.
+SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zero_bubble"}) | V_SHAPE_SCHEDULES
+
 
 @dataclass(frozen=True)
 class ParallelDims:

@@ -161,8 +161,8 @@ def test_a_setting_the_config_leaves_out_takes_the_value_configs_common_train_gi
                "train.checkpointer.max_to_keep": None, "optim.params.clip_grad_max_norm": None}
     # Required where the run uses them (no default): the periods; and the run's own folder.
     required = {"train.checkpointer.period", "train.log_period", "train.evaluation.eval_period", "train.output_dir"}
-    from libai_lite.parallel.compile import CompileOptions
-    from libai_lite.parallel.float8 import Float8Options
+    from libai_lite.converters.compile import CompileOptions
+    from libai_lite.converters.float8 import Float8Options
 
     records = (*rs.RECORDS, CompileOptions, Float8Options)
     defaults = {k: v for record in records for k, v in setting_defaults(record).items()}
@@ -188,8 +188,8 @@ def test_each_settings_record_field_declares_its_key_and_meaning_and_its_rule_re
 
     from libai_lite import run_sections as rs
 
-    from libai_lite.parallel.compile import CompileOptions
-    from libai_lite.parallel.float8 import Float8Options
+    from libai_lite.converters.compile import CompileOptions
+    from libai_lite.converters.float8 import Float8Options
 
     for record in (*rs.RECORDS, CompileOptions, Float8Options):
         for f in dataclasses.fields(record):

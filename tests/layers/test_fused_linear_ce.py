@@ -22,7 +22,7 @@ from libai_lite.layers import linear_cross_entropy
 # The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
 pytestmark = pytest.mark.gpu_path
 
-# A fresh inductor cache per run, as tests/parallel/test_compile.py keeps it (cached CPU kernels reused
+# A fresh inductor cache per run, as tests/converters/test_compile.py keeps it (cached CPU kernels reused
 # across ATEN_CPU_CAPABILITY gave NaNs there).
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import atexit

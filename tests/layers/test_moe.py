@@ -242,7 +242,7 @@ def test_aux_loss_back_propagated_by_the_layers_gives_the_trainers_gradients_and
 
     from libai_lite.layers.moe import moe_layers
     from libai_lite.parallel.expert_parallel import PipelineMoE
-    from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing
+    from libai_lite.converters.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(0)
     reference = GPTForPreTraining(dict(moe_worker.GPT_CFG, moe=dict(moe_worker.MOE, every_n_layers=1)))

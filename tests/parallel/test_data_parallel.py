@@ -20,7 +20,7 @@ from tests.launch import free_port, spawn_ranks, torchrun
 from tests.workers.dp_worker import (CFG, DCP_MODES, DCP_STEPS, MODES, TP_MODES, batches, build_model, param_groups,
                                      reference_run)
 
-from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
+from libai_lite.converters.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, transformer_layers
 from libai_lite.parallel.clip_grad import clip_grad_norm_
 from libai_lite.parallel.data_parallel import apply_data_parallel, no_sync_context, validate_zero_config
 from libai_lite.utils.errors import UsageError

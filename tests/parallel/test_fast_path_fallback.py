@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from libai_lite.layers import fused_linear_ce as flce
-from libai_lite.parallel.compile import CompileOptions, apply_compile, compiled_modules_eager
-from tests.parallel.test_compile import CFG, batches, build_model, eager_step
+from libai_lite.converters.compile import CompileOptions, apply_compile, compiled_modules_eager
+from tests.converters.test_compile import CFG, batches, build_model, eager_step
 
 # The GPU paths a CPU can run: CI runs them under the lowest torch setup.py admits too.
 pytestmark = pytest.mark.gpu_path
@@ -335,8 +335,8 @@ def fp8_plain_curve():
 
 
 def test_fp8_conversion_that_fails_keeps_the_model_in_high_precision(monkeypatch, warned, fp8_plain_curve):
-    from libai_lite.parallel import float8
-    from libai_lite.parallel.float8 import Float8Options, apply_float8
+    from libai_lite.converters import float8
+    from libai_lite.converters.float8 import Float8Options, apply_float8
 
     def broken():
         raise ImportError("torchao/_C.so: undefined symbol: _ZN3c104cuda9SetDevice")
@@ -356,7 +356,7 @@ def test_fp8_linears_that_fail_at_first_use_train_in_high_precision(monkeypatch,
     first input): every linear trains in high precision on the same weights, the plain model's losses."""
     from torchao.float8 import float8_linear
 
-    from libai_lite.parallel.float8 import Float8Options, apply_float8
+    from libai_lite.converters.float8 import Float8Options, apply_float8
 
     calls = []
 

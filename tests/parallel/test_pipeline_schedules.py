@@ -272,7 +272,7 @@ def test_zero_bubble_over_compiled_layers_is_a_usage_error():
     from libai_lite.parallel.pipeline import check_split_backward
 
     in_place = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    in_place[1].compile(backend="eager")  # how libai_lite.parallel.compile compiles a layer
+    in_place[1].compile(backend="eager")  # how libai_lite.converters.compile compiles a layer
     wrapped = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend="eager"))
     for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
         for stage in (in_place, wrapped):

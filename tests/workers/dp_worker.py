@@ -19,7 +19,7 @@ import torch.distributed as dist
 from projects.GPT.modeling.gpt_model import GPTForPreTraining  # noqa: E402
 
 from libai_lite.optim.build import get_default_optimizer_params  # noqa: E402
-from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from libai_lite.converters.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from libai_lite.parallel.clip_grad import clip_grad_norm_  # noqa: E402
 from libai_lite.parallel.data_parallel import (  # noqa: E402
     apply_data_parallel,

@@ -2,7 +2,7 @@
 
 The default test trains a tiny GPT in this process, compiled (inductor: C++ built with the machine's
 compiler) and eager, and compares the losses step for step. The layout tests launch this file as a
-torchrun worker (``python -m torch.distributed.run ... tests/parallel/test_compile.py OUT LAYOUT``):
+torchrun worker (``python -m torch.distributed.run ... tests/converters/test_compile.py OUT LAYOUT``):
 the compiled layers under tp=2, pp=2, ZeRO-3 and activation checkpointing give the one-process eager
 losses. Both check that nothing compiles after the first step (``error_on_recompile`` from step 2 on,
 and dynamo's graph count unchanged). Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``, under the temporary
@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import torch
 
-from libai_lite.parallel.compile import CompileOptions, apply_compile, compile_options, compiled_modules_eager
+from libai_lite.converters.compile import CompileOptions, apply_compile, compile_options, compiled_modules_eager
 from libai_lite.utils.errors import UsageError
 from tests.launch import ROOT
 
@@ -314,7 +314,7 @@ def test_bad_compile_config_is_one_line(cfg, needle):
 def test_cuda_graphs_with_accumulation_are_refused_where_the_gradients_are_not_the_trainers():
     """reduce-overhead/max-autotune with accumulation: the trainer keeps the gradients out of the graphs'
     memory (tests/parallel/test_fast_path_fallback.py), which it can only do for its own ``.grad``."""
-    from libai_lite.parallel.compile import check_compile
+    from libai_lite.converters.compile import check_compile
 
     graphs, one = CompileOptions(enabled=True, mode="reduce-overhead"), dict(replica_size=1, pipeline_parallel_size=1,
                                                                            offload=False)
@@ -383,7 +383,7 @@ def test_compiled_layout_matches_one_process(tmp_path, one_process_eager, name):
     from tests.launch import torchrun
 
     out = tmp_path / "result.json"
-    torchrun(LAYOUTS[name][0], "tests/parallel/test_compile.py", out, name, timeout=600)
+    torchrun(LAYOUTS[name][0], "tests/converters/test_compile.py", out, name, timeout=600)
     result = json.loads(out.read_text())
     # The layout's own reductions (tensor-parallel partial sums, data-parallel gradient averages) add to
     # inductor's reordering; both are bounded by the same ulp count.
@@ -420,7 +420,7 @@ if __name__ == "__main__":
 
 
 def test_compile_auto_is_on_with_a_gpu_and_off_on_a_cpu_or_a_split_backward_schedule():
-    from libai_lite.parallel.compile import compile_options
+    from libai_lite.converters.compile import compile_options
 
     auto = {"enabled": "auto", "scope": "auto"}
     on = compile_options(auto, cuda=True)
@@ -436,7 +436,7 @@ def test_compile_auto_is_on_with_a_gpu_and_off_on_a_cpu_or_a_split_backward_sche
 
 
 def test_compile_auto_leaves_a_model_without_transformer_layers_eager_and_explicit_compile_refuses_it():
-    from libai_lite.parallel.compile import apply_compile, compile_options
+    from libai_lite.converters.compile import apply_compile, compile_options
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert apply_compile(model, compile_options({"enabled": "auto", "scope": "layers"}, cuda=True)) is None

@@ -5,7 +5,7 @@ gradients of the uncheckpointed model in both modes, and the activation bytes on
 backward (torch's ``MemTracker``: every tensor storage alive after the forward that is not a parameter,
 buffer, gradient or optimizer state) order as none > selective > full. Recomputation replays the same
 kernels on the same inputs, so equality is exact.
-The torchrun test launches this file as a worker (``... tests/parallel/test_selective_ac.py OUT LAYOUT``):
+The torchrun test launches this file as a worker (``... tests/converters/test_selective_ac.py OUT LAYOUT``):
 selective checkpointing under tp=2 (with sequence parallelism) and under ZeRO-3 trains the one-process
 losses of the uncheckpointed model.
 """
@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from libai_lite.parallel.activation_checkpoint import apply_activation_checkpointing
+from libai_lite.converters.activation_checkpoint import apply_activation_checkpointing
 from libai_lite.utils.errors import UsageError
 
 BATCH, SEQ, VOCAB = 4, 32, 128
@@ -171,7 +171,7 @@ def test_selective_layout_matches_one_process(tmp_path, layout_name):
 
     reference = train(model.parameters(), step)
     out = tmp_path / "losses.json"
-    torchrun(LAYOUTS[layout_name][0], "tests/parallel/test_selective_ac.py", out, layout_name)
+    torchrun(LAYOUTS[layout_name][0], "tests/converters/test_selective_ac.py", out, layout_name)
     # Only the layout's reductions differ (tensor-parallel partial sums over 2 ranks, the data-parallel
     # gradient average): a few ulp per step, carried by each SGD step; widest sum: the vocabulary.
     rtol = STEPS * VOCAB * torch.finfo(torch.float32).eps

@@ -24,8 +24,8 @@ from ..config.validate import SWITCH
 from ..layers.loss import ParallelCrossEntropyLoss
 from ..utils.errors import UsageError
 from ..utils.fallback import GUARD_CALL, FastPath, check_close, seeded_like, signature_of
+from ..utils.parallel_dims import SPLIT_BACKWARD_SCHEDULES
 from .activation_checkpoint import is_checkpointed, transformer_layers
-from .pipeline import SPLIT_BACKWARD_SCHEDULES
 
 logger = logging.getLogger("libai_lite")
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from libai_lite.parallel.float8 import (
+from libai_lite.converters.float8 import (
     Float8Options,
     apply_float8,
     check_float8,
