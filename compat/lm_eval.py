@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from libai_lite.engine.eval_only import build_eval_trainer
+from libai_lite.engine.launch import build_eval_trainer
 from libai_lite.evaluation.scoring import ScoringExample, score
 from libai_lite.inference import pad_prompts
 from libai_lite.model import is_encoder_decoder, max_seq_length, special_token_ids, unwrap

@@ -87,13 +87,12 @@ class RunSpec:
                 f"accumulation {b.num_accumulation_steps}")
 
 
-def tokenizer_from_config(cfg):
-    """``tokenization.tokenizer`` instantiated, or None when the config has none (``tokenizer.build_tokenizer``
-    builds one from Megatron-LM's tokenizer names)."""
-    tok_cfg = cfg.get("tokenization")
-    if tok_cfg is None or tok_cfg.get("tokenizer") is None:
+def tokenizer_from_config(node):
+    """``node.tokenizer`` (``node`` is a config's ``tokenization``) instantiated, or None when there is none
+    (``tokenizer.build_tokenizer`` builds one from Megatron-LM's tokenizer names)."""
+    if node is None or node.get("tokenizer") is None:
         return None
-    return instantiate(tok_cfg.tokenizer)
+    return instantiate(node.tokenizer)
 
 
 def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | None = None, data: bool = True,

@@ -42,7 +42,7 @@ def ppl_loader_fn(data, json_key, stride, split, seq_length):
             from libai_lite.model import max_seq_length
 
             # The model refused the first window in its forward, a traceback after the checkpoint had loaded.
-            positions = max_seq_length(trainer.spec.meta_model or trainer.build_meta_model(cfg))
+            positions = max_seq_length(trainer.spec.meta_model or trainer.build_meta_model(cfg.model))
             if positions is not None and seq_length > positions:
                 raise UsageError(f"--seq-length {seq_length} is longer than the {positions} positions the model "
                                  f"takes; give at most {positions}, or leave it out for the model's own")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def evaluate(args) -> dict:
     """Set up the run from `args`, evaluate, and return the results (identical on every rank)."""
     from libai_lite.data.jsonl_dataset import is_jsonl_path
-    from libai_lite.engine.eval_only import build_eval_trainer
+    from libai_lite.engine.launch import build_eval_trainer
     from libai_lite.evaluation import LambadaEvaluator, PPLEvaluator
 
     if args.output:

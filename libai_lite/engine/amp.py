@@ -1,8 +1,18 @@
-"""Mixed precision: fp16 loss scaling that agrees on every rank (the autocast dtype is ``config.resolve.amp_dtype``)."""
+"""Mixed precision: the autocast context and fp16 loss scaling that agrees on every rank (the autocast dtype is
+``config.resolve.amp_dtype``)."""
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+
+
+def autocast_context(device: torch.device, amp_dtype: torch.dtype | None):
+    """The autocast context for a run's precision on ``device`` (a no-op in fp32): training and evaluation alike."""
+    if amp_dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
 
 
 class SyncedGradScaler(torch.amp.GradScaler):

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -133,6 +134,28 @@ def report_cli_error(exc: Exception) -> int:
     return 1
 
 
+def build_eval_trainer(config_file: str, checkpoint: str, opts=(), *, subdir: str | None = "evaluate",
+                       data_loader_fn=lambda trainer: None, verify: bool = True):
+    """The config's model loaded from `checkpoint` on the layout the config and `opts` give.
+
+    The log and config.yaml go to `<train.output_dir>/<subdir>`, beside the training run's; with `subdir`
+    None nothing is written anywhere (the log goes to the console only). Training's
+    global batch need not fit this layout: evaluation batches are `train.test_micro_batch_size` per
+    data-parallel rank.
+    """
+    from .eval_only import EvalOnlyTrainer
+
+    cfg = LazyConfig.load(config_file)
+    cfg = LazyConfig.apply_overrides(cfg, list(opts or []))
+    cfg.train.load_weight = checkpoint
+    if subdir is not None:
+        cfg.train.output_dir = os.path.join(cfg.train.output_dir, subdir)
+    cfg.train.evaluation.enabled = False
+    cfg.train.global_batch_size = None
+    layout = default_setup(cfg, SimpleNamespace(fast_dev_run=False))
+    return EvalOnlyTrainer(cfg, layout, data_loader_fn, verify=verify, write_output=subdir is not None)
+
+
 def launch(args, notes=()) -> int:
     """What `tools/train_net.py` runs: load, override, set up, then train or evaluate; `notes` are logged
     once the logger is set up (what a tool translating another framework's settings has to say).
@@ -143,6 +166,7 @@ def launch(args, notes=()) -> int:
     """
     from ..checkpoint.trainer_state import RunAlreadyFinished
     from .default import DefaultTrainer
+    from .eval_only import EvalOnlyTrainer
 
     # Before training a stop signal ends the process through `finally`, releasing the lock.
     install_stop_signals()
@@ -157,16 +181,17 @@ def launch(args, notes=()) -> int:
         for note in notes:
             logger.warning(note)
         run_dir = own_output_dir(cfg, args)
-        trainer = DefaultTrainer(cfg, layout, resume=resume, eval_only=args.eval_only,
-                                 verify=not getattr(args, "no_verify", False), run_dir=run_dir,
-                                 replace_run=getattr(args, "fast_dev_run", False))
+        verify = not getattr(args, "no_verify", False)
         if args.eval_only:
+            trainer = EvalOnlyTrainer(cfg, layout, resume=resume, run_dir=run_dir, verify=verify)
             results = trainer.test()
             if layout.rank == 0:
                 path = write_eval_results(trainer.output_dir, results,
                                           trainer.resume_path or trainer.spec.checkpoint.load_weight)
                 logger.info(f"Evaluation results saved to {path}")
         else:
+            trainer = DefaultTrainer(cfg, layout, resume=resume, verify=verify, run_dir=run_dir,
+                                     replace_run=getattr(args, "fast_dev_run", False))
             signum = trainer.train()
             if signum:
                 # Saved and stopped on request: the status of a process that signal ended, however it was

@@ -14,6 +14,7 @@ from ..optim.container import optimizer_parts
 from ..converters.compile import compiled_modules_eager
 from ..utils.distributed import set_activity
 from ..utils.events import EventStorage
+from .amp import autocast_context
 
 logger = logging.getLogger("libai_lite")
 
@@ -173,9 +174,7 @@ class Trainer(TrainerBase):
 
     def autocast(self):
         """The autocast context for this run's precision (a no-op in fp32)."""
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+        return autocast_context(self.device, self.amp_dtype)
 
     def _next_batch(self) -> dict:
         try:

@@ -13,13 +13,14 @@ from .evaluator import EvalContext, brings_own_data, format_results, run_evaluat
 logger = logging.getLogger("libai_lite")
 
 
-def eval_context(cfg, layout, model, tokenizer, trainer) -> EvalContext:
-    """What evaluators get from a run: its `layout`, `model` (a ``ParallelModel``) and `trainer`'s precision."""
+def eval_context(layout, model, tokenizer, micro_batch_size: int, autocast, loss_context) -> EvalContext:
+    """What evaluators get from a run: its `layout`, `model` (a ``ParallelModel``), batch size and the context
+    factories of its precision (`autocast`) and of its loss over a vocabulary split over tp ranks."""
     return EvalContext(
         tokenizer=tokenizer, device=layout.device, dp_rank=layout.dp_rank, dp_size=layout.data_parallel_size,
         dp_group=layout.group("dp"), tensor_parallel_size=layout.tensor_parallel_size,
-        micro_batch_size=int(cfg.train.test_micro_batch_size), max_seq_length=max_seq_length(model.source),
-        autocast=trainer.autocast, loss_context=trainer.loss_context, pipeline=model.pipeline is not None,
+        micro_batch_size=int(micro_batch_size), max_seq_length=max_seq_length(model.source),
+        autocast=autocast, loss_context=loss_context, pipeline=model.pipeline is not None,
     )
 
 
@@ -51,15 +52,16 @@ def build_test_loaders(nodes, model, context: EvalContext) -> list:
     return out
 
 
-def evaluate_splits(cfg, model, splits, context: EvalContext) -> dict:
-    """`--eval-only`: `train.evaluation.evaluator` on each `(name, loader, eval_iter)` of `splits` and
-    each `dataloader.test` loader, as `name/metric`; an evaluator that brings its own data runs once."""
-    evaluator = instantiate(cfg.train.evaluation.evaluator)
+def evaluate_splits(evaluator_node, test_nodes, model, splits, context: EvalContext) -> dict:
+    """`--eval-only`: the evaluator `evaluator_node` builds (`train.evaluation.evaluator`) on each
+    `(name, loader, eval_iter)` of `splits` and each loader of `test_nodes` (`dataloader.test`), as
+    `name/metric`; an evaluator that brings its own data runs once."""
+    evaluator = instantiate(evaluator_node)
     if brings_own_data(evaluator):
         results = run_evaluator(evaluator, model, None, context)
     else:
         results = {}
-        for split, loader, eval_iter in splits + build_test_loaders(cfg.dataloader.get("test"), model, context):
+        for split, loader, eval_iter in splits + build_test_loaders(test_nodes, model, context):
             if loader is not None:
                 res = run_evaluator(evaluator, model, loader, context, eval_iter)
                 results.update({f"{split}/{k}": v for k, v in res.items()})

@@ -51,7 +51,7 @@ def resolve_for_plan(cfg, world_size: int):
     if world_size < 1:
         raise UsageError(f"--nproc {world_size} must be at least 1")
     dims = ParallelDims.resolve(world_size, cfg.train.dist, cfg.train.get("zero_optimization"))
-    tokenizer = tokenizer_from_config(cfg)
+    tokenizer = tokenizer_from_config(cfg.get("tokenization"))
     return resolve_run(cfg, dims, tokenizer, data=False), tokenizer
 
 

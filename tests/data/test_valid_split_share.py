@@ -15,7 +15,7 @@ NO_VALID_SHARE = ("gives the valid split a share of 0, so train.evaluation.enabl
 def _resolve(tmp_path, *extra):
     cfg = LazyConfig.load(str(ROOT / CONFIG))
     cfg = LazyConfig.apply_overrides(cfg, tiny(tmp_path / "out", tmp_path / "cache", "train.train_iter=2", *extra))
-    return resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg))
+    return resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg.tokenization))
 
 
 @pytest.mark.parametrize("splits", ["1,0,0", "1", "98/0/2"])

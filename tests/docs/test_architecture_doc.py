@@ -115,7 +115,7 @@ def _dotted_names() -> list[str]:
 def test_every_dotted_name_exists():
     """Every `module.function`, `Class.method` and torch module the document names is there."""
     names = _dotted_names()
-    assert "DefaultTrainer._setup_output" in names and "run_spec.resolve_run" in names
+    assert "BuiltRun._setup_output" in names and "run_spec.resolve_run" in names
     missing = [n for n in names if not _resolves(n)]
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
 

@@ -71,7 +71,7 @@ def test_what_the_run_depends_on_is_refused_in_one_line_when_resolved_and_nothin
     before = tree_snapshot(tmp_path)
     with pytest.raises(UsageError) as e:
         check_settings(cfg)  # what default_setup checks first
-        resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg))
+        resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg.tokenization))
     assert RESOLUTION[override] in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_snapshot(tmp_path) == before
 

@@ -27,7 +27,7 @@ def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_o
     cfg = _load(tmp_path, "train.global_batch_size=null", "train.num_accumulation_steps=3",
                 "train.dist.data_parallel_size=null", "train.dist.tensor_parallel_size=2")
     before = OmegaConf.to_yaml(cfg)
-    spec = resolve_run(cfg, _dims(4, **cfg.train.dist), tokenizer_from_config(cfg))
+    spec = resolve_run(cfg, _dims(4, **cfg.train.dist), tokenizer_from_config(cfg.tokenization))
     assert OmegaConf.to_yaml(cfg) == before
     # 4 processes at tp 2: dp 2, so the global batch is micro 4 x dp 2 x accumulation 3.
     assert (spec.dims.data_parallel_size, spec.dims.tensor_parallel_size) == (2, 2)
@@ -45,7 +45,7 @@ def test_resolution_leaves_the_callers_config_and_returns_a_read_only_resolved_o
 def test_pipeline_stages_epochs_and_the_evaluation_cap_are_resolved_into_the_spec(tmp_path):
     cfg = _load(tmp_path, "train.dist.pipeline_parallel_size=2", "train.train_epoch=2", "train.train_iter=1",
                 "train.evaluation.eval_iter=100000")
-    spec = resolve_run(cfg, _dims(2, **cfg.train.dist), tokenizer_from_config(cfg))
+    spec = resolve_run(cfg, _dims(2, **cfg.train.dist), tokenizer_from_config(cfg.tokenization))
     assert spec.stage_of_layer == (0, 1) and list(spec.cfg.train.dist.stage_of_layer) == [0, 1]
     # The demo corpus at 32 tokens a sample: two epochs of its train split, 8 samples a step.
     from libai_lite.config.instantiate import instantiate_target
@@ -82,7 +82,7 @@ def test_the_planner_plans_the_run_the_trainer_resolves(tmp_path):
     cfg = _load(tmp_path, "train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
                 "train.zero_optimization.stage=2", "train.amp.enabled=True", "train.activation_checkpoint.enabled=True")
     dims = ParallelDims.resolve(4, cfg.train.dist, cfg.train.zero_optimization)
-    spec = resolve_run(cfg, dims, tokenizer_from_config(cfg))
+    spec = resolve_run(cfg, dims, tokenizer_from_config(cfg.tokenization))
     settings = settings_from_config(cfg, 4, "cpu")
     assert settings == plan_settings(spec, "cpu")
     assert (settings.data_parallel_size, settings.tensor_parallel_size, settings.zero_stage) == (2, 2, 2)
@@ -109,9 +109,9 @@ def test_the_trainer_state_is_a_stateful_the_checkpointer_is_given(tmp_path):
         Checkpointer(model, opt, str(tmp_path / "c")).save("model_0000001")
 
 
-def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_the_spec(tmp_path):
-    """LiBai's extension point: override one build_* method; it receives the resolved, read-only config and
-    finds what was derived in self.spec; the run trains with the override."""
+def test_a_trainer_subclass_overriding_builders_gets_its_config_node_and_the_spec(tmp_path):
+    """LiBai's extension point: override a build_* method; it receives the one node it builds, read-only from the
+    resolved config, and finds what was derived in self.spec; the run trains with the overrides."""
     import logging
     from types import SimpleNamespace
 
@@ -122,9 +122,13 @@ def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_th
     seen = {}
 
     class ConstantLR(DefaultTrainer):
-        def build_lr_scheduler(self, cfg, optimizer):
-            seen.update(readonly=OmegaConf.is_readonly(cfg), accumulation=cfg.train.num_accumulation_steps,
-                        spec_iters=self.spec.train_iter, vocab=cfg.model.cfg.vocab_size)
+        def build_model(self, node):
+            seen.update(model_node=node is self.cfg.model, vocab=node.cfg.vocab_size)
+            return super().build_model(node)
+
+        def build_lr_scheduler(self, node, optimizer):
+            seen.update(readonly=OmegaConf.is_readonly(node), scheduler_node=node is self.cfg.train.scheduler,
+                        accumulation=self.cfg.train.num_accumulation_steps, spec_iters=self.spec.train_iter)
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     log = logging.getLogger("libai_lite")
@@ -139,7 +143,8 @@ def test_a_trainer_subclass_overriding_a_builder_gets_the_resolved_config_and_th
         for h in list(log.handlers):
             log.removeHandler(h)
         log.handlers[:], log.level, log.propagate = saved
-    assert seen == {"readonly": True, "accumulation": 2, "spec_iters": 3, "vocab": 8064}
+    assert seen == {"model_node": True, "vocab": 8064, "readonly": True, "scheduler_node": True, "accumulation": 2,
+                    "spec_iters": 3}
     rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.json")]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-3] * 3
     assert cfg.train.num_accumulation_steps is None  # the loaded config is left as it was

@@ -20,7 +20,7 @@ def _resolve(tmp_path, *extra):
     cfg = LazyConfig.load(str(ROOT / CONFIG))
     cfg = LazyConfig.apply_overrides(cfg, tiny(tmp_path / "out", tmp_path / "cache", "train.evaluation.enabled=False",
                                                *extra))
-    return resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg))
+    return resolve_run(cfg, ParallelDims.resolve(1, cfg.train.dist), tokenizer_from_config(cfg.tokenization))
 
 
 def test_a_vocab_size_smaller_than_the_tokenizer_is_refused(tmp_path):
