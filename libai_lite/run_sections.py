@@ -14,8 +14,13 @@ from omegaconf import OmegaConf
 
 from .config.instantiate import locate
 from .config.settings import read_settings, setting, setting_rules
-from .config.validate import (COUNT, COUNT_OR_NULL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, RANGES, SWITCH, OneOf,
+from .config.validate import (COUNT, COUNT_OR_NULL, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, SWITCH, OneOf, PathValue,
                               Range, check_ranges)
+from .data.build import PATHS as DATA_PATHS
+from .data.build import RULES as DATA_RULES
+from .optim.build import RULES as OPTIM_RULES
+from .scheduler.lr_scheduler import RULES as SCHEDULER_RULES
+from .utils.parallel_dims import PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,43 @@ class ProfileSettings:
     memory_snapshot: bool = setting(False, key="train.profile.memory_snapshot", rule=SWITCH,
                                     doc="also dump the CUDA allocator's history of the traced steps")
 
+
+# The keys of train (its layout, batch, iterations) no record declares, each with its rule; periods of 0 mean
+# "never" (only at the end) where the hooks say so.
+RUN_RULES = {
+    "train.train_micro_batch_size": COUNT_OR_NULL,
+    "train.global_batch_size": COUNT_OR_NULL,
+    "train.num_accumulation_steps": COUNT_OR_NULL,
+    "train.test_micro_batch_size": COUNT,
+    "train.train_iter": Range(low=0, integer=True, nullable=True),
+    "train.train_epoch": Range(low=0, nullable=True),
+    "train.warmup_ratio": Range(low=0, high=1, nullable=True),
+    "train.seed": Range(low=0, high=2**32 - 1, integer=True),
+    "train.evaluation.eval_iter": COUNT,
+    "train.activation_checkpoint.every_n_layers": COUNT_OR_NULL,
+    "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
+    "train.dist.data_parallel_size": COUNT_OR_NULL,
+    "train.dist.data_parallel_replicate_size": COUNT_OR_NULL,
+    "train.dist.data_parallel_shard_size": COUNT_OR_NULL,
+    "train.dist.tensor_parallel_size": COUNT,
+    "train.dist.pipeline_parallel_size": COUNT,
+    "train.dist.context_parallel_size": COUNT,
+    "train.dist.pipeline_num_layers": COUNT_OR_NULL,
+    "train.dist.virtual_pipeline_size": COUNT,
+    "train.dist.timeout": POSITIVE,
+    "train.dist.strict_layout": OneOf((False, True)),
+    "train.dist.backend": OneOf((None, "nccl", "gloo")),
+    "train.dist.pipeline_schedule": OneOf(PIPELINE_SCHEDULES),
+    "train.amp.dtype": OneOf(("bf16", "fp16")),
+}
+# Every rule of the keys the core reads beside the records': the run's, the optimizer's, the schedule's, the data's.
+RANGES = {**RUN_RULES, **OPTIM_RULES, **SCHEDULER_RULES, **DATA_RULES}
+# The paths a run reads or writes: a number, list or dict there is refused in one line before os.path meets it.
+PATHS = {
+    "train.output_dir": PathValue(),
+    "train.load_weight": PathValue(nullable=True),
+    **DATA_PATHS,
+}
 
 RECORDS = (LossScale, OptimStep, CheckpointSettings, EvalSettings, WandbSettings, LogSettings, ProfileSettings)
 

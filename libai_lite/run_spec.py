@@ -17,14 +17,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config.instantiate import instantiate, instantiate_target
-from .config.resolve import amp_dtype, batch_sizes
 from .config.validate import check_paths
 from .data.build import cap_eval_iter
 from .model import max_seq_length, stage_of_layer
 from .converters.activation_checkpoint import check_ac_mode
 from .converters.compile import CompileOptions, compile_options
 from .converters.float8 import Float8Options, float8_options
-from .run_sections import (CheckpointSettings, EvalSettings, LogSettings, LossScale, OptimStep, ProfileSettings,
+from .run_sections import (PATHS, CheckpointSettings, EvalSettings, LogSettings, LossScale, OptimStep, ProfileSettings,
                            read_sections)
 from .tokenizer import pad_vocab_size
 from .utils.errors import UsageError
@@ -33,9 +32,56 @@ from .utils.parallel_dims import ParallelDims
 logger = logging.getLogger("libai_lite")
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def amp_dtype(amp_cfg) -> torch.dtype | None:
+    """The autocast dtype ``train.amp`` asks for, or None (fp32)."""
+    if not amp_cfg.get("enabled", False):
+        return None
+    name = str(amp_cfg.get("dtype", "bf16"))
+    if name not in AMP_DTYPES:
+        raise UsageError(f"train.amp.dtype={name!r} is not supported; use 'bf16' or 'fp16'")
+    return AMP_DTYPES[name]
+
+
+def batch_sizes(train_cfg, dp_size: int) -> tuple[int, int, int]:
+    """(micro, global, accumulation) from ``train``, global = micro x dp x accumulation, whichever one is left out
+    (null) filled in; UsageError when the three given do not agree."""
+    micro = train_cfg.get("train_micro_batch_size")
+    global_batch = train_cfg.get("global_batch_size")
+    acc = train_cfg.get("num_accumulation_steps")
+    if micro is None and global_batch is None:
+        raise UsageError("set train.train_micro_batch_size or train.global_batch_size")
+
+    def divide_global(by: int, what: str) -> int:
+        if global_batch % by:
+            raise UsageError(f"train.global_batch_size={global_batch} is not divisible by {what}; pick sizes with "
+                             f"global = micro x dp x accumulation")
+        return global_batch // by
+
+    if micro is None:
+        acc = acc or 1
+        micro = divide_global(dp_size * acc, f"data_parallel_size({dp_size}) x num_accumulation_steps({acc})")
+    elif global_batch is None:
+        acc = acc or 1
+        global_batch = micro * dp_size * acc
+    elif acc is None:
+        acc = divide_global(micro * dp_size, f"train_micro_batch_size({micro}) x data_parallel_size({dp_size})")
+    if micro * dp_size * acc != global_batch:
+        raise UsageError(
+            f"train.global_batch_size={global_batch} != train_micro_batch_size({micro}) x "
+            f"data_parallel_size({dp_size}) x "
+            f"num_accumulation_steps({acc}) = {micro * dp_size * acc}; set one of them to null to have it inferred"
+        )
+    if micro < 1 or acc < 1:
+        raise UsageError(f"batch sizes must be positive (micro {micro}, accumulation {acc})")
+    return int(micro), int(global_batch), int(acc)
+
+
 @dataclass(frozen=True)
 class BatchSizes:
-    """global = micro x data-parallel size x accumulation, each filled in (``config.resolve.batch_sizes``)."""
+    """global = micro x data-parallel size x accumulation, each filled in (``batch_sizes``)."""
 
     micro_batch_size: int
     global_batch_size: int
@@ -104,7 +150,7 @@ def resolve_run(cfg, dims: ParallelDims, tokenizer=None, *, vocab_rows: int | No
     capped to the valid split, and the splits and sequence length are checked. ``eval_only`` evaluates
     whatever ``train.evaluation.enabled`` says.
     """
-    check_paths(cfg)
+    check_paths(cfg, PATHS)
     train = cfg.train
     ev = train.get("evaluation") or {}
     if data:

@@ -1,4 +1,5 @@
-"""The ranges of a run's numeric settings, checked in one place before anything is built.
+"""The rules a run's settings are checked by before anything is built (ranges, choices, paths), and the one
+reader that refuses a value in one line; which key takes which rule is declared where the key is read.
 
 A value out of range is refused in one line naming the key, the value and the range. Keys a config
 lacks are skipped; ``*`` in a key path matches any run of characters (``model.cfg.*dropout*``).
@@ -13,10 +14,9 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..utils.errors import UsageError
-from ..utils.parallel_dims import PIPELINE_SCHEDULES
 from .instantiate import TargetNotFoundError, join_key, locate
 
-__all__ = ["Range", "OneOf", "PathValue", "RANGES", "PATHS", "check_ranges", "check_paths", "check_targets",
+__all__ = ["Range", "OneOf", "PathValue", "check_ranges", "check_paths", "check_targets",
            "SECTIONS", "check_sections", "range_error", "COUNT", "COUNT_OR_NULL", "NON_NEGATIVE_INT", "POSITIVE",
            "NON_NEGATIVE", "FRACTION", "SWITCH"]
 
@@ -133,69 +133,6 @@ NON_NEGATIVE = Range(low=0)
 FRACTION = Range(low=0, high=1)
 SWITCH = OneOf((False, True))
 
-# key path (or pattern) -> its range, for the keys no settings record declares (run_sections' records carry their
-# own). Periods of 0 mean "never" (only at the end) where the hooks say so.
-RANGES: dict[str, "Range | OneOf"] = {
-    "train.train_micro_batch_size": COUNT_OR_NULL,
-    "train.global_batch_size": COUNT_OR_NULL,
-    "train.num_accumulation_steps": COUNT_OR_NULL,
-    "train.test_micro_batch_size": COUNT,
-    "train.train_iter": Range(low=0, integer=True, nullable=True),
-    "train.train_epoch": Range(low=0, nullable=True),
-    "train.warmup_ratio": Range(low=0, high=1, nullable=True),
-    "train.seed": Range(low=0, high=2**32 - 1, integer=True),
-    "train.evaluation.eval_iter": COUNT,
-    "train.activation_checkpoint.every_n_layers": COUNT_OR_NULL,
-    "train.zero_optimization.stage": Range(low=1, high=3, integer=True),
-    "train.dist.data_parallel_size": COUNT_OR_NULL,
-    "train.dist.data_parallel_replicate_size": COUNT_OR_NULL,
-    "train.dist.data_parallel_shard_size": COUNT_OR_NULL,
-    "train.dist.tensor_parallel_size": COUNT,
-    "train.dist.pipeline_parallel_size": COUNT,
-    "train.dist.context_parallel_size": COUNT,
-    "train.dist.pipeline_num_layers": COUNT_OR_NULL,
-    "train.dist.virtual_pipeline_size": COUNT,
-    "train.dist.timeout": POSITIVE,
-    "train.dist.strict_layout": OneOf((False, True)),
-    "train.dist.backend": OneOf((None, "nccl", "gloo")),
-    "train.scheduler.warmup_factor": FRACTION,
-    "train.scheduler.alpha": FRACTION,
-    "train.scheduler.min_lr_ratio": FRACTION,
-    "train.scheduler.end_learning_rate": NON_NEGATIVE,
-    "train.scheduler.gamma": Range(low=0, high=1, low_open=True),
-    "train.scheduler.power": POSITIVE,
-    "optim.lr": POSITIVE,
-    "optim.weight_decay": NON_NEGATIVE,
-    "optim.eps": POSITIVE,
-    "optim.momentum": FRACTION,
-    "optim.muon_lr": POSITIVE,
-    "optim.ns_steps": Range(low=1, high=99, integer=True),
-    "optim.betas": Range(low=0, high=1, high_open=True, length=2),
-    "optim.params.weight_decay_norm": Range(low=0, nullable=True),
-    "optim.params.weight_decay_bias": Range(low=0, nullable=True),
-    "optim.params.decoupled_lr": Range(low=0, low_open=True, nullable=True),
-    "optim.params.decoupled_min_lr": Range(low=0, nullable=True),
-    "dataloader.*.num_workers": NON_NEGATIVE_INT,
-    "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
-    "dataloader.*.seq_length": COUNT,
-    "tokenization.make_vocab_size_divisible_by": COUNT,
-    "train.dist.pipeline_schedule": OneOf(PIPELINE_SCHEDULES),
-    "train.amp.dtype": OneOf(("bf16", "fp16")),
-    "train.scheduler.warmup_method": OneOf(("linear", "constant")),
-    "dataloader.*.split_rounding": OneOf(("core", "legacy")),
-}
-
-
-# key path (or pattern) -> the paths a run reads or writes: a number, list or dict there is refused in one line
-# before os.path meets it.
-PATHS: dict[str, PathValue] = {
-    "train.output_dir": PathValue(),
-    "train.load_weight": PathValue(nullable=True),
-    "dataloader.*.data_prefix": PathValue(blend=True),
-    "dataloader.*.cache_dir": PathValue(nullable=True),
-}
-
-
 def _leaf_paths(node: Any, prefix: str = "", with_dicts: bool = False) -> Iterator[str]:
     if isinstance(node, DictConfig):
         for key in node.keys():
@@ -218,9 +155,10 @@ def _value(cfg, path: str) -> Any:
     return value
 
 
-def check_paths(cfg) -> None:
-    """Raise ``UsageError`` for the first path of ``cfg`` (``PATHS``) that is not a path, before any is used."""
-    for path, kind, value in _ruled_values(cfg, PATHS, with_dicts=True):
+def check_paths(cfg, paths: dict) -> None:
+    """Raise ``UsageError`` for the first path of ``cfg`` that ``paths`` (key path or pattern -> ``PathValue``)
+    names and that is not a path, before any is used."""
+    for path, kind, value in _ruled_values(cfg, paths, with_dicts=True):
         if not kind.accepts(value):
             shown = "null" if value is None else repr(value)
             # A bare number on the command line is parsed as one.

@@ -21,6 +21,7 @@ from .indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from .packing import check_eod_token_id, check_packing_options, wrap_packed_documents
 from .samplers import MegatronPretrainingSampler, PaddedEvalDataset, SequentialEvalSampler
 from .tokenizer_record import RECORD_SUFFIX, check_record
+from ..config.validate import COUNT, NON_NEGATIVE_INT, OneOf, PathValue, Range
 from ..utils.errors import UsageError
 from ..utils.events import format_bytes
 
@@ -29,6 +30,20 @@ _BLEND_CHUNK = 1 << 20
 # build_blending_indices' two Python lists: a pointer each, plus an int object for most sample numbers.
 _BLEND_BYTES_PER_SAMPLE = 2 * 8 + 32
 logger = logging.getLogger("libai_lite")
+
+
+# The ranges of the loaders' keys (any dataloader section) and of the vocabulary padding, and the paths they read.
+RULES = {
+    "dataloader.*.num_workers": NON_NEGATIVE_INT,
+    "dataloader.*.seed": Range(low=0, high=2**32 - 1, integer=True),
+    "dataloader.*.seq_length": COUNT,
+    "tokenization.make_vocab_size_divisible_by": COUNT,
+    "dataloader.*.split_rounding": OneOf(("core", "legacy")),
+}
+PATHS = {
+    "dataloader.*.data_prefix": PathValue(blend=True),
+    "dataloader.*.cache_dir": PathValue(nullable=True),
+}
 
 
 def parse_splits_string(splits_string) -> list:

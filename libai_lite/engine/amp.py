@@ -1,5 +1,5 @@
 """Mixed precision: the autocast context and fp16 loss scaling that agrees on every rank (the autocast dtype is
-``config.resolve.amp_dtype``)."""
+``run_spec.amp_dtype``)."""
 from __future__ import annotations
 
 from contextlib import nullcontext

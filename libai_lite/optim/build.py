@@ -5,9 +5,27 @@ import inspect
 
 import torch.nn as nn
 
+from ..config.validate import FRACTION, NON_NEGATIVE, POSITIVE, Range
+
 # Any module whose class name ends in one of these is treated as a normalisation layer,
 # so project-local norms (RMSLayerNorm in MT5, ...) get the norm weight decay without registration.
 _NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "GroupNorm")
+
+
+# The ranges of the optim keys the optimizers take (checked before anything is built).
+RULES = {
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.eps": POSITIVE,
+    "optim.momentum": FRACTION,
+    "optim.muon_lr": POSITIVE,
+    "optim.ns_steps": Range(low=1, high=99, integer=True),
+    "optim.betas": Range(low=0, high=1, high_open=True, length=2),
+    "optim.params.weight_decay_norm": Range(low=0, nullable=True),
+    "optim.params.weight_decay_bias": Range(low=0, nullable=True),
+    "optim.params.decoupled_lr": Range(low=0, low_open=True, nullable=True),
+    "optim.params.decoupled_min_lr": Range(low=0, nullable=True),
+}
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -9,9 +9,22 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from ..config.validate import FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range
 from ..utils.errors import UsageError
 
 _DECAYS = ("cosine", "linear", "polynomial", "exponential", "constant", "inverse_sqrt")
+
+
+# The ranges of train.scheduler's keys these schedules take (checked before anything is built).
+RULES = {
+    "train.scheduler.warmup_factor": FRACTION,
+    "train.scheduler.alpha": FRACTION,
+    "train.scheduler.min_lr_ratio": FRACTION,
+    "train.scheduler.end_learning_rate": NON_NEGATIVE,
+    "train.scheduler.gamma": Range(low=0, high=1, low_open=True),
+    "train.scheduler.power": POSITIVE,
+    "train.scheduler.warmup_method": OneOf(("linear", "constant")),
+}
 
 
 def _iterations(value: float) -> float:

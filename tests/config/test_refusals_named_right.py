@@ -31,7 +31,7 @@ def test_bias_dropout_fusion_is_a_switch_not_a_dropout_probability():
 
 def test_a_model_class_declares_its_own_ranges_and_the_core_names_no_model_key():
     """config/validate.py's table names no model key; a copied project's class brings its ranges with it."""
-    from libai_lite.config.validate import RANGES
+    from libai_lite.run_sections import RANGES
     from libai_lite.run_sections import check_settings
 
     assert not [k for k in RANGES if k.startswith("model.")]

@@ -78,16 +78,17 @@ def test_what_the_run_depends_on_is_refused_in_one_line_when_resolved_and_nothin
 
 def test_paths_of_the_right_types_pass_and_every_shipped_config_has_them(tmp_path):
     from libai_lite.config.validate import check_paths
+    from libai_lite.run_sections import PATHS
 
     prefix = str(ROOT / "data_test/gpt2/demo_gpt2_text_document")
     for override in (f"dataloader.train.data_prefix=[0.3,{prefix},0.7,{prefix}]",
                      f"dataloader.train.data_prefix=[{prefix}]", "train.load_weight=null",
                      "dataloader.train.cache_dir=null", "train.output_dir=\"'5'\""):
-        check_paths(_load(tmp_path, override))
+        check_paths(_load(tmp_path, override), PATHS)
     for path in sorted((ROOT / "projects").glob("*/configs/*.py")):
         cfg = LazyConfig.load(str(path))
         if "train" in cfg:
-            check_paths(cfg)
+            check_paths(cfg, PATHS)
 
 
 def test_a_sequence_longer_than_the_model_stops_train_net_before_it_writes(tmp_path):

@@ -21,13 +21,14 @@ def test_an_override_without_a_key_says_so():
 
 def test_a_blend_weight_that_is_not_finite_is_named_as_such():
     from libai_lite.config.validate import check_paths
+    from libai_lite.run_sections import PATHS
     from libai_lite.utils.errors import UsageError
 
     for weight in ("nan", "inf"):
         cfg = LazyConfig.apply_overrides(
             _demo(), [f"dataloader.train.data_prefix=[{weight},data_test/gpt2/demo_gpt2_text_document]"])
         with pytest.raises(UsageError, match="a blend weight is not a finite number; give each prefix a finite weight"):
-            check_paths(cfg)
+            check_paths(cfg, PATHS)
 
 
 def test_a_bare_number_as_splits_string_reads_as_its_quoted_form():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from libai_lite.config.resolve import batch_sizes
+from libai_lite.run_spec import batch_sizes
 from libai_lite.optim import get_default_optimizer_params
 from libai_lite.scheduler import (
     WarmupConstantLR,

@@ -262,7 +262,7 @@ def test_trainer_zero1_dp2_pp2_matches_dp2_pp2_without_zero(tmp_path):
 
 
 def test_config_validation_accepts_every_schedule():
-    from libai_lite.config.validate import RANGES
+    from libai_lite.run_sections import RANGES
     from libai_lite.parallel.pipeline import SCHEDULES
 
     assert set(RANGES["train.dist.pipeline_schedule"].values) == set(SCHEDULES)
