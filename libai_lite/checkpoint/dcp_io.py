@@ -48,7 +48,7 @@ logger = logging.getLogger("libai_lite")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def resolve_async_save(value, device) -> bool:
+def async_save_wanted(value, device) -> bool:
     """``train.checkpointer.async_save``: True or False as set; None (the default) turns it on for a run on a GPU,
     where a synchronous save idles the device for the whole write, and off on the CPU, where the background
     write competes with training for the same cores."""

@@ -4,7 +4,7 @@ A save writes everything under `NAME.tmp/` (`manifest.json` last), renames an ex
 `NAME.old/`, renames `NAME.tmp/` to `NAME/`, atomically replaces `last_checkpoint`, then deletes
 `NAME.old/`. So `last_checkpoint` never names a directory that is gone for good. After a crash,
 ``recover_interrupted`` publishes a `NAME.tmp/` that has its manifest, puts back a `NAME.old/` whose
-`NAME/` is missing, and deletes only a `NAME.tmp/` without a manifest. ``resolve_resume`` finds the
+`NAME/` is missing, and deletes only a `NAME.tmp/` without a manifest. ``checkpoint_to_resume`` finds the
 checkpoint to continue from, and ``prune`` keeps the newest ``max_to_keep`` periodic ones.
 """
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _resume_verdict(save_dir: str) -> tuple[str | None, str | None]:
     return path, None
 
 
-def resolve_resume(save_dir: str) -> str | None:
+def checkpoint_to_resume(save_dir: str) -> str | None:
     """The checkpoint `--resume` should continue from, agreed by all ranks (None: start fresh).
 
     Rank 0 reads the directory (the checkpoint may be in ``NAME.tmp/`` or ``NAME.old/`` after a

@@ -16,8 +16,8 @@ import os
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from ..checkpoint import Checkpointer, resolve_resume
-from ..checkpoint.dcp_io import resolve_async_save
+from ..checkpoint import Checkpointer, checkpoint_to_resume
+from ..checkpoint.dcp_io import async_save_wanted
 from ..checkpoint.integrity import check_checkpoint_shapes
 from ..checkpoint.trainer_state import check_model_unchanged
 from ..config import LazyConfig, instantiate
@@ -64,7 +64,7 @@ class BuiltRun:
         model_cfg = self.cfg.model.get("cfg")
         meta_model = self.spec.meta_model if self.spec.meta_model is not None else self.build_meta_model(self.cfg.model)
         self.check_layout(meta_model)
-        resume_path = resolve_resume(run_dir) if resume else None
+        resume_path = checkpoint_to_resume(run_dir) if resume else None
         if resume and resume_path is None:
             logger.warning(f"--resume given but {run_dir} has no last_checkpoint: starting from scratch")
         self.precheck_output_dir(self.output_dir)
@@ -196,7 +196,7 @@ class BuiltRun:
         return Checkpointer(model.parts, optimizer, settings.output_dir, states=self.checkpoint_states(),
                             max_to_keep=settings.max_to_keep, aliases=model.checkpoint_aliases,
                             tied_copies=model.tied_copies,
-                            async_save=resolve_async_save(settings.async_save, self.layout.device),
+                            async_save=async_save_wanted(settings.async_save, self.layout.device),
                             vocab_ids=getattr(self.tokenizer, "vocab_size", None),
                             model_config=self.cfg.model.get("cfg"), verify=self.verify)
 

@@ -114,10 +114,10 @@ class MemoryPlanner:
         from ..parallel.data_parallel import validate_zero_config
         from ..parallel.parallelize import check_model_layout
         from ..parallel.tensor_parallel import check_declared_splits
-        from ..utils.parallel_dims import hsdp_sizes, resolve_layout
+        from ..utils.parallel_dims import hsdp_sizes, layout_sizes
 
         # Strict: the planner estimates the sizes it is given, never ones capped to fit the world.
-        resolve_layout(s.world_size, {**s.sizes(), "strict_layout": True})
+        layout_sizes(s.world_size, {**s.sizes(), "strict_layout": True})
         hsdp_sizes(s.data_parallel_size, {"data_parallel_replicate_size": s.data_parallel_replicate_size},
                    s.zero_stage)
         validate_zero_config(s.zero_stage, s.offload)

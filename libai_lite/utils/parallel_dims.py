@@ -46,7 +46,7 @@ class ParallelDims:
         """``train.dist`` and ``train.zero_optimization`` for ``world_size`` processes; UsageError when they do
         not fit."""
         dist_cfg = dist_cfg if dist_cfg is not None else {}
-        pp, dp, cp, tp = resolve_layout(world_size, dist_cfg)
+        pp, dp, cp, tp = layout_sizes(world_size, dist_cfg)
         zero_stage, offload = zero_settings(zero_cfg)
         virtual = int(dist_cfg.get("virtual_pipeline_size", 1) or 1)
         if virtual < 1:
@@ -142,7 +142,7 @@ def hsdp_sizes(dp: int, dist_cfg, zero_stage: int) -> tuple[int, int]:
     return replicate, shard
 
 
-def resolve_layout(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
+def layout_sizes(world_size: int, dist_cfg) -> tuple[int, int, int, int]:
     """(pp, dp, cp, tp) for ``world_size`` processes from `train.dist`, LiBai's way; UsageError if they don't fit.
 
     Left null, the data-parallel size is world / (pp x cp x tp), so one recipe runs on any process count.
@@ -203,7 +203,7 @@ def capped_sizes(world_size: int, configured: dict) -> dict:
 
 
 def describe_capping(world_size: int, dist_cfg) -> str | None:
-    """The start-up warning for sizes ``resolve_layout`` capped to fit ``world_size``, or None."""
+    """The start-up warning for sizes ``layout_sizes`` capped to fit ``world_size``, or None."""
     configured = {name: int(dist_cfg.get(name, 1) or 1) for name in _MODEL_DIMS}
     used = capped_sizes(world_size, configured)
     changed = [f"{name} {configured[name]} -> {used[name]}" for name in _MODEL_DIMS if used[name] != configured[name]]

@@ -60,7 +60,7 @@ def _states(trainer_state):
 
 
 def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp_path, held_write):
-    from libai_lite.checkpoint import Checkpointer, resolve_resume
+    from libai_lite.checkpoint import Checkpointer, checkpoint_to_resume
 
     reached, release = held_write
     model, opt = _model_and_optimizer()
@@ -83,7 +83,7 @@ def test_a_background_save_holds_its_step_and_is_published_only_once_written(tmp
     assert (tmp_path / "last_checkpoint").read_text() == "model_0000001"
     assert not (tmp_path / "model_0000003").exists()
     assert not (tmp_path / "model_0000003.tmp" / "manifest.json").exists()
-    assert resolve_resume(str(tmp_path)) == str(tmp_path / "model_0000001")
+    assert checkpoint_to_resume(str(tmp_path)) == str(tmp_path / "model_0000001")
 
     release.set()
     deadline = time.time() + 30

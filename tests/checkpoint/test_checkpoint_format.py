@@ -7,7 +7,7 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from libai_lite.checkpoint import Checkpointer, resolve_resume
+from libai_lite.checkpoint import Checkpointer, checkpoint_to_resume
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pre_split")
 # What the pre-split checkpointer wrote for one process: DCP's two files, the RNG and trainer state, the manifest.
@@ -29,7 +29,7 @@ def _trained():
 def test_a_checkpoint_saved_before_the_split_resumes_with_its_weights_optimizer_rng_and_trainer_state(tmp_path):
     save_dir = tmp_path / "run"
     shutil.copytree(FIXTURE, save_dir)
-    path = resolve_resume(str(save_dir))
+    path = checkpoint_to_resume(str(save_dir))
     assert path == str(save_dir / "model_0000000")
     expected, expected_opt, rng = _trained()
     torch.manual_seed(1)

@@ -256,7 +256,7 @@ STEPS = {"partial": 1, "written": 2, "aside": 2, "published": 2, "marked": 2}
 
 @pytest.mark.parametrize("step", list(STEPS))
 def test_killed_at_each_step_of_a_replacement_the_checkpoint_stays_resumable(tmp_path, step):
-    from libai_lite.checkpoint import Checkpointer, resolve_resume
+    from libai_lite.checkpoint import Checkpointer, checkpoint_to_resume
 
     save_dir = tmp_path / "out"
     _kill_at(step, save_dir, tmp_path / "paused")
@@ -266,13 +266,13 @@ def test_killed_at_each_step_of_a_replacement_the_checkpoint_stays_resumable(tmp
     expected = STEPS[step]
     # --resume reads the checkpoint where it is, changing nothing before the run holds the directory.
     before = tree_snapshot(save_dir)
-    path = resolve_resume(str(save_dir))
+    path = checkpoint_to_resume(str(save_dir))
     assert tree_snapshot(save_dir) == before
     assert _load_best(path) == (expected, [float(expected)]), (step, left, path)
     # The start-up repair (with or without --resume) puts it back under its name and deletes nothing complete.
     Checkpointer(torch.nn.Linear(32, 32), save_dir=str(save_dir)).remove_partial()
     assert sorted(p.name for p in save_dir.iterdir()) == ["last_checkpoint", "model_best"], left
-    assert resolve_resume(str(save_dir)) == str(save_dir / "model_best")
+    assert checkpoint_to_resume(str(save_dir)) == str(save_dir / "model_best")
     assert _load_best(save_dir / "model_best") == (expected, [float(expected)])
 
 
@@ -350,13 +350,13 @@ def test_read_only_filesystem_during_a_save_is_one_error_and_changes_nothing(tmp
 def test_replacement_killed_by_an_older_version_is_restored_not_deleted(tmp_path):
     """Saved without manifests and killed between deleting model_best and renaming model_best.tmp (the
     window of the old protocol): the complete model_best.tmp that last_checkpoint names is put back."""
-    from libai_lite.checkpoint import Checkpointer, resolve_resume
+    from libai_lite.checkpoint import Checkpointer, checkpoint_to_resume
 
     model = torch.nn.Linear(8, 8)
     Checkpointer(model, save_dir=str(tmp_path)).save("model_best", {"iteration": 7})
     (tmp_path / "model_best" / "manifest.json").unlink()
     (tmp_path / "model_best").rename(tmp_path / "model_best.tmp")
-    assert resolve_resume(str(tmp_path)) == str(tmp_path / "model_best.tmp")
+    assert checkpoint_to_resume(str(tmp_path)) == str(tmp_path / "model_best.tmp")
     Checkpointer(model, save_dir=str(tmp_path)).remove_partial()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_checkpoint", "model_best"]
     assert json.loads((tmp_path / "model_best" / "trainer_state.json").read_text())["iteration"] == 7

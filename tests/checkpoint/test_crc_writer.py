@@ -150,9 +150,9 @@ def test_a_stream_that_seeks_records_nothing_and_a_rename_carries_the_record(tmp
 @pytest.mark.parametrize("value, device, expected", [(None, "cuda", True), (None, "cpu", False),
                                                      (False, "cuda", False), (True, "cpu", True)])
 def test_async_save_defaults_to_on_for_a_gpu_run_and_off_on_the_cpu(value, device, expected):
-    from libai_lite.checkpoint.dcp_io import resolve_async_save
+    from libai_lite.checkpoint.dcp_io import async_save_wanted
 
-    assert resolve_async_save(value, torch.device(device)) is expected
+    assert async_save_wanted(value, torch.device(device)) is expected
 
 
 def test_the_shipped_default_is_auto():

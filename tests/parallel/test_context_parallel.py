@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from libai_lite.parallel.context_parallel import check_context_parallel, shard_positions
-from libai_lite.utils.parallel_dims import resolve_layout
+from libai_lite.utils.parallel_dims import layout_sizes
 from libai_lite.utils.errors import UsageError
 from projects.GPT.modeling.gpt_model import GPTForPreTraining
 from projects.MT5 import MT5ForPreTraining
@@ -45,10 +45,10 @@ def _message(fn, *args) -> str:
 
 
 def test_layout_refusals_name_the_fix():
-    assert resolve_layout(8, {"context_parallel_size": 2, "tensor_parallel_size": 2}) == (1, 2, 2, 2)
-    assert "launch a multiple of 4 processes" in _message(resolve_layout, 6, {"context_parallel_size": 4})
-    assert "must be at least 1" in _message(resolve_layout, 2, {"context_parallel_size": -1})
-    msg = _message(resolve_layout, 4, {"context_parallel_size": 2, "data_parallel_size": 1})
+    assert layout_sizes(8, {"context_parallel_size": 2, "tensor_parallel_size": 2}) == (1, 2, 2, 2)
+    assert "launch a multiple of 4 processes" in _message(layout_sizes, 6, {"context_parallel_size": 4})
+    assert "must be at least 1" in _message(layout_sizes, 2, {"context_parallel_size": -1})
+    msg = _message(layout_sizes, 4, {"context_parallel_size": 2, "data_parallel_size": 1})
     assert "context_parallel_size(2)" in msg and "data_parallel_size=2" in msg
     msg = _message(shard_positions, 18, 2, 0)
     assert "not divisible by 2 x train.dist.context_parallel_size = 4" in msg

@@ -8,7 +8,7 @@ run for a CPU.
 import pytest
 
 from tests.launch import losses, one_error_line, train_sh
-from libai_lite.utils.parallel_dims import capped_sizes, describe_capping, resolve_layout
+from libai_lite.utils.parallel_dims import capped_sizes, describe_capping, layout_sizes
 from libai_lite.utils.errors import UsageError
 
 RECIPE = "projects/MT5/configs/mt5_pretrain.py"
@@ -42,7 +42,7 @@ def dist(**kw) -> dict:
     (8, dist(tensor_parallel_size=2, context_parallel_size=2), (1, 2, 2, 2)),
 ])
 def test_layout_follows_the_launch(world, cfg, expected):
-    assert resolve_layout(world, cfg) == expected
+    assert layout_sizes(world, cfg) == expected
 
 
 def test_capping_is_announced_with_both_sizes():
@@ -69,7 +69,7 @@ def test_capping_is_announced_with_both_sizes():
 ])
 def test_layouts_that_cannot_fit_are_refused(world, cfg, needle):
     with pytest.raises(UsageError) as e:
-        resolve_layout(world, cfg)
+        layout_sizes(world, cfg)
     assert needle in str(e.value)
 
 
