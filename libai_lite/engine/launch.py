@@ -115,7 +115,13 @@ def report_cli_error(exc: Exception) -> int:
         raise exc
     e = _find_user_error(exc)
     # Both rank-local: the rank it happened on says it. A dead worker's error can carry a timeout in its chain.
-    death = (describe_worker_death(exc) or describe_out_of_memory(exc)) if e is None else None
+    try:
+        death = (describe_worker_death(exc) or describe_out_of_memory(exc)) if e is None else None
+    except RuntimeError as late:
+        # torch's SIGCHLD handler raises wherever the process is: a second worker's death lands in this report.
+        if describe_worker_death(late) is None:
+            raise
+        death = describe_worker_death(late)
     if death is not None:
         print(f"error: {death}", file=sys.stderr, flush=True)
         return 1

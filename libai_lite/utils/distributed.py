@@ -281,7 +281,9 @@ def describe_worker_death(exc: BaseException) -> str | None:
         if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
             what = " ".join(str(exc).split()).rstrip(". ")
         elif isinstance(exc, (ConnectionError, EOFError)) and any(
-                f"{os.sep}torch{os.sep}{part}" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)
+                f"{os.sep}torch{os.sep}{part}" in frame.filename
+                # Names only: reading source lines is time another worker's SIGCHLD can land in.
+                for frame in traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__), lookup_lines=False)
                 for part in ("multiprocessing", os.path.join("utils", "data"))):
             # The batch a dead worker was handing over: its socket closes before torch's SIGCHLD check runs.
             what = f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {exc})"

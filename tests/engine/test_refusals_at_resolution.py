@@ -470,3 +470,44 @@ def test_a_worker_connection_reset_in_torchs_data_path_is_a_dead_worker_not_a_co
                    "Connection reset by peer) during data loading at iteration 2: a kill or the kernel's "
                    "out-of-memory killer ends workers so (dmesg says which); free host memory or lower "
                    "dataloader.train.num_workers, then --resume from the last checkpoint"], err
+
+
+def test_a_second_worker_dying_while_the_first_is_reported_is_still_one_line(capsys, monkeypatch):
+    """torch's SIGCHLD handler raises wherever the process is: a second worker's death landed in the report of
+    the first (inside linecache, reading the source of the frames it named) and left as a traceback."""
+    import linecache
+
+    from libai_lite.engine.launch import report_cli_error
+    from libai_lite.utils.distributed import set_activity
+
+    def second_death(*args, **kwargs):
+        raise RuntimeError("DataLoader worker (pid 2) is killed by signal: Killed. ")
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(linecache, "getlines", second_death)
+    monkeypatch.setattr(linecache, "updatecache", second_death)
+    where = os.path.join(os.sep, "venv", "torch", "utils", "data", "dataloader.py")
+    set_activity("data loading", 5)
+    try:
+        exec(compile("raise EOFError()", where, "exec"))
+    except EOFError as e:
+        assert report_cli_error(e) == 1
+    finally:
+        set_activity("setup")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: a DataLoader worker died while handing over a batch (EOFError: ) "
+                                               "during data loading at iteration 5"), err
+
+
+def test_a_worker_death_landing_anywhere_in_the_report_of_another_error_is_the_one_line(capsys, monkeypatch):
+    """The same signal landing in the report of an error that is not a worker's: the worker's death is the line."""
+    import libai_lite.engine.launch as launch
+
+    def second_death(exc):
+        raise RuntimeError("DataLoader worker (pid 3) is killed by signal: Killed. ")
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch, "describe_out_of_memory", second_death)
+    assert launch.report_cli_error(RuntimeError("an error of the step")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: DataLoader worker (pid 3) is killed by signal: Killed during "), err
